@@ -1,0 +1,177 @@
+"""Turn a :class:`Layout` into one Ray placement group and per-actor ``.options(...)``.
+
+One bundle per GPU the layout uses, each pinned to its node with Ray's ``ray.io/node-id`` label,
+so node boundaries in the layout are node boundaries on the cluster. Nodes are ordered by IP then
+node id; within a node, bundles by the GPU id Ray assigned them. Layout GPU ``(n, j)`` is the j-th
+GPU of node n in that order.
+
+Every actor gets ``CUDA_VISIBLE_DEVICES`` set explicitly (with Ray's own setting disabled for it),
+because a multi-GPU engine must see all of its GPUs while Ray would show it only its first bundle's.
+Split layouts claim whole GPUs; under ``--colocate`` a trainer rank and the engine on the same GPU
+claim fractional shares that add up to one GPU. Shares are scheduler bookkeeping, not memory caps:
+memory is time-shared by the loop (offload / sleep).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from rlplacement.args import ConfigError, PlacementConfig
+from rlplacement.placement.layout import ClusterShape, Gpu, Layout, compute_layout
+
+TRAINER_GPU_SHARE_COLOCATED = 0.5
+ENGINE_GPU_SHARE_COLOCATED = 0.5
+NODE_ID_LABEL = "ray.io/node-id"
+# Environment the driver has that every actor must keep, e.g. NCCL_NVLS_ENABLE=0 on shared hosts.
+FORWARDED_ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "VLLM_", "RLPLACEMENT_")
+
+
+@dataclasses.dataclass(frozen=True)
+class RayNode:
+    node_id: str
+    ip: str
+    num_gpus: int
+
+
+def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cpus: int | None = None) -> None:
+    """Join ``address`` (else ``RAY_ADDRESS``), else start a local one-node cluster of logical GPUs."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_gpus=local_num_gpus, num_cpus=local_num_cpus or os.cpu_count(),
+                 include_dashboard=False, log_to_driver=True)
+
+
+def cluster_nodes() -> list[RayNode]:
+    """Alive nodes that have GPUs, in bundle order (IP, then node id)."""
+    import ray
+
+    nodes = [RayNode(n["NodeID"], n["NodeManagerAddress"], int(n["Resources"].get("GPU", 0)))
+             for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1]
+    return sorted(nodes, key=lambda n: (tuple(int(p) if p.isdigit() else p for p in n.ip.split(".")), n.node_id))
+
+
+def cluster_shape(cfg: PlacementConfig, nodes: list[RayNode]) -> ClusterShape:
+    """The shape the layout may use; rejects nodes smaller than ``--num-gpus-per-node``."""
+    if not nodes:
+        raise ConfigError("The Ray cluster has no node with GPUs: start Ray with GPUs (ray start --num-gpus N).")
+    small = [n for n in nodes if n.num_gpus < cfg.num_gpus_per_node]
+    if small:
+        raise ConfigError(
+            f"--num-gpus-per-node is {cfg.num_gpus_per_node} but Ray node {small[0].ip} ({small[0].node_id[:8]}) "
+            f"has {small[0].num_gpus} GPUs: set --num-gpus-per-node {min(n.num_gpus for n in nodes)}.")
+    return ClusterShape(tuple(cfg.num_gpus_per_node for _ in nodes))
+
+
+def check_fits(cfg: PlacementConfig, nodes: list[RayNode]) -> Layout:
+    """The layout on this cluster, or a ConfigError saying how many GPUs/nodes are missing."""
+    wanted = compute_layout(cfg)
+    shape = cluster_shape(cfg, nodes)
+    have_gpus = sum(shape.gpus_per_node)
+    if wanted.num_nodes > len(nodes) or len(wanted.gpus) > have_gpus:
+        raise ConfigError(
+            f"The layout needs {len(wanted.gpus)} GPUs on {wanted.num_nodes} node(s) of --num-gpus-per-node "
+            f"{cfg.num_gpus_per_node}, but the Ray cluster has {have_gpus} GPUs on {len(nodes)} node(s): lower "
+            f"--actor-num-nodes/--actor-num-gpus-per-node/--rollout-num-gpus or add nodes.")
+    return compute_layout(cfg, shape)
+
+
+@dataclasses.dataclass
+class RayPlacement:
+    """A created placement group and where each layout GPU landed in it."""
+
+    layout: Layout
+    placement_group: Any
+    bundle_of: dict[Gpu, int]
+    device_of: dict[Gpu, str]
+    node_id_of: dict[int, str]
+
+    def visible_devices(self, gpus: tuple[Gpu, ...]) -> str:
+        return ",".join(self.device_of[g] for g in gpus)
+
+    def _options(self, gpus: tuple[Gpu, ...], num_gpus: float) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+        env.update({"CUDA_VISIBLE_DEVICES": self.visible_devices(gpus),
+                    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
+        return {
+            "num_cpus": 0,
+            "num_gpus": num_gpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=self.bundle_of[gpus[0]]),
+            "runtime_env": {"env_vars": env},
+        }
+
+    def trainer_options(self, rank: int) -> dict:
+        share = TRAINER_GPU_SHARE_COLOCATED if self.layout.colocate else 1
+        return self._options((self.layout.trainer_gpus[rank],), share)
+
+    def engine_options(self, index: int) -> dict:
+        share = ENGINE_GPU_SHARE_COLOCATED if self.layout.colocate else 1
+        return self._options(self.layout.engines[index], share)
+
+    def remove(self) -> None:
+        from ray.util import remove_placement_group
+
+        remove_placement_group(self.placement_group)
+
+
+def _probe_bundles(pg: Any, count: int) -> list[tuple[str, str]]:
+    """(node id, GPU id) of each bundle, read by a tiny task inside it."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0, num_gpus=0.01)
+    def where() -> tuple[str, str]:
+        return ray.get_runtime_context().get_node_id(), str(ray.get_gpu_ids()[0])
+
+    refs = [where.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote() for i in range(count)]
+    return ray.get(refs)
+
+
+def place(cfg: PlacementConfig, *, timeout_s: float = 60.0) -> RayPlacement:
+    """Connect to Ray, check the cluster can hold the layout, create and map the placement group."""
+    import ray
+    from ray.util import placement_group
+
+    layout_wanted = compute_layout(cfg)
+    if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")) and layout_wanted.num_nodes > 1 and not ray.is_initialized():
+        raise ConfigError(
+            f"The layout needs {layout_wanted.num_nodes} nodes but no cluster was given and a local Ray cluster "
+            f"has one node: pass --ray-address (or set RAY_ADDRESS), or shrink the layout to one node.")
+    connect(cfg.ray_address, local_num_gpus=cfg.num_gpus_per_node)
+    nodes = cluster_nodes()
+    layout = check_fits(cfg, nodes)
+    gpus = layout.gpus
+    pg = placement_group([{"GPU": 1} for _ in gpus], strategy="PACK",
+                         bundle_label_selector=[{NODE_ID_LABEL: nodes[n].node_id} for n, _ in gpus])
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except Exception as exc:  # GetTimeoutError: GPUs held by other jobs
+        from ray.util import remove_placement_group
+
+        remove_placement_group(pg)
+        raise ConfigError(
+            f"Ray could not reserve {len(gpus)} GPUs for the layout within {timeout_s:.0f}s ({type(exc).__name__}): "
+            f"other jobs may hold them; free them or shrink the layout.") from exc
+    probed = _probe_bundles(pg, len(gpus))
+    bundle_of: dict[Gpu, int] = {}
+    device_of: dict[Gpu, str] = {}
+    for node in sorted({n for n, _ in gpus}):
+        mine = sorted((i for i, (nid, _) in enumerate(probed) if nid == nodes[node].node_id),
+                      key=lambda i: int(probed[i][1]))
+        node_gpus = [g for g in gpus if g[0] == node]
+        for gpu, bundle in zip(node_gpus, mine, strict=True):
+            bundle_of[gpu] = bundle
+            device_of[gpu] = probed[bundle][1]
+    node_id_of = {n: nodes[n].node_id for n in sorted({n for n, _ in gpus})}
+    return RayPlacement(layout, pg, bundle_of, device_of, node_id_of)

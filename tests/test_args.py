@@ -1,0 +1,91 @@
+"""Flags: added once, validated in one place, rejections name the flag and the fix."""
+
+import argparse
+
+import pytest
+
+from rlplacement.args import ConfigError, add_arguments, build_parser, config_from_args
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def test_defaults_follow_miles():
+    args = parse("--rollout-num-gpus", "8")
+    cfg = config_from_args(args)
+    assert cfg.placement.actor_num_nodes == 1 and cfg.placement.actor_num_gpus_per_node == 8
+    assert cfg.placement.rollout_num_gpus_per_engine == 1 and cfg.placement.num_gpus_per_node == 8
+    assert cfg.transfer.mode == "broadcast" and cfg.transfer.buffer_size == 512 * 1024 * 1024
+    assert cfg.transfer.p2p_timeout == 30.0 and cfg.backend.name == "megatron"
+
+
+def test_add_arguments_skips_flags_the_parser_has():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--colocate", type=int, default=7)  # a foreign definition wins
+    add_arguments(parser)
+    add_arguments(parser)  # twice is harmless
+    args = parser.parse_args(["--colocate", "0", "--rollout-num-gpus", "2"])
+    assert args.colocate == 0 and args.rollout_num_gpus == 2
+    assert parser.parse_args([]).update_weight_transfer_mode == "broadcast"
+
+
+def test_config_from_a_foreign_namespace_uses_defaults_for_missing_flags():
+    cfg = config_from_args(argparse.Namespace(colocate=True, actor_num_gpus_per_node=4))
+    assert cfg.placement.rollout_num_gpus == 4 and cfg.transfer.effective_mode == "cuda_ipc"
+
+
+def test_colocate_derives_rollout_without_rewriting_args():
+    args = parse("--colocate", "--actor-num-gpus-per-node", "4")
+    cfg = config_from_args(args)
+    assert cfg.placement.rollout_num_gpus == 4
+    assert args.rollout_num_gpus is None  # never written back
+
+
+def test_config_is_frozen():
+    cfg = config_from_args(parse("--rollout-num-gpus", "2"))
+    with pytest.raises(Exception):
+        cfg.placement.rollout_num_gpus = 3
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    ([], r"split layout .*needs --rollout-num-gpus"),
+    (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
+     r"--rollout-num-gpus 3 is not a multiple of --rollout-num-gpus-per-engine 2"),
+    (["--rollout-num-gpus", "12", "--rollout-num-gpus-per-engine", "12"],
+     r"--rollout-num-gpus-per-engine 12 is wider than a node .*not a whole number of nodes"),
+    (["--colocate", "--rollout-num-gpus", "4"], r"--colocate .*--rollout-num-gpus is 4.*set it to 8"),
+    (["--colocate", "--update-weight-transfer-mode", "p2p"], r"p2p cannot be used with --colocate"),
+    (["--colocate", "--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "/x"],
+     r"disk-delta cannot be used with --colocate"),
+    (["--rollout-num-gpus", "2", "--update-weight-transfer-mode", "disk-delta"],
+     r"disk-delta needs --update-weight-disk-dir"),
+    (["--rollout-num-gpus", "0"], r"--rollout-num-gpus must be positive, got 0"),
+    (["--rollout-num-gpus", "2", "--actor-num-nodes", "-1"], r"--actor-num-nodes must be positive"),
+    (["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "0"], r"--rollout-num-gpus-per-engine must be positive"),
+    (["--rollout-num-gpus", "2", "--update-weight-buffer-size", "0"], r"--update-weight-buffer-size must be positive"),
+    (["--rollout-num-gpus", "2", "--p2p-transfer-timeout", "0"], r"--p2p-transfer-timeout must be positive"),
+    (["--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "8", "--num-gpus-per-node", "4"],
+     r"--actor-num-gpus-per-node 8 is larger than --num-gpus-per-node 4"),
+    (["--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "6", "--tensor-model-parallel-size", "4"],
+     r"6 GPUs are not divisible by --tensor-model-parallel-size 4"),
+    (["--rollout-num-gpus", "2", "--train-backend", "fsdp", "--tensor-model-parallel-size", "2"],
+     r"apply to --train-backend megatron, not fsdp"),
+])
+def test_rejections_name_the_flag(argv, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        config_from_args(parse(*argv))
+
+
+@pytest.mark.parametrize("argv", [["--update-weight-transfer-mode", "nccl"], ["--train-backend", "deepspeed"],
+                                  ["--update-weight-delta-encoding", "zip"], ["--p2p-protocol", "ucx"]])
+def test_unknown_choices_rejected_by_argparse(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_unknown_mode_from_a_foreign_parser_is_rejected():
+    ns = argparse.Namespace(rollout_num_gpus=2, update_weight_transfer_mode="nccl")
+    with pytest.raises(ConfigError, match="--update-weight-transfer-mode 'nccl' is unknown"):
+        config_from_args(ns)
