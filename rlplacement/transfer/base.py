@@ -1,0 +1,200 @@
+"""The contract every transfer mode implements, and the records that cross process boundaries.
+
+Data flow of one update: the trainer's ``WeightSender.update(version, named_tensors)`` streams
+buckets; each engine worker's ``WeightReceiver`` stages everything it receives (``begin`` ->
+``receive``) and only then hands the complete, validated set to the engine's loader
+(``commit``). A failure anywhere before ``commit`` leaves the engine serving its previous
+version whole: that is the all-or-nothing invariant, and why modes stage instead of loading
+bucket by bucket. Modes that come later (p2p via Mooncake, disk-delta, cuda_ipc) fit the same
+shape: stage (write into engine-owned memory / read a version folder / open IPC handles), then
+apply, with versions and per-tensor checksums as here.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+NamedTensor = tuple[str, "torch.Tensor"]
+ApplyFn = Callable[[list[NamedTensor]], None]
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class TransferError(RuntimeError):
+    """A weight update that did not complete; the receiver keeps its previous version."""
+
+
+class UpdateAborted(TransferError):
+    """The trainer stopped an update on purpose (its weight source failed) and told the engines."""
+
+
+class WeightMismatchError(TransferError):
+    """--check-weight-update-equal found a tensor whose checksum differs between the two sides."""
+
+    def __init__(self, name: str, expected: str, got: str, where: str = ""):
+        self.name, self.expected, self.got = name, expected, got
+        super().__init__(f"weight mismatch{(' on ' + where) if where else ''}: tensor {name!r} has "
+                         f"checksum {got} but the trainer sent {expected}")
+
+
+class WeightUpdateError(TransferError):
+    """An update across trainer + engines failed; names the first engine (or the trainer) and why."""
+
+    def __init__(self, version: int, failures: dict[str, str]):
+        self.version, self.failures = version, dict(failures)
+        detail = "; ".join(f"{who}: {why}" for who, why in failures.items())
+        super().__init__(f"weight update to version {version} failed: {detail}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """One tensor's place in a bucket: raw bytes [offset, offset + nbytes) of the flat buffer."""
+
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    checksum: str | None = None
+
+    def to_wire(self) -> list:
+        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes, self.checksum]
+
+    @classmethod
+    def from_wire(cls, row: Sequence) -> "TensorMeta":
+        name, dtype, shape, offset, nbytes, checksum = row
+        return cls(name, dtype, tuple(shape), int(offset), int(nbytes), checksum)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketManifest:
+    """What one bucket holds; sent before its bytes so the receiver can size and slice its buffer."""
+
+    index: int
+    nbytes: int  # bytes of the flat buffer, alignment padding included
+    tensors: tuple[TensorMeta, ...]
+
+    def to_wire(self) -> dict:
+        return {"index": self.index, "nbytes": self.nbytes, "tensors": [t.to_wire() for t in self.tensors]}
+
+    @classmethod
+    def from_wire(cls, obj: dict) -> "BucketManifest":
+        return cls(int(obj["index"]), int(obj["nbytes"]), tuple(TensorMeta.from_wire(r) for r in obj["tensors"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferEndpoint:
+    """Where and how receivers join a sender; plain data so it crosses Ray and vLLM RPCs as a dict.
+
+    ``world_size`` counts the sender (rank 0) and every engine worker; an engine's workers take
+    ranks ``rank_offset .. rank_offset + workers - 1``.
+    """
+
+    mode: str
+    host: str
+    port: int
+    world_size: int
+    backend: str  # torch.distributed backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors)
+    group_name: str
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    check_equal: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TransferEndpoint":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateReport:
+    """What one side did in one update; ``checksums`` only when equality checking is on."""
+
+    version: int
+    num_tensors: int
+    num_buckets: int
+    bytes: int
+    seconds: float
+    checksums: dict[str, str] | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def tensor_checksum(tensor: "torch.Tensor") -> str:
+    """xxh3-64 of the tensor's raw bytes in C order, as 16 hex digits.
+
+    The same function runs on the trainer and in the engine, over a contiguous host copy, so
+    equal checksums mean equal bytes whatever the device, strides or dtype (bf16, fp8 and bool
+    included: bytes are hashed, not values).
+    """
+    import torch
+    import xxhash
+
+    flat = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return xxhash.xxh3_64_hexdigest(flat.numpy().data)
+
+
+class WeightSender(abc.ABC):
+    """Trainer side: lives in the process holding the full HF-named tensors (trainer rank 0).
+
+    ``listen`` -> (engines join with the returned endpoint) ``connect`` -> ``update`` per step
+    -> ``close``. ``update`` consumes ``named_tensors`` lazily, so a backend can gather and
+    free bucket by bucket.
+    """
+
+    mode: ClassVar[str]
+
+    @abc.abstractmethod
+    def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint: ...
+
+    @abc.abstractmethod
+    def connect(self) -> None: ...
+
+    @abc.abstractmethod
+    def update(self, version: int, named_tensors: Iterable[NamedTensor]) -> UpdateReport: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class WeightReceiver(abc.ABC):
+    """Engine side, one per engine worker: join, then per update ``begin``/``receive``/``commit``.
+
+    ``receive`` returns only when the whole update is staged and validated; nothing reaches the
+    model before ``commit``. ``abort`` drops a staged update. ``version`` is what is served.
+    """
+
+    mode: ClassVar[str]
+
+    @abc.abstractmethod
+    def connect(self, endpoint: TransferEndpoint, rank: int) -> None: ...
+
+    @abc.abstractmethod
+    def begin(self, version: int) -> None: ...
+
+    @abc.abstractmethod
+    def receive(self) -> UpdateReport: ...
+
+    @abc.abstractmethod
+    def commit(self, apply: ApplyFn) -> int: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

@@ -1,0 +1,260 @@
+"""Mode ``broadcast``: a private group of trainer rank 0 + every engine worker; per bucket the
+manifest goes first, then one broadcast per tensor.
+
+Wire, per update (every frame is a broadcast from rank 0):
+``header`` int64[4] = (kind, version, manifest_len, aux), then for a BUCKET the JSON manifest
+as uint8 and the payload; after the last bucket an END header (aux = tensor count); an ABORT
+header (plus a message) when the trainer's weight source failed. The payload step is the only
+thing ``broadcast_packed`` changes.
+
+Receivers drain to END even after spotting a checksum mismatch, so one engine's refusal never
+stalls the group for the others; they raise only once the update is fully off the wire.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, ClassVar, Iterable, Iterator
+
+from rlplacement.transfer import group as groups
+from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, ApplyFn, BucketManifest, NamedTensor, TransferEndpoint,
+                                       TransferError, UpdateAborted, UpdateReport, WeightMismatchError,
+                                       WeightReceiver, WeightSender, tensor_checksum)
+from rlplacement.transfer.bucket import (FlatBuffers, GroupFn, as_bytes, fused_group_of, iter_buckets,
+                                         plan_manifest, unpack)
+
+if TYPE_CHECKING:
+    import torch
+
+KIND_BUCKET, KIND_END, KIND_ABORT = 1, 2, 3
+
+
+class _SourceFailed(Exception):
+    """The trainer's tensor iterator raised: the update is aborted cleanly, the group stays usable."""
+
+
+def _guard(named_tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
+    it = iter(named_tensors)
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except Exception as exc:
+            raise _SourceFailed(f"{type(exc).__name__}: {exc}") from exc
+        yield item
+
+
+def _wire_device(backend: str, device: "torch.device") -> "torch.device":
+    import torch
+
+    return torch.device("cpu") if backend == "gloo" else device
+
+
+class BroadcastSender(WeightSender):
+    """Trainer rank 0: tensors -> buckets -> manifest + one broadcast per tensor."""
+
+    mode: ClassVar[str] = "broadcast"
+
+    def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 device: "torch.device | str | None" = None, group_of: GroupFn = fused_group_of):
+        import torch
+
+        self.buffer_size, self.check_equal, self.timeout_s = buffer_size, check_equal, timeout_s
+        self.device = torch.device(device) if device is not None else groups.default_device()
+        self.backend = groups.backend_for(self.device)
+        self.wire_device = _wire_device(self.backend, self.device)
+        self.group_of = group_of
+        self.buffers = FlatBuffers(self.wire_device)
+        self._store = self._endpoint = self._group = None
+        self._broken: str | None = None
+
+    def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint:
+        if world_size < 2:
+            raise ValueError(f"world_size {world_size}: need the trainer plus at least one engine worker")
+        host = host or groups.local_host()
+        self._store, port = groups.host_store(host, world_size, self.timeout_s)
+        self._endpoint = TransferEndpoint(self.mode, host, port, world_size, self.backend,
+                                          uuid.uuid4().hex[:12], self.timeout_s, self.check_equal)
+        return self._endpoint
+
+    def connect(self) -> None:
+        if self._endpoint is None:
+            raise TransferError("connect() before listen(): call listen(world_size) first")
+        e = self._endpoint
+        self._group = groups.TransferGroup(self._store, e.group_name, 0, e.world_size, e.backend,
+                                           self.wire_device, e.timeout_s)
+        self._broken = None
+
+    def update(self, version: int, named_tensors: Iterable[NamedTensor]) -> UpdateReport:
+        if self._group is None:
+            raise TransferError("update() before connect(): call listen() and connect() first")
+        if self._broken:
+            raise TransferError(f"the transfer group is broken ({self._broken}): listen() and connect() again")
+        start = time.perf_counter()
+        num_tensors = num_buckets = nbytes = 0
+        checksums: dict[str, str] | None = {} if self.check_equal else None
+        try:
+            for index, bucket in enumerate(iter_buckets(_guard(named_tensors), self.buffer_size, self.group_of)):
+                manifest = plan_manifest(index, bucket, self.check_equal)
+                self._send_frame(KIND_BUCKET, version, json.dumps(manifest.to_wire()).encode(), manifest.nbytes)
+                self._send_payload(bucket, manifest)
+                num_buckets += 1
+                num_tensors += len(bucket)
+                nbytes += sum(m.nbytes for m in manifest.tensors)
+                if checksums is not None:
+                    checksums.update((m.name, m.checksum) for m in manifest.tensors)
+            self._send_frame(KIND_END, version, b"", num_tensors)
+        except _SourceFailed as exc:
+            self._send_frame(KIND_ABORT, version, str(exc).encode(), 0)
+            raise UpdateAborted(f"update to version {version} aborted: the trainer's weight source "
+                                f"failed: {exc}") from exc.__cause__
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+        return UpdateReport(version, num_tensors, num_buckets, nbytes, time.perf_counter() - start, checksums)
+
+    def _send_frame(self, kind: int, version: int, blob: bytes, aux: int) -> None:
+        import torch
+
+        self._group.broadcast(torch.tensor([kind, version, len(blob), aux], dtype=torch.int64,
+                                           device=self.wire_device))
+        if blob:
+            self._group.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.wire_device))
+
+    def _send_payload(self, bucket: list[NamedTensor], manifest: BucketManifest) -> None:
+        for (_, tensor), meta in zip(bucket, manifest.tensors):
+            if meta.nbytes:
+                self._group.broadcast(as_bytes(tensor).to(self.wire_device))
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group = self._store = self._endpoint = None
+
+
+class BroadcastReceiver(WeightReceiver):
+    """One engine worker: stage every bucket into kept buffers, verify, hand over on commit."""
+
+    mode: ClassVar[str] = "broadcast"
+
+    def __init__(self, device: "torch.device | str" = "cpu"):
+        import torch
+
+        self.device = torch.device(device)
+        self.buffers: FlatBuffers | None = None
+        self._group = None
+        self._endpoint: TransferEndpoint | None = None
+        self._version = 0
+        self._pending: int | None = None
+        self._staged: list[NamedTensor] | None = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def staged(self) -> list[NamedTensor] | None:
+        """The complete update received by ``receive`` and not yet committed (views into buffers)."""
+        return self._staged
+
+    def connect(self, endpoint: TransferEndpoint, rank: int) -> None:
+        if endpoint.mode != self.mode:
+            raise TransferError(f"endpoint is for mode {endpoint.mode!r}, receiver is {self.mode!r}")
+        if not 0 < rank < endpoint.world_size:
+            raise TransferError(f"receiver rank {rank} outside 1..{endpoint.world_size - 1}")
+        self.close()
+        store = groups.join_store(endpoint.host, endpoint.port, endpoint.world_size, endpoint.timeout_s)
+        wire = _wire_device(endpoint.backend, self.device)
+        self._group = groups.TransferGroup(store, endpoint.group_name, rank, endpoint.world_size,
+                                           endpoint.backend, wire, endpoint.timeout_s)
+        if self.buffers is None or self.buffers.device != wire:
+            self.buffers = FlatBuffers(wire)
+        self._endpoint = endpoint
+
+    def begin(self, version: int) -> None:
+        if self._group is None:
+            raise TransferError("begin() before connect(): the engine has not joined a transfer group")
+        if version <= self._version:
+            raise TransferError(f"update version {version} is not newer than the served version {self._version}")
+        self._pending, self._staged = version, None
+
+    def receive(self) -> UpdateReport:
+        if self._pending is None:
+            raise TransferError("receive() without begin(version)")
+        start = time.perf_counter()
+        staged: list[NamedTensor] = []
+        mismatch: WeightMismatchError | None = None
+        nbytes = num_buckets = 0
+        try:
+            while True:
+                kind, version, blob = self._recv_frame()
+                if kind == KIND_ABORT:
+                    raise UpdateAborted(f"trainer aborted update to version {version}: {blob.decode()}")
+                if kind == KIND_END:
+                    break
+                if kind != KIND_BUCKET:
+                    raise TransferError(f"unexpected frame kind {kind} from the trainer")
+                manifest = BucketManifest.from_wire(json.loads(blob))
+                buf = self.buffers.get(manifest.index, manifest.nbytes)
+                self._recv_payload(buf, manifest)
+                tensors = unpack(buf, manifest)
+                for meta, (name, tensor) in zip(manifest.tensors, tensors):
+                    if meta.checksum is not None and mismatch is None:
+                        got = tensor_checksum(tensor)
+                        if got != meta.checksum:
+                            mismatch = WeightMismatchError(name, meta.checksum, got, f"receiver rank {self._group.rank}")
+                staged.extend(tensors)
+                nbytes += sum(m.nbytes for m in manifest.tensors)
+                num_buckets += 1
+            if self._end_count != len(staged):
+                raise TransferError(f"trainer sent {self._end_count} tensors, receiver staged {len(staged)}")
+            if mismatch is not None:
+                raise mismatch
+        except BaseException:
+            self._pending, self._staged = None, None
+            raise
+        self.buffers.trim(num_buckets)
+        self._staged = staged
+        return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start)
+
+    def _recv_frame(self) -> tuple[int, int, bytes]:
+        import torch
+
+        header = torch.empty(4, dtype=torch.int64, device=self.buffers.device)
+        self._group.broadcast(header)
+        kind, version, blob_len, aux = (int(x) for x in header.tolist())
+        if version != self._pending:
+            raise TransferError(f"trainer is sending version {version}, receiver expected {self._pending}")
+        blob = b""
+        if blob_len:
+            raw = torch.empty(blob_len, dtype=torch.uint8, device=self.buffers.device)
+            self._group.broadcast(raw)
+            blob = raw.cpu().numpy().tobytes()
+        self._end_count = aux
+        return kind, version, blob
+
+    def _recv_payload(self, buf: "torch.Tensor", manifest: BucketManifest) -> None:
+        for meta in manifest.tensors:
+            if meta.nbytes:
+                self._group.broadcast(buf[meta.offset:meta.offset + meta.nbytes])
+
+    def commit(self, apply: ApplyFn) -> int:
+        """Hand the staged update to ``apply`` (the engine's loader); on success serve its version."""
+        if self._staged is None or self._pending is None:
+            raise TransferError("commit() without a fully received update")
+        staged, version = self._staged, self._pending
+        self._staged = self._pending = None
+        apply(staged)
+        self._version = version
+        return version
+
+    def abort(self) -> None:
+        self._staged = self._pending = None
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group = None

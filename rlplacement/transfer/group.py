@@ -1,0 +1,99 @@
+"""A process group for weight transfer that never touches the trainer's default group.
+
+Rank 0 (the trainer) hosts a fresh ``TCPStore`` on a free port; every engine worker connects
+to it and the group is built directly as ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over a
+``PrefixStore`` (no ``init_process_group``), so the trainer's own torch.distributed world and
+vLLM's internal groups are left alone, and a failed group can be dropped and rebuilt with a
+new ``group_name``. The backend follows the device of the tensors: gloo for CPU, NCCL for CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def backend_for(device: "torch.device | str") -> str:
+    import torch
+
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def default_device() -> "torch.device":
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def local_host() -> str:
+    """An address other hosts can reach: Ray's node IP inside a Ray job, else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def host_store(host: str, world_size: int, timeout_s: float):
+    """The rendezvous store on rank 0, on a free port; returns (store, port)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                     wait_for_workers=False)
+    return store, store.port
+
+
+def join_store(host: str, port: int, world_size: int, timeout_s: float):
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class TransferGroup:
+    """Broadcast from rank 0 over a private gloo/NCCL group; every call blocks until done.
+
+    Each op is bounded by ``timeout_s``: a peer that dies makes the others raise instead of
+    hanging (gloo raises on a closed connection at once, NCCL after its timeout).
+    """
+
+    def __init__(self, store, group_name: str, rank: int, world_size: int, backend: str,
+                 device: "torch.device | str", timeout_s: float):
+        import torch
+        import torch.distributed as dist
+
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.device = torch.device(device)
+        prefixed = dist.PrefixStore(f"rlplacement/{group_name}", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if backend == "gloo":
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        elif backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        else:
+            raise ValueError(f"transfer backend {backend!r} is unknown: use gloo or nccl")
+        self._store = store  # keep the rendezvous alive as long as the group
+
+    def broadcast(self, tensor: "torch.Tensor") -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        self._pg.broadcast([tensor], opts).wait()
+
+    def close(self) -> None:
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is not None and hasattr(pg, "shutdown"):
+            try:
+                pg.shutdown()
+            except Exception:  # shutting down a broken group must not turn an error into a hang
+                pass
+        self._store = None

@@ -1,0 +1,35 @@
+"""Mode name -> (sender class, receiver class), imported lazily. Unknown names raise, listing
+the known ones: there is no default mode here (the flag's default lives in args.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+# mode -> (module, sender class, receiver class)
+MODES: dict[str, tuple[str, str, str]] = {
+    "broadcast": ("rlplacement.transfer.broadcast", "BroadcastSender", "BroadcastReceiver"),
+    "broadcast_packed": ("rlplacement.transfer.broadcast_packed", "PackedBroadcastSender",
+                         "PackedBroadcastReceiver"),
+}
+
+
+def register_mode(mode: str, module: str, sender: str, receiver: str) -> None:
+    if mode in MODES:
+        raise ValueError(f"transfer mode {mode!r} is already registered (known: {', '.join(sorted(MODES))})")
+    MODES[mode] = (module, sender, receiver)
+
+
+def _lookup(mode: str, which: int):
+    if mode not in MODES:
+        raise ValueError(f"transfer mode {mode!r} is unknown: use one of {', '.join(sorted(MODES))} "
+                         f"(--update-weight-transfer-mode)")
+    entry = MODES[mode]
+    return getattr(importlib.import_module(entry[0]), entry[which])
+
+
+def sender_class(mode: str):
+    return _lookup(mode, 1)
+
+
+def receiver_class(mode: str):
+    return _lookup(mode, 2)
