@@ -1,0 +1,171 @@
+"""broadcast / broadcast_packed over a real private gloo group (sender + 2 receivers as threads).
+
+Threads keep this file fast; the group is the same TCP gloo group the engines join from other
+processes (tests/test_vllm_transfer.py covers that with real vLLM engines).
+"""
+
+import threading
+
+import pytest
+import torch
+
+from rlplacement.transfer import registry
+from rlplacement.transfer.base import TransferError, UpdateAborted, WeightMismatchError, tensor_checksum
+from rlplacement.transfer.broadcast import BroadcastReceiver
+
+MODES = ("broadcast", "broadcast_packed")
+
+
+def _model(seed):
+    g = torch.Generator().manual_seed(seed)
+    named = []
+    for layer in range(3):
+        p = f"model.layers.{layer}."
+        named += [(p + "self_attn.q_proj.weight", torch.randn(32, 16, generator=g).to(torch.bfloat16)),
+                  (p + "self_attn.k_proj.weight", torch.randn(16, 16, generator=g).to(torch.bfloat16)),
+                  (p + "self_attn.v_proj.weight", torch.randn(16, 16, generator=g).to(torch.bfloat16)),
+                  (p + "input_layernorm.weight", torch.randn(16, generator=g)),
+                  (p + "mlp.up_proj.weight", torch.randn(16, 40, generator=g).to(torch.float16).t())]
+    named += [("scalar", torch.tensor(float(seed))), ("big", torch.randn(3000, generator=g))]
+    return named
+
+
+class Session:
+    """A sender and N receiver threads joined on one group; ``run`` does one update everywhere."""
+
+    def __init__(self, mode, n_receivers=2, buffer_size=4096, check_equal=False, timeout_s=20.0):
+        self.sender = registry.sender_class(mode)(buffer_size, check_equal=check_equal, timeout_s=timeout_s,
+                                                  device="cpu")
+        endpoint = self.sender.listen(1 + n_receivers, host="127.0.0.1")
+        self.receivers = [registry.receiver_class(mode)("cpu") for _ in range(n_receivers)]
+        self._threads([lambda i=i: self.receivers[i].connect(endpoint, i + 1) for i in range(n_receivers)],
+                      self.sender.connect)
+        self.applied = [None] * n_receivers
+
+    @staticmethod
+    def _threads(fns, main):
+        errors = [None] * len(fns)
+
+        def wrap(i):
+            try:
+                fns[i]()
+            except BaseException as exc:  # noqa: BLE001 - reported to the test
+                errors[i] = exc
+
+        threads = [threading.Thread(target=wrap, args=(i,)) for i in range(len(fns))]
+        for t in threads:
+            t.start()
+        try:
+            result = main()
+        finally:
+            for t in threads:
+                t.join(60)
+        return result, errors
+
+    def run(self, version, named):
+        def recv(i):
+            r = self.receivers[i]
+            r.begin(version)
+            r.receive()
+            r.commit(lambda staged: self.applied.__setitem__(i, [(n, t.clone()) for n, t in staged]))
+
+        def send():
+            try:
+                return self.sender.update(version, named), None
+            except BaseException as exc:  # noqa: BLE001
+                return None, exc
+
+        (report, send_error), errors = self._threads([lambda i=i: recv(i) for i in range(len(self.receivers))], send)
+        return report, send_error, errors
+
+    def close(self):
+        self.sender.close()
+        for r in self.receivers:
+            r.close()
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    return request.param
+
+
+def _bytes(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_updates_arrive_bit_exact_with_versions(mode):
+    s = Session(mode)
+    try:
+        for version in (1, 2):
+            named = _model(version)
+            report, send_error, errors = s.run(version, named)
+            assert send_error is None and errors == [None, None]
+            assert report.num_tensors == len(named) and report.num_buckets > 3
+            for r, applied in zip(s.receivers, s.applied):
+                assert r.version == version
+                assert [n for n, _ in applied] == [n for n, _ in named]
+                for (name, src), (_, got) in zip(named, applied):
+                    assert got.dtype == src.dtype and got.shape == src.shape, name
+                    assert torch.equal(_bytes(src), _bytes(got)), name
+        # steady state: the receivers' staging buffers were allocated in the first update only
+        assert all(r.buffers.allocations == report.num_buckets for r in s.receivers)
+    finally:
+        s.close()
+
+
+def test_check_equal_sends_checksums_and_catches_corruption(mode, monkeypatch):
+    s = Session(mode, n_receivers=1, check_equal=True)
+    try:
+        named = _model(1)
+        report, send_error, errors = s.run(1, named)
+        assert send_error is None and errors == [None]
+        assert report.checksums == {n: tensor_checksum(t) for n, t in named}
+        # corrupt what lands in the receiver's buffer: it must refuse and stay on version 1
+        cls = type(s.receivers[0])
+        orig = cls._recv_payload
+
+        def corrupting(self, buf, manifest):
+            orig(self, buf, manifest)
+            if manifest.index == 0:
+                buf[0] ^= 0xFF  # first byte of the first tensor
+
+        monkeypatch.setattr(cls, "_recv_payload", corrupting)
+        report, send_error, errors = s.run(2, _model(2))
+        assert send_error is None
+        assert isinstance(errors[0], WeightMismatchError) and "model.layers.0.self_attn.q_proj.weight" in str(errors[0])
+        assert s.receivers[0].version == 1
+        monkeypatch.setattr(cls, "_recv_payload", orig)
+        report, send_error, errors = s.run(3, _model(3))  # the group is still usable
+        assert send_error is None and errors == [None] and s.receivers[0].version == 3
+    finally:
+        s.close()
+
+
+def test_source_failure_aborts_everywhere_and_keeps_the_old_version(mode):
+    s = Session(mode)
+    try:
+        assert s.run(1, _model(1))[2] == [None, None]
+
+        def failing():
+            yield from _model(2)[:4]
+            raise RuntimeError("gather failed on rank 3")
+
+        report, send_error, errors = s.run(2, failing())
+        assert isinstance(send_error, UpdateAborted) and "gather failed on rank 3" in str(send_error)
+        assert all(isinstance(e, UpdateAborted) and "gather failed on rank 3" in str(e) for e in errors)
+        assert [r.version for r in s.receivers] == [1, 1]
+        report, send_error, errors = s.run(2, _model(2))
+        assert send_error is None and errors == [None, None] and [r.version for r in s.receivers] == [2, 2]
+    finally:
+        s.close()
+
+
+def test_stale_version_is_refused_before_any_transfer():
+    r = BroadcastReceiver()
+    with pytest.raises(TransferError, match="before connect"):
+        r.begin(1)
+
+
+def test_unknown_mode_lists_the_known_ones():
+    with pytest.raises(ValueError, match="broadcast, broadcast_packed"):
+        registry.sender_class("carrier-pigeon")
