@@ -1,0 +1,91 @@
+"""``rlplacement advise --metrics FILE [--json] [--plot PNG] [what-if and threshold flags]``.
+
+Reads a telemetry JSONL, prints the diagnosis, the predicted step time of every feasible layout,
+and the recommendation with its reason (``--json``: the contract object). Every field of
+:class:`Thresholds` and :class:`ModelAssumptions` is a flag of the same name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from rlplacement.advisor.measure import measure
+from rlplacement.advisor.model import Workload
+from rlplacement.advisor.recommend import Advice, recommend
+from rlplacement.advisor.thresholds import ModelAssumptions, Thresholds, field_help
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("advise", help="diagnose a run's telemetry and recommend the trainer:rollout split")
+    p.add_argument("--metrics", required=True, help="telemetry JSONL written by the loop (one row per step)")
+    p.add_argument("--json", action="store_true", help="print the advice as one JSON object")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a per-role timeline and a response-length histogram")
+    lay = p.add_argument_group("layout limits")
+    lay.add_argument("--trainer-min-gpus", type=_positive_int, default=1,
+                     help="the trainer's memory floor: never recommend fewer trainer GPUs")
+    lay.add_argument("--trainer-multiple", type=_positive_int, default=1,
+                     help="trainer GPUs must be a multiple of this (its TP x PP)")
+    lay.add_argument("--num-gpus-per-node", type=_positive_int, default=None,
+                     help="GPUs per node (default: the telemetry's, else 8)")
+    what = p.add_argument_group("what-if (default: as measured)")
+    what.add_argument("--num-gpus", type=_positive_int, default=None, help="total GPUs to lay out")
+    what.add_argument("--max-response-len", type=_positive_int, default=None, help="response length cap (tokens)")
+    what.add_argument("--group-size", type=_positive_int, default=None, help="GRPO samples per prompt (G)")
+    for title, cls in (("diagnosis thresholds", Thresholds), ("model assumptions", ModelAssumptions)):
+        group = p.add_argument_group(title)
+        for f in dataclasses.fields(cls):
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f"{cls.__name__}.{f.name}", type=type(f.default),
+                               metavar=f.name.split("_")[-1].upper(),
+                               default=f.default, help=f"{field_help(cls)[f.name]} (default {f.default})")
+    return p
+
+
+def _build(cls, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f"{cls.__name__}.{f.name}") for f in dataclasses.fields(cls)})
+
+
+def render(advice: Advice) -> str:
+    m = advice.measurement
+    lines = [f"run: {m.placement} (engines of {m.gpus_per_engine}, nodes of {m.num_gpus_per_node}), "
+             f"{m.steps} step(s): step {m.step_time:.3g} s = rollout {m.rollout_time:.3g} / sync {m.sync_time:.3g} / "
+             f"train {m.train_time:.3g}; waits trainer {m.train_wait:.3g} rollout {m.rollout_wait:.3g}",
+             f"diagnosis: {advice.diagnosis.label}",
+             f"{'layout':>16} {'step':>9} {'rollout':>9} {'train':>9} {'sync':>9}  path"]
+    for c in advice.candidates:
+        mark = "*" if c.placement == advice.recommended.placement else " "
+        lines.append(f"{mark}{str(c.placement):>15} {c.step_time:9.3g} {c.rollout_time:9.3g} {c.train_time:9.3g} "
+                     f"{c.sync_time:9.3g}  {c.sync_path}")
+    lines.append(f"current {m.placement}: measured {m.step_time:.3g} s, predicted {advice.current.step_time:.3g} s; "
+                 f"recommended {advice.recommended.placement}: predicted {advice.recommended.step_time:.3g} s")
+    lines.append(advice.reason)
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rlplacement.cli import CliError
+    from rlplacement.telemetry import read_rows
+
+    try:
+        thresholds, assumptions = _build(Thresholds, args), _build(ModelAssumptions, args)
+        rows = read_rows(args.metrics)
+        m = measure(rows, thresholds.skip_steps, thresholds.bulk_quantile, args.num_gpus_per_node, source=args.metrics)
+        advice = recommend(m, thresholds=thresholds, assumptions=assumptions,
+                           workload=Workload(args.max_response_len, args.group_size), num_gpus=args.num_gpus,
+                           trainer_min_gpus=args.trainer_min_gpus, trainer_multiple=args.trainer_multiple)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CliError(str(exc)) from None
+    if args.plot:
+        from rlplacement.advisor.plot import plot
+
+        plot(rows, args.plot, title=f"{args.metrics}: {advice.diagnosis.label}")
+    print(json.dumps(advice.to_json()) if args.json else render(advice))
+    return 0

@@ -1,0 +1,151 @@
+"""Telemetry rows -> one :class:`Measurement`: the layout and the median step in phases.
+
+Medians over steps (after the warm-up steps) rather than means: on a shared machine one slow
+step should not move the advice. Rows must carry the layout fields of the telemetry contract;
+a missing one is an error naming the field, because guessing the layout would make every
+prediction wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Sequence
+
+from rlplacement.telemetry import quantile, union_length
+
+PHASE_KEYS = {"step": "perf/step_time", "rollout": "perf/rollout_time", "sync": "perf/update_weights_time",
+              "train": "perf/train_time", "train_wait": "perf/train_wait_time",
+              "rollout_wait": "perf/rollout_wait_time"}
+LAYOUT_KEYS = ("trainer_gpus", "rollout_gpus", "rollout_gpus_per_engine", "colocate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A layout the advisor compares: colocated on ``trainer_gpus`` (= rollout) or split."""
+
+    colocate: bool
+    trainer_gpus: int
+    rollout_gpus: int
+
+    @property
+    def total_gpus(self) -> int:
+        return self.trainer_gpus if self.colocate else self.trainer_gpus + self.rollout_gpus
+
+    def to_json(self) -> dict:
+        return {"colocate": self.colocate, "trainer_gpus": self.trainer_gpus, "rollout_gpus": self.rollout_gpus}
+
+    def __str__(self) -> str:
+        return f"colocated on {self.trainer_gpus}" if self.colocate else f"{self.trainer_gpus}:{self.rollout_gpus}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    placement: Placement
+    gpus_per_engine: int
+    num_gpus_per_node: int
+    transfer_mode: str | None
+    steps: int                     # rows used (after warm-up)
+    step_time: float
+    rollout_time: float
+    sync_time: float
+    train_time: float
+    train_wait: float
+    rollout_wait: float
+    rollout_tail: float            # seconds of rollout after the bulk quantile of samples finished
+    finish_p50: float | None       # sample finish times, seconds after dispatch
+    finish_p99: float | None
+    tail_share: float              # rollout_tail / rollout_time
+    samples_per_step: float
+    max_response_len: float        # the cap recorded by the loop, else the longest response seen
+    group_size: int | None
+    sync_bytes: float | None
+    overlapped: bool               # rollout ran while the trainer trained (one-step-off async)
+    response_lengths: tuple[int, ...]
+
+
+def _median(rows: Sequence[dict], key: str) -> float:
+    values = [float(r[key]) for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else 0.0
+
+
+def _require_layout(rows: Sequence[dict], source: str) -> dict:
+    first = rows[0]
+    missing = [k for k in LAYOUT_KEYS if k not in first]
+    if missing:
+        raise ValueError(f"{source} lacks the layout field(s) {missing}: record telemetry with "
+                         f"rlplacement.telemetry.StepRecorder (or add them to every row)")
+    changed = [k for k in LAYOUT_KEYS if any(r.get(k) != first[k] for r in rows)]
+    if changed:
+        raise ValueError(f"{source} mixes layouts ({changed} change between steps): advise on one run at a time")
+    for key in ("perf/step_time", "perf/rollout_time", "perf/train_time"):
+        if first.get(key) is None:
+            raise ValueError(f"{source} lacks {key!r}: the advisor needs the phase times of the telemetry contract")
+    return first
+
+
+def _overlapped(rows: Sequence[dict]) -> bool:
+    """True when rollout and train intervals overlap in time somewhere in the run."""
+    rollout, train = [], []
+    for r in rows:
+        for role, phase, start, end in (r.get("timeline") or {}).get("intervals", []):
+            (rollout if phase == "rollout" else train if phase == "train" else []).append((start, end))
+    if not rollout or not train:
+        return False
+    both = union_length(rollout) + union_length(train) - union_length(rollout + train)
+    return both > 1e-3 * union_length(train)
+
+
+def _tail_stats(rows: Sequence[dict], bulk_quantile: float) -> tuple[float, float | None, float | None]:
+    tails, p50s, p99s = [], [], []
+    for r in rows:
+        finish = r.get("rollout/sample_finish_times")
+        if not finish:
+            continue
+        bulk_done = quantile(finish, bulk_quantile)
+        tails.append(max(0.0, float(r["perf/rollout_time"]) - bulk_done))
+        p50s.append(quantile(finish, 0.5))
+        p99s.append(quantile(finish, 0.99))
+    if not tails:
+        return 0.0, None, None
+    return statistics.median(tails), statistics.median(p50s), statistics.median(p99s)
+
+
+def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.9,
+            num_gpus_per_node: int | None = None, source: str = "the telemetry") -> Measurement:
+    """Summarise a run; ``num_gpus_per_node`` overrides the rows' value (default 8 when absent)."""
+    if not rows:
+        raise ValueError(f"{source} has no rows")
+    first = _require_layout(rows, source)
+    used = list(rows[skip_steps:]) if len(rows) > skip_steps else list(rows)
+    colocate = bool(first["colocate"])
+    placement = Placement(colocate, int(first["trainer_gpus"]), int(first["rollout_gpus"]))
+    tail, p50, p99 = _tail_stats(used, bulk_quantile)
+    rollout_time = _median(used, PHASE_KEYS["rollout"])
+    lengths = tuple(int(x) for r in used for x in (r.get("rollout/response_lengths") or []))
+    caps = [r["max_response_len"] for r in used if r.get("max_response_len")]
+    bytes_ = [r["perf/update_weights_bytes"] for r in used if r.get("perf/update_weights_bytes")]
+    return Measurement(
+        placement=placement,
+        gpus_per_engine=int(first["rollout_gpus_per_engine"]),
+        num_gpus_per_node=int(num_gpus_per_node or first.get("num_gpus_per_node") or 8),
+        transfer_mode=first.get("transfer_mode"),
+        steps=len(used),
+        step_time=_median(used, PHASE_KEYS["step"]),
+        rollout_time=rollout_time,
+        sync_time=_median(used, PHASE_KEYS["sync"]),
+        train_time=_median(used, PHASE_KEYS["train"]),
+        train_wait=_median(used, PHASE_KEYS["train_wait"]),
+        rollout_wait=_median(used, PHASE_KEYS["rollout_wait"]),
+        rollout_tail=min(tail, rollout_time),
+        finish_p50=p50,
+        finish_p99=p99,
+        tail_share=(min(tail, rollout_time) / rollout_time) if rollout_time > 0 else 0.0,
+        samples_per_step=statistics.median([len(r.get("rollout/response_lengths") or []) for r in used]),
+        max_response_len=float(max(caps) if caps else (max(lengths) if lengths else math.nan)),
+        group_size=int(first["group_size"]) if first.get("group_size") else None,
+        sync_bytes=float(statistics.median(bytes_)) if bytes_ else None,
+        overlapped=(not colocate) and _overlapped(rows),  # a property of the loop: warm-up steps show it too
+        response_lengths=lengths,
+    )

@@ -1,0 +1,137 @@
+"""A step-time model fitted from one measured run; predicts any layout of the same job.
+
+Phases, each fitted from the run's medians (``m`` = :class:`Measurement`, ``N_r``/``N_t`` =
+rollout/trainer GPUs, ``l`` = max-response-length ratio, ``g`` = group-size ratio):
+
+* rollout = bulk * (N_r0 / N_r) * g * l^e  +  tail * l * H(n') / H(n)
+  The bulk (until ``bulk_quantile`` of samples finished) is throughput-bound and divides over
+  engines; the tail (few long sequences decoding) is latency-bound and does not. Decode cost
+  per token grows with context, hence ``e = rollout_length_exponent`` > 1. The tail grows
+  with the expected longest of n samples, ~H(n) (harmonic number) for an exponential tail.
+* train = train0 * (N_t0 / N_t) * g * l: data parallel over the trainer's GPUs, linear in tokens.
+* sync = fixed + bytes / bandwidth(path, mode): the path is CUDA IPC when colocated, NVLink when
+  a split fits one node, the ``--link-gbps`` network otherwise (disk for disk-delta); ``fixed``
+  (pause, resume, RPC) is what the measured sync had beyond its own wire time. Without the byte
+  count, sync scales by the bandwidth ratio of the two paths.
+* step = rollout + sync + train (colocated, or a split run synchronously); max(rollout, train)
+  + sync for a split run one-step-off (the run's own loop shape; a colocated run's splits are
+  assumed one-step-off, the reason to split at all).
+* other = what the measured step had beyond the modelled one (driver, reward), kept constant.
+
+So the current layout is reproduced by construction; the model's claims are the *changes*.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rlplacement.advisor.measure import Measurement, Placement
+from rlplacement.advisor.thresholds import MODE_EFFICIENCY, ModelAssumptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What-if changes to the job; ``None`` keeps the measured value."""
+
+    max_response_len: float | None = None
+    group_size: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    placement: Placement
+    rollout_time: float
+    train_time: float
+    sync_time: float
+    step_time: float
+    sync_path: str
+
+    def to_json(self) -> dict:
+        return {**self.placement.to_json(), "predicted_step_time": self.step_time,
+                "rollout_time": self.rollout_time, "train_time": self.train_time,
+                "sync_time": self.sync_time, "sync_path": self.sync_path}
+
+
+def _harmonic(n: float) -> float:
+    return math.log(n) + 0.5772156649 + 1 / (2 * n) if n >= 1 else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepModel:
+    m: Measurement
+    assumptions: ModelAssumptions
+    other_time: float
+
+    # ---- sync ------------------------------------------------------------------------------
+    def _mode(self, p: Placement) -> str:
+        if p.colocate:
+            return "cuda_ipc"
+        if not self.m.placement.colocate and self.m.transfer_mode in MODE_EFFICIENCY:
+            return self.m.transfer_mode
+        return self.assumptions.transfer_mode
+
+    def _path(self, p: Placement) -> tuple[str, float]:
+        """(path name, achieved Gb/s) that weights take to reach the engines in ``p``."""
+        a, mode = self.assumptions, self._mode(p)
+        if p.colocate:
+            name, gbps = "cuda_ipc", a.ipc_gbps
+        elif mode == "disk-delta":
+            name, gbps = "disk", a.disk_gbps
+        elif p.total_gpus <= self.m.num_gpus_per_node:
+            name, gbps = "nvlink", a.nvlink_gbps
+        else:
+            name, gbps = "network", a.link_gbps
+        return f"{name}/{mode}", gbps * MODE_EFFICIENCY[mode]
+
+    def sync_time(self, p: Placement) -> tuple[float, str]:
+        path0, gbps0 = self._path(self.m.placement)
+        path, gbps = self._path(p)
+        if path == path0:
+            return self.m.sync_time, path
+        if self.m.sync_bytes:
+            wire0 = self.m.sync_bytes * 8 / (gbps0 * 1e9)
+            fixed = max(0.0, self.m.sync_time - wire0)
+            return fixed + self.m.sync_bytes * 8 / (gbps * 1e9), path
+        return self.m.sync_time * gbps0 / gbps, path
+
+    # ---- phases ------------------------------------------------------------------------------
+    def _ratios(self, w: Workload) -> tuple[float, float, float]:
+        m = self.m
+        length = (w.max_response_len / m.max_response_len
+                  if w.max_response_len and m.max_response_len == m.max_response_len else 1.0)
+        group = 1.0
+        if w.group_size:
+            if not m.group_size:
+                raise ValueError("--group-size needs the run's own group size: record group_size in the "
+                                 "telemetry rows (StepRecorder(group_size=...))")
+            group = w.group_size / m.group_size
+        n = max(m.samples_per_step, 1.0)
+        tail_growth = _harmonic(n * group) / _harmonic(n)
+        return length, group, tail_growth
+
+    def predict(self, p: Placement, workload: Workload = Workload()) -> Prediction:
+        m = self.m
+        length, group, tail_growth = self._ratios(workload)
+        r0 = m.placement.rollout_gpus
+        t0 = m.placement.trainer_gpus
+        bulk = m.rollout_time - m.rollout_tail
+        rollout = (bulk * (r0 / p.rollout_gpus) * group * length ** self.assumptions.rollout_length_exponent
+                   + m.rollout_tail * length * tail_growth)
+        train = m.train_time * (t0 / p.trainer_gpus) * group * length
+        sync, path = self.sync_time(p)
+        step = self._compose(p, rollout, sync, train) + self.other_time
+        return Prediction(p, rollout, train, sync, step, path)
+
+    def _compose(self, p: Placement, rollout: float, sync: float, train: float) -> float:
+        overlapped = self.m.overlapped if not self.m.placement.colocate else True
+        if p.colocate or not overlapped:
+            return rollout + sync + train
+        return max(rollout, train) + sync
+
+
+def fit(m: Measurement, assumptions: ModelAssumptions = ModelAssumptions()) -> StepModel:
+    """Fit to ``m``; the residual of the measured step over the modelled one is kept as 'other'."""
+    bare = StepModel(m, assumptions, 0.0)
+    modelled = bare._compose(m.placement, m.rollout_time, m.sync_time, m.train_time)
+    return StepModel(m, assumptions, max(0.0, m.step_time - modelled))

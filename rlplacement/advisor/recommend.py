@@ -1,0 +1,103 @@
+"""The recommended layout: the best predicted among the placement layer's feasible splits and colocate.
+
+Invariants of the result: the same total GPUs as the run (or ``--num-gpus`` in a what-if); the
+rollout side is whole engines; splits come from
+:func:`rlplacement.placement.layout.feasible_splits`, so node boundaries and the trainer's
+memory floor (``trainer_min_gpus``) and TP x PP multiple hold; a ``long-tail`` run is never given
+more rollout GPUs; a change is proposed only when predicted to gain at least ``min_gain``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlplacement.advisor.diagnose import Diagnosis, diagnose
+from rlplacement.advisor.measure import Measurement, Placement
+from rlplacement.advisor.model import Prediction, StepModel, Workload, fit
+from rlplacement.advisor.thresholds import ModelAssumptions, Thresholds
+from rlplacement.placement.layout import feasible_splits
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    diagnosis: Diagnosis
+    current: Prediction
+    recommended: Prediction
+    candidates: tuple[Prediction, ...]
+    measurement: Measurement
+    reason: str
+
+    def to_json(self) -> dict:
+        """The ``rlplacement advise --json`` object (DESIGN.md "contract: rlplacement advise")."""
+        m = self.measurement
+        return {
+            "diagnosis": self.diagnosis.label,
+            "reason": self.reason,
+            "current": self.current.placement.to_json(),
+            "recommended": self.recommended.placement.to_json(),
+            "predicted_step_time": {"current": self.current.step_time, "recommended": self.recommended.step_time},
+            "measured_step_time": m.step_time,
+            "measured": {"steps": m.steps, "rollout_time": m.rollout_time, "train_time": m.train_time,
+                         "sync_time": m.sync_time, "train_wait_time": m.train_wait,
+                         "rollout_wait_time": m.rollout_wait, "rollout_tail": m.rollout_tail,
+                         "sample_finish_p50": m.finish_p50, "sample_finish_p99": m.finish_p99,
+                         "overlapped": m.overlapped, "gpus_per_engine": m.gpus_per_engine,
+                         "num_gpus_per_node": m.num_gpus_per_node},
+            "candidates": [c.to_json() for c in self.candidates],
+        }
+
+
+def candidate_placements(total_gpus: int, num_gpus_per_node: int, gpus_per_engine: int,
+                         trainer_min_gpus: int = 1, trainer_multiple: int = 1) -> list[Placement]:
+    """Feasible splits (from the placement layer) plus colocate on all GPUs when that is valid."""
+    out = [Placement(False, s.trainer_gpus, s.rollout_gpus)
+           for s in feasible_splits(total_gpus, num_gpus_per_node, gpus_per_engine, trainer_min_gpus, trainer_multiple)]
+    whole_nodes = total_gpus <= num_gpus_per_node or total_gpus % num_gpus_per_node == 0
+    if (total_gpus >= trainer_min_gpus and total_gpus % gpus_per_engine == 0
+            and total_gpus % trainer_multiple == 0 and whole_nodes):
+        out.append(Placement(True, total_gpus, total_gpus))
+    return out
+
+
+def _describe_change(cur: Placement, rec: Placement) -> str:
+    if rec == cur:
+        return f"keep {cur}"
+    if rec.colocate:
+        return f"colocate on all {rec.total_gpus} GPUs (from {cur})"
+    if cur.colocate:
+        return f"split {rec} trainer:rollout (from {cur})"
+    if rec.total_gpus == cur.total_gpus:
+        moved = rec.rollout_gpus - cur.rollout_gpus
+        side = "to rollout" if moved > 0 else "to the trainer"
+        return f"move {abs(moved)} GPU(s) {side} ({cur} -> {rec} trainer:rollout)"
+    return f"use {rec} trainer:rollout on {rec.total_gpus} GPUs (from {cur})"
+
+
+def recommend(m: Measurement, *, thresholds: Thresholds = Thresholds(),
+              assumptions: ModelAssumptions = ModelAssumptions(), workload: Workload = Workload(),
+              num_gpus: int | None = None, trainer_min_gpus: int = 1, trainer_multiple: int = 1) -> Advice:
+    model: StepModel = fit(m, assumptions)
+    diag = diagnose(m, thresholds)
+    total = num_gpus or m.placement.total_gpus
+    places = candidate_placements(total, m.num_gpus_per_node, m.gpus_per_engine, trainer_min_gpus, trainer_multiple)
+    if diag.label == "long-tail":  # a what-if cap or group only lengthens the tail further
+        places = [p for p in places if p.rollout_gpus <= m.placement.rollout_gpus]
+    if not places:
+        raise ValueError(
+            f"no layout of {total} GPUs fits engines of {m.gpus_per_engine} GPU(s) on nodes of "
+            f"{m.num_gpus_per_node} with a trainer of at least {trainer_min_gpus} GPU(s) (multiple of "
+            f"{trainer_multiple}): lower --trainer-min-gpus/--trainer-multiple or raise --num-gpus")
+    preds = tuple(model.predict(p, workload) for p in places)
+    current = model.predict(m.placement, workload)
+    best = min(preds, key=lambda p: (p.step_time, p.placement.colocate is False))
+    keep = next((p for p in preds if p.placement == m.placement), None)
+    if keep is not None and best.step_time > keep.step_time * (1 - thresholds.min_gain):
+        best = keep
+    if best.placement == m.placement:
+        reason = (f"{diag.label}: {diag.why}; keep {m.placement} (predicted {current.step_time:.3g} s): no feasible "
+                  f"layout is predicted to be {thresholds.min_gain:.0%} faster.")
+    else:
+        change = best.step_time / current.step_time - 1 if current.step_time > 0 else 0.0
+        reason = (f"{diag.label}: {diag.why}; {_describe_change(m.placement, best.placement)} is predicted to take "
+                  f"the step from {current.step_time:.3g} s to {best.step_time:.3g} s ({change:+.0%}).")
+    return Advice(diag, current, best, preds, m, reason)

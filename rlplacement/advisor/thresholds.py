@@ -1,0 +1,75 @@
+"""Every number the advisor decides with, in two documented dataclasses.
+
+:class:`Thresholds` turns measurements into a diagnosis and a decision; :class:`ModelAssumptions`
+holds the physics the step-time model cannot measure from one run (link speeds, how much of a
+link each transfer mode achieves, how decode cost grows with length). ``rlplacement advise``
+exposes each field as ``--<field-name>`` (underscores -> dashes), with the help text below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _field(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Thresholds:
+    skip_steps: int = _field(1, "Leading steps ignored as warm-up (compilation, caches) when more remain.")
+    sync_share: float = _field(0.3, "sync-bound when weight transfer takes at least this share of the step.")
+    imbalance: float = _field(1.3, "rollout-bound when rollout time >= this x train time; train-bound "
+                                   "the other way round; balanced in between.")
+    tail_ratio: float = _field(2.0, "long-tail needs p99 sample finish time >= this x p50 ...")
+    tail_share: float = _field(0.3, "... and at least this share of rollout time spent after "
+                                    "--bulk-quantile of the samples finished (engines mostly idle).")
+    bulk_quantile: float = _field(0.9, "Samples finished by this quantile make the 'bulk' of rollout, which "
+                                       "scales with engines; the rest is the tail, which does not.")
+    min_gain: float = _field(0.05, "Recommend a change only when it is predicted to cut the step by at least "
+                                   "this fraction; else keep the current layout.")
+
+    def __post_init__(self) -> None:
+        checks = {"skip_steps": self.skip_steps >= 0, "sync_share": 0 < self.sync_share <= 1,
+                  "imbalance": self.imbalance >= 1, "tail_ratio": self.tail_ratio >= 1,
+                  "tail_share": 0 < self.tail_share <= 1, "bulk_quantile": 0 < self.bulk_quantile < 1,
+                  "min_gain": 0 <= self.min_gain < 1}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} is out of range: "
+                                 f"{field_help(Thresholds)[name]}")
+
+
+# Achieved share of the path's bandwidth per transfer mode. broadcast sends one collective per
+# tensor (verl measured ~16% of a NIC for NCCL receive); packed and p2p move whole buckets.
+MODE_EFFICIENCY = {"broadcast": 0.2, "broadcast_packed": 0.5, "p2p": 0.5, "disk-delta": 1.0, "cuda_ipc": 0.5}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelAssumptions:
+    link_gbps: float = _field(400.0, "Network between nodes in Gb/s (NDR InfiniBand: 400), used when a split "
+                                     "layout's trainer and engines sit on different nodes.")
+    nvlink_gbps: float = _field(3600.0, "GPU-to-GPU inside a node in Gb/s (NVLink 4: 450 GB/s each way).")
+    ipc_gbps: float = _field(16800.0, "In-GPU copy through a CUDA IPC handle in Gb/s (colocated; 2.1 TB/s "
+                                      "measured on H200).")
+    disk_gbps: float = _field(11.2, "Shared disk write + fsync in Gb/s for disk-delta (1.4 GB/s measured).")
+    transfer_mode: str = _field("broadcast", "Transfer mode assumed for split layouts when the measured run "
+                                             "was colocated (a split run keeps its own mode).")
+    rollout_length_exponent: float = _field(
+        1.5, "Rollout work grows as (max response length)^this: each decoded token reads the whole KV "
+             "cache, so per-token cost rises with context (1 = no attention cost, 2 = all attention). "
+             "Training grows linearly: its matmuls dominate.")
+
+    def __post_init__(self) -> None:
+        for name in ("link_gbps", "nvlink_gbps", "ipc_gbps", "disk_gbps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.transfer_mode not in MODE_EFFICIENCY or self.transfer_mode == "cuda_ipc":
+            modes = [m for m in MODE_EFFICIENCY if m != "cuda_ipc"]
+            raise ValueError(f"--transfer-mode {self.transfer_mode!r} is unknown: use one of {modes}")
+        if not 1 <= self.rollout_length_exponent <= 2:
+            raise ValueError(f"--rollout-length-exponent {self.rollout_length_exponent} must be in [1, 2]")
+
+
+def field_help(cls) -> dict[str, str]:
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
