@@ -140,14 +140,15 @@ class BroadcastReceiver(WeightReceiver):
 
     mode: ClassVar[str] = "broadcast"
 
-    def __init__(self, device: "torch.device | str" = "cpu"):
+    def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0):
+        """``version`` is what the engine serves now (a receiver rebuilt after a reconnect keeps it)."""
         import torch
 
         self.device = torch.device(device)
         self.buffers: FlatBuffers | None = None
         self._group = None
         self._endpoint: TransferEndpoint | None = None
-        self._version = 0
+        self._version = version
         self._pending: int | None = None
         self._staged: list[NamedTensor] | None = None
 

@@ -1,0 +1,115 @@
+"""rlplacement as a native vLLM weight-transfer backend: ``weight_transfer_config={"backend":
+"rlplacement"}``. One backend for every mode; the mode comes with the init info.
+
+Per worker: ``init_transfer_engine`` joins the trainer's private group (rank = ``rank_offset`` +
+this worker's rank); ``update_weights({"version": v})`` receives the whole update into staging
+buffers and validates it (a failure here leaves the model untouched and vLLM ends the session);
+``finish_weight_update`` loads the staged tensors and only then serves ``v``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from rlplacement.engines import vllm_loader
+from rlplacement.transfer import registry
+from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, TransferEndpoint, TransferError, tensor_checksum
+
+
+@dataclasses.dataclass
+class RlplacementInitInfo(WeightTransferInitInfo):
+    """A :class:`TransferEndpoint` plus where this engine's workers start in the group."""
+
+    mode: str
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    group_name: str
+    rank_offset: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    check_equal: bool = False
+
+
+@dataclasses.dataclass
+class RlplacementUpdateInfo(WeightTransferUpdateInfo):
+    version: int
+
+
+def worker_rank(parallel_config) -> int:
+    """This worker's rank among all workers of its engine (data-parallel replicas included)."""
+    per_replica = getattr(parallel_config, "world_size", 1)
+    return getattr(parallel_config, "data_parallel_index", 0) * per_replica + getattr(parallel_config, "rank", 0)
+
+
+class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, RlplacementUpdateInfo]):
+    init_info_cls = RlplacementInitInfo
+    update_info_cls = RlplacementUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.receiver = None
+        self.check_equal = False
+        self.received_checksums: dict[str, str] = {}
+        self._expected = vllm_loader.checkpoint_shapes(self.model_config.model)
+        self._tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
+
+    @property
+    def served_version(self) -> int:
+        return self.receiver.version if self.receiver is not None else 0
+
+    def _where(self) -> str:
+        return f"engine worker rank {self.receiver._group.rank if self.receiver and self.receiver._group else '?'}"
+
+    def init_transfer_engine(self, init_info: RlplacementInitInfo) -> None:
+        endpoint = TransferEndpoint.from_dict(dataclasses.asdict(init_info))
+        version = self.served_version
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = registry.receiver_class(init_info.mode)(self.device, version=version)
+        self.check_equal = init_info.check_equal
+        self.receiver.connect(endpoint, init_info.rank_offset + worker_rank(self.parallel_config))
+
+    def start_weight_update(self) -> None:
+        if self.receiver is None:
+            raise TransferError("no transfer group: call init_weight_transfer_engine before start_weight_update")
+
+    def receive_weights(self, update_info: RlplacementUpdateInfo) -> None:
+        self.receiver.begin(update_info.version)
+        try:
+            self.receiver.receive()
+            staged = self.receiver.staged
+            if self._tied:  # a tied lm_head is the embedding; vLLM has no separate tensor for it
+                staged[:] = [(n, t) for n, t in staged if n != "lm_head.weight"]
+            vllm_loader.validate(staged, self._expected, self._where())
+            if self.check_equal:
+                self.received_checksums = {n: tensor_checksum(t) for n, t in staged}
+        except BaseException:
+            self.receiver.abort()
+            raise
+
+    def finish_weight_update(self) -> None:
+        if self.receiver is None or self.receiver.staged is None:
+            raise TransferError("finish_weight_update without a fully received update: call update_weights first")
+        self.receiver.commit(lambda staged: vllm_loader.load_into_model(self.model, self.model_config, staged))
+
+    def shutdown(self) -> None:
+        # never wait on peers here: shutdown runs on error paths, and waiting would turn an error into a hang
+        if self.receiver is not None:
+            self.receiver.close()
+
+
+def served_version(worker: Any) -> int:
+    """For ``collective_rpc``: the version this worker serves (0 before the first update)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return engine.served_version if isinstance(engine, RlplacementWeightTransferEngine) else 0
+
+
+def received_checksums(worker: Any) -> dict[str, str]:
+    """For ``collective_rpc``: checksums of the tensors of the last update (with check_equal on)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return dict(engine.received_checksums) if isinstance(engine, RlplacementWeightTransferEngine) else {}

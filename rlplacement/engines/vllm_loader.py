@@ -1,0 +1,74 @@
+"""Put a complete, validated set of HF-named tensors into a running vLLM model.
+
+The path is chosen by what the installed vLLM supports, not by a flag: where vLLM has layerwise
+reload (``vllm.model_executor.model_loader.reload``, as in 0.32 and the 0.2x GPU builds) the
+model is re-initialised for checkpoint-format loading, ``load_weights`` re-fuses and re-shards,
+and finalisation re-runs the backend's processing (the CPU backend repacks linear layers, which
+is why a bare ``load_weights`` after start-up fails there). Without it, ``load_weights`` alone.
+
+``validate`` runs before anything touches the model: a load that fails half-way leaves vLLM's
+model broken, so every name and shape is checked against the engine's own checkpoint first.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlplacement.transfer.base import NamedTensor, TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | None:
+    """HF name -> shape from the safetensors headers of ``model_dir`` (None if it has none)."""
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        shapes.update((k, tuple(v["shape"])) for k, v in header.items() if k != "__metadata__")
+    return shapes
+
+
+def validate(staged: list[NamedTensor], expected: dict[str, tuple[int, ...]] | None, where: str) -> None:
+    """Raise naming the first tensor the engine's checkpoint does not have, or has in another shape."""
+    if expected is None:
+        return
+    seen = set()
+    for name, tensor in staged:
+        if name in seen:
+            raise TransferError(f"{where}: tensor {name!r} was sent twice in one update")
+        seen.add(name)
+        if name not in expected:
+            raise TransferError(f"{where}: tensor {name!r} is not in the engine's checkpoint; send Hugging Face "
+                                f"names of this model (e.g. {next(iter(expected))!r})")
+        if tuple(tensor.shape) != expected[name]:
+            raise TransferError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the engine's "
+                                f"checkpoint has {expected[name]}")
+
+
+def has_layerwise_reload() -> bool:
+    try:
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,  # noqa: F401
+                                                             initialize_layerwise_reload)
+    except ImportError:
+        return False
+    return True
+
+
+def load_into_model(model: "torch.nn.Module", model_config, staged: list[NamedTensor]) -> None:
+    if has_layerwise_reload():
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(model)
+        model.load_weights(iter(staged))
+        finalize_layerwise_reload(model, model_config)
+    else:
+        model.load_weights(iter(staged))

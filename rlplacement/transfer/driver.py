@@ -1,0 +1,105 @@
+"""Driver side: connect a trainer actor to engine actors, and run one update across all of them
+concurrently with a bounded wait.
+
+The trainer actor mixes in :class:`rlplacement.transfer.trainer.TrainerTransferMixin`; engine
+actors are :class:`rlplacement.engines.vllm_engine.VllmRolloutEngine` (any actor with ``info``,
+``init_transfer``, ``update_weights``, ``received_checksums`` works).
+
+Failure contract: ``run_update`` raises :class:`WeightUpdateError` naming every party that
+failed or did not answer (engines first: a trainer error is usually the echo of an engine's).
+Each engine is atomic: it either serves the new version or still serves the old one. After a
+failure the group is unusable; call :func:`connect` again before the next update.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from rlplacement.transfer.base import WeightMismatchError, WeightUpdateError
+
+FAILURE_GRACE_S = 5.0  # after the first failure, how long to wait for the others' causes
+
+
+def _cause(exc: BaseException) -> str:
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        inner = exc.cause if getattr(exc, "cause", None) is not None else exc
+        text = str(inner).strip().splitlines()
+        return f"{type(inner).__name__}: {text[-1] if text else ''}"
+    if isinstance(exc, ray.exceptions.ActorDiedError | ray.exceptions.RayActorError):
+        return "actor died (process killed or crashed)"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def wait_all(refs: dict[str, Any], timeout_s: float, version: int = 0) -> dict[str, Any]:
+    """ray.get every ref by name within ``timeout_s``; raise WeightUpdateError naming the failures."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    pending = {ref: who for who, ref in refs.items()}
+    results: dict[str, Any] = {}
+    failures: dict[str, str] = {}
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+        for ref in done:
+            who = pending.pop(ref)
+            try:
+                results[who] = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - every cause is reported
+                failures[who] = _cause(exc)
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    for who in pending.values():
+        failures[who] = f"no answer within {timeout_s:.0f}s" if not failures else "did not finish after the failure"
+    if failures:
+        ordered = dict(sorted(failures.items(), key=lambda kv: kv[0] == "trainer"))
+        raise WeightUpdateError(version, ordered)
+    return results
+
+
+def connect(trainer, engines: Sequence, *, timeout_s: float = 120.0, host: str | None = None) -> dict:
+    """Build the transfer group: trainer rank 0 plus every worker of every engine. Returns the endpoint."""
+    import ray
+
+    infos = ray.get([e.info.remote() for e in engines], timeout=timeout_s)
+    world_size = 1 + sum(i["num_workers"] for i in infos)
+    endpoint = ray.get(trainer.transfer_listen.remote(world_size, host), timeout=timeout_s)
+    refs = {"trainer": trainer.transfer_connect.remote()}
+    offset = 1
+    for i, (engine, info) in enumerate(zip(engines, infos)):
+        refs[f"engine {i}"] = engine.init_transfer.remote(endpoint, offset)
+        offset += info["num_workers"]
+    wait_all(refs, timeout_s)
+    return endpoint
+
+
+def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 120.0,
+               check_equal: bool = False) -> dict:
+    """Send version ``version`` from the trainer to every engine at once; wait at most ``timeout_s``.
+
+    With ``check_equal`` each engine's received per-tensor checksums are compared with the
+    trainer's; a difference raises WeightUpdateError naming the engine and the tensor (engines
+    also refuse a mismatching update themselves when the group was built with check_equal).
+    Returns ``{"trainer": UpdateReport dict, "engines": [per-engine timings]}``.
+    """
+    import ray
+
+    refs = {"trainer": trainer.transfer_send.remote(version)}
+    refs.update({f"engine {i}": e.update_weights.remote(version) for i, e in enumerate(engines)})
+    results = wait_all(refs, timeout_s, version)
+    report = results["trainer"]
+    if check_equal:
+        expected = report.get("checksums")
+        if not expected:
+            raise WeightUpdateError(version, {"trainer": "check_equal needs the sender set up with check_equal=True"})
+        got_all = ray.get([e.received_checksums.remote() for e in engines], timeout=timeout_s)
+        for i, got in enumerate(got_all):
+            for name, want in expected.items():
+                if got.get(name, "<missing>") != want and not (name == "lm_head.weight" and name not in got):
+                    raise WeightUpdateError(version, {f"engine {i}": str(WeightMismatchError(
+                        name, want, got.get(name, "<missing>")))})
+    return {"trainer": report, "engines": [results[f"engine {i}"] for i in range(len(engines))]}

@@ -1,0 +1,45 @@
+"""Trainer side inside a Ray actor: mix :class:`TrainerTransferMixin` into the actor of trainer
+rank 0 and implement ``hf_named_tensors()`` (an iterator of full HF-named tensors, streamed;
+the backend may gather lazily). The driver (``rlplacement.transfer.driver``) calls the
+``transfer_*`` methods."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from rlplacement.transfer import registry
+from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, NamedTensor, TransferError
+
+
+class TrainerTransferMixin:
+    transfer_sender = None
+
+    def hf_named_tensors(self) -> Iterable[NamedTensor]:
+        raise NotImplementedError("the trainer actor must yield (hf_name, tensor) from hf_named_tensors()")
+
+    def transfer_setup(self, mode: str, buffer_size: int, *, check_equal: bool = False,
+                       timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> None:
+        if self.transfer_sender is not None:
+            self.transfer_sender.close()
+        self.transfer_sender = registry.sender_class(mode)(buffer_size, check_equal=check_equal,
+                                                           timeout_s=timeout_s, device=device)
+
+    def transfer_listen(self, world_size: int, host: str | None = None) -> dict:
+        if self.transfer_sender is None:
+            raise TransferError("transfer_listen before transfer_setup(mode, buffer_size)")
+        return self.transfer_sender.listen(world_size, host=host).to_dict()
+
+    def transfer_connect(self) -> None:
+        self.transfer_sender.connect()
+
+    def transfer_send(self, version: int) -> dict:
+        """One update of every tensor ``hf_named_tensors()`` yields; returns the UpdateReport as a dict."""
+        if self.transfer_sender is None:
+            raise TransferError("transfer_send before transfer_setup/listen/connect")
+        return dataclasses.asdict(self.transfer_sender.update(version, self.hf_named_tensors()))
+
+    def transfer_close(self) -> None:
+        if self.transfer_sender is not None:
+            self.transfer_sender.close()
+            self.transfer_sender = None
