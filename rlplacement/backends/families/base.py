@@ -1,0 +1,98 @@
+"""What a dense decoder family looks like to the converters: data, not code.
+
+A family names its HF ``model_type`` values and two switches (per-head q/k norm, q/k/v bias); the
+name tables below hold for every Llama-style dense model (Qwen2, Qwen3, Llama). A new family with
+the same block layout is one small file that builds a :class:`DenseFamily`.
+
+Megatron side names are suffixes of ``GPTModel`` parameters. Both layer specs map: the local spec
+keeps separate norms (``input_layernorm``, ``pre_mlp_layernorm``) while TransformerEngine fuses them
+into the following linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """A Megatron tensor built from several HF tensors; ``kind`` is ``qkv`` or ``fc1``."""
+
+    kind: str
+    hf: tuple[str, ...]
+
+
+# Megatron layer suffix -> HF layer suffix (a str) or a Fused group. "{i}" is the global layer index.
+LAYER_NAMES: dict[str, str | Fused] = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",  # TE spec
+    "self_attention.linear_qkv.weight": Fused("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                      "self_attn.v_proj.weight")),
+    "self_attention.linear_qkv.bias": Fused("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                    "self_attn.v_proj.bias")),
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",  # TE spec
+    "mlp.linear_fc1.weight": Fused("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+GLOBAL_NAMES: dict[str, str] = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+MEGATRON_LAYER_PREFIX = "decoder.layers.{i}."
+HF_LAYER_PREFIX = "model.layers.{i}."
+# HF names whose rows index the vocabulary (padded on the Megatron side).
+VOCAB_HF_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseFamily:
+    """A Llama-style dense decoder. ``qkv_bias=None`` reads HF ``attention_bias``."""
+
+    name: str
+    model_types: tuple[str, ...]
+    qk_norm: bool
+    qkv_bias: bool | None
+    layer_names: dict[str, str | Fused] = dataclasses.field(default_factory=lambda: dict(LAYER_NAMES))
+    global_names: dict[str, str] = dataclasses.field(default_factory=lambda: dict(GLOBAL_NAMES))
+
+    def uses_qkv_bias(self, hf_config: Any) -> bool:
+        if self.qkv_bias is None:
+            return bool(getattr(hf_config, "attention_bias", False))
+        return self.qkv_bias
+
+    def check(self, hf_config: Any, source: str = "config.json") -> None:
+        """Refuse features the converters do not implement, naming the config field."""
+        if getattr(hf_config, "mlp_bias", False):
+            raise ValueError(f"{source}: mlp_bias=true is not supported for {self.name}")
+        if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
+            raise ValueError(f"{source}: mixture-of-experts models are not supported (dense only)")
+        if getattr(hf_config, "use_sliding_window", False):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false")
+        rope = rope_parameters(hf_config)
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in (None, "default"):
+            raise ValueError(f"{source}: rope type {kind!r} is not supported (only default RoPE)")
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {hf_config.hidden_act!r} is not supported (silu only)")
+
+
+def rope_parameters(hf_config: Any) -> dict:
+    """RoPE settings across transformers versions (5.x moved ``rope_theta`` into ``rope_parameters``)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if scaling and not params:
+        params = dict(scaling)
+    if "rope_theta" not in params and getattr(hf_config, "rope_theta", None) is not None:
+        params["rope_theta"] = hf_config.rope_theta
+    return params
+
+
+def head_dim(hf_config: Any) -> int:
+    explicit = getattr(hf_config, "head_dim", None)
+    return int(explicit) if explicit else hf_config.hidden_size // hf_config.num_attention_heads

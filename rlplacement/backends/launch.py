@@ -1,0 +1,100 @@
+"""Starting torch.distributed: from explicit (rank, world, address, port), from torchrun's environment,
+or by spawning local worker processes (gloo on CPU) for the CLI and multi-rank tests.
+
+Workers are started with the ``spawn`` method (fork is unsafe once torch threads exist); a worker's
+exception is sent back and re-raised in the parent with the rank, so a failed rank cannot turn into
+a hang of the caller: the parent waits with a timeout and terminates the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
+                     backend: str | None = None, timeout_s: float = 600.0) -> None:
+    """Initialise the default process group unless it already is (then the sizes must agree)."""
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise RuntimeError(f"torch.distributed already initialised as rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, not {rank} of {world_size}")
+        return
+    backend = backend or default_backend()
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def init_from_env(backend: str | None = None) -> tuple[int, int]:
+    """Initialise from torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; return (rank, world)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_distributed(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                     int(os.environ.get("MASTER_PORT", 29500)), backend)
+    return rank, world
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    try:
+        init_distributed(rank, world, "127.0.0.1", port, "gloo")
+        result = fn(rank, world, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent with the rank
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank.
+
+    ``fn`` must be importable (a module-level function). Raises RuntimeError with the failing rank's
+    traceback if any rank fails or the run exceeds ``timeout_s``.
+    """
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    results: dict[int, Any] = {}
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        while len(results) < world_size:
+            try:
+                rank, ok, payload = q.get(timeout=timeout_s)
+            except queue_mod.Empty:
+                raise RuntimeError(f"distributed run of {fn.__name__} timed out after {timeout_s} s") from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{payload}")
+            results[rank] = payload
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+    return [results[r] for r in range(world_size)]

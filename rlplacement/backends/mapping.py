@@ -1,0 +1,191 @@
+"""Megatron GPT parameters <-> Hugging Face tensors: rename, fuse/un-fuse, vocabulary padding, TP shards.
+
+Pure tensor code (no megatron import) so the converters, the Megatron backend and the GPU check share
+it and it is tested on CPU. Every function is a lossless copy: HF -> Megatron -> HF returns the same
+bytes. Layouts (Megatron's, which its checkpoints and TP sharding rely on):
+
+- ``linear_qkv``: rows grouped by query group, ``[groups, q_per_group + 2, head_dim, ...]``: the group's
+  q heads, then its k head, then its v head. TP shards hold whole groups (contiguous row chunks).
+- ``linear_fc1``: ``[gate; up]`` for the full tensor, but TP rank r holds ``[gate_r; up_r]``, so the
+  rank chunks of a gathered fc1 interleave and must be regrouped (:func:`tp_unshard`).
+- vocabulary rows (embedding, output layer) are padded with zeros to :func:`padded_vocab_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Iterator
+
+import torch
+
+from rlplacement.backends.families.base import (HF_LAYER_PREFIX, MEGATRON_LAYER_PREFIX, VOCAB_HF_NAMES,
+                                                 DenseFamily, Fused, head_dim)
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+VOCAB_MEGATRON_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's rule: round the vocabulary up to a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The sizes the mappings need, read once from an HF config."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+    tied: bool
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, padded_vocab: int) -> "ModelShape":
+        return cls(hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.num_attention_heads,
+                   getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+                   head_dim(hf_config), hf_config.vocab_size, padded_vocab,
+                   bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+    @property
+    def q_per_group(self) -> int:
+        return self.num_heads // self.num_query_groups
+
+
+def _split_layer(mname: str) -> tuple[int | None, str]:
+    m = _LAYER_RE.match(mname)
+    return (int(m.group(1)), m.group(2)) if m else (None, mname)
+
+
+def hf_sources(mname: str, family: DenseFamily) -> str | Fused:
+    """HF name (or fused group of HF names) behind a Megatron parameter name with a global layer index."""
+    layer, suffix = _split_layer(mname)
+    if layer is None:
+        if suffix not in family.global_names:
+            raise KeyError(f"no HF mapping for Megatron parameter {mname!r} ({family.name})")
+        return family.global_names[suffix]
+    if suffix not in family.layer_names:
+        raise KeyError(f"no HF mapping for Megatron parameter {mname!r} ({family.name})")
+    prefix = HF_LAYER_PREFIX.format(i=layer)
+    target = family.layer_names[suffix]
+    if isinstance(target, Fused):
+        return Fused(target.kind, tuple(prefix + n for n in target.hf))
+    return prefix + target
+
+
+def megatron_layer_name(layer: int, suffix: str) -> str:
+    return MEGATRON_LAYER_PREFIX.format(i=layer) + suffix
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    g, d = shape.num_query_groups, shape.head_dim
+    rest = q.shape[1:]
+    parts = (q.reshape(g, shape.q_per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest))
+    return torch.cat(parts, dim=1).reshape(g * (shape.q_per_group + 2) * d, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d, qpg = shape.num_query_groups, shape.head_dim, shape.q_per_group
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(g, (qpg + 2) * d, *rest)
+    q, k, v = torch.split(grouped, [qpg * d, d, d], dim=1)
+    return (q.reshape(g * qpg * d, *rest).contiguous(), k.reshape(g * d, *rest).contiguous(),
+            v.reshape(g * d, *rest).contiguous())
+
+
+def hf_to_megatron(mname: str, read_hf: Callable[[str], torch.Tensor], shape: ModelShape,
+                   family: DenseFamily) -> torch.Tensor:
+    """The full (unsharded) Megatron tensor for ``mname`` built from HF tensors read by ``read_hf``."""
+    src = hf_sources(mname, family)
+    if isinstance(src, Fused):
+        parts = [read_hf(n) for n in src.hf]
+        return fuse_qkv(*parts, shape) if src.kind == "qkv" else torch.cat(parts, dim=0)
+    if mname == "output_layer.weight" and shape.tied:
+        src = "model.embed_tokens.weight"  # tied checkpoints store only the embedding
+    tensor = read_hf(src)
+    if mname in VOCAB_MEGATRON_NAMES and shape.padded_vocab_size > tensor.shape[0]:
+        pad = tensor.new_zeros(shape.padded_vocab_size - tensor.shape[0], *tensor.shape[1:])
+        tensor = torch.cat([tensor, pad], dim=0)
+    return tensor
+
+
+def megatron_to_hf(mname: str, full: torch.Tensor, shape: ModelShape,
+                   family: DenseFamily) -> list[tuple[str, torch.Tensor]]:
+    """Un-fuse, strip vocabulary padding and rename one full Megatron tensor; [] for a tied output layer."""
+    if mname == "output_layer.weight" and shape.tied:
+        return []
+    src = hf_sources(mname, family)
+    if isinstance(src, Fused):
+        parts = split_qkv(full, shape) if src.kind == "qkv" else torch.chunk(full, 2, dim=0)
+        return [(n, p.contiguous()) for n, p in zip(src.hf, parts)]
+    if src in VOCAB_HF_NAMES:
+        full = full[: shape.vocab_size].contiguous()
+    return [(src, full)]
+
+
+_COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def tp_partition_dim(mname: str) -> int | None:
+    """The dimension Megatron splits ``mname`` along under TP (None: replicated on every TP rank).
+
+    Decided by name, not by the ``partition_dim`` attribute megatron sets only when it initialises
+    weights itself (``perform_initialization``), which conversion skips.
+    """
+    if mname in VOCAB_MEGATRON_NAMES or mname.endswith(_COLUMN_PARALLEL):
+        return 0
+    if mname.endswith(_ROW_PARALLEL):
+        return 1
+    return None
+
+
+def is_fc1(mname: str) -> bool:
+    return mname.endswith("mlp.linear_fc1.weight") or mname.endswith("mlp.linear_fc1.bias")
+
+
+def tp_shard(mname: str, full: torch.Tensor, partition_dim: int | None, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s TP shard of a full Megatron tensor (``partition_dim`` None: replicated)."""
+    if partition_dim is None or tp == 1:
+        return full
+    if is_fc1(mname):
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0)
+    return full.chunk(tp, dim=partition_dim)[rank]
+
+
+def tp_unshard(mname: str, shards: list[torch.Tensor], partition_dim: int | None) -> torch.Tensor:
+    """The full Megatron tensor from all ranks' shards, in rank order (inverse of :func:`tp_shard`)."""
+    if partition_dim is None or len(shards) == 1:
+        return shards[0]
+    if is_fc1(mname):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=partition_dim)
+
+
+def megatron_names(shape: ModelShape, family: DenseFamily, qkv_bias: bool, te_spec: bool) -> Iterator[str]:
+    """Every Megatron parameter name of the model, global layer indices, in model order."""
+    yield "embedding.word_embeddings.weight"
+    for i in range(shape.num_layers):
+        yield megatron_layer_name(i, "self_attention.linear_qkv.layer_norm_weight" if te_spec
+                                  else "input_layernorm.weight")
+        yield megatron_layer_name(i, "self_attention.linear_qkv.weight")
+        if qkv_bias:
+            yield megatron_layer_name(i, "self_attention.linear_qkv.bias")
+        if family.qk_norm:
+            yield megatron_layer_name(i, "self_attention.q_layernorm.weight")
+            yield megatron_layer_name(i, "self_attention.k_layernorm.weight")
+        yield megatron_layer_name(i, "self_attention.linear_proj.weight")
+        yield megatron_layer_name(i, "mlp.linear_fc1.layer_norm_weight" if te_spec else "pre_mlp_layernorm.weight")
+        yield megatron_layer_name(i, "mlp.linear_fc1.weight")
+        yield megatron_layer_name(i, "mlp.linear_fc2.weight")
+    yield "decoder.final_layernorm.weight"
+    if not shape.tied:
+        yield "output_layer.weight"

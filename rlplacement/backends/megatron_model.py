@@ -1,0 +1,297 @@
+"""Building a megatron-core ``GPTModel`` from an HF config, filling it, and reading it back in HF names.
+
+Used by ``rlplacement convert``/``export-hf`` and by the Megatron backend. Invariants:
+- the architecture comes only from ``config.json`` (no per-size flags);
+- loading and exporting are copies through :mod:`rlplacement.backends.mapping`, so bytes survive;
+- every function that talks to other ranks is collective: all ranks of the model-parallel world call
+  it in the same order, and only global rank 0 yields or returns the full tensors.
+Works with megatron-core 0.16 (Python 3.11) and 0.17+ (Python 3.12); the TransformerEngine layer spec
+is used when TE imports and CUDA is present, else the local spec (with the CPU shims on a CPU host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from rlplacement.backends import mapping
+from rlplacement.backends.families import DenseFamily, family_for, rope_parameters
+from rlplacement.backends.megatron_cpu import apply_cpu_shims, cuda_absent
+
+SPECS = ("auto", "local", "te")
+
+
+def te_available() -> bool:
+    if cuda_absent():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # TE raises several kinds when its CUDA libraries are missing
+        return False
+    return True
+
+
+def resolve_spec(choice: str = "auto") -> str:
+    """``local`` or ``te``; ``auto`` picks TE when it imports and CUDA is present."""
+    if choice not in SPECS:
+        raise ValueError(f"layer spec {choice!r} is unknown: use one of {', '.join(SPECS)}")
+    if choice == "auto":
+        return "te" if te_available() else "local"
+    if choice == "te" and not te_available():
+        raise RuntimeError("layer spec 'te' needs transformer_engine and a CUDA device; use 'local'")
+    return choice
+
+
+def init_model_parallel(tp: int, pp: int, seed: int = 1234) -> None:
+    """Set up megatron's parallel groups on an initialised default process group (any backend)."""
+    apply_cpu_shims()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def load_hf_config(hf_dir: str | os.PathLike):
+    from transformers import AutoConfig
+
+    path = Path(hf_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}/config.json not found: pass a Hugging Face model folder")
+    return AutoConfig.from_pretrained(str(path))
+
+
+def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dtype: torch.dtype):
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    if hf_config.num_hidden_layers % pp:
+        raise ValueError(f"num_hidden_layers {hf_config.num_hidden_layers} is not divisible by "
+                         f"--pipeline-model-parallel-size {pp}")
+    groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    if groups % tp:
+        raise ValueError(f"num_key_value_heads {groups} is not divisible by --tensor-model-parallel-size {tp}")
+    cpu = cuda_absent()
+    kwargs = dict(
+        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads, num_query_groups=groups,
+        kv_channels=mapping.ModelShape.from_hf(hf_config, 0).head_dim,
+        ffn_hidden_size=hf_config.intermediate_size, normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=family.uses_qkv_bias(hf_config), qk_layernorm=family.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=cpu, perform_initialization=False,
+    )
+    if cpu:  # fused kernels are CUDA-only
+        kwargs.update(bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+                      apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
+    else:
+        kwargs.update(bias_activation_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(family: DenseFamily, spec: str):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if spec == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
+
+
+def build_model(hf_config: Any, padded_vocab: int, tp: int, pp: int, spec: str = "auto",
+                dtype: torch.dtype | None = None):
+    """This rank's ``GPTModel`` stage, uninitialised (weights come from a load)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    family = family_for(hf_config)
+    if padded_vocab % tp:
+        raise ValueError(f"padded vocabulary {padded_vocab} is not divisible by tensor parallel size {tp}")
+    dtype = dtype or hf_dtype(hf_config)
+    spec = resolve_spec(spec)
+    rope = rope_parameters(hf_config)
+    model = GPTModel(
+        transformer_config(hf_config, family, tp, pp, dtype), layer_spec(family, spec),
+        vocab_size=padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope", rotary_base=int(rope.get("rope_theta", 10000)),
+    )
+    if not cuda_absent():
+        model = model.cuda(torch.cuda.current_device())
+    model.rlplacement_spec = spec
+    return model
+
+
+def hf_dtype(hf_config: Any) -> torch.dtype:
+    name = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+    return name if isinstance(name, torch.dtype) else getattr(torch, str(name))
+
+
+def global_named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``(name, param)`` with the global layer index in the name (a pipeline stage counts locally)."""
+    layers = model.decoder.layers
+    for name, param in model.named_parameters():
+        layer, suffix = mapping._split_layer(name)
+        if layer is not None:
+            name = mapping.megatron_layer_name(layers[layer].layer_number - 1, suffix)
+        yield name, param
+
+
+def load_hf_weights(model, hf_dir: str | os.PathLike, shape: mapping.ModelShape, family: DenseFamily,
+                    progress: bool = False) -> int:
+    """Copy HF safetensors into this rank's shards (reads one tensor at a time); return tensors copied."""
+    from megatron.core import parallel_state as ps
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    index = hf_weight_index(hf_dir)
+    handles: dict[str, Any] = {}
+
+    def read(name: str) -> torch.Tensor:
+        if name not in index:
+            raise KeyError(f"{hf_dir}: tensor {name!r} not found in the safetensors files")
+        fname = index[name]
+        if fname not in handles:
+            handles[fname] = safe_open(str(Path(hf_dir) / fname), framework="pt")
+        return handles[fname].get_tensor(name)
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    params = list(global_named_parameters(model))
+    bar = tqdm(params, desc="convert", unit="tensor", disable=not progress)
+    with torch.no_grad():
+        for mname, param in bar:
+            full = mapping.hf_to_megatron(mname, read, shape, family)
+            shard = mapping.tp_shard(mname, full, mapping.tp_partition_dim(mname), tp, rank)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ValueError(f"{mname}: HF tensors give shard shape {tuple(shard.shape)}, model has "
+                                 f"{tuple(param.shape)}")
+            param.copy_(shard.to(param.dtype))
+    return len(params)
+
+
+def hf_weight_index(hf_dir: str | os.PathLike) -> dict[str, str]:
+    """HF tensor name -> safetensors file name, for single-file and sharded folders."""
+    path = Path(hf_dir)
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        return dict(json.loads(index_file.read_text())["weight_map"])
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+def _tp_gather(mname: str, param: torch.Tensor) -> torch.Tensor | None:
+    """The full tensor on TP rank 0 of this stage (None elsewhere); collective over the TP group."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pdim = mapping.tp_partition_dim(mname)
+    local = param.detach()
+    if tp == 1 or pdim is None:
+        return local if ps.get_tensor_model_parallel_rank() == 0 else None
+    group = ps.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(local) for _ in range(tp)] if ps.get_tensor_model_parallel_rank() == 0 else None
+    dist.gather(local.contiguous(), shards, dst=dist.get_global_rank(group, 0), group=group)
+    return mapping.tp_unshard(mname, shards, pdim) if shards is not None else None
+
+
+def iter_full_megatron(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: yields ``(global megatron name, full tensor)`` on global rank 0, one at a time.
+
+    Per pipeline stage in order: the stage's first TP rank gathers each parameter over TP and, if it
+    is not global rank 0, sends it to rank 0. Memory: one full parameter at a time on rank 0.
+    """
+    from megatron.core import parallel_state as ps
+
+    pp, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    rank = dist.get_rank()
+    dp_rank = ps.get_data_parallel_rank()
+    stage_params = list(global_named_parameters(model))
+    for stage in range(pp):
+        src = _stage_source_rank(stage)
+        meta = [[(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params]] if stage == my_stage else [None]
+        if pp > 1:
+            dist.broadcast_object_list(meta, src=src)
+        for mname, _, dtype, pdim in meta[0]:
+            full = None
+            if stage == my_stage and dp_rank == 0:
+                full = _tp_gather(mname, dict(stage_params)[mname])
+            if src == 0:
+                if rank == 0:
+                    yield mname, full
+                continue
+            if rank == src:
+                dist.send(full.contiguous(), dst=0)
+            elif rank == 0:
+                buf = torch.empty(_full_shape(mname, meta, stage_params), dtype=dtype)
+                dist.recv(buf, src=src)
+                yield mname, buf
+
+
+def _stage_source_rank(stage: int) -> int:
+    """Global rank of (pipeline stage, TP rank 0, DP rank 0).
+
+    megatron's default rank order "tp-cp-ep-dp-pp" makes the pipeline the outermost dimension, so a
+    stage owns a contiguous block of ranks and the block's first rank is its TP/DP rank 0.
+    """
+    from megatron.core import parallel_state as ps
+
+    return stage * (dist.get_world_size() // ps.get_pipeline_model_parallel_world_size())
+
+
+def _full_shape(mname, meta, stage_params):
+    from megatron.core import parallel_state as ps
+
+    for n, shape, _, pdim in meta[0]:
+        if n == mname:
+            if pdim is None:
+                return shape
+            full = list(shape)
+            full[pdim] *= ps.get_tensor_model_parallel_world_size()
+            return tuple(full)
+    raise KeyError(mname)
+
+
+def iter_hf_tensors(model, shape: mapping.ModelShape, family: DenseFamily) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: HF-named full tensors on global rank 0 (nothing elsewhere), one parameter at a time."""
+    for mname, full in iter_full_megatron(model):
+        yield from mapping.megatron_to_hf(mname, full, shape, family)
+
+
+def save_torch_dist(model, ckpt_dir: str | os.PathLike) -> None:
+    """Collective: write this model with ``dist_checkpointing`` in Megatron's training layout."""
+    from megatron.core import dist_checkpointing
+
+    Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+    state = {"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 0}
+    dist_checkpointing.save(state, str(ckpt_dir))
+
+
+def load_torch_dist(model, ckpt_dir: str | os.PathLike) -> None:
+    """Collective: fill this rank's shards from a torch_dist checkpoint saved at any TP/PP."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt_dir))
+    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise RuntimeError(f"{ckpt_dir}: checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")

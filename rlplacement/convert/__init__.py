@@ -1,0 +1,1 @@
+"""HF folder <-> Megatron torch_dist checkpoint, once (``rlplacement convert`` / ``export-hf``)."""

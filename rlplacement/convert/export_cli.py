@@ -1,0 +1,45 @@
+"""``rlplacement export-hf --load DIR --save DIR [--hf-config DIR]``: torch_dist -> HF folder."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rlplacement.args import ConfigError
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("export-hf", help="Megatron torch_dist checkpoint -> HF folder",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="Converted torch_dist folder (holds latest_checkpointed_iteration.txt).")
+    p.add_argument("--save", required=True, help="Output Hugging Face folder.")
+    p.add_argument("--hf-config", default=None,
+                   help="HF folder with config.json/tokenizer (default: the copy convert kept in --load).")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP used to read the checkpoint (any size it reshards to).")
+    p.add_argument("--layer-spec", choices=("auto", "local", "te"), default="auto")
+    return p
+
+
+def _export_rank(rank: int, world: int, load: str, save: str, hf_config: str | None, tp: int, spec: str):
+    from rlplacement.convert.megatron_to_hf import export
+
+    return export(load, save, hf_config, tp=tp, spec=spec)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rlplacement.convert import layout
+    from rlplacement.convert.run import run_collective
+
+    load = Path(args.load)
+    if layout.state(load) != "finished":
+        raise ConfigError(f"--load {load}: no {layout.MARKER} there; convert first with "
+                          f"`rlplacement convert --hf-checkpoint HF_DIR --save {load}`")
+    if args.hf_config is None and not (load / layout.HF_CONFIG_DIR / "config.json").is_file():
+        raise ConfigError(f"--load {load} has no {layout.HF_CONFIG_DIR}/config.json: pass --hf-config HF_DIR")
+    if args.hf_config is not None and not (Path(args.hf_config) / "config.json").is_file():
+        raise ConfigError(f"--hf-config {args.hf_config}: no config.json there")
+    names = run_collective(_export_rank, args.tensor_model_parallel_size, str(load), args.save, args.hf_config,
+                           args.tensor_model_parallel_size, args.layer_spec)
+    print(f"rlplacement export-hf: wrote {len(names)} tensors to {args.save}")
+    return 0

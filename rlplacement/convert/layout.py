@@ -1,0 +1,86 @@
+"""The converted checkpoint folder, as Megatron's ``--load`` expects it, plus what export needs.
+
+```
+SAVE/release/                          dist_checkpointing (torch_dist) files
+SAVE/hf_config/                        the source HF folder minus weights (config, tokenizer)
+SAVE/rlplacement_convert.json          vocab sizes, family, layer spec and sizes used at conversion
+SAVE/latest_checkpointed_iteration.txt "release", written last (tmp + fsync + rename)
+```
+Invariant: the marker exists only if everything before it is complete, so a folder with files but
+no marker is a half-finished conversion and is redone from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+RELEASE = "release"
+MARKER = "latest_checkpointed_iteration.txt"
+META = "rlplacement_convert.json"
+HF_CONFIG_DIR = "hf_config"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def state(save_dir: str | os.PathLike) -> str:
+    """``finished`` (marker present), ``partial`` (files but no marker) or ``empty``."""
+    path = Path(save_dir)
+    if (path / MARKER).is_file():
+        return "finished"
+    if path.is_dir() and any(path.iterdir()):
+        return "partial"
+    return "empty"
+
+
+def clear_partial(save_dir: str | os.PathLike) -> None:
+    """Remove what a half-finished conversion left; only our own entries, never unrelated files."""
+    path = Path(save_dir)
+    for name in (RELEASE, HF_CONFIG_DIR, META, MARKER + ".tmp"):
+        target = path / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def copy_hf_config(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy an HF folder's non-weight files (config, tokenizer, generation config)."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in Path(src).iterdir():
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "model.safetensors.index.json":
+            shutil.copy2(item, dst / item.name)
+
+
+def read_meta(load_dir: str | os.PathLike) -> dict:
+    path = Path(load_dir)
+    if state(path) != "finished":
+        raise FileNotFoundError(f"{path} is not a finished torch_dist checkpoint (no {MARKER}): run "
+                                f"`rlplacement convert --hf-checkpoint HF_DIR --save {path}` first")
+    meta_file = path / META
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{meta_file} missing: the checkpoint was not written by rlplacement convert; "
+                                f"pass --hf-config with the model's HF folder")
+    return json.loads(meta_file.read_text())
+
+
+def checkpoint_dir(load_dir: str | os.PathLike) -> Path:
+    path = Path(load_dir)
+    tag = (path / MARKER).read_text().strip()
+    return path / (RELEASE if tag == "release" else f"iter_{int(tag):07d}")

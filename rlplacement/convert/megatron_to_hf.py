@@ -1,0 +1,87 @@
+"""Megatron torch_dist checkpoint -> HF folder (collective; rank 0 writes).
+
+Tensors stream out of :func:`megatron_model.iter_hf_tensors` one parameter at a time and are written
+in safetensors shards of at most ``max_shard_bytes`` (HF's index layout when there is more than one),
+so exporting never holds the whole model on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlplacement.backends import mapping
+from rlplacement.backends import megatron_model as mm
+from rlplacement.backends.families import family_for
+from rlplacement.convert import layout
+
+
+def export(load_dir: str | os.PathLike, save_dir: str | os.PathLike, hf_config_dir: str | os.PathLike | None = None,
+           tp: int = 1, pp: int = 1, spec: str = "auto", max_shard_bytes: int = 5 * 1024**3) -> list[str]:
+    """Write an HF folder from a converted checkpoint; return the HF tensor names written (rank 0)."""
+    load = Path(load_dir)
+    if layout.state(load) != "finished":
+        raise FileNotFoundError(f"{load} has no {layout.MARKER}: not a finished torch_dist checkpoint; "
+                                f"run `rlplacement convert` into it first")
+    meta = json.loads((load / layout.META).read_text()) if (load / layout.META).is_file() else {}
+    if not meta and hf_config_dir is None:
+        raise FileNotFoundError(f"{load} was not written by rlplacement convert ({layout.META} missing): "
+                                f"pass --hf-config with the model's HF folder")
+    cfg_dir = Path(hf_config_dir) if hf_config_dir else load / layout.HF_CONFIG_DIR
+    hf_config = mm.load_hf_config(cfg_dir)
+    family = family_for(hf_config, f"{cfg_dir}/config.json")
+    padded = meta.get("padded_vocab_size") or mapping.padded_vocab_size(hf_config.vocab_size, tp)
+    shape = mapping.ModelShape.from_hf(hf_config, padded)
+    mm.init_model_parallel(tp, pp)
+    model = mm.build_model(hf_config, padded, tp, pp, spec)
+    mm.load_torch_dist(model, layout.checkpoint_dir(load))
+    writer = _ShardWriter(Path(save_dir), max_shard_bytes) if dist.get_rank() == 0 else None
+    for name, tensor in mm.iter_hf_tensors(model, shape, family):
+        writer.add(name, tensor.detach().cpu())
+    if writer is None:
+        return []
+    names = writer.finish()
+    layout.copy_hf_config(cfg_dir, save_dir)
+    return names
+
+
+class _ShardWriter:
+    def __init__(self, out: Path, max_bytes: int):
+        self.out, self.max_bytes = out, max_bytes
+        out.mkdir(parents=True, exist_ok=True)
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        fname = f"part-{len(self.files):05d}.safetensors.tmp"
+        save_file(self.pending, str(self.out / fname), metadata={"format": "pt"})
+        self.files.append((fname, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        if self.pending or not self.files:
+            self._flush()
+        n = len(self.files)
+        weight_map: dict[str, str] = {}
+        for i, (tmp, names) in enumerate(self.files):
+            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.out / tmp, self.out / final)
+            weight_map.update({k: final for k in names})
+        if n > 1:
+            (self.out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                                              indent=2))
+        return list(weight_map)
