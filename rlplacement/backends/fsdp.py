@@ -1,0 +1,76 @@
+"""FSDP2 trainer: the HF model with ``fully_shard`` on every decoder layer and the root (gloo on CPU,
+NCCL on GPU). Each rank is a data-parallel replica that holds a ``Shard(0)`` slice of every parameter;
+FSDP averages gradients across ranks. Weights stream out one parameter at a time with
+``DTensor.full_tensor()`` (an all-gather), already in HF names.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.backends import launch
+from rlplacement.backends.base import OptimConfig, TrainerBackend, token_log_probs
+
+
+class FSDPBackend(TrainerBackend):
+    name = "fsdp"
+
+    def __init__(self, model: torch.nn.Module, optim: OptimConfig, stream_dtype: torch.dtype | None):
+        super().__init__(optim)
+        self.model, self.stream_dtype = model, stream_dtype
+        self.hf_config = model.config
+
+    @classmethod
+    def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), dtype: torch.dtype = torch.float32,
+                    stream_dtype: torch.dtype | None = None, **_: Any) -> "FSDPBackend":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        if not cfg.hf_checkpoint:
+            raise ConfigError("--train-backend fsdp needs --hf-checkpoint (an HF model folder)")
+        if not dist.is_initialized():
+            launch.init_distributed(0, 1, "127.0.0.1", launch.free_port())
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        model = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=dtype).to(device)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return cls(model, optim, stream_dtype)
+
+    @property
+    def is_source(self) -> bool:
+        return dist.get_rank() == 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def set_train(self, training: bool) -> None:
+        self.model.train(training)
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())
+
+    def _token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return token_log_probs(self.model(input_ids=input_ids, use_cache=False).logits, input_ids)
+
+    def _grad_norm(self) -> float:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self._parameters():
+            if p.grad is not None:
+                total += p.grad.to_local().double().pow(2).sum()
+        dist.all_reduce(total)
+        return math.sqrt(float(total))
+
+    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.model.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+            if self.is_source:
+                yield name, full.detach() if self.stream_dtype is None else full.detach().to(self.stream_dtype)

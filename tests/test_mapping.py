@@ -1,0 +1,111 @@
+"""Pure mapping math: fusing, TP sharding, vocabulary padding and name tables (no megatron needed)."""
+
+import pytest
+import torch
+
+from rlplacement.backends import mapping
+from rlplacement.backends.families import all_families, family_for
+from rlplacement.backends.families.base import Fused
+
+SHAPE = mapping.ModelShape(num_layers=2, hidden_size=8, num_heads=4, num_query_groups=2, head_dim=3,
+                           vocab_size=300, padded_vocab_size=384, tied=False)
+
+
+def _qkv():
+    q = torch.randn(SHAPE.num_heads * SHAPE.head_dim, SHAPE.hidden_size)
+    k = torch.randn(SHAPE.num_query_groups * SHAPE.head_dim, SHAPE.hidden_size)
+    v = torch.randn(SHAPE.num_query_groups * SHAPE.head_dim, SHAPE.hidden_size)
+    return q, k, v
+
+
+def test_qkv_fused_in_grouped_query_layout_and_split_back_bit_exact():
+    q, k, v = _qkv()
+    fused = mapping.fuse_qkv(q, k, v, SHAPE)
+    d, qpg = SHAPE.head_dim, SHAPE.q_per_group
+    # group 1 starts after group 0's 2 q heads + k + v; its first rows are q head 2
+    group1 = fused[(qpg + 2) * d:]
+    assert torch.equal(group1[:d], q[2 * d:3 * d])
+    assert torch.equal(group1[qpg * d:(qpg + 1) * d], k[d:2 * d])
+    assert torch.equal(group1[(qpg + 1) * d:], v[d:])
+    for a, b in zip(mapping.split_qkv(fused, SHAPE), (q, k, v)):
+        assert torch.equal(a, b)
+
+
+def test_qkv_bias_fuses_like_the_weight():
+    q, k, v = (t[:, 0].contiguous() for t in _qkv())
+    back = mapping.split_qkv(mapping.fuse_qkv(q, k, v, SHAPE), SHAPE)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v)))
+
+
+@pytest.mark.parametrize("name,pdim", [
+    ("decoder.layers.0.mlp.linear_fc1.weight", 0), ("decoder.layers.1.self_attention.linear_qkv.weight", 0),
+    ("decoder.layers.0.self_attention.linear_proj.weight", 1), ("decoder.layers.0.mlp.linear_fc2.weight", 1),
+    ("embedding.word_embeddings.weight", 0), ("decoder.layers.0.input_layernorm.weight", None)])
+def test_tp_shards_reassemble_bit_exact(name, pdim):
+    assert mapping.tp_partition_dim(name) == pdim
+    full = torch.randn(8, 6)
+    shards = [mapping.tp_shard(name, full, pdim, 2, r) for r in range(2)]
+    assert torch.equal(mapping.tp_unshard(name, shards, pdim), full)
+
+
+def test_fc1_shard_holds_its_slice_of_gate_and_of_up():
+    gate, up = torch.arange(8.).reshape(4, 2), 100 + torch.arange(8.).reshape(4, 2)
+    shard1 = mapping.tp_shard("decoder.layers.0.mlp.linear_fc1.weight", torch.cat([gate, up]), 0, 2, 1)
+    assert torch.equal(shard1, torch.cat([gate[2:], up[2:]]))
+
+
+def test_vocab_padding_rule_and_strip_on_export():
+    assert mapping.padded_vocab_size(300, 1) == 384
+    assert mapping.padded_vocab_size(300, 2) == 512
+    assert mapping.padded_vocab_size(256, 2) == 256
+    fam = family_for(type("C", (), {"model_type": "qwen3"})())
+    emb = torch.randn(300, 8)
+    padded = mapping.hf_to_megatron("embedding.word_embeddings.weight", {"model.embed_tokens.weight": emb}.__getitem__,
+                                    SHAPE, fam)
+    assert padded.shape == (384, 8) and torch.equal(padded[:300], emb) and not padded[300:].any()
+    [(name, back)] = mapping.megatron_to_hf("embedding.word_embeddings.weight", padded, SHAPE, fam)
+    assert name == "model.embed_tokens.weight" and torch.equal(back, emb)
+
+
+def test_tied_output_layer_reads_the_embedding_and_exports_nothing():
+    import dataclasses
+
+    tied = dataclasses.replace(SHAPE, tied=True)
+    fam = all_families()[0]
+    emb = torch.randn(300, 8)
+    out = mapping.hf_to_megatron("output_layer.weight", {"model.embed_tokens.weight": emb}.__getitem__, tied, fam)
+    assert torch.equal(out[:300], emb)
+    assert mapping.megatron_to_hf("output_layer.weight", out, tied, fam) == []
+
+
+def test_te_fused_norm_names_and_local_norm_names_map_to_the_same_hf_tensor():
+    fam = all_families()[0]
+    for te, local in (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+                      ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")):
+        a = mapping.hf_sources(mapping.megatron_layer_name(3, te), fam)
+        assert a == mapping.hf_sources(mapping.megatron_layer_name(3, local), fam)
+        assert a.startswith("model.layers.3.")
+    src = mapping.hf_sources("decoder.layers.1.mlp.linear_fc1.weight", fam)
+    assert src == Fused("fc1", ("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"))
+
+
+def test_megatron_names_cover_every_hf_tensor_of_each_family():
+    for fam in all_families():
+        for te in (False, True):
+            hf = set()
+            for m in mapping.megatron_names(SHAPE, fam, qkv_bias=fam.name == "qwen2", te_spec=te):
+                src = mapping.hf_sources(m, fam)
+                hf.update(src.hf if isinstance(src, Fused) else [src])
+            assert ("model.layers.1.self_attn.q_norm.weight" in hf) == (fam.name == "qwen3")
+            assert ("model.layers.0.self_attn.q_proj.bias" in hf) == (fam.name == "qwen2")
+            assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= hf
+            assert len(hf) == 3 + 2 * (9 + {"qwen3": 2, "qwen2": 3, "llama": 0}[fam.name])
+
+
+def test_unknown_family_and_unsupported_features_are_named():
+    with pytest.raises(ValueError, match="model_type 'gpt2' has no mapping; known: llama, qwen2, qwen3"):
+        family_for(type("C", (), {"model_type": "gpt2"})())
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        family_for(type("C", (), {"model_type": "llama", "rope_parameters": {"rope_type": "yarn"}})())
+    with pytest.raises(KeyError, match="no HF mapping for Megatron parameter"):
+        mapping.hf_sources("decoder.layers.0.mlp.router.weight", all_families()[0])
