@@ -39,7 +39,7 @@ def hf_reference_step(model, rank_batches: list[Batch], optim: OptimConfig) -> d
             if p.grad is not None:
                 p.grad.mul_(optim.max_grad_norm / (norm + 1e-6))
     opt.step()
-    return {"loss": float(loss), "grad_norm": norm}
+    return {"loss": float(loss.detach()), "grad_norm": norm}
 
 
 def random_batch(vocab_size: int, batch: int = 2, seq: int = 12, prompt: int = 4, seed: int = 0) -> Batch:

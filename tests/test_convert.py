@@ -1,0 +1,65 @@
+"""`rlplacement convert` / `export-hf` at TP=1 through the CLI: bit-exact round trips, reruns, bad input."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlplacement.cli import main
+from rlplacement.convert import layout
+from rlplacement.models.tiny import TinySpec, make_tiny_model
+
+SPECS = {
+    "qwen3-gqa-untied": TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2),
+    "qwen2-tied": TinySpec(family="qwen2", num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True),
+    "llama-gqa-tied": TinySpec(family="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                               vocab_size=333),
+}
+
+
+def assert_same_tensors(a_dir, b_dir):
+    a, b = load_file(f"{a_dir}/model.safetensors"), load_file(f"{b_dir}/model.safetensors")
+    assert set(a) == set(b), set(a) ^ set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k  # raw bytes
+
+
+@pytest.mark.parametrize("label", list(SPECS))
+def test_convert_then_export_is_bit_exact(tmp_path, label, capsys):
+    hf = make_tiny_model(tmp_path / "hf", SPECS[label])
+    assert main(["convert", "--hf-checkpoint", str(hf), "--save", str(tmp_path / "td"), "--no-progress"]) == 0
+    assert (tmp_path / "td" / layout.MARKER).read_text() == "release"
+    assert main(["export-hf", "--load", str(tmp_path / "td"), "--save", str(tmp_path / "out")]) == 0
+    assert_same_tensors(hf, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    # a second run on the finished folder does nothing and says so
+    capsys.readouterr()
+    before = sorted(p.stat().st_mtime_ns for p in (tmp_path / "td" / "release").iterdir())
+    assert main(["convert", "--hf-checkpoint", str(hf), "--save", str(tmp_path / "td")]) == 0
+    assert "already converted" in capsys.readouterr().out
+    assert before == sorted(p.stat().st_mtime_ns for p in (tmp_path / "td" / "release").iterdir())
+
+
+def test_half_finished_folder_is_detected_and_redone(tmp_path, capsys):
+    hf = make_tiny_model(tmp_path / "hf", SPECS["qwen3-gqa-untied"])
+    td = tmp_path / "td"
+    (td / layout.RELEASE).mkdir(parents=True)
+    (td / layout.RELEASE / "__0_0.distcp").write_bytes(b"truncated")  # a crash mid-save, no marker
+    assert layout.state(td) == "partial"
+    assert main(["convert", "--hf-checkpoint", str(hf), "--save", str(td), "--no-progress"]) == 0
+    assert "half-finished" in capsys.readouterr().out
+    assert layout.state(td) == "finished"
+    assert main(["export-hf", "--load", str(td), "--save", str(tmp_path / "out")]) == 0
+    assert_same_tensors(hf, tmp_path / "out")
+
+
+def test_bad_input_is_refused_before_work(tmp_path, capsys):
+    assert main(["convert", "--hf-checkpoint", str(tmp_path), "--save", str(tmp_path / "td")]) == 2
+    assert "--hf-checkpoint" in capsys.readouterr().err
+    hf = make_tiny_model(tmp_path / "hf", SPECS["qwen2-tied"])  # 1 kv head
+    assert main(["convert", "--hf-checkpoint", str(hf), "--save", str(tmp_path / "td"),
+                 "--tensor-model-parallel-size", "2"]) == 2
+    assert "--tensor-model-parallel-size 2 does not divide num_key_value_heads 1" in capsys.readouterr().err
+    assert not (tmp_path / "td").exists()
+    assert main(["export-hf", "--load", str(tmp_path / "nothing"), "--save", str(tmp_path / "o")]) == 2
+    assert "no latest_checkpointed_iteration.txt" in capsys.readouterr().err
