@@ -42,7 +42,9 @@ class FSDPBackend(TrainerBackend):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return cls(model, optim, stream_dtype)
+        backend = cls(model, optim, stream_dtype)
+        backend.optimizer = optim.build(model.parameters())  # over the sharded DTensors, built once
+        return backend
 
     @property
     def is_source(self) -> bool:
@@ -61,6 +63,15 @@ class FSDPBackend(TrainerBackend):
     def _token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
         return token_log_probs(self.model(input_ids=input_ids, use_cache=False).logits, input_ids)
 
+    def log_probs(self, batch):
+        """FSDP2 keeps the root's parameters gathered after a forward with no backward; while gathered,
+        ``model.parameters()`` are plain tensors, so an optimizer or a weight stream would see copies that
+        the next gather overwrites. Reshard to put the sharded DTensors back."""
+        try:
+            return super().log_probs(batch)
+        finally:
+            self.model.reshard()
+
     def _grad_norm(self) -> float:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self._parameters():
@@ -70,6 +81,7 @@ class FSDPBackend(TrainerBackend):
         return math.sqrt(float(total))
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.model.reshard()  # see log_probs: stream the sharded parameters, never a stale gathered copy
         for name, param in self.model.named_parameters():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
             if self.is_source:

@@ -9,6 +9,7 @@ a hang of the caller: the parent waits with a timeout and terminates the rest.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -56,7 +57,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) 
     try:
         init_distributed(rank, world, "127.0.0.1", port, "gloo")
         result = fn(rank, world, *args)
-        queue.put((rank, True, result))
+        # plain pickle copies tensor bytes; the queue's own pickler would pass shared-memory handles
+        # that die with this process before the parent opens them
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent with the rank
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -89,7 +92,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
                 raise RuntimeError(f"distributed run of {fn.__name__} timed out after {timeout_s} s") from None
             if not ok:
                 raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         for p in procs:
             p.join(timeout=60)
     finally:
