@@ -1,0 +1,132 @@
+"""A tiny end-to-end GRPO loop on the embedded default: local Ray with logical GPUs, CPU vLLM
+engines, a tiny model made offline. Every rlplacement flag works here.
+
+    python examples/tiny_grpo.py [any rlplacement flag] [--steps N] [--telemetry FILE.jsonl]
+
+Per step: G samples per prompt from the engines -> reward (how often the response uses the
+target token) -> group-normalised advantages -> one optimizer step -> weights to the engines
+(a new version) -> one telemetry row. With --check-weight-update-equal a mismatch between the
+trainer's and an engine's weights exits non-zero naming the tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import rlplacement
+from rlplacement.args import ConfigError
+
+# The embedded default: 1 trainer rank and 1 one-GPU engine on a 4-GPU logical node; the FSDP
+# backend loads the HF folder as it is. Any flag given on the command line wins.
+EXAMPLE_DEFAULTS = dict(actor_num_gpus_per_node=1, rollout_num_gpus=1, num_gpus_per_node=4,
+                        train_backend="fsdp")
+PROMPTS = ["what is two plus three ?", "count : 1 2 3", "the quick brown fox", "one two three four"]
+DIGITS = "0123456789"  # reward: fraction of response tokens that are digits
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    rlplacement.add_arguments(parser)
+    parser.set_defaults(**EXAMPLE_DEFAULTS)
+    g = parser.add_argument_group("example loop")
+    g.add_argument("--steps", type=int, default=3)
+    g.add_argument("--telemetry", type=str, default=None, help="write one JSON row per step here")
+    g.add_argument("--prompts-per-step", type=int, default=2)
+    g.add_argument("--group-size", type=int, default=4, help="GRPO G: samples per prompt")
+    g.add_argument("--max-response-len", type=int, default=16)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--work-dir", type=str, default=None, help="where the tiny model is made (default: a temp dir)")
+    return parser
+
+
+def make_batch(samples, rewards: list[float], group_size: int, pad_id: int) -> dict[str, list]:
+    """Right-padded input_ids, a loss mask on response tokens, group-normalised advantages."""
+    advantages = []
+    for g in range(0, len(rewards), group_size):
+        group = rewards[g:g + group_size]
+        mean, std = statistics.fmean(group), statistics.pstdev(group)
+        advantages += [(r - mean) / (std + 1e-6) for r in group]
+    width = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+    input_ids, loss_mask = [], []
+    for s in samples:
+        ids = s.prompt_ids + s.token_ids
+        input_ids.append(ids + [pad_id] * (width - len(ids)))
+        loss_mask.append([0] * len(s.prompt_ids) + [1] * len(s.token_ids) + [0] * (width - len(ids)))
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "advantages": advantages}
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from rlplacement.hooks import RLJob
+    from rlplacement.models.tiny import make_tiny_model
+    from rlplacement.telemetry.recorder import RunLayout, StepRecorder
+
+    config = rlplacement.config_from_args(args)  # every flag checked before any process starts
+    if (args.prompts_per_step * args.group_size) % config.placement.trainer_num_gpus:
+        raise ConfigError(f"--prompts-per-step x --group-size = {args.prompts_per_step * args.group_size} samples "
+                          f"must split evenly over {config.placement.trainer_num_gpus} trainer ranks")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="tiny_grpo_"))
+    hf_dir = config.backend.hf_checkpoint or str(make_tiny_model(work / "model"))
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    targets = {tok.convert_tokens_to_ids(d) for d in DIGITS}
+    prompts = [tok.encode(p) for p in PROMPTS]
+
+    job = RLJob.start(config, hf_dir, optim={"lr": args.lr, "name": "adamw"})
+    try:
+        tel = StepRecorder(args.telemetry, RunLayout.from_placement(
+            config.placement, transfer_mode=config.transfer.effective_mode,
+            max_response_len=args.max_response_len, group_size=args.group_size))
+        for step in range(args.steps):
+            chosen = [prompts[(step * args.prompts_per_step + i) % len(prompts)] for i in range(args.prompts_per_step)]
+            batch_prompts = [p for p in chosen for _ in range(args.group_size)]
+            t0 = time.time()
+            samples = job.generate(batch_prompts, max_tokens=args.max_response_len, temperature=1.0,
+                                   seed=args.seed + 1000 * step)
+            tel.record_interval("rollout", t0, max(s.finished_at for s in samples))
+            tel.record_samples([len(s.token_ids) for s in samples], [s.finished_at - t0 for s in samples])
+            rewards = [sum(t in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
+            batch = make_batch(samples, rewards, args.group_size, tok.pad_token_id or 0)
+            trainer_lp = job.log_probs(batch)
+            tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)]
+                                 for row, s in zip(trainer_lp, samples)], [s.logprobs for s in samples])
+            for m in job.train(batch):
+                tel.record_interval("train", m["start"], m["end"])
+            t_sync = time.time()
+            report = job.update_weights()
+            tel.record_interval("sync", t_sync, time.time())
+            row = tel.end_step(step, reward=statistics.fmean(rewards),
+                               **{"perf/update_weights_bytes": report["trainer"]["bytes"]})
+            print(f"step {step}: reward {row['reward']:.3f}  rollout {row['perf/rollout_time']:.2f}s  "
+                  f"train {row['perf/train_time']:.2f}s  sync {row['perf/update_weights_time']:.2f}s "
+                  f"({report['trainer']['bytes'] / 1e6:.1f} MB, v{job.version})  "
+                  f"logprob diff {row['rollout/logprob_abs_diff']:.2e}", flush=True)
+    finally:
+        job.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as exc:
+        print(f"tiny_grpo: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a weight mismatch or a failed update: say which, exit non-zero
+        from rlplacement.transfer.base import TransferError
+
+        if isinstance(exc, TransferError):
+            print(f"tiny_grpo: weight update failed: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

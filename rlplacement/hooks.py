@@ -1,0 +1,157 @@
+"""The small facade an RL loop calls: place, generate, train, update weights, close.
+
+``RLJob.start(config, hf_dir)`` validates, places trainer ranks and engines on one Ray placement
+group, builds the backend on every rank and joins rank 0 with every engine worker in the
+transfer group. Then per step: :meth:`generate` (prompts spread over engines),
+:meth:`log_probs` and :meth:`train` (the batch split over data-parallel ranks), and
+:meth:`update_weights` (one version to every engine, all or nothing per engine).
+
+Nothing here is specific to the example loop; it only wires the layers together in one
+direction: backend -> transfer -> engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+from rlplacement.args import Config, ConfigError
+
+DEFAULT_ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256}
+
+
+@dataclasses.dataclass
+class RolloutSample:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    engine: int
+    finished_at: float
+
+
+def _check_transfer_mode(config: Config) -> str:
+    from rlplacement.transfer import registry
+
+    mode = config.transfer.effective_mode
+    if mode not in registry.MODES:
+        raise ConfigError(
+            f"weight transfer {mode!r} (from --update-weight-transfer-mode"
+            f"{' and --colocate' if config.transfer.colocate else ''}) is not available in this build: "
+            f"use one of {', '.join(sorted(registry.MODES))}"
+            f"{' in a split layout (drop --colocate)' if config.transfer.colocate else ''}.")
+    return mode
+
+
+class RLJob:
+    def __init__(self, config: Config, placement, trainers: list, engines: list):
+        self.config, self.placement, self.trainers, self.engines = config, placement, trainers, engines
+        self.version = 0
+
+    @classmethod
+    def start(cls, config: Config, hf_dir: str, *, optim: dict[str, Any] | None = None,
+              engine_kwargs: dict[str, Any] | None = None, backend_options: dict[str, Any] | None = None,
+              timeout_s: float = 600.0) -> "RLJob":
+        import ray
+
+        from rlplacement.engines.ray_engines import create_engine_actor
+        from rlplacement.placement import ray_groups
+        from rlplacement.runtime.trainer_worker import TrainerWorker
+        from rlplacement.transfer import driver
+
+        mode = _check_transfer_mode(config)  # before any process starts
+        placement = ray_groups.place(config.placement)
+        layout = placement.layout
+        world = len(layout.trainer_gpus)
+        worker_cls = ray.remote(TrainerWorker)
+        trainers = [worker_cls.options(**placement.trainer_options(r)).remote(r, world) for r in range(world)]
+        engines = [create_engine_actor(i, hf_dir, options=placement.engine_options(i),
+                                       tensor_parallel_size=layout.gpus_per_engine,
+                                       **{**DEFAULT_ENGINE_KWARGS, **(engine_kwargs or {})})
+                   for i in range(len(layout.engines))]
+        job = cls(config, placement, trainers, engines)
+        try:
+            addr, port = ray.get(trainers[0].address.remote(), timeout=timeout_s)
+            backend_cfg = dataclasses.replace(config.backend, hf_checkpoint=config.backend.hf_checkpoint or hf_dir)
+            ray.get([t.setup.remote(addr, port, backend_cfg, optim or {}, backend_options) for t in trainers],
+                    timeout=timeout_s)
+            t = config.transfer
+            ray.get(trainers[0].transfer_setup.remote(mode, t.buffer_size, check_equal=t.check_equal,
+                                                       timeout_s=t.p2p_timeout if mode == "p2p" else timeout_s),
+                    timeout=timeout_s)
+            driver.connect(trainers[0], engines, timeout_s=timeout_s)
+        except BaseException:
+            job.close()
+            raise
+        return job
+
+    # ---- rollout --------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float = 1.0,
+                 seed: int = 0, stop_token_ids: list[int] | None = None) -> list[RolloutSample]:
+        """One sample per prompt (repeat a prompt for a group); prompts are dealt round-robin to engines."""
+        import ray
+
+        shares = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
+        refs = [(i, idx, e.generate.remote([prompts[j] for j in idx], max_tokens=max_tokens, temperature=temperature,
+                                            seed=seed + 100_003 * i, stop_token_ids=stop_token_ids))
+                for i, (e, idx) in enumerate(zip(self.engines, shares)) if idx]
+        samples: list[RolloutSample | None] = [None] * len(prompts)
+        pending = {ref: (i, idx) for i, idx, ref in refs}
+        while pending:  # stamp each engine's batch when it finishes, not when the slowest does
+            done, _ = ray.wait(list(pending), num_returns=1)
+            i, idx = pending.pop(done[0])
+            finished = time.time()
+            for j, out in zip(idx, ray.get(done[0])):
+                samples[j] = RolloutSample(list(prompts[j]), out["token_ids"], out["logprobs"], out["finish_reason"],
+                                           out["weight_version"], i, out.get("finished_at", finished))
+        return samples  # type: ignore[return-value]
+
+    # ---- training -------------------------------------------------------------------------------
+    def _shards(self, batch: dict[str, list]) -> list[dict[str, list]]:
+        world, n = len(self.trainers), len(batch["advantages"])
+        if n % world:
+            raise ConfigError(f"a batch of {n} samples does not split over {world} data-parallel trainer ranks: "
+                              f"use a multiple of {world} samples per step")
+        per = n // world
+        return [{k: v[r * per:(r + 1) * per] for k, v in batch.items()} for r in range(world)]
+
+    def log_probs(self, batch: dict[str, list]) -> list[list[float]]:
+        import ray
+
+        parts = ray.get([t.log_probs.remote(s) for t, s in zip(self.trainers, self._shards(batch))])
+        return [row for part in parts for row in part]
+
+    def train(self, batch: dict[str, list]) -> list[dict]:
+        """One optimizer step on ``batch`` (lists: input_ids [B][T], loss_mask [B][T], advantages [B])."""
+        import ray
+
+        return ray.get([t.train_step.remote(s) for t, s in zip(self.trainers, self._shards(batch))])
+
+    # ---- weights --------------------------------------------------------------------------------
+    def update_weights(self, *, timeout_s: float = 600.0) -> dict:
+        """Send the trainer's current weights to every engine as the next version."""
+        import ray
+
+        from rlplacement.transfer import driver
+
+        version = self.version + 1
+        helpers = [t.gather_for_update.remote() for t in self.trainers[1:]]
+        report = driver.run_update(self.trainers[0], self.engines, version, timeout_s=timeout_s,
+                                   check_equal=self.config.transfer.check_equal)
+        ray.get(helpers, timeout=timeout_s)
+        self.version = version
+        return report
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.engines:
+            try:
+                ray.get(actor.shutdown.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - closing must not hide the error that led here
+                pass
+        for actor in self.trainers + self.engines:
+            ray.kill(actor)
+        self.placement.remove()

@@ -1,0 +1,1 @@
+"""Ray actors that run the trainer side of a placed job."""

@@ -1,0 +1,83 @@
+"""One trainer rank as a Ray actor: a backend plus, on rank 0, the weight sender.
+
+Every public method is collective across the trainer's ranks (the backend's contract), so the
+driver calls each method on all ranks at once. During an update rank 0 streams the backend's
+HF-named tensors into the transfer sender while the other ranks only take part in the gathers
+(:meth:`gather_for_update`). Methods return wall-clock ``(start, end)`` stamps so the driver's
+telemetry records the trainer's own busy time, not the driver's wait.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any, Iterable
+
+from rlplacement.transfer.trainer import TrainerTransferMixin
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostbyname(socket.gethostname())
+
+
+class TrainerWorker(TrainerTransferMixin):
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.backend = None
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 serves the trainer's process group (called on rank 0 only)."""
+        from rlplacement.backends.launch import free_port
+
+        return node_ip(), free_port()
+
+    def setup(self, master_addr: str, master_port: int, backend_cfg: Any, optim: dict[str, Any],
+              backend_options: dict[str, Any] | None = None) -> dict:
+        """Join the trainer's default process group and build the backend (collective)."""
+        import torch
+
+        from rlplacement.backends.base import OptimConfig, make_backend
+        from rlplacement.backends.launch import init_distributed
+
+        torch.manual_seed(0)
+        init_distributed(self.rank, self.world_size, master_addr, master_port)
+        self.backend = make_backend(backend_cfg, OptimConfig(**optim), **(backend_options or {}))
+        return {"rank": self.rank, "device": str(self.backend.device)}
+
+    def _batch(self, batch: dict):
+        import torch
+
+        from rlplacement.backends.base import Batch
+
+        return Batch(torch.as_tensor(batch["input_ids"], dtype=torch.int64),
+                     torch.as_tensor(batch["loss_mask"], dtype=torch.float32),
+                     torch.as_tensor(batch["advantages"], dtype=torch.float32))
+
+    def log_probs(self, batch: dict) -> list[list[float]]:
+        return self.backend.log_probs(self._batch(batch)).cpu().tolist()
+
+    def train_step(self, batch: dict) -> dict:
+        start = time.time()
+        metrics = self.backend.train_step(self._batch(batch))
+        return {**metrics, "start": start, "end": time.time()}
+
+    def hf_named_tensors(self) -> Iterable:
+        return self.backend.iter_hf_tensors()
+
+    def gather_for_update(self) -> int:
+        """Ranks other than 0: take part in the collective gathers of an update; returns tensors seen."""
+        return sum(1 for _ in self.backend.iter_hf_tensors())
+
+    def hf_checksums(self) -> dict[str, str]:
+        """Per-tensor checksums of the weights as the trainer holds them (collective)."""
+        from rlplacement.transfer.base import tensor_checksum
+
+        return {name: tensor_checksum(t) for name, t in self.backend.iter_hf_tensors()}
+
+    def close(self) -> None:
+        self.transfer_close()
+        if self.backend is not None:
+            self.backend.close()
+
