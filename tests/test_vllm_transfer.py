@@ -1,0 +1,162 @@
+"""Weight transfer into real vLLM CPU engines (Ray actors), both modes, 1 and 2 engines, failures.
+
+One module-wide cluster: a trainer actor holding a real HF model and two engines, started once
+(engine start-up dominates). Tests run in file order and each one brings the engines to a state
+it checks; the engine-kill test goes last because it kills engine 1.
+"""
+
+import concurrent.futures as cf
+import os
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("vllm")
+
+from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
+from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
+from rlplacement.transfer import driver  # noqa: E402
+from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 17, 9, 250]]
+BUCKET = 64 * 1024  # several buckets per update for the ~450 KB tiny model
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from tests.transfer_helpers.trainer_actor import HFTrainer
+
+    model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec()))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
+    engines = [create_engine_actor(i, model_dir) for i in range(2)]
+    ray.get([e.info.remote() for e in engines] + [trainer.checksums.remote()])
+    state = {"model_dir": model_dir, "trainer": trainer, "engines": engines, "version": 0,
+             "tmp": tmp_path_factory.mktemp("out")}
+    yield state
+    ray.shutdown()
+
+
+def _connect(cluster, mode, engines, *, check_equal=True, timeout_s=TIMEOUT_S):
+    trainer = cluster["trainer"]
+    ray.get(trainer.transfer_setup.remote(mode, BUCKET, check_equal=check_equal, timeout_s=timeout_s))
+    driver.connect(trainer, engines, timeout_s=TIMEOUT_S)
+
+
+def _update(cluster, mode, engines, *, seed, check_equal=True, timeout_s=TIMEOUT_S, connect=True):
+    """Connect ``engines`` in ``mode``, perturb the trainer, send the next version; return it."""
+    trainer = cluster["trainer"]
+    if connect:
+        _connect(cluster, mode, engines, check_equal=check_equal, timeout_s=timeout_s)
+    if seed is not None:
+        ray.get(trainer.perturb.remote(seed))
+    version = cluster["version"] + 1
+    cluster["version"] = version  # burnt even if the update fails: an engine may already serve it
+    driver.run_update(trainer, engines, version, timeout_s=timeout_s, check_equal=check_equal)
+    return version
+
+
+@pytest.mark.parametrize("mode,n_engines", [("broadcast", 1), ("broadcast", 2),
+                                            ("broadcast_packed", 1), ("broadcast_packed", 2)])
+def test_update_lands_bit_exact(cluster, mode, n_engines):
+    engines = cluster["engines"][:n_engines]
+    before = ray.get([e.generate.remote(PROMPTS, max_tokens=6) for e in engines])
+    version = _update(cluster, mode, engines, seed=cluster["version"] + 1)
+    want = ray.get(cluster["trainer"].checksums.remote())
+    for i, engine in enumerate(engines):
+        assert ray.get(engine.weight_version.remote()) == version
+        got = ray.get(engine.received_checksums.remote())
+        assert got == want, f"engine {i}: tensors differ from the trainer's"
+        after = ray.get(engine.generate.remote(PROMPTS, max_tokens=6))
+        assert [r["weight_version"] for r in after] == [version] * len(PROMPTS)
+        assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before[i]]  # the weights really changed
+
+
+def test_updated_engines_match_a_fresh_engine_from_the_same_weights(cluster):
+    e0, e1 = cluster["engines"]
+    trainer = cluster["trainer"]
+    ray.get(trainer.perturb.remote(1234))
+    version = cluster["version"] + 1
+    for mode, engine in (("broadcast", e0), ("broadcast_packed", e1)):  # same weights, one mode each
+        ray.get(trainer.transfer_setup.remote(mode, BUCKET, check_equal=True, timeout_s=TIMEOUT_S))
+        driver.connect(trainer, [engine], timeout_s=TIMEOUT_S)
+        driver.run_update(trainer, [engine], version, timeout_s=TIMEOUT_S, check_equal=True)
+    cluster["version"] = version
+    saved = ray.get(trainer.save_hf.remote(str(cluster["tmp"] / "step")))
+    fresh = create_engine_actor(9, saved)
+    try:
+        ref = ray.get(fresh.generate.remote(PROMPTS, max_tokens=8))
+        ref_sums = ray.get(fresh.model_checksums.remote())
+        for engine in (e0, e1):
+            got = ray.get(engine.generate.remote(PROMPTS, max_tokens=8))
+            assert [r["token_ids"] for r in got] == [r["token_ids"] for r in ref]
+            assert [r["logprobs"] for r in got] == [r["logprobs"] for r in ref]  # exactly, not approximately
+            assert ray.get(engine.model_checksums.remote()) == ref_sums
+    finally:
+        ray.kill(fresh)
+
+
+def test_trainer_abort_leaves_every_engine_on_the_old_version(cluster):
+    engines, trainer = cluster["engines"], cluster["trainer"]
+    old = cluster["version"]
+    before = ray.get([e.generate.remote(PROMPTS, max_tokens=6) for e in engines])
+    ray.get(trainer.set_fail_after.remote(7))
+    try:
+        with pytest.raises(WeightUpdateError, match="simulated gather failure at tensor 7") as info:
+            _update(cluster, "broadcast_packed", engines, seed=77)
+        assert {"engine 0", "engine 1", "trainer"} == set(info.value.failures)
+    finally:
+        ray.get(trainer.set_fail_after.remote(None))
+    assert ray.get([e.weight_version.remote() for e in engines]) == [old, old]
+    assert ray.get([e.generate.remote(PROMPTS, max_tokens=6) for e in engines]) == before
+
+
+def test_receiver_failing_mid_update_leaves_no_engine_half_updated(cluster):
+    from tests.transfer_helpers.faults import fail_receive_after_buckets
+
+    e0, e1 = cluster["engines"]
+    old = ray.get(e1.weight_version.remote())
+    old_out = ray.get(e1.generate.remote(PROMPTS, max_tokens=6))
+    _connect(cluster, "broadcast", [e0, e1], timeout_s=15)
+    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(fail_receive_after_buckets, args=(2,))))
+    with pytest.raises(WeightUpdateError, match="engine 1: .*injected receiver fault after 2 buckets"):
+        _update(cluster, "broadcast", [e0, e1], seed=88, timeout_s=15, connect=False)
+    new = cluster["version"]
+    v0, v1 = ray.get([e0.weight_version.remote(), e1.weight_version.remote()])
+    assert v1 == old and ray.get(e1.generate.remote(PROMPTS, max_tokens=6)) == old_out
+    assert v0 in (old, new)
+    if v0 == new:  # engine 0 finished: it holds exactly the trainer's tensors
+        assert ray.get(e0.received_checksums.remote()) == ray.get(cluster["trainer"].checksums.remote())
+    # a new group brings both engines to the next version
+    version = _update(cluster, "broadcast", [e0, e1], seed=None)
+    assert ray.get([e.weight_version.remote() for e in (e0, e1)]) == [version, version]
+    assert ray.get(e1.generate.remote(PROMPTS, max_tokens=6)) == ray.get(e0.generate.remote(PROMPTS, max_tokens=6))
+
+
+def test_engine_killed_during_update_raises_in_bounded_time(cluster):
+    e0, e1 = cluster["engines"]
+    trainer = cluster["trainer"]
+    old = ray.get(e0.weight_version.remote())
+    timeout_s = 12.0
+    ray.get(trainer.transfer_setup.remote("broadcast_packed", BUCKET, timeout_s=timeout_s))
+    driver.connect(trainer, [e0, e1], timeout_s=TIMEOUT_S)
+    ray.get(trainer.perturb.remote(99))
+    ray.get(trainer.set_slow.remote(0.1))  # 25 tensors -> ~2.5 s on the wire
+    with cf.ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        future = pool.submit(driver.run_update, trainer, [e0, e1], cluster["version"] + 1, timeout_s=timeout_s)
+        time.sleep(1.0)
+        ray.kill(e1)
+        with pytest.raises(WeightUpdateError, match=r"engine 1: actor died") as info:
+            future.result(timeout=timeout_s + 30)
+        assert time.monotonic() - start < timeout_s + driver.FAILURE_GRACE_S + 5
+    ray.get(trainer.set_slow.remote(0.0))
+    assert "engine 1" in str(info.value)
+    assert ray.get(e0.weight_version.remote(), timeout=timeout_s + 30) == old  # it never saw the END
