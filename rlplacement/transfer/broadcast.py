@@ -70,6 +70,7 @@ class BroadcastSender(WeightSender):
         self.buffers = FlatBuffers(self.wire_device)
         self._store = self._endpoint = self._group = None
         self._broken: str | None = None
+        self._in_flight: dict = {}  # slot -> work of a payload still on the wire (overlapping modes)
 
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint:
         if world_size < 2:
@@ -106,13 +107,16 @@ class BroadcastSender(WeightSender):
                 nbytes += sum(m.nbytes for m in manifest.tensors)
                 if checksums is not None:
                     checksums.update((m.name, m.checksum) for m in manifest.tensors)
+            self._drain()
             self._send_frame(KIND_END, version, b"", num_tensors)
         except _SourceFailed as exc:
+            self._drain()
             self._send_frame(KIND_ABORT, version, str(exc).encode(), 0)
             raise UpdateAborted(f"update to version {version} aborted: the trainer's weight source "
                                 f"failed: {exc}") from exc.__cause__
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
+            self._in_flight = {}
             raise
         return UpdateReport(version, num_tensors, num_buckets, nbytes, time.perf_counter() - start, checksums)
 
@@ -128,6 +132,9 @@ class BroadcastSender(WeightSender):
         for (_, tensor), meta in zip(bucket, manifest.tensors):
             if meta.nbytes:
                 self._group.broadcast(as_bytes(tensor).to(self.wire_device))
+
+    def _drain(self) -> None:
+        """Wait for payloads still in flight (modes that overlap packing with sending)."""
 
     def close(self) -> None:
         if self._group is not None:

@@ -1,8 +1,10 @@
 """Mode ``broadcast_packed``: the ``broadcast`` wire with one broadcast of the whole flat bucket
 instead of one per tensor (mixed dtypes share the uint8 buffer; offsets are in the manifest).
 
-The sender packs into a buffer it keeps across updates; the receiver receives straight into its
-staging buffer, so each bucket costs one collective instead of one per tensor.
+The sender packs into two buffers it keeps across updates and alternates between them: bucket
+i+1 is packed while bucket i is on the wire (a slot is reused only after its broadcast has
+completed). The receiver receives straight into its staging buffer, so each bucket costs one
+collective and no copy on that side.
 """
 
 from __future__ import annotations
@@ -19,10 +21,22 @@ if TYPE_CHECKING:
 
 class PackedBroadcastSender(BroadcastSender):
     mode: ClassVar[str] = "broadcast_packed"
+    NUM_SLOTS = 2
 
     def _send_payload(self, bucket: list[NamedTensor], manifest: BucketManifest) -> None:
-        if manifest.nbytes:
-            self._group.broadcast(pack_into(self.buffers.get(0, manifest.nbytes), bucket, manifest))
+        if not manifest.nbytes:
+            return
+        in_flight = self._in_flight
+        slot = manifest.index % self.NUM_SLOTS
+        if slot in in_flight:
+            in_flight.pop(slot).wait()
+        flat = pack_into(self.buffers.get(slot, manifest.nbytes), bucket, manifest)
+        in_flight[slot] = self._group.broadcast(flat, async_op=True)
+
+    def _drain(self) -> None:
+        in_flight = self._in_flight
+        while in_flight:
+            in_flight.pop(min(in_flight)).wait()
 
 
 class PackedBroadcastReceiver(BroadcastReceiver):

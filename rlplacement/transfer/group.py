@@ -81,13 +81,22 @@ class TransferGroup:
             raise ValueError(f"transfer backend {backend!r} is unknown: use gloo or nccl")
         self._store = store  # keep the rendezvous alive as long as the group
 
-    def broadcast(self, tensor: "torch.Tensor") -> None:
+    def broadcast(self, tensor: "torch.Tensor", *, async_op: bool = False):
+        """Broadcast from rank 0 into ``tensor``; with ``async_op`` return the work to ``wait()`` on.
+
+        Ops complete in issue order on every rank (each gets the next collective tag), so a
+        sender may issue the next frame before the previous payload has left.
+        """
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
-        self._pg.broadcast([tensor], opts).wait()
+        work = self._pg.broadcast([tensor], opts)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def close(self) -> None:
         pg, self._pg = getattr(self, "_pg", None), None
