@@ -168,9 +168,7 @@ class TrainerBackend(abc.ABC):
             self.optimizer = self.optim_config.build(self._parameters())
         self.set_train(True)
         self.optimizer.zero_grad(set_to_none=True)
-        logp = self._token_log_probs(batch.input_ids)
-        loss = policy_gradient_loss(logp, batch)
-        loss.backward()
+        loss, logp = self._forward_backward(batch)
         self._finish_grads()
         norm = self._grad_norm()
         if not math.isfinite(norm):
@@ -179,9 +177,16 @@ class TrainerBackend(abc.ABC):
         self.optimizer.step()
         self.step += 1
         mask = batch.loss_mask.float()
-        return {"loss": float(loss.detach()), "grad_norm": norm, "lr": self.optim_config.lr,
+        return {"loss": loss, "grad_norm": norm, "lr": self.optim_config.lr,
                 "num_tokens": float(mask.sum()),
-                "mean_logprob": float((logp.detach() * mask).sum() / mask.sum().clamp(min=1.0))}
+                "mean_logprob": float((logp * mask).sum() / mask.sum().clamp(min=1.0))}
+
+    def _forward_backward(self, batch: Batch) -> tuple[float, torch.Tensor]:
+        """Loss and gradients for one batch; returns (loss, detached log-probs) on every rank."""
+        logp = self._token_log_probs(batch.input_ids)
+        loss = policy_gradient_loss(logp, batch)
+        loss.backward()
+        return float(loss.detach()), logp.detach()
 
     def close(self) -> None:
         """Release framework state (parallel groups); the process group stays the caller's."""

@@ -4,7 +4,10 @@ checkpoint (``--load``, from ``rlplacement convert``) or straight from an HF fol
 Weights stream out by gathering each parameter over TP, un-fusing q/k/v and gate/up, stripping the
 vocabulary padding and renaming (:func:`megatron_model.iter_hf_tensors`). Log-probs use Megatron's
 vocab-parallel cross-entropy with the padded vocabulary columns masked to -inf, so they equal the HF
-model's. Pipeline parallelism is supported by convert/export; training with PP > 1 is refused here.
+model's. With PP > 1 a step is one micro-batch through the stages (GPipe with a single micro-batch:
+activations go forward with point-to-point sends, their gradients come back the same way); the last
+stage computes log-probs and the loss and broadcasts them to its pipeline, and a tied embedding's two
+copies (first and last stage) get their gradients summed over Megatron's embedding group.
 """
 
 from __future__ import annotations
@@ -44,9 +47,6 @@ class MegatronBackend(TrainerBackend):
         from rlplacement.convert import layout
 
         tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-        if pp > 1:
-            raise ConfigError(f"--train-backend megatron trains with --pipeline-model-parallel-size 1 only (got {pp}); "
-                              f"pipeline parallelism is supported by convert/export-hf")
         if cfg.load:
             meta = layout.read_meta(cfg.load)
             hf_dir = Path(cfg.load) / layout.HF_CONFIG_DIR
@@ -100,23 +100,92 @@ class MegatronBackend(TrainerBackend):
     def _parameters(self) -> list[torch.nn.Parameter]:
         return [p for _, p in self._named]
 
-    def _token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _run_stage(self, input_ids: torch.Tensor, grad: bool):
+        """This pipeline stage's forward: ``(output, received input or None, log-probs or None)``."""
+        from megatron.core import parallel_state as ps
+
+        b, t = input_ids.shape
+        device = input_ids.device
+        position_ids = torch.arange(t, device=device).expand(b, t)
+        # the local spec needs an explicit causal mask on CPU (its default one is built on "cuda");
+        # TransformerEngine builds its own from the causal mask type
+        mask = None if self.spec == "te" else torch.triu(torch.ones(t, t, dtype=torch.bool, device=device),
+                                                         diagonal=1)[None, None]
+        received = None
+        if not ps.is_pipeline_first_stage(ignore_virtual=True):
+            received = torch.empty(t, b, self.hf_config.hidden_size, dtype=self._dtype, device=device)
+            dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
+            received.requires_grad_(grad)
+            self.model.set_input_tensor(received)
+        out = self.model(input_ids, position_ids, mask)
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return out, received, None
+        return out, received, self._logits_to_log_probs(out, input_ids)
+
+    def _logits_to_log_probs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        b, t = input_ids.shape
-        position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
-        # the local spec needs an explicit causal mask on CPU (its default one is built on "cuda");
-        # TransformerEngine builds its own from the causal mask type
-        mask = None if self.spec == "te" else torch.triu(
-            torch.ones(t, t, dtype=torch.bool, device=input_ids.device), diagonal=1)[None, None]
-        logits = self.model(input_ids, position_ids, mask).float()  # [B, T, V_padded / TP]
+        logits = logits.float()  # [B, T, V_padded / TP]
         shard = logits.shape[-1]
         first = ps.get_tensor_model_parallel_rank() * shard
         padding = torch.arange(first, first + shard, device=logits.device) >= self.shape.vocab_size
         logits = logits.masked_fill(padding, float("-inf"))
         nll = vocab_parallel_cross_entropy(logits[:, :-1].contiguous(), input_ids[:, 1:].contiguous())
-        return torch.cat([nll.new_zeros(b, 1), -nll], dim=1)
+        return torch.cat([nll.new_zeros(input_ids.shape[0], 1), -nll], dim=1)
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def _pp(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_world_size()
+
+    def _token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._run_stage(input_ids, grad=torch.is_grad_enabled())[2]
+
+    def _from_last_stage(self, tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        buf = tensor.detach().contiguous() if tensor is not None else torch.empty_like(like, dtype=torch.float32)
+        dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+        return buf
+
+    def log_probs(self, batch):
+        if self._pp == 1:
+            return super().log_probs(batch)
+        self.set_train(False)
+        ids = batch.input_ids.to(self.device)
+        with torch.no_grad():
+            logp = self._run_stage(ids, grad=False)[2]
+        return self._from_last_stage(logp, ids)
+
+    def _forward_backward(self, batch):
+        from megatron.core import parallel_state as ps
+
+        from rlplacement.backends.base import policy_gradient_loss
+
+        if self._pp == 1:
+            return super()._forward_backward(batch)
+        out, received, logp = self._run_stage(batch.input_ids, grad=True)
+        loss = None
+        if logp is not None:
+            loss = policy_gradient_loss(logp, batch)
+            loss.backward()
+        else:
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
+            out.backward(grad)
+        if received is not None:
+            dist.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+        logp = self._from_last_stage(logp, batch.input_ids)
+        loss_t = self._from_last_stage(loss.reshape(1) if loss is not None else None, torch.zeros(1))
+        return float(loss_t[0]), logp
 
     def _finish_grads(self) -> None:
         from megatron.core import parallel_state as ps
@@ -127,6 +196,11 @@ class MegatronBackend(TrainerBackend):
             for name, p in self._named:
                 if p.grad is not None and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
                     dist.all_reduce(p.grad, group=group)
+        # a tied embedding lives on the first and the last stage: both copies need the summed gradient
+        if self.shape.tied and self._pp > 1 and ps.is_rank_in_embedding_group(ignore_virtual=True):
+            for name, p in self._named:
+                if p.grad is not None and name in mapping.VOCAB_MEGATRON_NAMES:
+                    dist.all_reduce(p.grad, group=ps.get_embedding_group())
         dp = ps.get_data_parallel_world_size()
         if dp > 1:
             group = ps.get_data_parallel_group()
@@ -141,7 +215,8 @@ class MegatronBackend(TrainerBackend):
         first_tp = ps.get_tensor_model_parallel_rank() == 0
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self._named:
-            if p.grad is not None and (first_tp or mapping.tp_partition_dim(name) is not None):
+            duplicate = self.shape.tied and name == "output_layer.weight"  # the embedding's copy (PP > 1)
+            if p.grad is not None and not duplicate and (first_tp or mapping.tp_partition_dim(name) is not None):
                 total += p.grad.double().pow(2).sum()
         dist.all_reduce(total, group=ps.get_model_parallel_group())
         return math.sqrt(float(total))
