@@ -131,9 +131,18 @@ def test_logprobs_accept_tensors():
     assert row["rollout/logprob_abs_diff"] == 0.25 and row["rollout/logprob_abs_diff_max"] == 0.5
 
 
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_has_cuda(), reason="checks the CPU path: a GPU is present")
 def test_gpu_util_absent_on_cpu_and_weighted_when_reported():
-    assert not gpu_util.nvml_available()  # this CPU machine has no NVML library/driver
-    tel = _rec()
+    assert not gpu_util.nvml_available()  # no NVML library/driver here
+    tel = _rec(gpu_devices={"trainer": [0]})
     with tel.phase("train"):
         pass
     tel.record_interval("rollout", 0.0, 1.0, gpu_util=90.0)
@@ -141,6 +150,28 @@ def test_gpu_util_absent_on_cpu_and_weighted_when_reported():
     row = tel.end_step(0)
     assert row["perf/trainer_gpu_util"] is None
     assert row["perf/rollout_gpu_util"] == pytest.approx((90 + 30) / 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+def test_gpu_util_sampled_inside_the_phase_on_a_gpu():
+    """Busy inside the train phase, idle inside the rollout phase: per-phase sampling tells them apart."""
+    import torch
+
+    assert gpu_util.nvml_available()
+    tel = _rec(gpu_devices={"trainer": [0], "rollout": [0]})
+    x = torch.randn(8192, 8192, device="cuda:0")
+    with tel.phase("train"):
+        t = time.time()
+        while time.time() - t < 1.0:
+            for _ in range(20):
+                x @ x
+            torch.cuda.synchronize()
+    with tel.phase("rollout"):
+        time.sleep(1.0)
+    row = tel.end_step(0)
+    assert row["perf/trainer_gpu_util"] > 50, row["perf/trainer_gpu_util"]
+    assert row["perf/rollout_gpu_util"] < 20, row["perf/rollout_gpu_util"]
 
 
 def test_bad_input_is_refused_with_clear_messages():

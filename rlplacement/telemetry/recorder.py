@@ -97,6 +97,7 @@ class _Open:
     roles: tuple[str, ...]
     start: float
     counted_until: float | None = None  # end of the last window that counted it busy
+    samplers: dict[str, PhaseUtilSampler] = dataclasses.field(default_factory=dict)
 
 
 def _flat_floats(values: Any) -> list[float]:
@@ -157,10 +158,16 @@ class StepRecorder:
             self._t0 = float(start)
 
     def open(self, phase: str, role: str | None = None, start: float | None = None) -> int:
-        """Start a phase that ends later, possibly after this step ends (async rollout); a handle."""
+        """Start a phase that ends later, possibly after this step ends (async rollout); a handle.
+
+        GPU utilization of the role's ``gpu_devices`` is sampled until :meth:`close` (NVML sees
+        every GPU of the host, so the driver can watch an engine's GPU from outside its process).
+        """
         start = self._clock() if start is None else float(start)
         handle = next(self._handles)
-        self._open[handle] = _Open(phase, roles_for(phase, role), start)
+        roles = roles_for(phase, role)
+        samplers = {r: PhaseUtilSampler(self._gpu_devices.get(r)).start() for r in roles}
+        self._open[handle] = _Open(phase, roles, start, samplers=samplers)
         if self._t0 is None:
             self._t0 = start
         return handle
@@ -172,7 +179,8 @@ class StepRecorder:
             raise ValueError(f"handle {handle} is not open (closed twice, or not from this recorder)") from None
         end = self._clock() if end is None else float(end)
         for r in op.roles:
-            self.record_interval(op.phase, op.start, end, role=r, gpu_util=gpu_util)
+            sampled = op.samplers[r].stop() if r in op.samplers else None
+            self.record_interval(op.phase, op.start, end, role=r, gpu_util=gpu_util if gpu_util is not None else sampled)
         if op.counted_until is not None and end < op.counted_until:
             self._credit_late_idle(op, end)
 
