@@ -137,7 +137,9 @@ def main() -> int:
         from rlplacement.backends.hf_reference import hf_log_probs
 
         lp_diff = (backend.log_probs(batch) - hf_log_probs(ref, ids)).abs().max().item()
-        return {"ok": logit_diff <= tol and lp_diff <= tol, "logits_max_abs_diff": logit_diff,
+        # within_1e-2 tells a TF32-level GEMM difference (TE may use TF32 for fp32) from a wrong mapping
+        return {"ok": logit_diff <= tol and lp_diff <= tol, "within_1e-2": logit_diff <= 1e-2,
+                "logits_max_abs_diff": logit_diff,
                 "logprob_max_abs_diff": lp_diff, "tolerance": tol,
                 "dtype": str(next(backend.model.parameters()).dtype)}
 

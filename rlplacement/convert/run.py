@@ -23,7 +23,7 @@ def run_collective(fn: Callable[..., Any], world_size: int, *args: Any) -> Any:
         if world != world_size:
             raise ValueError(f"torchrun started {world} processes but the model needs {world_size} "
                              f"(--tensor-model-parallel-size x --pipeline-model-parallel-size)")
-        return fn(rank, world)
+        return fn(rank, world, *args)
     if world_size == 1 and not dist.is_initialized():
         launch.init_distributed(0, 1, "127.0.0.1", launch.free_port(), "gloo")
         try:
