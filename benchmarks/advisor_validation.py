@@ -61,6 +61,8 @@ def main() -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--out", default=None, help="folder for the telemetry files (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the table here")
+    ap.add_argument("--from", dest="reuse", default=None, metavar="DIR",
+                    help="analyse telemetry files a previous run left in DIR instead of running again")
     args = ap.parse_args()
     if args.loop == "tiny" and not TINY.exists():
         print(f"{TINY} does not exist yet: use --loop stub", file=sys.stderr)
@@ -70,8 +72,11 @@ def main() -> int:
     measured = {}
     for p in LAYOUTS:
         path = out / f"{'colocate' if p.colocate else f'{p.trainer_gpus}-{p.rollout_gpus}'}.jsonl"
-        path.unlink(missing_ok=True)
-        rows = run_tiny(p, args.steps, path) if args.loop == "tiny" else run_stub(p, args.steps, path, args.device)
+        if args.reuse:
+            rows = read_rows(Path(args.reuse) / path.name)
+        else:
+            path.unlink(missing_ok=True)
+            rows = run_tiny(p, args.steps, path) if args.loop == "tiny" else run_stub(p, args.steps, path, args.device)
         measured[p] = measure(rows)
         m = measured[p]
         util = {role: [r.get(f"perf/{role}_gpu_util") for r in rows[1:] if r.get(f"perf/{role}_gpu_util") is not None]

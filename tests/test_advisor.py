@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 import struct
 
 import pytest
 
+from rlplacement.advisor.measure import cumulative_tokens
 from rlplacement.advisor import (ModelAssumptions, Placement, Thresholds, Workload, candidate_placements, measure,
                                  recommend)
 from rlplacement.cli import main as cli_main
@@ -14,19 +16,26 @@ from rlplacement.placement.layout import feasible_splits
 from rlplacement.telemetry import StepRecorder, read_rows
 
 
-def uniform_finish(rollout: float, n: int) -> list[float]:
-    return [rollout * (0.1 + 0.9 * i / (n - 1)) for i in range(n)]
+def exp_lengths(n: int = 64, mean: float = 40.0, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [8 + int(rng.expovariate(1 / mean)) for _ in range(n)]
 
 
-def tailed_finish(rollout: float, n: int, bulk_end: float) -> list[float]:
-    """Most samples done by ``bulk_end``; the last 10% trickle in until ``rollout``."""
-    k = int(n * 0.9)
-    return ([bulk_end * (i + 1) / k for i in range(k)]
-            + [bulk_end + (rollout - bulk_end) * (i + 1) / (n - k) for i in range(n - k)])
+def long_tail_lengths() -> list[int]:
+    """90 short answers and 10 that run on: the tail."""
+    return [10 + i % 40 for i in range(90)] + [100 + 15 * i for i in range(10)]
+
+
+def decode_finish(lengths: list[int], rollout: float, latency_share: float) -> list[float]:
+    """Finish times of a decode whose step costs a fixed part plus one per running sequence,
+    scaled so the last sample ends at ``rollout`` and ``latency_share`` of it is the fixed part."""
+    cum = cumulative_tokens(lengths)
+    return [rollout * (latency_share * n / max(lengths) + (1 - latency_share) * c / max(cum))
+            for n, c in zip(lengths, cum)]
 
 
 def synth(path, *, trainer=4, rollout=4, gpe=2, colocate=False, gpn=8, R=5.0, S=0.2, T=5.0, steps=4,
-          finish=None, overlapped=True, mode="broadcast", nbytes=None, max_len=256, group=8, n=64):
+          lengths=None, latency_share=0.1, overlapped=True, mode="broadcast", nbytes=None, max_len=256, group=8):
     """Write telemetry of a loop with these phase times through StepRecorder; return its rows.
 
     Colocated or synchronous: rollout, sync, train in sequence. One-step-off: rollout k+1 starts
@@ -35,8 +44,8 @@ def synth(path, *, trainer=4, rollout=4, gpe=2, colocate=False, gpn=8, R=5.0, S=
     tel = StepRecorder(path, trainer_gpus=trainer, rollout_gpus=rollout, rollout_gpus_per_engine=gpe,
                        colocate=colocate, num_gpus_per_node=gpn, transfer_mode=mode, max_response_len=max_len,
                        group_size=group)
-    finish = finish or uniform_finish(R, n)
-    lengths = [max(1, int(max_len * f / R)) for f in finish]
+    lengths = lengths or exp_lengths()
+    finish = decode_finish(lengths, R, latency_share)
     t = 1000.0
     rollout_start = t
     handle = tel.open("rollout", start=t) if not (colocate or not overlapped) else None
@@ -86,6 +95,18 @@ def test_candidates_on_one_8_gpu_node_with_2_gpu_engines():
                                                                  Placement(True, 8, 8)]
 
 
+def test_decode_fit_recovers_latency_and_throughput_costs():
+    from rlplacement.advisor.measure import _decode_fit
+
+    lengths = exp_lengths(100, seed=3)
+    cum = cumulative_tokens(lengths)
+    assert cum[lengths.index(max(lengths))] == sum(lengths)
+    a, c = _decode_fit(lengths, [0.002 * n + 1e-4 * k for n, k in zip(lengths, cum)])
+    assert (a, c) == (pytest.approx(0.002), pytest.approx(1e-4))
+    a, c = _decode_fit(lengths, [0.002 * n for n in lengths])  # pure latency: nothing divides over engines
+    assert c == pytest.approx(0.0, abs=1e-12) and a == pytest.approx(0.002)
+
+
 def test_rollout_bound_moves_gpus_to_rollout(tmp_path):
     rows = synth(tmp_path / "r.jsonl", R=10.0, T=3.0)
     advice = advise(rows)
@@ -122,16 +143,16 @@ def test_sync_bound(tmp_path):
 
 
 def test_long_tail_never_adds_rollout_gpus(tmp_path):
-    # 90% of samples finish within 2 s, the last 10% take until 10 s; training is 3 s
-    rows = synth(tmp_path / "l.jsonl", R=10.0, T=3.0, finish=tailed_finish(10.0, 100, 2.0))
+    # a few long answers decode alone while the batch has drained; training is 3 s
+    rows = synth(tmp_path / "l.jsonl", R=10.0, T=3.0, lengths=long_tail_lengths(), latency_share=0.6)
     advice = advise(rows)
     assert advice.diagnosis.label == "long-tail"
     assert advice.recommended.placement.rollout_gpus <= 4
     assert all(c.placement.rollout_gpus <= 4 for c in advice.candidates)
     assert_valid(advice)
-    # the model agrees: more engines barely shorten a tail-dominated rollout
+    # the model agrees: the decode fit finds the 60% latency-bound share, which engines do not divide
     m = advice.measurement
-    assert m.rollout_tail == pytest.approx(8.0, rel=0.05)
+    assert m.rollout_fit == "decode-fit" and m.rollout_scalable == pytest.approx(4.0, rel=1e-3)
 
 
 def test_balanced_keeps_the_layout(tmp_path):
@@ -173,7 +194,7 @@ def _best_split(advice):
 
 def test_what_if_longer_responses_shift_gpus_to_rollout(tmp_path):
     rows = synth(tmp_path / "w.jsonl", trainer=8, rollout=8, gpe=1, gpn=8, R=6.0, T=6.0,
-                 finish=tailed_finish(6.0, 64, 4.0), max_len=256, group=8)
+                 latency_share=0.3, max_len=256, group=8)
     m = measure(rows)
     series = [recommend(m, workload=Workload(max_response_len=L)) for L in (128, 256, 512, 1024)]
     rollout = [_best_split(a).placement.rollout_gpus for a in series]
@@ -185,16 +206,17 @@ def test_what_if_longer_responses_shift_gpus_to_rollout(tmp_path):
 
 def test_what_if_group_size(tmp_path):
     """Larger groups lengthen every phase; the best split does not move to rollout in this model,
-    because bulk rollout and training both grow linearly in samples while the tail (the longest of
-    n samples) grows only ~log n. The issue expected a shift to rollout: see the model docstring."""
+    because throughput-bound rollout and training both grow linearly in samples while the
+    latency-bound part (set by the longest of n samples) grows only ~log n. The issue expected a
+    shift to rollout: see the model docstring."""
     rows = synth(tmp_path / "w.jsonl", trainer=8, rollout=8, gpe=1, gpn=8, R=6.0, T=6.0,
-                 finish=tailed_finish(6.0, 64, 4.0), max_len=256, group=8)
+                 latency_share=0.3, max_len=256, group=8)
     m = measure(rows)
     series = [recommend(m, workload=Workload(group_size=g)) for g in (4, 8, 16, 64)]
     steps = [a.current.step_time for a in series]
-    tails = [a.current.rollout_time - (m.rollout_time - m.rollout_tail) * g / 8 for a, g in zip(series, (4, 8, 16, 64))]
+    fixed = [a.current.rollout_time - m.rollout_scalable * g / 8 for a, g in zip(series, (4, 8, 16, 64))]
     assert steps == sorted(steps) and steps[-1] > 6 * steps[0]
-    assert tails == sorted(tails) and tails[-1] < 2 * tails[1]  # the tail grows, sub-linearly
+    assert fixed == sorted(fixed) and fixed[-1] < 2 * fixed[1]  # the latency-bound part grows, sub-linearly
     rollout = [_best_split(a).placement.rollout_gpus for a in series]
     assert rollout == sorted(rollout, reverse=True), rollout
 

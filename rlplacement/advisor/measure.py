@@ -54,6 +54,8 @@ class Measurement:
     train_wait: float
     rollout_wait: float
     rollout_tail: float            # seconds of rollout after the bulk quantile of samples finished
+    rollout_scalable: float        # seconds of rollout that divide over engines (throughput-bound)
+    rollout_fit: str               # how rollout_scalable was found: "decode-fit" or "quantile"
     finish_p50: float | None       # sample finish times, seconds after dispatch
     finish_p99: float | None
     tail_share: float              # rollout_tail / rollout_time
@@ -112,6 +114,53 @@ def _tail_stats(rows: Sequence[dict], bulk_quantile: float) -> tuple[float, floa
     return statistics.median(tails), statistics.median(p50s), statistics.median(p99s)
 
 
+def cumulative_tokens(lengths: Sequence[int]) -> list[float]:
+    """For each sample: tokens the whole batch decoded until it finished, sum_j min(L_j, L_i)."""
+    order = sorted(lengths)
+    prefix, out, acc = {}, [], 0
+    n = len(order)
+    for k, length in enumerate(order):  # sum_j min(L_j, L) = (sum of shorter) + L * (number not shorter)
+        prefix.setdefault(length, acc + length * (n - k))
+        acc += length
+    return [float(prefix[length]) for length in lengths]
+
+
+def _decode_fit(lengths: Sequence[int], finish: Sequence[float]) -> tuple[float, float] | None:
+    """Least-squares ``finish_i ~ a * L_i + c * C_i`` with a, c >= 0.
+
+    A decode step costs a fixed part (reading the weights: latency-bound, the same for 1 or 100
+    running sequences) plus a part per running sequence (throughput-bound). Sample i finishes
+    after L_i steps during which the batch decoded C_i tokens, so its finish time is
+    a * L_i + c * C_i. ``c * total tokens`` is the part of rollout that more engines divide.
+    """
+    if len(lengths) < 3 or len(lengths) != len(finish):
+        return None
+    xs, ys, zs = [float(x) for x in lengths], cumulative_tokens(lengths), [float(f) for f in finish]
+    sxx, syy, sxy = sum(x * x for x in xs), sum(y * y for y in ys), sum(x * y for x, y in zip(xs, ys))
+    sxz, syz = sum(x * z for x, z in zip(xs, zs)), sum(y * z for y, z in zip(ys, zs))
+    det = sxx * syy - sxy * sxy
+    a, c = ((sxz * syy - syz * sxy) / det, (syz * sxx - sxz * sxy) / det) if det > 1e-12 * sxx * syy else (-1, -1)
+    if a < 0 or c < 0:  # clamp to the better one-term fit
+        only_a, only_c = sxz / sxx, syz / syy
+        err_a = sum((z - only_a * x) ** 2 for x, z in zip(xs, zs))
+        err_c = sum((z - only_c * y) ** 2 for y, z in zip(ys, zs))
+        a, c = (max(only_a, 0.0), 0.0) if err_a <= err_c else (0.0, max(only_c, 0.0))
+    return a, c
+
+
+def _scalable_rollout(rows: Sequence[dict], tail: float, rollout_time: float) -> tuple[float, str]:
+    scalable = []
+    for r in rows:
+        lengths, finish = r.get("rollout/response_lengths") or [], r.get("rollout/sample_finish_times") or []
+        fitted = _decode_fit(lengths, finish)
+        if fitted is None:
+            continue
+        scalable.append(min(float(r["perf/rollout_time"]), fitted[1] * sum(lengths)))
+    if scalable:
+        return statistics.median(scalable), "decode-fit"
+    return max(0.0, rollout_time - tail), "quantile"
+
+
 def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.9,
             num_gpus_per_node: int | None = None, source: str = "the telemetry") -> Measurement:
     """Summarise a run; ``num_gpus_per_node`` overrides the rows' value (default 8 when absent)."""
@@ -124,6 +173,7 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
     tail, p50, p99 = _tail_stats(used, bulk_quantile)
     rollout_time = _median(used, PHASE_KEYS["rollout"])
     lengths = tuple(int(x) for r in used for x in (r.get("rollout/response_lengths") or []))
+    scalable, how = _scalable_rollout(used, min(tail, rollout_time), rollout_time)
     caps = [r["max_response_len"] for r in used if r.get("max_response_len")]
     bytes_ = [r["perf/update_weights_bytes"] for r in used if r.get("perf/update_weights_bytes")]
     return Measurement(
@@ -139,6 +189,8 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         train_wait=_median(used, PHASE_KEYS["train_wait"]),
         rollout_wait=_median(used, PHASE_KEYS["rollout_wait"]),
         rollout_tail=min(tail, rollout_time),
+        rollout_scalable=min(scalable, rollout_time),
+        rollout_fit=how,
         finish_p50=p50,
         finish_p99=p99,
         tail_share=(min(tail, rollout_time) / rollout_time) if rollout_time > 0 else 0.0,

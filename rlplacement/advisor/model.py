@@ -3,11 +3,15 @@
 Phases, each fitted from the run's medians (``m`` = :class:`Measurement`, ``N_r``/``N_t`` =
 rollout/trainer GPUs, ``l`` = max-response-length ratio, ``g`` = group-size ratio):
 
-* rollout = bulk * (N_r0 / N_r) * g * l^e  +  tail * l * H(n') / H(n)
-  The bulk (until ``bulk_quantile`` of samples finished) is throughput-bound and divides over
-  engines; the tail (few long sequences decoding) is latency-bound and does not. Decode cost
-  per token grows with context, hence ``e = rollout_length_exponent`` > 1. The tail grows
-  with the expected longest of n samples, ~H(n) (harmonic number) for an exponential tail.
+* rollout = scalable * (N_r0 / N_r) * g * l^e  +  fixed * l * H(n') / H(n)
+  ``scalable`` is the throughput-bound part, which divides over engines: fitted per step from
+  the samples' (length, finish time) pairs as ``c * tokens`` in ``finish_i = a * L_i + c * C_i``
+  (a decode step costs a fixed weight read plus a part per running sequence; ``C_i`` is the
+  tokens the batch decoded until sample i finished); without finish times, the time until
+  ``bulk_quantile`` of the samples finished. ``fixed`` (the rest: per-step latency, the tail,
+  dispatch) does not divide. Decode cost per token grows with context, hence
+  ``e = rollout_length_exponent`` > 1. The fixed part follows the longest sample, whose
+  expected length grows ~H(n) (harmonic number) with n samples for an exponential tail.
 * train = train0 * (N_t0 / N_t) * g * l: data parallel over the trainer's GPUs, linear in tokens.
 * sync = fixed + bytes / bandwidth(path, mode): the path is CUDA IPC when colocated, NVLink when
   a split fits one node, the ``--link-gbps`` network otherwise (disk for disk-delta); ``fixed``
@@ -19,6 +23,13 @@ rollout/trainer GPUs, ``l`` = max-response-length ratio, ``g`` = group-size rati
 * other = what the measured step had beyond the modelled one (driver, reward), kept constant.
 
 So the current layout is reproduced by construction; the model's claims are the *changes*.
+
+What-if directions that follow: a longer response cap grows rollout faster than training
+(``e`` > 1, and the latency-bound part follows the longest sample), so GPUs shift to rollout.
+A larger group grows throughput-bound rollout and training alike (both linear in samples) and
+the latency-bound part only ~log n, so it does *not* shift GPUs to rollout here (slightly the
+other way); it would only where engines run out of KV-cache room and decode in waves, which
+one run's telemetry does not show.
 """
 
 from __future__ import annotations
@@ -115,9 +126,9 @@ class StepModel:
         length, group, tail_growth = self._ratios(workload)
         r0 = m.placement.rollout_gpus
         t0 = m.placement.trainer_gpus
-        bulk = m.rollout_time - m.rollout_tail
-        rollout = (bulk * (r0 / p.rollout_gpus) * group * length ** self.assumptions.rollout_length_exponent
-                   + m.rollout_tail * length * tail_growth)
+        fixed = m.rollout_time - m.rollout_scalable
+        rollout = (m.rollout_scalable * (r0 / p.rollout_gpus) * group * length ** self.assumptions.rollout_length_exponent
+                   + fixed * length * tail_growth)
         train = m.train_time * (t0 / p.trainer_gpus) * group * length
         sync, path = self.sync_time(p)
         step = self._compose(p, rollout, sync, train) + self.other_time
