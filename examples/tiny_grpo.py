@@ -26,6 +26,7 @@ from rlplacement.args import ConfigError
 EXAMPLE_DEFAULTS = dict(actor_num_gpus_per_node=1, rollout_num_gpus=1, num_gpus_per_node=4,
                         train_backend="fsdp")
 PROMPTS = ["what is two plus three ?", "count : 1 2 3", "the quick brown fox", "one two three four"]
+TINY_MODEL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # 2 KV heads: TP=2 works
 DIGITS = "0123456789"  # reward: fraction of response tokens that are digits
 
 
@@ -65,15 +66,17 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from rlplacement.hooks import RLJob
-    from rlplacement.models.tiny import make_tiny_model
+    from rlplacement.models.tiny import TinySpec, make_tiny_model
     from rlplacement.telemetry.recorder import RunLayout, StepRecorder
 
     config = rlplacement.config_from_args(args)  # every flag checked before any process starts
-    if (args.prompts_per_step * args.group_size) % config.placement.trainer_num_gpus:
+    dp = config.placement.trainer_num_gpus // (config.backend.tensor_model_parallel_size
+                                                * config.backend.pipeline_model_parallel_size)
+    if (args.prompts_per_step * args.group_size) % dp:
         raise ConfigError(f"--prompts-per-step x --group-size = {args.prompts_per_step * args.group_size} samples "
-                          f"must split evenly over {config.placement.trainer_num_gpus} trainer ranks")
+                          f"must split evenly over {dp} data-parallel trainer ranks")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tiny_grpo_"))
-    hf_dir = config.backend.hf_checkpoint or str(make_tiny_model(work / "model"))
+    hf_dir = config.backend.hf_checkpoint or str(make_tiny_model(work / "model", TinySpec(**TINY_MODEL)))
     tok = AutoTokenizer.from_pretrained(hf_dir)
     targets = {tok.convert_tokens_to_ids(d) for d in DIGITS}
     prompts = [tok.encode(p) for p in PROMPTS]

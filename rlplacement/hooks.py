@@ -49,6 +49,9 @@ class RLJob:
     def __init__(self, config: Config, placement, trainers: list, engines: list):
         self.config, self.placement, self.trainers, self.engines = config, placement, trainers, engines
         self.version = 0
+        self.check_equal = config.transfer.check_equal
+        self.dp_ranks: list[int] = [0] * len(trainers)  # each trainer rank's share of a batch
+        self.dp_size = 1
 
     @classmethod
     def start(cls, config: Config, hf_dir: str, *, optim: dict[str, Any] | None = None,
@@ -59,7 +62,6 @@ class RLJob:
         from rlplacement.engines.ray_engines import create_engine_actor
         from rlplacement.placement import ray_groups
         from rlplacement.runtime.trainer_worker import TrainerWorker
-        from rlplacement.transfer import driver
 
         mode = _check_transfer_mode(config)  # before any process starts
         placement = ray_groups.place(config.placement)
@@ -75,13 +77,11 @@ class RLJob:
         try:
             addr, port = ray.get(trainers[0].address.remote(), timeout=timeout_s)
             backend_cfg = dataclasses.replace(config.backend, hf_checkpoint=config.backend.hf_checkpoint or hf_dir)
-            ray.get([t.setup.remote(addr, port, backend_cfg, optim or {}, backend_options) for t in trainers],
-                    timeout=timeout_s)
-            t = config.transfer
-            ray.get(trainers[0].transfer_setup.remote(mode, t.buffer_size, check_equal=t.check_equal,
-                                                       timeout_s=t.p2p_timeout if mode == "p2p" else timeout_s),
-                    timeout=timeout_s)
-            driver.connect(trainers[0], engines, timeout_s=timeout_s)
+            infos = ray.get([t.setup.remote(addr, port, backend_cfg, optim or {}, backend_options) for t in trainers],
+                            timeout=timeout_s)
+            job.dp_ranks = [i["data_parallel_rank"] for i in infos]
+            job.dp_size = infos[0]["data_parallel_size"]
+            job.set_transfer(mode, check_equal=config.transfer.check_equal, timeout_s=timeout_s)
         except BaseException:
             job.close()
             raise
@@ -110,18 +110,20 @@ class RLJob:
 
     # ---- training -------------------------------------------------------------------------------
     def _shards(self, batch: dict[str, list]) -> list[dict[str, list]]:
-        world, n = len(self.trainers), len(batch["advantages"])
-        if n % world:
-            raise ConfigError(f"a batch of {n} samples does not split over {world} data-parallel trainer ranks: "
-                              f"use a multiple of {world} samples per step")
-        per = n // world
-        return [{k: v[r * per:(r + 1) * per] for k, v in batch.items()} for r in range(world)]
+        """Each trainer rank's share: ranks of one tensor/pipeline-parallel group get the same one."""
+        n = len(batch["advantages"])
+        if n % self.dp_size:
+            raise ConfigError(f"a batch of {n} samples does not split over {self.dp_size} data-parallel trainer "
+                              f"ranks: use a multiple of {self.dp_size} samples per step")
+        per = n // self.dp_size
+        return [{k: v[r * per:(r + 1) * per] for k, v in batch.items()} for r in self.dp_ranks]
 
     def log_probs(self, batch: dict[str, list]) -> list[list[float]]:
         import ray
 
         parts = ray.get([t.log_probs.remote(s) for t, s in zip(self.trainers, self._shards(batch))])
-        return [row for part in parts for row in part]
+        first_of_share = {dp: part for dp, part in zip(self.dp_ranks, parts)}
+        return [row for dp in range(self.dp_size) for row in first_of_share[dp]]
 
     def train(self, batch: dict[str, list]) -> list[dict]:
         """One optimizer step on ``batch`` (lists: input_ids [B][T], loss_mask [B][T], advantages [B])."""
@@ -130,6 +132,21 @@ class RLJob:
         return ray.get([t.train_step.remote(s) for t, s in zip(self.trainers, self._shards(batch))])
 
     # ---- weights --------------------------------------------------------------------------------
+    def set_transfer(self, mode: str, *, check_equal: bool, buffer_size: int | None = None,
+                     timeout_s: float = 600.0) -> None:
+        """Rebuild the transfer group with another mode (benchmarks compare modes on one engine).
+
+        Engines keep serving their current version; the next update continues the numbering.
+        """
+        import ray
+
+        from rlplacement.transfer import driver
+
+        ray.get(self.trainers[0].transfer_setup.remote(mode, buffer_size or self.config.transfer.buffer_size,
+                                                        check_equal=check_equal, timeout_s=timeout_s))
+        driver.connect(self.trainers[0], self.engines, timeout_s=timeout_s)
+        self.check_equal = check_equal
+
     def update_weights(self, *, timeout_s: float = 600.0) -> dict:
         """Send the trainer's current weights to every engine as the next version."""
         import ray
@@ -139,7 +156,7 @@ class RLJob:
         version = self.version + 1
         helpers = [t.gather_for_update.remote() for t in self.trainers[1:]]
         report = driver.run_update(self.trainers[0], self.engines, version, timeout_s=timeout_s,
-                                   check_equal=self.config.transfer.check_equal)
+                                   check_equal=self.check_equal)
         ray.get(helpers, timeout=timeout_s)
         self.version = version
         return report

@@ -44,7 +44,9 @@ class TrainerWorker(TrainerTransferMixin):
         torch.manual_seed(0)
         init_distributed(self.rank, self.world_size, master_addr, master_port)
         self.backend = make_backend(backend_cfg, OptimConfig(**optim), **(backend_options or {}))
-        return {"rank": self.rank, "device": str(self.backend.device)}
+        return {"rank": self.rank, "device": str(self.backend.device),
+                "data_parallel_rank": self.backend.data_parallel_rank,
+                "data_parallel_size": self.backend.data_parallel_size}
 
     def _batch(self, batch: dict):
         import torch
@@ -75,6 +77,26 @@ class TrainerWorker(TrainerTransferMixin):
         from rlplacement.transfer.base import tensor_checksum
 
         return {name: tensor_checksum(t) for name, t in self.backend.iter_hf_tensors()}
+
+    def save_hf_folder(self, out_dir: str, like_dir: str) -> str | None:
+        """Write the current weights as a Hugging Face folder (collective; rank 0 writes), with the
+        config and tokenizer files of ``like_dir``: a fresh engine started from it must behave
+        exactly like an engine that received the same weights by transfer."""
+        import shutil
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().cpu().contiguous() for name, t in self.backend.iter_hf_tensors()}
+        if self.rank != 0:
+            return None
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in Path(like_dir).iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                shutil.copy(f, out / f.name)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return str(out)
 
     def close(self) -> None:
         self.transfer_close()
