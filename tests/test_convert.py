@@ -13,11 +13,25 @@ SPECS = {
     "qwen2-tied": TinySpec(family="qwen2", num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True),
     "llama-gqa-tied": TinySpec(family="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                vocab_size=333),
+    "qwen3-bf16": TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2, dtype="bfloat16"),
 }
 
 
+def _load_folder(folder):
+    """All tensors of an HF folder, single file or sharded with an index."""
+    import json
+    from pathlib import Path
+
+    index = Path(folder) / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    out = {}
+    for f in files:
+        out.update(load_file(f"{folder}/{f}"))
+    return out
+
+
 def assert_same_tensors(a_dir, b_dir):
-    a, b = load_file(f"{a_dir}/model.safetensors"), load_file(f"{b_dir}/model.safetensors")
+    a, b = _load_folder(a_dir), _load_folder(b_dir)
     assert set(a) == set(b), set(a) ^ set(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
@@ -63,3 +77,17 @@ def test_bad_input_is_refused_before_work(tmp_path, capsys):
     assert not (tmp_path / "td").exists()
     assert main(["export-hf", "--load", str(tmp_path / "nothing"), "--save", str(tmp_path / "o")]) == 2
     assert "no latest_checkpointed_iteration.txt" in capsys.readouterr().err
+
+
+def test_sharded_hf_folders_are_read_and_written(tmp_path):
+    hf = make_tiny_model(tmp_path / "hf", SPECS["qwen3-gqa-untied"])
+    assert main(["convert", "--hf-checkpoint", str(hf), "--save", str(tmp_path / "td"), "--no-progress"]) == 0
+    assert main(["export-hf", "--load", str(tmp_path / "td"), "--save", str(tmp_path / "sharded"),
+                 "--max-shard-bytes", "40000"]) == 0
+    assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 2
+    assert_same_tensors(hf, tmp_path / "sharded")
+    # the sharded folder converts like the single-file one
+    assert main(["convert", "--hf-checkpoint", str(tmp_path / "sharded"), "--save", str(tmp_path / "td2"),
+                 "--no-progress"]) == 0
+    assert main(["export-hf", "--load", str(tmp_path / "td2"), "--save", str(tmp_path / "out")]) == 0
+    assert_same_tensors(hf, tmp_path / "out")

@@ -18,13 +18,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="TP used to read the checkpoint (any size it reshards to).")
     p.add_argument("--layer-spec", choices=("auto", "local", "te"), default="auto")
+    p.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3,
+                   help="Largest safetensors file to write; more files get an index (HF layout).")
     return p
 
 
-def _export_rank(rank: int, world: int, load: str, save: str, hf_config: str | None, tp: int, spec: str):
+def _export_rank(rank: int, world: int, load: str, save: str, hf_config: str | None, tp: int, spec: str,
+                 max_shard_bytes: int):
     from rlplacement.convert.megatron_to_hf import export
 
-    return export(load, save, hf_config, tp=tp, spec=spec)
+    return export(load, save, hf_config, tp=tp, spec=spec, max_shard_bytes=max_shard_bytes)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -39,7 +42,9 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--load {load} has no {layout.HF_CONFIG_DIR}/config.json: pass --hf-config HF_DIR")
     if args.hf_config is not None and not (Path(args.hf_config) / "config.json").is_file():
         raise ConfigError(f"--hf-config {args.hf_config}: no config.json there")
+    if args.max_shard_bytes < 1:
+        raise ConfigError("--max-shard-bytes must be positive")
     names = run_collective(_export_rank, args.tensor_model_parallel_size, str(load), args.save, args.hf_config,
-                           args.tensor_model_parallel_size, args.layer_spec)
+                           args.tensor_model_parallel_size, args.layer_spec, args.max_shard_bytes)
     print(f"rlplacement export-hf: wrote {len(names)} tensors to {args.save}")
     return 0

@@ -40,8 +40,11 @@ def export(load_dir: str | os.PathLike, save_dir: str | os.PathLike, hf_config_d
     model = mm.build_model(hf_config, padded, tp, pp, spec)
     mm.load_torch_dist(model, layout.checkpoint_dir(load))
     writer = _ShardWriter(Path(save_dir), max_shard_bytes) if dist.get_rank() == 0 else None
+    # written in config.json's dtype: megatron may hold some tensors wider (its norms stay fp32 in a
+    # bf16 model), and widening then narrowing back is exact
+    dtype = mm.hf_dtype(hf_config)
     for name, tensor in mm.iter_hf_tensors(model, shape, family):
-        writer.add(name, tensor.detach().cpu())
+        writer.add(name, tensor.detach().cpu().to(dtype))
     if writer is None:
         return []
     names = writer.finish()
