@@ -70,3 +70,13 @@ def test_unknown_backend_lists_known_names():
 def test_megatron_without_a_checkpoint_says_which_flag():
     with pytest.raises(ConfigError, match="needs --load .* or --hf-checkpoint"):
         make_backend(BackendConfig("megatron", None, None, 1, 1))
+
+
+def test_cpu_shims_are_undone_after_close(tmp_path, single_rank):
+    import torch
+
+    real = torch.cuda.current_device
+    backend = make_backend(_cfg(make_tiny_model(tmp_path / "hf", SPECS["llama-gqa"])), SGD)
+    assert torch.cuda.current_device is not real  # megatron needs them while it works
+    backend.close()
+    assert torch.cuda.current_device is real

@@ -232,4 +232,7 @@ class MegatronBackend(TrainerBackend):
     def close(self) -> None:
         from megatron.core import parallel_state as ps
 
+        from rlplacement.backends.megatron_cpu import remove_cpu_shims
+
         ps.destroy_model_parallel()
+        remove_cpu_shims()

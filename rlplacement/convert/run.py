@@ -38,6 +38,9 @@ def _teardown() -> None:
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
+        from rlplacement.backends.megatron_cpu import remove_cpu_shims
+
+        remove_cpu_shims()
     except ImportError:
         pass
     if dist.is_initialized():
