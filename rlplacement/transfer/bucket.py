@@ -118,9 +118,24 @@ def as_bytes(tensor: "torch.Tensor") -> "torch.Tensor":
 
 
 def pack_into(buffer: "torch.Tensor", bucket: list[NamedTensor], manifest: BucketManifest) -> "torch.Tensor":
-    """Copy the bucket's bytes into ``buffer`` (uint8, on any device); return the used prefix."""
+    """Copy the bucket's bytes into ``buffer`` (uint8, on any device); return the used prefix.
+
+    Host-to-host copies go through numpy's single-threaded memcpy: torch's ``copy_`` starts an
+    OpenMP team per call, which on a few busy cores made packing 300 tensors 5-10x slower than
+    one flat copy of the same bytes.
+    """
+    import numpy as np
+
+    host = buffer.device.type == "cpu"
+    dst_np = buffer.numpy() if host else None
     for (_, tensor), meta in zip(bucket, manifest.tensors):
-        buffer[meta.offset:meta.offset + meta.nbytes].copy_(as_bytes(tensor), non_blocking=True)
+        if not meta.nbytes:
+            continue
+        src = as_bytes(tensor)
+        if host and src.device.type == "cpu":
+            np.copyto(dst_np[meta.offset:meta.offset + meta.nbytes], src.numpy())
+        else:
+            buffer[meta.offset:meta.offset + meta.nbytes].copy_(src, non_blocking=True)
     return buffer[:manifest.nbytes]
 
 

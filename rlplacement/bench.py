@@ -1,0 +1,217 @@
+"""``rlplacement bench --mode MODE [--size-mb S] [--num-tensors T] [--json]``.
+
+Real updates of a Qwen3-shaped model built from a config (random bf16 weights, HF names and
+order) from this process to a receiver in a second process, over the mode's real transport,
+next to the ceiling: the raw transfer of the same bytes on the same transport, measured in the
+same run. One row per mode (contract "rlplacement bench" in DESIGN.md):
+``{"mode", "bytes", "num_tensors", "seconds", "gbps", "ceiling", "ceiling_gbps", "ratio"}``.
+
+The receiver stages and commits into a no-op loader: this measures the wire and the staging,
+not an engine's own load (which the vLLM tests time separately). Seconds are the median of
+``--repeats`` timed updates after one warm-up, each from the first byte to the receiver's ack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable
+
+BENCH_MODES = ("broadcast", "broadcast_packed")
+CEILING_OF = {"broadcast": "flat broadcast", "broadcast_packed": "flat broadcast"}
+
+
+def qwen3_shaped_tensors(size_mb: float, num_tensors: int, *, seed: int = 0):
+    """HF-named bf16 tensors of a Qwen3 model whose config is chosen to give about ``num_tensors``
+    tensors (11 per layer + 3) and about ``size_mb`` MB."""
+    import torch
+    import transformers
+
+    layers = max(1, round((num_tensors - 3) / 11))
+    target = size_mb * 1e6
+
+    def shape_for(hidden: int) -> dict:
+        heads = max(1, hidden // 128)
+        kv = max(1, heads // 4)
+        vocab = 32000 if 2 * 32000 * hidden * 2 < target / 2 else 4096
+        return dict(hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=heads,
+                    num_key_value_heads=kv, head_dim=128, vocab_size=vocab, num_hidden_layers=layers)
+
+    def nbytes(c: dict) -> int:
+        h, q, kv = c["hidden_size"], c["num_attention_heads"] * 128, c["num_key_value_heads"] * 128
+        per_layer = h * (2 * q + 2 * kv) + 3 * h * c["intermediate_size"] + 2 * h + 2 * 128
+        return 2 * (layers * per_layer + 2 * c["vocab_size"] * h + h)
+
+    hidden = min((128 * k for k in range(1, 129)), key=lambda h: abs(nbytes(shape_for(h)) - target))
+    cfg = transformers.Qwen3Config(**shape_for(hidden), tie_word_embeddings=False)
+    with torch.device("meta"):
+        meta_model = transformers.AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+    return [(name, torch.randn(p.shape, generator=g, dtype=torch.float32).to(torch.bfloat16))
+            for name, p in meta_model.named_parameters()]
+
+
+def _receiver_main(conn) -> None:
+    """Child process: follow the parent's commands, ack each finished transfer."""
+    import torch
+
+    from rlplacement.transfer import group as groups
+    from rlplacement.transfer import registry
+    from rlplacement.transfer.base import TransferEndpoint
+
+    torch.set_num_threads(1)
+    receiver = None
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            return
+        if cmd[0] == "mode":
+            _, endpoint, repeats = cmd
+            endpoint = TransferEndpoint.from_dict(endpoint)
+            receiver = registry.receiver_class(endpoint.mode)("cpu")
+            receiver.connect(endpoint, 1)
+            conn.send("joined")
+            for version in range(1, repeats + 1):
+                receiver.begin(version)
+                receiver.receive()
+                receiver.commit(lambda staged: None)
+                conn.send("ok")
+            receiver.close()
+        elif cmd[0] == "raw":
+            _, endpoint, nbytes, repeats = cmd
+            e = TransferEndpoint.from_dict(endpoint)
+            grp = groups.TransferGroup(groups.join_store(e.host, e.port, 2, e.timeout_s), e.group_name, 1, 2,
+                                       e.backend, "cpu", e.timeout_s)
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            buf.fill_(0)  # pre-fault, as the staging buffers are after the warm-up
+            conn.send("joined")
+            for _ in range(repeats):
+                grp.broadcast(buf)
+                conn.send("ok")
+            grp.close()
+
+
+class Bench:
+    """A receiver process and the timing loop around it."""
+
+    def __init__(self, timeout_s: float = 60.0):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver_main, args=(child,), daemon=True)
+        self.proc.start()
+        self.timeout_s = timeout_s
+
+    def _ack(self) -> None:
+        if not self.conn.poll(self.timeout_s):
+            raise TimeoutError(f"receiver process gave no answer within {self.timeout_s}s")
+        msg = self.conn.recv()
+        if msg not in ("ok", "joined"):
+            raise RuntimeError(f"receiver: {msg}")
+
+    def _timed(self, repeats: int, one: Callable[[int], None]) -> float:
+        times = []
+        for i in range(repeats + 1):  # the first is a warm-up (allocations, page faults)
+            start = time.perf_counter()
+            one(i + 1)
+            self._ack()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    def mode(self, mode: str, named, buffer_size: int, repeats: int) -> float:
+        from rlplacement.transfer import registry
+
+        sender = registry.sender_class(mode)(buffer_size, timeout_s=self.timeout_s, device="cpu")
+        endpoint = sender.listen(2, host="127.0.0.1")
+        self.conn.send(("mode", endpoint.to_dict(), repeats + 1))
+        sender.connect()
+        self._ack()
+        try:
+            return self._timed(repeats, lambda v: sender.update(v, named))
+        finally:
+            sender.close()
+
+    def raw(self, nbytes: int, repeats: int) -> float:
+        """The ceiling: one broadcast of one flat buffer of ``nbytes`` on the same transport."""
+        import uuid
+
+        import torch
+
+        from rlplacement.transfer import group as groups
+
+        store, port = groups.host_store("127.0.0.1", 2, self.timeout_s)
+        name = uuid.uuid4().hex[:12]
+        self.conn.send(("raw", {"mode": "raw", "host": "127.0.0.1", "port": port, "world_size": 2,
+                                "backend": "gloo", "group_name": name, "timeout_s": self.timeout_s},
+                        nbytes, repeats + 1))
+        grp = groups.TransferGroup(store, name, 0, 2, "gloo", "cpu", self.timeout_s)
+        self._ack()
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+        try:
+            return self._timed(repeats, lambda _: grp.broadcast(buf))
+        finally:
+            grp.close()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int, repeats: int) -> list[dict]:
+    named = qwen3_shaped_tensors(size_mb, num_tensors)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    bench = Bench()
+    try:
+        ceiling_s = bench.raw(nbytes, repeats)
+        rows = []
+        for mode in modes:
+            seconds = bench.mode(mode, named, buffer_size, repeats)
+            gbps, ceiling_gbps = nbytes / seconds / 1e9, nbytes / ceiling_s / 1e9
+            rows.append({"mode": mode, "bytes": nbytes, "num_tensors": len(named), "seconds": seconds,
+                         "gbps": gbps, "ceiling": CEILING_OF[mode], "ceiling_gbps": ceiling_gbps,
+                         "ratio": gbps / ceiling_gbps, "buffer_size": buffer_size})
+        return rows
+    finally:
+        bench.close()
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("bench", help="time weight-transfer modes against the raw transport")
+    p.add_argument("--mode", default="all", help=f"one of {', '.join(BENCH_MODES)}, or all (default)")
+    p.add_argument("--size-mb", type=float, default=400.0, help="model size in MB (bf16)")
+    p.add_argument("--num-tensors", type=int, default=311, help="about this many tensors (11 per layer + 3)")
+    p.add_argument("--bucket-mb", type=float, default=64.0,
+                   help="bucket size in MB (--update-weight-buffer-size for the packed mode)")
+    p.add_argument("--repeats", type=int, default=3, help="timed updates per mode, after one warm-up")
+    p.add_argument("--json", action="store_true", help="one JSON object per mode")
+
+
+def main(args: argparse.Namespace) -> int:
+    from rlplacement.cli import CliError
+
+    modes = list(BENCH_MODES) if args.mode == "all" else [args.mode]
+    unknown = [m for m in modes if m not in BENCH_MODES]
+    if unknown:
+        raise CliError(f"--mode {unknown[0]!r} has no benchmark: use one of {', '.join(BENCH_MODES)} or all")
+    for flag, value in (("--size-mb", args.size_mb), ("--num-tensors", args.num_tensors),
+                        ("--bucket-mb", args.bucket_mb), ("--repeats", args.repeats)):
+        if value <= 0:
+            raise CliError(f"{flag} must be positive, got {value}")
+    rows = run(modes, size_mb=args.size_mb, num_tensors=args.num_tensors,
+               buffer_size=int(args.bucket_mb * 1e6), repeats=args.repeats)
+    for row in rows:
+        if args.json:
+            print(json.dumps(row))
+        else:
+            print(f"{row['mode']:>17}: {row['bytes'] / 1e6:.0f} MB in {row['num_tensors']} tensors, "
+                  f"{row['seconds']:.3f} s, {row['gbps']:.2f} GB/s = {row['ratio']:.0%} of {row['ceiling']} "
+                  f"({row['ceiling_gbps']:.2f} GB/s)")
+    return 0

@@ -1,0 +1,27 @@
+"""``rlplacement bench``: a small real run prints the contract's fields; bad input is refused."""
+
+import json
+
+import pytest
+
+from rlplacement import cli
+
+FIELDS = {"mode", "bytes", "num_tensors", "seconds", "gbps", "ceiling", "ceiling_gbps", "ratio"}
+
+
+def test_bench_prints_one_json_row_per_mode(capsys):
+    assert cli.main(["bench", "--size-mb", "4", "--num-tensors", "47", "--bucket-mb", "1", "--repeats", "1",
+                     "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["mode"] for r in rows] == ["broadcast", "broadcast_packed"]
+    for r in rows:
+        assert FIELDS <= set(r)
+        assert r["num_tensors"] == 47 and r["bytes"] > 2e6 and r["ceiling"] == "flat broadcast"
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["ceiling_gbps"])
+
+
+@pytest.mark.parametrize("argv,message", [(["--mode", "p2p"], "--mode 'p2p' has no benchmark"),
+                                          (["--size-mb", "0"], "--size-mb must be positive")])
+def test_bench_refuses_bad_input(argv, message, capsys):
+    assert cli.main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
