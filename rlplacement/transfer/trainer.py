@@ -25,6 +25,13 @@ class TrainerTransferMixin:
         self.transfer_sender = registry.sender_class(mode)(buffer_size, check_equal=check_equal,
                                                            timeout_s=timeout_s, device=device)
 
+    def transfer_setup_from_config(self, transfer_config, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                                   device: str | None = None) -> None:
+        """Set up from ``rlplacement.args.TransferConfig``: its effective mode (cuda_ipc under
+        --colocate, which has no sender yet and is refused by the registry naming the known modes)."""
+        self.transfer_setup(transfer_config.effective_mode, transfer_config.buffer_size,
+                            check_equal=transfer_config.check_equal, timeout_s=timeout_s, device=device)
+
     def transfer_listen(self, world_size: int, host: str | None = None) -> dict:
         if self.transfer_sender is None:
             raise TransferError("transfer_listen before transfer_setup(mode, buffer_size)")

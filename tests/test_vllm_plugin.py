@@ -1,0 +1,43 @@
+"""The vLLM entry point registers our backend idempotently, and bad wiring fails with clear errors."""
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow  # importing vllm alone takes ~15-40 s on 2 busy cores
+
+
+def test_register_is_idempotent_and_lazy():
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from rlplacement.engines import vllm_plugin
+
+    assert any(ep.value == "rlplacement.engines.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins"))
+    assert vllm_plugin.register() and vllm_plugin.register()
+    assert "rlplacement" in WeightTransferEngineFactory._registry
+    cls = WeightTransferEngineFactory._registry["rlplacement"]()
+    assert cls.__name__ == "RlplacementWeightTransferEngine"
+
+
+def test_init_info_rejects_unknown_fields_and_modes():
+    from rlplacement.engines.vllm_backend import RlplacementInitInfo
+    from rlplacement.transfer import registry
+
+    with pytest.raises(TypeError):
+        RlplacementInitInfo(mode="broadcast", host="h", port=1, world_size=2, backend="gloo", group_name="g",
+                            rank_offset=1, colour="blue")
+    with pytest.raises(ValueError, match="unknown: use one of broadcast, broadcast_packed"):
+        registry.receiver_class("cuda_ipc")
+
+
+def test_transfer_config_without_a_sender_is_refused_by_name():
+    import argparse
+
+    from rlplacement.args import add_arguments, config_from_args
+    from rlplacement.transfer.trainer import TrainerTransferMixin
+
+    args = add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--colocate", "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2"])
+    with pytest.raises(ValueError, match="'cuda_ipc' is unknown"):
+        TrainerTransferMixin().transfer_setup_from_config(config_from_args(args).transfer)
