@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlplacement.advisor import Placement, fit, measure, recommend  # noqa: E402
+from rlplacement.advisor import Placement, candidate_placements, fit, measure, recommend  # noqa: E402
 from rlplacement.telemetry import read_rows  # noqa: E402
 
 LAYOUTS = (Placement(False, 6, 2), Placement(False, 4, 4), Placement(False, 2, 6), Placement(True, 8, 8))
@@ -44,20 +44,30 @@ def run_stub(p: Placement, steps: int, path: Path, device: str) -> list[dict]:
     return run(StubConfig(p.trainer_gpus, p.rollout_gpus, colocate=p.colocate, steps=steps, **kw), path)
 
 
-def run_tiny(p: Placement, steps: int, path: Path) -> list[dict]:
-    flags = ["--colocate", "--actor-num-gpus-per-node", "8"] if p.colocate else [
+def run_tiny(p: Placement, steps: int, path: Path, gpus_per_engine: int, gpus_per_node: int) -> list[dict]:
+    flags = ["--colocate", "--actor-num-gpus-per-node", str(p.trainer_gpus)] if p.colocate else [
         "--actor-num-gpus-per-node", str(p.trainer_gpus), "--rollout-num-gpus", str(p.rollout_gpus)]
-    cmd = [sys.executable, str(TINY), *flags, "--rollout-num-gpus-per-engine", "2", "--num-gpus-per-node", "8",
+    # 12 samples a step split evenly over 1, 2, 3, 4 or 6 data-parallel trainer ranks
+    cmd = [sys.executable, str(TINY), *flags, "--rollout-num-gpus-per-engine", str(gpus_per_engine),
+           "--num-gpus-per-node", str(gpus_per_node), "--prompts-per-step", "3", "--group-size", "4",
            "--steps", str(steps), "--telemetry", str(path)]
-    subprocess.run(cmd, check=True)
+    log = path.with_suffix(".log")
+    with open(log, "w") as f:
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}: see {log}")
     return read_rows(path)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--fit", default="4:4", help="layout to fit on: T:R or 'colocate'")
+    ap.add_argument("--fit", default=None, help="layout to fit on: T:R or 'colocate' (default: the middle split)")
     ap.add_argument("--loop", choices=("stub", "tiny"), default="stub")
+    ap.add_argument("--num-gpus", type=int, default=None,
+                    help="tiny loop: total logical GPUs on one node (default 4; the stub uses 8)")
+    ap.add_argument("--gpus-per-engine", type=int, default=1, help="tiny loop: GPUs per engine")
+    ap.add_argument("--colocate", action="store_true", help="tiny loop: also run colocated")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--out", default=None, help="folder for the telemetry files (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the table here")
@@ -69,14 +79,20 @@ def main() -> int:
         return 2
     out = Path(args.out or tempfile.mkdtemp(prefix="advisor_validation_"))
     out.mkdir(parents=True, exist_ok=True)
+    layouts = LAYOUTS
+    if args.loop == "tiny":
+        total = args.num_gpus or 4
+        layouts = tuple(p for p in candidate_placements(total, total, args.gpus_per_engine)
+                        if args.colocate or not p.colocate)
     measured = {}
-    for p in LAYOUTS:
+    for p in layouts:
         path = out / f"{'colocate' if p.colocate else f'{p.trainer_gpus}-{p.rollout_gpus}'}.jsonl"
         if args.reuse:
             rows = read_rows(Path(args.reuse) / path.name)
         else:
             path.unlink(missing_ok=True)
-            rows = run_tiny(p, args.steps, path) if args.loop == "tiny" else run_stub(p, args.steps, path, args.device)
+            rows = (run_tiny(p, args.steps, path, args.gpus_per_engine, args.num_gpus or 4) if args.loop == "tiny"
+                    else run_stub(p, args.steps, path, args.device))
         measured[p] = measure(rows)
         m = measured[p]
         util = {role: [r.get(f"perf/{role}_gpu_util") for r in rows[1:] if r.get(f"perf/{role}_gpu_util") is not None]
@@ -85,14 +101,19 @@ def main() -> int:
         print(f"ran {p}: step {m.step_time:.3f} s (rollout {m.rollout_time:.3f}, train {m.train_time:.3f}, "
               f"sync {m.sync_time:.3f}, tail {m.rollout_tail:.3f}) over {m.steps} step(s)"
               f"{'; ' + util_text if util_text else ''}", flush=True)
-    fit_on = Placement(True, 8, 8) if args.fit == "colocate" else Placement(False, *map(int, args.fit.split(":")))
+    splits = [p for p in layouts if not p.colocate]
+    args.fit = args.fit or f"{splits[len(splits) // 2].trainer_gpus}:{splits[len(splits) // 2].rollout_gpus}"
+    fit_on = next(p for p in layouts if p.colocate) if args.fit == "colocate" else \
+        Placement(False, *map(int, args.fit.split(":")))
+    if fit_on not in measured:
+        raise SystemExit(f"--fit {args.fit} is not one of the layouts run: {[str(p) for p in layouts]}")
     model = fit(measured[fit_on])
     advice = recommend(measured[fit_on])
-    best = min(LAYOUTS, key=lambda p: measured[p].step_time)
+    best = min(layouts, key=lambda p: measured[p].step_time)
     table = []
     print(f"\nfitted on {fit_on} ({args.loop} loop, {args.device}); predicted vs measured median step time")
     print(f"{'layout':>16} {'measured s':>11} {'predicted s':>12} {'error':>7}  phases measured -> predicted (R / T / S)")
-    for p in LAYOUTS:
+    for p in layouts:
         m, pred = measured[p], model.predict(p)
         err = pred.step_time / m.step_time - 1
         table.append({"layout": str(p), **p.to_json(), "measured": m.step_time, "predicted": pred.step_time,
@@ -103,7 +124,8 @@ def main() -> int:
     others = [abs(r["error"]) for r in table if not r["fitted_on"]]
     rec = advice.recommended.placement
     print(f"\nmax |error| on layouts not fitted: {max(others):.1%} (median {statistics.median(others):.1%}); goal 15%")
-    print(f"recommended: {rec}; measured best: {best} -> {'MATCH' if rec == best else 'MISMATCH'}")
+    verdict = "MATCH" if rec == best else ("MISMATCH" if rec in measured else "not run, so unchecked")
+    print(f"recommended: {rec}; measured best: {best} -> {verdict}")
     print(f"advisor: {advice.reason}")
     if args.json:
         Path(args.json).write_text(json.dumps({"table": table, "recommended": str(rec), "measured_best": str(best),

@@ -50,9 +50,9 @@ def _gantt(ax, rows: Sequence[dict]) -> None:
         ax.text(0.5, 0.5, "no timeline in the telemetry", ha="center", va="center", transform=ax.transAxes)
     ax.set_yticks(range(len(ROLE_ROWS)), ROLE_ROWS)
     ax.set_xlabel("seconds since the first step began (dotted: step ends)")
-    ax.set_title("phases per role over steps (gaps are waits)")
+    ax.set_title("phases per role over steps (gaps are waits)", loc="left")
     if seen:
-        ax.legend(loc="upper right", fontsize="small")
+        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize="small", frameon=False)
 
 
 def _histogram(ax, rows: Sequence[dict]) -> None:
