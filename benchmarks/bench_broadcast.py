@@ -26,7 +26,7 @@ def report(title: str, rows: list[dict]) -> dict:
     by_mode = {r["mode"]: r for r in rows}
     per_tensor, packed = by_mode["broadcast"], by_mode["broadcast_packed"]
     print(f"== {title}: {packed['bytes'] / 1e6:.0f} MB in {packed['num_tensors']} tensors, "
-          f"bucket {packed['buffer_size'] / 1e6:.0f} MB")
+          f"bucket {packed['buffer_size'] / 1e6:.0f} MB, over {packed['transport']}")
     print(f"   ceiling (one flat broadcast): {packed['ceiling_gbps']:.3f} GB/s")
     for r in rows:
         print(f"   {r['mode']:>17}: {r['seconds']:.3f} s  {r['gbps']:.3f} GB/s  ratio {r['ratio']:.2f}")
@@ -42,15 +42,16 @@ def main() -> int:
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--small", action="store_true", help="also run a model of ~3000 smaller tensors")
+    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, GPU 0 -> GPU 1)")
     p.add_argument("--json", type=str, default=None, help="also write the results to this file")
     args = p.parse_args()
     out = [report("Qwen3-shaped", run(["broadcast", "broadcast_packed"], size_mb=args.size_mb,
                                       num_tensors=args.num_tensors, buffer_size=int(args.bucket_mb * 1e6),
-                                      repeats=args.repeats))]
+                                      repeats=args.repeats, device=args.device))]
     if args.small:
         out.append(report("many small tensors", run(["broadcast", "broadcast_packed"], size_mb=40,
                                                     num_tensors=3000, buffer_size=int(args.bucket_mb * 1e6),
-                                                    repeats=args.repeats)))
+                                                    repeats=args.repeats, device=args.device)))
     load = os.getloadavg()[0]
     print(f"(load average during the run: {load:.1f} on {os.cpu_count()} cores)")
     if args.json:

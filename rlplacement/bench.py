@@ -20,7 +20,7 @@ import time
 from typing import Callable
 
 BENCH_MODES = ("broadcast", "broadcast_packed")
-CEILING_OF = {"broadcast": "flat broadcast", "broadcast_packed": "flat broadcast"}
+CEILING_OF = {"broadcast": "flat broadcast", "broadcast_packed": "flat broadcast"}  # same transport, one buffer
 
 
 def qwen3_shaped_tensors(size_mb: float, num_tensors: int, *, seed: int = 0):
@@ -53,8 +53,9 @@ def qwen3_shaped_tensors(size_mb: float, num_tensors: int, *, seed: int = 0):
             for name, p in meta_model.named_parameters()]
 
 
-def _receiver_main(conn) -> None:
-    """Child process: follow the parent's commands, ack each finished transfer."""
+def _receiver_main(conn, device: str) -> None:
+    """Child process: follow the parent's commands, ack each finished transfer (after the device
+    has finished it, for CUDA)."""
     import torch
 
     from rlplacement.transfer import group as groups
@@ -62,6 +63,10 @@ def _receiver_main(conn) -> None:
     from rlplacement.transfer.base import TransferEndpoint
 
     torch.set_num_threads(1)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     receiver = None
     while True:
         cmd = conn.recv()
@@ -70,25 +75,27 @@ def _receiver_main(conn) -> None:
         if cmd[0] == "mode":
             _, endpoint, repeats = cmd
             endpoint = TransferEndpoint.from_dict(endpoint)
-            receiver = registry.receiver_class(endpoint.mode)("cpu")
+            receiver = registry.receiver_class(endpoint.mode)(device)
             receiver.connect(endpoint, 1)
             conn.send("joined")
             for version in range(1, repeats + 1):
                 receiver.begin(version)
                 receiver.receive()
                 receiver.commit(lambda staged: None)
+                sync()
                 conn.send("ok")
             receiver.close()
         elif cmd[0] == "raw":
             _, endpoint, nbytes, repeats = cmd
             e = TransferEndpoint.from_dict(endpoint)
             grp = groups.TransferGroup(groups.join_store(e.host, e.port, 2, e.timeout_s), e.group_name, 1, 2,
-                                       e.backend, "cpu", e.timeout_s)
-            buf = torch.empty(nbytes, dtype=torch.uint8)
+                                       e.backend, device, e.timeout_s)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             buf.fill_(0)  # pre-fault, as the staging buffers are after the warm-up
             conn.send("joined")
             for _ in range(repeats):
                 grp.broadcast(buf)
+                sync()
                 conn.send("ok")
             grp.close()
 
@@ -96,12 +103,21 @@ def _receiver_main(conn) -> None:
 class Bench:
     """A receiver process and the timing loop around it."""
 
-    def __init__(self, timeout_s: float = 60.0):
+    def __init__(self, timeout_s: float = 60.0, device: str = "cpu"):
+        """``device``: where the sender's tensors live (cpu: gloo; cuda: NCCL, receiver on the
+        next GPU when there is one)."""
         import multiprocessing as mp
 
+        import torch
+
+        self.device = device
+        recv_device = device
+        if device.startswith("cuda"):
+            self.device = "cuda:0"
+            recv_device = f"cuda:{1 % torch.cuda.device_count()}"
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_main, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=_receiver_main, args=(child, recv_device), daemon=True)
         self.proc.start()
         self.timeout_s = timeout_s
 
@@ -124,7 +140,7 @@ class Bench:
     def mode(self, mode: str, named, buffer_size: int, repeats: int) -> float:
         from rlplacement.transfer import registry
 
-        sender = registry.sender_class(mode)(buffer_size, timeout_s=self.timeout_s, device="cpu")
+        sender = registry.sender_class(mode)(buffer_size, timeout_s=self.timeout_s, device=self.device)
         endpoint = sender.listen(2, host="127.0.0.1")
         self.conn.send(("mode", endpoint.to_dict(), repeats + 1))
         sender.connect()
@@ -142,14 +158,15 @@ class Bench:
 
         from rlplacement.transfer import group as groups
 
+        backend = groups.backend_for(self.device)
         store, port = groups.host_store("127.0.0.1", 2, self.timeout_s)
         name = uuid.uuid4().hex[:12]
         self.conn.send(("raw", {"mode": "raw", "host": "127.0.0.1", "port": port, "world_size": 2,
-                                "backend": "gloo", "group_name": name, "timeout_s": self.timeout_s},
+                                "backend": backend, "group_name": name, "timeout_s": self.timeout_s},
                         nbytes, repeats + 1))
-        grp = groups.TransferGroup(store, name, 0, 2, "gloo", "cpu", self.timeout_s)
+        grp = groups.TransferGroup(store, name, 0, 2, backend, self.device, self.timeout_s)
         self._ack()
-        buf = torch.ones(nbytes, dtype=torch.uint8)
+        buf = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
         try:
             return self._timed(repeats, lambda _: grp.broadcast(buf))
         finally:
@@ -165,10 +182,12 @@ class Bench:
             self.proc.kill()
 
 
-def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int, repeats: int) -> list[dict]:
+def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int, repeats: int,
+        device: str = "cpu") -> list[dict]:
     named = qwen3_shaped_tensors(size_mb, num_tensors)
+    bench = Bench(device=device)
+    named = [(n, t.to(bench.device)) for n, t in named]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    bench = Bench()
     try:
         ceiling_s = bench.raw(nbytes, repeats)
         rows = []
@@ -177,10 +196,17 @@ def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int,
             gbps, ceiling_gbps = nbytes / seconds / 1e9, nbytes / ceiling_s / 1e9
             rows.append({"mode": mode, "bytes": nbytes, "num_tensors": len(named), "seconds": seconds,
                          "gbps": gbps, "ceiling": CEILING_OF[mode], "ceiling_gbps": ceiling_gbps,
-                         "ratio": gbps / ceiling_gbps, "buffer_size": buffer_size})
+                         "ratio": gbps / ceiling_gbps, "buffer_size": buffer_size,
+                         "transport": groups_backend(bench.device)})
         return rows
     finally:
         bench.close()
+
+
+def groups_backend(device: str) -> str:
+    from rlplacement.transfer.group import backend_for
+
+    return backend_for(device)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -191,6 +217,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket-mb", type=float, default=64.0,
                    help="bucket size in MB (--update-weight-buffer-size for the packed mode)")
     p.add_argument("--repeats", type=int, default=3, help="timed updates per mode, after one warm-up")
+    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, GPU 0 -> GPU 1)")
     p.add_argument("--json", action="store_true", help="one JSON object per mode")
 
 
@@ -206,7 +233,7 @@ def main(args: argparse.Namespace) -> int:
         if value <= 0:
             raise CliError(f"{flag} must be positive, got {value}")
     rows = run(modes, size_mb=args.size_mb, num_tensors=args.num_tensors,
-               buffer_size=int(args.bucket_mb * 1e6), repeats=args.repeats)
+               buffer_size=int(args.bucket_mb * 1e6), repeats=args.repeats, device=args.device)
     for row in rows:
         if args.json:
             print(json.dumps(row))
