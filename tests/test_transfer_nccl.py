@@ -1,0 +1,65 @@
+"""broadcast / broadcast_packed over NCCL: sender on cuda:0, receiver process on the last GPU.
+
+Needs a CUDA machine (skipped elsewhere); the same code runs over gloo in test_transfer_broadcast.py.
+"""
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _receive(conn, device):
+    from rlplacement.transfer import registry
+    from rlplacement.transfer.base import TransferEndpoint, tensor_checksum
+
+    torch.cuda.set_device(device)
+    endpoint = TransferEndpoint.from_dict(conn.recv())
+    receiver = registry.receiver_class(endpoint.mode)(device)
+    receiver.connect(endpoint, 1)
+    got = {}
+    for version in (1, 2):
+        receiver.begin(version)
+        receiver.receive()
+        receiver.commit(lambda staged: got.update({n: (str(t.device), tensor_checksum(t)) for n, t in staged}))
+        conn.send(got)
+    receiver.close()
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed"])
+def test_nccl_updates_are_bit_exact(mode):
+    from rlplacement.transfer import registry
+    from rlplacement.transfer.base import tensor_checksum
+
+    recv_device = f"cuda:{torch.cuda.device_count() - 1}"
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receive, args=(child, recv_device), daemon=True)
+    proc.start()
+    try:
+        sender = registry.sender_class(mode)(1 << 20, device="cuda:0", timeout_s=60)
+        endpoint = sender.listen(2, host="127.0.0.1")
+        assert endpoint.backend == "nccl"
+        parent.send(endpoint.to_dict())
+        sender.connect()
+        for version in (1, 2):
+            g = torch.Generator(device="cuda:0").manual_seed(version)
+            named = [(f"model.layers.{i}.mlp.{k}.weight",
+                      torch.randn(257, 129, generator=g, device="cuda:0").to(dt))
+                     for i in range(4) for k, dt in (("gate_proj", torch.bfloat16), ("up_proj", torch.float16),
+                                                      ("down_proj", torch.float32))]
+            named.append(("scalar", torch.tensor(1.5, device="cuda:0")))
+            named.append(("transposed", torch.randn(300, 7, device="cuda:0", generator=g).t()))
+            report = sender.update(version, named)
+            assert parent.poll(60)
+            got = parent.recv()
+            assert report.num_tensors == len(named)
+            for name, t in named:
+                assert got[name] == (recv_device, tensor_checksum(t)), name
+        sender.close()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
