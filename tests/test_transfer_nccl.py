@@ -1,4 +1,4 @@
-"""broadcast / broadcast_packed over NCCL: sender on cuda:0, receiver process on the last GPU.
+"""broadcast / broadcast_packed over NCCL: sender on cuda:0, receiver process on cuda:1.
 
 Needs a CUDA machine (skipped elsewhere); the same code runs over gloo in test_transfer_broadcast.py.
 """
@@ -8,7 +8,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL refuses two ranks on one GPU)")]
 
 
 def _receive(conn, device):
@@ -33,7 +33,7 @@ def test_nccl_updates_are_bit_exact(mode):
     from rlplacement.transfer import registry
     from rlplacement.transfer.base import tensor_checksum
 
-    recv_device = f"cuda:{torch.cuda.device_count() - 1}"
+    recv_device = "cuda:1"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receive, args=(child, recv_device), daemon=True)
