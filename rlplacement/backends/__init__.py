@@ -5,3 +5,4 @@ Heavy dependencies (megatron-core, torchtitan) are imported inside the backend t
 """
 
 from rlplacement.backends.base import Batch, TrainerBackend, known_backends, make_backend  # noqa: F401
+from rlplacement.backends.preflight import preflight  # noqa: F401

@@ -1,0 +1,148 @@
+"""Refuse a backend configuration before any process starts, from ``config.json`` alone.
+
+Reads only JSON files (the HF ``config.json``, the converted folder's marker and metadata): no torch
+model, no megatron or torchtitan import, so the RL driver can call it in milliseconds. Every check
+here mirrors a refusal a backend would otherwise raise minutes later inside a Ray actor; each
+message names the flag or file and what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+from typing import Any
+
+from rlplacement.args import BackendConfig, ConfigError
+
+# Families torchtitan 0.3.0 has a model for (it ships qwen3 and llama3, no qwen2).
+TORCHTITAN_FAMILIES = ("qwen3", "llama")
+TORCHTITAN_NEEDS_CUDA = (
+    "torchtitan 0.3.0 cannot train without CUDA: importing any of its models imports triton "
+    "(GPU-only) and its language-model attention (flex or varlen) has no CPU backward")
+
+
+def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: bool | None = None) -> None:
+    """Raise :class:`ConfigError` for everything ``make_backend(cfg)`` would refuse later.
+
+    ``hf_dir`` is the HF folder the job also serves from (used when ``cfg.hf_checkpoint`` is unset).
+    ``cuda_available``: whether the trainer ranks have CUDA (default: ``torch.cuda.is_available()``
+    here, the right answer when the driver runs on a trainer node).
+    """
+    from rlplacement.backends.base import known_backends
+
+    if cfg.name not in known_backends():
+        raise ConfigError(f"--train-backend {cfg.name!r} is unknown: use one of {', '.join(known_backends())}")
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    if cfg.name != "megatron":
+        if cfg.load:
+            raise ConfigError(f"--load {cfg.load} is a Megatron torch_dist folder; --train-backend {cfg.name} "
+                              f"reads an HF folder: drop --load and pass --hf-checkpoint")
+        if (tp, pp) != (1, 1):
+            raise ConfigError(f"--tensor-model-parallel-size/--pipeline-model-parallel-size apply to "
+                              f"--train-backend megatron, not {cfg.name}: drop them")
+
+    hf_flag, hf = _hf_source(cfg, hf_dir)
+    if cfg.name == "megatron" and cfg.load:
+        hf_config, source = _check_load(cfg.load, tp)
+    else:
+        if hf is None:
+            raise ConfigError(f"--train-backend {cfg.name} needs --hf-checkpoint (an HF model folder)"
+                              + (" or --load (a folder from `rlplacement convert`)" if cfg.name == "megatron" else ""))
+        hf_config, source = read_hf_config(hf, hf_flag)
+        if not any(Path(hf).glob("*.safetensors")):
+            raise ConfigError(f"{hf_flag} {hf}: no *.safetensors weights there; save the model with "
+                              f"safe_serialization=True")
+    family = _family(hf_config, source)
+
+    if cfg.name == "megatron":
+        _check_megatron_sizes(hf_config, source, tp, pp)
+    elif cfg.name == "torchtitan":
+        _check_torchtitan(hf_config, family, source, cuda_available)
+
+
+def _hf_source(cfg: BackendConfig, hf_dir: str | None) -> tuple[str, str | None]:
+    if cfg.hf_checkpoint:
+        return "--hf-checkpoint", cfg.hf_checkpoint
+    return "the HF folder", hf_dir
+
+
+def read_hf_config(hf: str, flag: str = "--hf-checkpoint") -> tuple[Any, str]:
+    """``config.json`` as an attribute namespace (what the family checks read), and its path for messages."""
+    path = Path(hf)
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {hf}: no such folder; pass a Hugging Face model folder")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{flag} {hf}: no config.json there; pass a Hugging Face model folder")
+    try:
+        data = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{config_file}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{config_file}: expected a JSON object")
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        if key not in data:
+            raise ConfigError(f"{config_file}: {key} is missing; is this a decoder language model?")
+    return types.SimpleNamespace(**data), str(config_file)
+
+
+def _family(hf_config: Any, source: str):
+    from rlplacement.backends.families import family_for
+
+    try:
+        return family_for(hf_config, source)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_load(load: str, tp: int) -> tuple[Any, str]:
+    from rlplacement.convert import layout
+
+    path = Path(load)
+    if not path.is_dir():
+        raise ConfigError(f"--load {load}: no such folder; convert first with "
+                          f"`rlplacement convert --hf-checkpoint HF_DIR --save {load}`")
+    if layout.state(path) != "finished":
+        raise ConfigError(f"--load {load} is not a finished conversion (no {layout.MARKER}): rerun "
+                          f"`rlplacement convert --hf-checkpoint HF_DIR --save {load}`")
+    meta_file = path / layout.META
+    if not meta_file.is_file():
+        raise ConfigError(f"--load {load}: {layout.META} missing, so it was not written by `rlplacement convert`; "
+                          f"convert the HF folder with it")
+    meta = json.loads(meta_file.read_text())
+    padded = int(meta["padded_vocab_size"])
+    if padded % tp:
+        raise ConfigError(f"--load {load} has a padded vocabulary of {padded}, not divisible by "
+                          f"--tensor-model-parallel-size {tp}: reconvert with --tensor-model-parallel-size {tp}")
+    return read_hf_config(str(path / layout.HF_CONFIG_DIR), f"--load {load}:")
+
+
+def _check_megatron_sizes(hf_config: Any, source: str, tp: int, pp: int) -> None:
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", groups),
+                    ("intermediate_size", getattr(hf_config, "intermediate_size", 0))):
+        if n % tp:
+            raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide {what} {n} of {source}: "
+                              f"use a divisor of {n}")
+    layers = hf_config.num_hidden_layers
+    if layers % pp:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide num_hidden_layers {layers} "
+                          f"of {source}: use a divisor of {layers}")
+
+
+def _check_torchtitan(hf_config: Any, family, source: str, cuda_available: bool | None) -> None:
+    if family.name not in TORCHTITAN_FAMILIES:
+        raise ConfigError(f"{source}: --train-backend torchtitan has no {family.name} model (torchtitan 0.3.0 "
+                          f"ships {', '.join(TORCHTITAN_FAMILIES)}): use --train-backend fsdp or megatron")
+    if family.uses_qkv_bias(hf_config):
+        raise ConfigError(f"{source}: attention_bias=true is not supported by --train-backend torchtitan "
+                          f"(its attention has no q/k/v bias): use --train-backend fsdp or megatron")
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        raise ConfigError(f"--train-backend torchtitan needs CUDA on the trainer ranks: {TORCHTITAN_NEEDS_CUDA}. "
+                          f"Use --train-backend fsdp or megatron on this machine")

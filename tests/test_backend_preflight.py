@@ -1,0 +1,114 @@
+"""preflight: every refusal a backend would raise later, raised up front from config.json, messages matched."""
+
+import json
+import shutil
+import time
+
+import pytest
+
+from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.backends import preflight
+from rlplacement.convert import layout
+from rlplacement.models.tiny import TinySpec, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    # 4 heads / 2 kv groups / 4 layers: TP=2 and PP=2 are valid, TP=4 and PP=3 are not
+    return make_tiny_model(tmp_path_factory.mktemp("pf") / "qwen3",
+                           TinySpec("qwen3", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4))
+
+
+def _variant(hf, tmp_path, **changes):
+    out = tmp_path / "variant"
+    shutil.copytree(hf, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(changes)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+def cfg(name="megatron", hf=None, load=None, tp=1, pp=1):
+    return BackendConfig(name, None if hf is None else str(hf), load, tp, pp)
+
+
+def test_valid_configs_pass_quickly(hf):
+    start = time.perf_counter()
+    preflight(cfg("megatron", hf, tp=2, pp=2))
+    preflight(cfg("fsdp", hf))
+    preflight(cfg("fsdp"), str(hf))  # the job's HF folder stands in for --hf-checkpoint
+    preflight(cfg("torchtitan", hf), cuda_available=True)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_parallel_sizes_that_do_not_divide_the_model(hf):
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 4 does not divide num_key_value_heads 2 "
+                                          r"of .*config.json: use a divisor of 2"):
+        preflight(cfg("megatron", hf, tp=4))
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 3 does not divide num_attention_heads 4"):
+        preflight(cfg("megatron", hf, tp=3))
+    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size 3 does not divide num_hidden_layers 4 "
+                                          r"of .*config.json: use a divisor of 4"):
+        preflight(cfg("megatron", hf, pp=3))
+    with pytest.raises(ConfigError, match=r"apply to --train-backend megatron, not fsdp"):
+        preflight(cfg("fsdp", hf, tp=2))
+
+
+def test_missing_or_bad_hf_folder(hf, tmp_path):
+    with pytest.raises(ConfigError, match=r"--train-backend fsdp needs --hf-checkpoint"):
+        preflight(cfg("fsdp"))
+    with pytest.raises(ConfigError, match=r"--train-backend megatron needs --hf-checkpoint .* or --load"):
+        preflight(cfg("megatron"))
+    with pytest.raises(ConfigError, match=r"--hf-checkpoint .*nowhere: no such folder"):
+        preflight(cfg("fsdp", tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"--hf-checkpoint .*empty: no config.json there"):
+        preflight(cfg("fsdp", tmp_path / "empty"))
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    shutil.copy(hf / "config.json", weightless / "config.json")
+    with pytest.raises(ConfigError, match=r"--hf-checkpoint .*weightless: no \*.safetensors weights there"):
+        preflight(cfg("fsdp", weightless))
+    with pytest.raises(ConfigError, match=r"--train-backend 'jax' is unknown: use one of fsdp, megatron, torchtitan"):
+        preflight(cfg("jax", hf))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_type": "mistral"}, r"model_type 'mistral' has no mapping; known: llama, qwen2, qwen3"),
+    ({"num_experts": 8}, r"mixture-of-experts models are not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, r"rope type 'yarn' is not supported"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     r"rope type 'dynamic' is not supported"),  # pre-5.x transformers configs
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
+])
+def test_unsupported_architectures_name_the_config_file(hf, tmp_path, changes, message):
+    with pytest.raises(ConfigError, match=r"config.json: " + message):
+        preflight(cfg("fsdp", _variant(hf, tmp_path, **changes)))
+
+
+def test_load_must_be_a_finished_conversion(hf, tmp_path):
+    with pytest.raises(ConfigError, match=r"--load .*absent: no such folder; convert first"):
+        preflight(cfg("megatron", load=str(tmp_path / "absent")))
+    half = tmp_path / "half"
+    (half / layout.RELEASE).mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"--load .*half is not a finished conversion "
+                                          r"\(no latest_checkpointed_iteration.txt\): rerun `rlplacement convert"):
+        preflight(cfg("megatron", load=str(half)))
+    done = tmp_path / "done"
+    layout.copy_hf_config(hf, done / layout.HF_CONFIG_DIR)
+    (done / layout.META).write_text(json.dumps({"padded_vocab_size": 384}))
+    (done / layout.MARKER).write_text("release")
+    preflight(cfg("megatron", load=str(done), tp=2))
+    with pytest.raises(ConfigError, match=r"padded vocabulary of 384, not divisible by --tensor-model-parallel-size 5"):
+        preflight(cfg("megatron", load=str(done), tp=5))
+    with pytest.raises(ConfigError, match=r"--load .* is a Megatron torch_dist folder; --train-backend fsdp reads"):
+        preflight(cfg("fsdp", hf, load=str(done)))
+
+
+def test_torchtitan_refusals(hf, tmp_path):
+    with pytest.raises(ConfigError, match=r"--train-backend torchtitan needs CUDA on the trainer ranks: torchtitan "
+                                          r"0.3.0 cannot train without CUDA: importing any of its models imports triton"):
+        preflight(cfg("torchtitan", hf), cuda_available=False)
+    qwen2 = _variant(hf, tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+    with pytest.raises(ConfigError, match=r"--train-backend torchtitan has no qwen2 model"):
+        preflight(cfg("torchtitan", qwen2), cuda_available=True)
