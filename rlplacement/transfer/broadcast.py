@@ -100,8 +100,9 @@ class BroadcastSender(WeightSender):
         try:
             for index, bucket in enumerate(iter_buckets(_guard(named_tensors), self.buffer_size, self.group_of)):
                 manifest = plan_manifest(index, bucket, self.check_equal)
+                prepared = self._prepare_payload(bucket, manifest)  # before the header: overlaps the last send
                 self._send_frame(KIND_BUCKET, version, json.dumps(manifest.to_wire()).encode(), manifest.nbytes)
-                self._send_payload(bucket, manifest)
+                self._send_payload(bucket, manifest, prepared)
                 num_buckets += 1
                 num_tensors += len(bucket)
                 nbytes += sum(m.nbytes for m in manifest.tensors)
@@ -128,7 +129,11 @@ class BroadcastSender(WeightSender):
         if blob:
             self._group.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.wire_device))
 
-    def _send_payload(self, bucket: list[NamedTensor], manifest: BucketManifest) -> None:
+    def _prepare_payload(self, bucket: list[NamedTensor], manifest: BucketManifest):
+        """Work done before the bucket's header goes out (packing, in overlapping modes)."""
+        return None
+
+    def _send_payload(self, bucket: list[NamedTensor], manifest: BucketManifest, prepared) -> None:
         for (_, tensor), meta in zip(bucket, manifest.tensors):
             if meta.nbytes:
                 self._group.broadcast(as_bytes(tensor).to(self.wire_device))
