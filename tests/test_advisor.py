@@ -105,6 +105,7 @@ def test_decode_fit_recovers_latency_and_throughput_costs():
     assert (a, c) == (pytest.approx(0.002), pytest.approx(1e-4))
     a, c = _decode_fit(lengths, [0.002 * n for n in lengths])  # pure latency: nothing divides over engines
     assert c == pytest.approx(0.0, abs=1e-12) and a == pytest.approx(0.002)
+    assert _decode_fit([16] * 8, [1.0] * 8) is None  # every sample hit the cap: no way to tell, fall back
 
 
 def test_rollout_bound_moves_gpus_to_rollout(tmp_path):

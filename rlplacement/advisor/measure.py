@@ -139,7 +139,9 @@ def _decode_fit(lengths: Sequence[int], finish: Sequence[float]) -> tuple[float,
     sxx, syy, sxy = sum(x * x for x in xs), sum(y * y for y in ys), sum(x * y for x, y in zip(xs, ys))
     sxz, syz = sum(x * z for x, z in zip(xs, zs)), sum(y * z for y, z in zip(ys, zs))
     det = sxx * syy - sxy * sxy
-    a, c = ((sxz * syy - syz * sxy) / det, (syz * sxx - sxz * sxy) / det) if det > 1e-12 * sxx * syy else (-1, -1)
+    if det <= 1e-3 * sxx * syy:  # lengths (nearly) all equal: latency and throughput cannot be told apart
+        return None
+    a, c = (sxz * syy - syz * sxy) / det, (syz * sxx - sxz * sxy) / det
     if a < 0 or c < 0:  # clamp to the better one-term fit
         only_a, only_c = sxz / sxx, syz / syy
         err_a = sum((z - only_a * x) ** 2 for x, z in zip(xs, zs))
