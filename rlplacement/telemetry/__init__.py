@@ -1,7 +1,12 @@
 """Step telemetry: phase timers per role, wait times derived from intervals, one JSONL row per step.
 
 Pure Python (NVML through ``nvidia-ml-py`` only where importable and a GPU exists). The row
-names follow DESIGN.md "contract: telemetry"; see :mod:`.recorder` for the invariants.
+names follow DESIGN.md "contract: telemetry"; see :mod:`.recorder` for the invariants. Beyond the
+contract each row carries ``rollout/logprob_abs_diff_max`` (``rollout/logprob_abs_diff`` is the
+mean), ``num_gpus_per_node``, ``transfer_mode``, ``max_response_len``, ``group_size`` (what the
+advisor models with), ``perf/update_weights_bytes`` when the loop passes it to ``end_step``, and
+``timeline``: ``{"t0", "step_start", "step_end", "intervals": [[role, phase, start, end], ...]}``
+in seconds after ``t0`` (the run's first timestamp), which the advisor's Gantt plot draws.
 """
 
 from rlplacement.telemetry.intervals import Interval, idle_time, phase_time, union_length
