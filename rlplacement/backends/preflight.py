@@ -15,11 +15,8 @@ from typing import Any
 
 from rlplacement.args import BackendConfig, ConfigError
 
-# Families torchtitan 0.3.0 has a model for (it ships qwen3 and llama3, no qwen2).
-TORCHTITAN_FAMILIES = ("qwen3", "llama")
-TORCHTITAN_NEEDS_CUDA = (
-    "torchtitan 0.3.0 cannot train without CUDA: importing any of its models imports triton "
-    "(GPU-only) and its language-model attention (flex or varlen) has no CPU backward")
+from rlplacement.backends.torchtitan import FAMILIES as TORCHTITAN_FAMILIES
+from rlplacement.backends.torchtitan import NEEDS_CUDA as TORCHTITAN_NEEDS_CUDA
 
 
 def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: bool | None = None) -> None:
