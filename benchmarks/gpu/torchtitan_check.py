@@ -2,14 +2,17 @@
 
 Run: ``python3 benchmarks/gpu/torchtitan_check.py --out DIR`` (from the repo root, one CUDA GPU).
 Needs torch (CUDA), triton, transformers, safetensors, torchtitan 0.3.0 (+ tyro, einops, spmd_types)
-and rlplacement only; no datasets/wandb/tensorboard/torchdata are imported.
+and rlplacement only; no datasets/wandb/tensorboard/torchdata are imported. torch names that
+torchtitan 0.3.0 imports but this torch lacks are stood in for (listed in the JSON as
+``torch_names_stood_in_for``; see rlplacement/backends/torchtitan_compat.py).
 ``--device cpu`` is a smoke run of the same checks (gloo; needs triton importable for torchtitan).
 Each case runs in its own try block so one run reports them all; DIR/torchtitan_check.json has the summary.
 
 Cases: tiny Qwen3 (untied and tied embeddings) and tiny Llama (GQA, interleaved-RoPE permutation),
 all made with ``rlplacement.models.tiny``. Per fp32 case:
-(1) log-probs of the backend vs the HF model before training (tolerance 1e-5; torchtitan's SDPA
-    module falls back to the math kernel in fp32, HF's SDPA picks its own fp32 kernel);
+(1) log-probs of the backend vs the HF model before training (tolerance 1e-4; torchtitan's SDPA
+    module falls back to the math kernel in fp32, HF's SDPA picks its own fp32 kernel; the CPU
+    smoke run measured 0 for Qwen3 and 5e-7 for Llama);
 (2) one SGD step on the same batch: grad norm vs the HF reference (rel 1e-4), every streamed HF
     tensor vs the HF reference's parameter after its step (atol 1e-5, rtol 1e-4);
 (3) the streamed tensors, mapped back to torchtitan layout, bit-equal to the full parameters the
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-FP32_LOGP_TOL = 1e-5
+FP32_LOGP_TOL = 1e-4  # GPU: HF's SDPA kernel and torchtitan's (math in fp32) sum in different orders; CPU gave 5e-7
 FP32_PARAM_ATOL, FP32_PARAM_RTOL = 1e-5, 1e-4
 BF16_LOGP_TOL = 5e-2
 
@@ -149,6 +152,9 @@ def main() -> int:
         from rlplacement.backends.torchtitan import torchtitan_import_error
 
         summary["torchtitan_import_error"] = torchtitan_import_error()
+        from rlplacement.backends.torchtitan_compat import PLACEHOLDERS
+
+        summary["torch_names_stood_in_for"] = list(PLACEHOLDERS)
     except Exception:  # noqa: BLE001
         summary["torchtitan_import_error"] = traceback.format_exc()
     summary["import_s"] = round(time.perf_counter() - t0, 3)

@@ -10,6 +10,8 @@ On a CPU host torchtitan 0.3.0 (torch 2.13.0+cpu) has two blockers, both checked
    "FlexAttention does not support backward on CPU". We build the model with torchtitan's
    ``ScaledDotProductAttention`` module instead (causal; we never pack documents), which removes
    this blocker but not the first.
+On torch older than torchtitan's (2.11 on the GPU machine) the import goes through
+:mod:`rlplacement.backends.torchtitan_compat`, which stands in for nightly-only torch names.
 So the backend refuses without CUDA unless ``allow_cpu=True`` is passed explicitly (a CPU smoke run
 with triton importable, e.g. ``benchmarks/gpu/torchtitan_check.py --device cpu``). The name table
 is checked against torchtitan's own ``state_dict_adapter.from_hf_map`` (read as source, no triton).
@@ -88,9 +90,10 @@ def unpermute_from_interleaved_rope(w: torch.Tensor, n_heads: int) -> torch.Tens
 
 def torchtitan_import_error() -> str | None:
     """Why torchtitan's models cannot be imported here, or None if they can."""
+    from rlplacement.backends.torchtitan_compat import import_torchtitan_models
+
     try:
-        import torchtitan.models.llama3.model  # noqa: F401
-        import torchtitan.models.qwen3.model  # noqa: F401
+        import_torchtitan_models()  # stands in for nightly-only torch names on an older torch
     except Exception as exc:  # noqa: BLE001 - any import failure is the reason we report
         return f"{type(exc).__name__}: {exc}"
     return None
