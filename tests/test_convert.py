@@ -91,3 +91,41 @@ def test_sharded_hf_folders_are_read_and_written(tmp_path):
                  "--no-progress"]) == 0
     assert main(["export-hf", "--load", str(tmp_path / "td2"), "--save", str(tmp_path / "out")]) == 0
     assert_same_tensors(hf, tmp_path / "out")
+
+
+def test_bad_hf_checkpoint_fails_at_once_naming_the_flag(tmp_path, capsys):
+    import json
+    import shutil
+    import time
+
+    def refused(hf) -> str:
+        start = time.perf_counter()
+        assert main(["convert", "--hf-checkpoint", str(hf), "--save", str(tmp_path / "td")]) == 2
+        assert time.perf_counter() - start < 5.0, "refusal must come from config.json, before any work"
+        assert not (tmp_path / "td").exists()
+        return capsys.readouterr().err
+
+    assert "error: --hf-checkpoint " + str(tmp_path / "missing") + ": no such folder" in refused(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    assert "--hf-checkpoint " + str(tmp_path / "empty") + ": no config.json there" in refused(tmp_path / "empty")
+    hf = make_tiny_model(tmp_path / "hf", SPECS["qwen2-tied"])
+    other = tmp_path / "mistral"
+    shutil.copytree(hf, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral"}))
+    assert "model_type 'mistral' has no mapping; known: llama, qwen2, qwen3" in refused(other)
+    (other / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 8}))
+    assert "config.json: mixture-of-experts models are not supported" in refused(other)
+    for f in other.glob("*.safetensors"):
+        f.unlink()
+    (other / "config.json").write_text(json.dumps(cfg))
+    assert "--hf-checkpoint " + str(other) + ": no *.safetensors weights there" in refused(other)
+
+
+@pytest.mark.parametrize("command", ["convert", "export-hf"])
+def test_help_explains_with_examples(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"rlplacement {command}" in out and "examples:" in out and "DIR" in out

@@ -1,5 +1,8 @@
-"""``rlplacement convert --hf-checkpoint DIR --save DIR [--tensor-model-parallel-size N]
-[--pipeline-model-parallel-size M]``: HF folder -> Megatron torch_dist, once."""
+"""``rlplacement convert``: HF folder -> Megatron torch_dist checkpoint, once.
+
+Bad input (missing folder, no config.json, no safetensors, an unsupported family, sizes that do not
+divide the model) is refused from ``config.json`` alone before torch.distributed or megatron start.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +11,36 @@ from pathlib import Path
 
 from rlplacement.args import ConfigError
 
+DESCRIPTION = """\
+Convert a Hugging Face model folder (config.json + *.safetensors) into a Megatron-core torch_dist
+checkpoint for `--train-backend megatron --load DIR`. The architecture is read from config.json
+(Qwen3, Qwen2, Llama dense). The folder gets latest_checkpointed_iteration.txt last: a rerun on a
+finished folder does nothing; a half-finished folder is cleared and redone."""
+
+EPILOG = """\
+examples:
+  rlplacement convert --hf-checkpoint /models/Qwen3-0.6B --save /ckpt/qwen3-tp1
+  rlplacement convert --hf-checkpoint /models/Qwen3-8B --save /ckpt/qwen3-tp2 --tensor-model-parallel-size 2
+  torchrun --nproc-per-node 2 -m rlplacement.cli convert --hf-checkpoint HF --save DIR --tensor-model-parallel-size 2
+Without torchrun, TP x PP local processes are started (gloo on CPU, NCCL on GPU)."""
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("convert", help="HF folder -> Megatron torch_dist checkpoint",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--hf-checkpoint", required=True, help="Hugging Face model folder (config.json + safetensors).")
-    p.add_argument("--save", required=True, help="Output folder for the torch_dist checkpoint.")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p = subparsers.add_parser("convert", help="HF folder -> Megatron torch_dist checkpoint (once)",
+                              description=DESCRIPTION, epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-checkpoint", required=True, metavar="DIR",
+                   help="Hugging Face model folder: config.json and *.safetensors (single or sharded).")
+    p.add_argument("--save", required=True, metavar="DIR", help="Output folder for the torch_dist checkpoint.")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
+                   help="TP size to shard for (must divide the attention and key/value heads); default 1. "
+                        "A checkpoint loads at other TP sizes too.")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="M",
+                   help="PP size (must divide num_hidden_layers); default 1.")
     p.add_argument("--layer-spec", choices=("auto", "local", "te"), default="auto",
-                   help="Megatron layer spec: TransformerEngine when available (auto), or the local one.")
-    p.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
+                   help="Megatron layer spec: te (TransformerEngine, fused layer-norm names), local, or auto "
+                        "(te when TransformerEngine and CUDA are there). Default auto.")
+    p.add_argument("--no-progress", action="store_true", help="Hide the progress bar over tensors.")
     return p
 
 
@@ -29,32 +51,18 @@ def _convert_rank(rank: int, world: int, hf: str, save: str, tp: int, pp: int, s
 
 
 def validate(args: argparse.Namespace) -> None:
-    hf = Path(args.hf_checkpoint)
-    if not (hf / "config.json").is_file():
-        raise ConfigError(f"--hf-checkpoint {hf}: no config.json there; pass a Hugging Face model folder")
-    if not any(hf.glob("*.safetensors")):
-        raise ConfigError(f"--hf-checkpoint {hf}: no *.safetensors files; convert needs safetensors weights")
+    """Refuse bad input from config.json alone (no torch.distributed, no megatron import)."""
+    from rlplacement.args import BackendConfig
+    from rlplacement.backends.preflight import preflight
+
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be 1 or more")
+            raise ConfigError(f"--{flag.replace('_', '-')} must be 1 or more, got {getattr(args, flag)}")
     save = Path(args.save)
     if save.exists() and not save.is_dir():
         raise ConfigError(f"--save {save} is a file; pass a folder")
-    from rlplacement.backends.megatron_model import load_hf_config
-    from rlplacement.backends.families import family_for
-
-    cfg = load_hf_config(hf)
-    try:
-        family_for(cfg, f"--hf-checkpoint {hf}/config.json")
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    groups = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    if groups % args.tensor_model_parallel_size:
-        raise ConfigError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
-                          f"num_key_value_heads {groups} of {hf}/config.json: use a divisor of {groups}")
-    if cfg.num_hidden_layers % args.pipeline_model_parallel_size:
-        raise ConfigError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} does not divide "
-                          f"num_hidden_layers {cfg.num_hidden_layers} of {hf}/config.json")
+    preflight(BackendConfig("megatron", args.hf_checkpoint, None, args.tensor_model_parallel_size,
+                            args.pipeline_model_parallel_size))
 
 
 def main(args: argparse.Namespace) -> int:

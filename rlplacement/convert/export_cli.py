@@ -1,4 +1,4 @@
-"""``rlplacement export-hf --load DIR --save DIR [--hf-config DIR]``: torch_dist -> HF folder."""
+"""``rlplacement export-hf``: Megatron torch_dist checkpoint -> Hugging Face folder."""
 
 from __future__ import annotations
 
@@ -7,19 +7,32 @@ from pathlib import Path
 
 from rlplacement.args import ConfigError
 
+DESCRIPTION = """\
+Write a Megatron-core torch_dist checkpoint (from `rlplacement convert`) back as a Hugging Face folder:
+q/k/v and gate/up un-fused, vocabulary padding dropped, config.json and tokenizer copied. A round trip
+HF -> convert -> export-hf gives every tensor back bit for bit."""
+
+EPILOG = """\
+examples:
+  rlplacement export-hf --load /ckpt/qwen3-tp2 --save /models/qwen3-export
+  rlplacement export-hf --load /ckpt/external --save OUT --hf-config /models/Qwen3-8B"""
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("export-hf", help="Megatron torch_dist checkpoint -> HF folder",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--load", required=True, help="Converted torch_dist folder (holds latest_checkpointed_iteration.txt).")
-    p.add_argument("--save", required=True, help="Output Hugging Face folder.")
-    p.add_argument("--hf-config", default=None,
+                              description=DESCRIPTION, epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, metavar="DIR",
+                   help="Converted torch_dist folder (holds latest_checkpointed_iteration.txt).")
+    p.add_argument("--save", required=True, metavar="DIR", help="Output Hugging Face folder.")
+    p.add_argument("--hf-config", default=None, metavar="DIR",
                    help="HF folder with config.json/tokenizer (default: the copy convert kept in --load).")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="TP used to read the checkpoint (any size it reshards to).")
-    p.add_argument("--layer-spec", choices=("auto", "local", "te"), default="auto")
-    p.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3,
-                   help="Largest safetensors file to write; more files get an index (HF layout).")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
+                   help="TP used to read the checkpoint (any size the model divides); default 1.")
+    p.add_argument("--layer-spec", choices=("auto", "local", "te"), default="auto",
+                   help="Megatron layer spec to read with (see `rlplacement convert --help`). Default auto.")
+    p.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3, metavar="BYTES",
+                   help="Largest safetensors file to write; more files get an index (HF layout). Default 5 GiB.")
     return p
 
 
