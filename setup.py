@@ -14,9 +14,10 @@ EXTRAS = {
     "mooncake": ["mooncake-transfer-engine-non-cuda"],
     "delta": ["zstandard", "xxhash"],
     "advisor": ["matplotlib"],
+    "gpu": ["nvidia-ml-py"],  # per-role GPU utilization inside phases; recorded as null without it
     "test": ["pytest", "pytest-timeout"],
 }
-EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name != "test" for dep in deps})
+EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name not in ("test", "gpu") for dep in deps})
 
 setup(
     name="rlplacement",

@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
             tel.record_samples([len(s.token_ids) for s in samples], [s.finished_at - t0 for s in samples])
             rewards = [sum(t in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
             batch = make_batch(samples, rewards, args.group_size, tok.pad_token_id or 0)
-            trainer_lp = job.log_probs(batch)
+            with tel.phase("train", role="trainer"):  # trainer work: the forward for the log-prob check
+                trainer_lp = job.log_probs(batch)
             tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)]
                                  for row, s in zip(trainer_lp, samples)], [s.logprobs for s in samples])
             for m in job.train(batch):

@@ -59,11 +59,14 @@ class RLJob:
               timeout_s: float = 600.0) -> "RLJob":
         import ray
 
+        from rlplacement.backends import preflight
         from rlplacement.engines.ray_engines import create_engine_actor
         from rlplacement.placement import ray_groups
         from rlplacement.runtime.trainer_worker import TrainerWorker
 
         mode = _check_transfer_mode(config)  # before any process starts
+        backend_cfg = dataclasses.replace(config.backend, hf_checkpoint=config.backend.hf_checkpoint or hf_dir)
+        preflight(backend_cfg)
         placement = ray_groups.place(config.placement)
         layout = placement.layout
         world = len(layout.trainer_gpus)
@@ -76,7 +79,6 @@ class RLJob:
         job = cls(config, placement, trainers, engines)
         try:
             addr, port = ray.get(trainers[0].address.remote(), timeout=timeout_s)
-            backend_cfg = dataclasses.replace(config.backend, hf_checkpoint=config.backend.hf_checkpoint or hf_dir)
             infos = ray.get([t.setup.remote(addr, port, backend_cfg, optim or {}, backend_options) for t in trainers],
                             timeout=timeout_s)
             job.dp_ranks = [i["data_parallel_rank"] for i in infos]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from rlplacement.cli import main as cli_main
+
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT_KEYS = {"step", "perf/step_time", "perf/rollout_time", "perf/update_weights_time", "perf/train_time",
                  "perf/train_wait_time", "perf/rollout_wait_time", "rollout/response_lengths",
@@ -23,7 +25,7 @@ def run_loop(tmp_path, *flags, timeout=900):
 
 
 @pytest.mark.slow
-def test_default_loop_with_weight_check(tmp_path):
+def test_default_loop_with_weight_check_feeds_the_advisor(tmp_path, capsys):
     telemetry = tmp_path / "tel.jsonl"
     proc = run_loop(tmp_path, "--steps", "2", "--telemetry", str(telemetry), "--check-weight-update-equal")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,6 +40,16 @@ def test_default_loop_with_weight_check(tmp_path):
         # fp32 trainer and engine on the same weights: the sampled tokens' log-probs agree closely
         assert row["rollout/logprob_abs_diff"] < 1e-4
         assert row["perf/update_weights_time"] > 0 and row["perf/rollout_time"] > 0
+    # the advisor reads the run's own telemetry
+    png = tmp_path / "steps.png"
+    assert cli_main(["advise", "--metrics", str(telemetry), "--json", "--plot", str(png)]) == 0
+    advice = json.loads(capsys.readouterr().out)
+    assert advice["current"] == {"colocate": False, "trainer_gpus": 1, "rollout_gpus": 1}
+    assert advice["diagnosis"] in ("rollout-bound", "train-bound", "sync-bound", "long-tail", "balanced")
+    rec = advice["recommended"]
+    assert rec["colocate"] or rec["trainer_gpus"] + rec["rollout_gpus"] == 2
+    assert advice["measured"]["steps"] == 1 and advice["measured"]["rollout_time"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
@@ -54,3 +66,12 @@ def test_bad_flags_fail_before_any_process_starts(tmp_path):
     assert proc.returncode == 2
     assert "--rollout-num-gpus 3 is not a multiple of --rollout-num-gpus-per-engine 2" in proc.stderr
     assert not (tmp_path / "model").exists()
+
+
+def test_model_the_backend_cannot_shard_fails_before_any_process_starts(tmp_path):
+    # the loop's tiny model has 2 KV heads: TP=4 cannot split them; preflight says so before Ray starts
+    proc = run_loop(tmp_path, "--train-backend", "megatron", "--tensor-model-parallel-size", "4",
+                    "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "1", "--num-gpus-per-node", "8", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--tensor-model-parallel-size 4" in proc.stderr and "Traceback" not in proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout
