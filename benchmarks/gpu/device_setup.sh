@@ -5,7 +5,8 @@
 # Here, once: bash benchmarks/gpu/prepare_carry.sh   (downloads and splits into .carry/, git-ignored)
 # There, one call each, back to back, naming the chunk in `carry`:
 #   g1 (.carry/g1)  vLLM's small dependency wheels
-#   g2 (.carry/g2)  ray (trimmed), megatron-core, TE metapackage, TE torch sdist (build starts in background)
+#   g2 [DIR]        every wheel in DIR (default .carry/g2: ray trimmed, megatron-core, ...); a TE torch
+#                   sdist there starts its build in the background
 #   part FILE       any split part (.carry/vparts/vllm.partNN, .carry/teparts/te.partNN) -> /tmp/parts
 #   vllm            join and install vLLM 0.26.0 (sha256 checked)
 #   te              join TE core, wait for the extension build, install TE in one --target install
@@ -18,17 +19,25 @@ pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-
 case "$1" in
   g1)
     pipi .carry/g1/*.whl ;;
-  g2)
-    pipi .carry/g2/ray-*.whl .carry/g2/megatron_core-*.whl .carry/g2/nvdlfw_inspect-*.whl \
-      $(ls .carry/g2/typing_extensions-*.whl 2>/dev/null || true)
-    cp .carry/g2/transformer_engine-*.whl /tmp/te_wheels/
-    rm -rf /tmp/tebuild && mkdir -p /tmp/tebuild && tar -xzf .carry/g2/transformer_engine_torch-*.tar.gz -C /tmp/tebuild
-    nv=$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0] if hasattr(nvidia, "__path__") else nvidia.__file__))')/nvidia
-    ( cd /tmp/tebuild/transformer_engine_torch-* && \
-      CUDA_HOME=/usr/local/cuda CPATH="$nv/cudnn/include:$nv/nccl/include" NVTE_FRAMEWORK=pytorch \
-      NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_NO_LOCAL_VERSION=1 MAX_JOBS=16 \
-      setsid nohup python3 -m pip wheel --no-build-isolation --no-deps --no-index -w /tmp/te_wheels . \
-        > /tmp/te_build.log 2>&1 & ) ;;
+  g2|wheels)
+    dir=${2:-.carry/g2}
+    wheels=()
+    for w in "$dir"/*.whl; do
+      case $(basename "$w") in
+        transformer_engine-*) cp "$w" /tmp/te_wheels/ ;;  # joins TE core and extension in one install
+        *) wheels+=("$w") ;;
+      esac
+    done
+    pipi "${wheels[@]}"
+    if ls "$dir"/transformer_engine_torch-*.tar.gz >/dev/null 2>&1; then
+      rm -rf /tmp/tebuild && mkdir -p /tmp/tebuild && tar -xzf "$dir"/transformer_engine_torch-*.tar.gz -C /tmp/tebuild
+      nv=$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])')
+      ( cd /tmp/tebuild/transformer_engine_torch-* && \
+        CUDA_HOME=/usr/local/cuda CPATH="$nv/cudnn/include:$nv/nccl/include" NVTE_FRAMEWORK=pytorch \
+        NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_NO_LOCAL_VERSION=1 MAX_JOBS=16 \
+        setsid nohup python3 -m pip wheel --no-build-isolation --no-deps --no-index -w /tmp/te_wheels . \
+          > /tmp/te_build.log 2>&1 & )
+    fi ;;
   part)
     cp "$2" /tmp/parts/ ;;
   vllm)

@@ -1,6 +1,7 @@
 """Megatron with the TransformerEngine layer spec on 2 GPUs: conversion, TP gather and logits vs HF.
 
-Run: ``torchrun --nproc-per-node 2 benchmarks/gpu/te_check.py --out DIR`` (from the repo root).
+Run: ``torchrun --nproc-per-node 2 benchmarks/gpu/te_check.py --out DIR`` (from the repo root);
+``--nproc-per-node 1`` runs the same checks at TP=1 where only one GPU is lent.
 Needs torch, transformers, safetensors, megatron.core, transformer_engine and rlplacement only.
 ``--spec local`` runs the same checks without TE (that path is what ran on CPU with gloo).
 Each check runs in its own try block so one run reports them all; DIR/te_check.json has the summary.
@@ -52,9 +53,11 @@ def main() -> int:
     from rlplacement.models.tiny import TinySpec, make_tiny_model
 
     rank, world = launch.init_from_env()
-    assert world == 2, "run with torchrun --nproc-per-node 2"
+    if world not in (1, 2):
+        raise SystemExit("run with torchrun --nproc-per-node 2 (TP=2) or 1 (TP=1, one GPU)")
+    tp = world
     summary: dict = {"spec": args.spec, "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "checks": {}}
+                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "tensor_parallel": world, "checks": {}}
     try:
         import megatron.core
 
@@ -91,9 +94,9 @@ def main() -> int:
         from rlplacement.convert.hf_to_megatron import convert
         from rlplacement.convert.megatron_to_hf import export
 
-        convert(hf, out / "td_tp2", tp=2, spec=args.spec, progress=False)
-        export(out / "td_tp2", out / "export_tp2", tp=2, spec=args.spec)
-        return _compare_files(hf, out / "export_tp2") if rank == 0 else {"ok": True}
+        convert(hf, out / f"td_tp{tp}", tp=tp, spec=args.spec, progress=False)
+        export(out / f"td_tp{tp}", out / f"export_tp{tp}", tp=tp, spec=args.spec)
+        return _compare_files(hf, out / f"export_tp{tp}") if rank == 0 else {"ok": True}
 
     check("convert_export_bit_exact", convert_and_export)
 
@@ -105,7 +108,7 @@ def main() -> int:
         from rlplacement.backends.megatron import MegatronBackend
 
         sgd = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
-        backend = MegatronBackend.from_config(BackendConfig("megatron", None, str(out / "td_tp2"), 2, 1), sgd,
+        backend = MegatronBackend.from_config(BackendConfig("megatron", None, str(out / f"td_tp{tp}"), tp, 1), sgd,
                                               spec=args.spec, dtype=dtype)
         holder["backend"] = backend
         streamed = {k: v.cpu() for k, v in backend.iter_hf_tensors()}
@@ -129,7 +132,7 @@ def main() -> int:
             pos = torch.arange(t, device=device).expand(b, t)
             mask = None if backend.spec == "te" else torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), 1)[None, None]
             local = backend.model(ids, pos, mask).float().contiguous()
-            parts = [torch.empty_like(local) for _ in range(2)]
+            parts = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
             mg = torch.cat(parts, dim=-1)[..., : spec.vocab_size]
             hf_logits = ref(input_ids=ids, use_cache=False).logits.float()
