@@ -8,7 +8,8 @@ same run. One row per mode (contract "rlplacement bench" in DESIGN.md):
 
 The receiver stages and commits into a no-op loader: this measures the wire and the staging,
 not an engine's own load (which the vLLM tests time separately). Seconds are the median of
-``--repeats`` timed updates after one warm-up, each from the first byte to the receiver's ack.
+``--repeats`` timed updates after one warm-up, each from the first byte to the receiver's ack;
+the ceiling and the modes take turns within each round so that other load hits them alike.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def qwen3_shaped_tensors(size_mb: float, num_tensors: int, *, seed: int = 0):
 
 
 def _receiver_main(conn, device: str) -> None:
-    """Child process: follow the parent's commands, ack each finished transfer (after the device
-    has finished it, for CUDA)."""
+    """Child process: join groups on command, then do one transfer per "go" and ack it (after the
+    device has finished it, for CUDA)."""
     import torch
 
     from rlplacement.transfer import group as groups
@@ -67,41 +68,42 @@ def _receiver_main(conn, device: str) -> None:
     if cuda:
         torch.cuda.set_device(device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    receiver = None
+    joined: dict = {}
     while True:
         cmd = conn.recv()
         if cmd[0] == "stop":
+            for kind, obj, _ in joined.values():
+                obj.close()
             return
-        if cmd[0] == "mode":
-            _, endpoint, repeats = cmd
-            endpoint = TransferEndpoint.from_dict(endpoint)
-            receiver = registry.receiver_class(endpoint.mode)(device)
-            receiver.connect(endpoint, 1)
-            conn.send("joined")
-            for version in range(1, repeats + 1):
-                receiver.begin(version)
-                receiver.receive()
-                receiver.commit(lambda staged: None)
-                sync()
-                conn.send("ok")
-            receiver.close()
-        elif cmd[0] == "raw":
-            _, endpoint, nbytes, repeats = cmd
+        if cmd[0] == "join":
+            _, key, endpoint, nbytes = cmd
             e = TransferEndpoint.from_dict(endpoint)
-            grp = groups.TransferGroup(groups.join_store(e.host, e.port, 2, e.timeout_s), e.group_name, 1, 2,
-                                       e.backend, device, e.timeout_s)
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            buf.fill_(0)  # pre-fault, as the staging buffers are after the warm-up
+            if e.mode == "raw":
+                grp = groups.TransferGroup(groups.join_store(e.host, e.port, 2, e.timeout_s), e.group_name, 1, 2,
+                                           e.backend, device, e.timeout_s)
+                buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)  # pre-faulted
+                joined[key] = ("raw", grp, buf)
+            else:
+                receiver = registry.receiver_class(e.mode)(device)
+                receiver.connect(e, 1)
+                joined[key] = ("mode", receiver, None)
             conn.send("joined")
-            for _ in range(repeats):
-                grp.broadcast(buf)
-                sync()
-                conn.send("ok")
-            grp.close()
+        elif cmd[0] == "go":
+            _, key, version = cmd
+            kind, obj, buf = joined[key]
+            if kind == "raw":
+                obj.broadcast(buf)
+            else:
+                obj.begin(version)
+                obj.receive()
+                obj.commit(lambda staged: None)
+            sync()
+            conn.send("ok")
 
 
 class Bench:
-    """A receiver process and the timing loop around it."""
+    """A receiver process holding one group per contender; contenders take turns each repeat, so
+    a busy machine slows them alike."""
 
     def __init__(self, timeout_s: float = 60.0, device: str = "cpu"):
         """``device``: where the sender's tensors live (cpu: gloo; cuda: NCCL, receiver on the
@@ -120,6 +122,8 @@ class Bench:
         self.proc = ctx.Process(target=_receiver_main, args=(child, recv_device), daemon=True)
         self.proc.start()
         self.timeout_s = timeout_s
+        self._send: dict[str, Callable[[int], None]] = {}
+        self._closers: list[Callable[[], None]] = []
 
     def _ack(self) -> None:
         if not self.conn.poll(self.timeout_s):
@@ -128,29 +132,18 @@ class Bench:
         if msg not in ("ok", "joined"):
             raise RuntimeError(f"receiver: {msg}")
 
-    def _timed(self, repeats: int, one: Callable[[int], None]) -> float:
-        times = []
-        for i in range(repeats + 1):  # the first is a warm-up (allocations, page faults)
-            start = time.perf_counter()
-            one(i + 1)
-            self._ack()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[1:])
-
-    def mode(self, mode: str, named, buffer_size: int, repeats: int) -> float:
+    def add_mode(self, mode: str, named, buffer_size: int) -> None:
         from rlplacement.transfer import registry
 
         sender = registry.sender_class(mode)(buffer_size, timeout_s=self.timeout_s, device=self.device)
         endpoint = sender.listen(2, host="127.0.0.1")
-        self.conn.send(("mode", endpoint.to_dict(), repeats + 1))
+        self.conn.send(("join", mode, endpoint.to_dict(), 0))
         sender.connect()
         self._ack()
-        try:
-            return self._timed(repeats, lambda v: sender.update(v, named))
-        finally:
-            sender.close()
+        self._send[mode] = lambda version: sender.update(version, named)
+        self._closers.append(sender.close)
 
-    def raw(self, nbytes: int, repeats: int) -> float:
+    def add_ceiling(self, key: str, nbytes: int) -> None:
         """The ceiling: one broadcast of one flat buffer of ``nbytes`` on the same transport."""
         import uuid
 
@@ -161,16 +154,26 @@ class Bench:
         backend = groups.backend_for(self.device)
         store, port = groups.host_store("127.0.0.1", 2, self.timeout_s)
         name = uuid.uuid4().hex[:12]
-        self.conn.send(("raw", {"mode": "raw", "host": "127.0.0.1", "port": port, "world_size": 2,
-                                "backend": backend, "group_name": name, "timeout_s": self.timeout_s},
-                        nbytes, repeats + 1))
+        self.conn.send(("join", key, {"mode": "raw", "host": "127.0.0.1", "port": port, "world_size": 2,
+                                      "backend": backend, "group_name": name, "timeout_s": self.timeout_s}, nbytes))
         grp = groups.TransferGroup(store, name, 0, 2, backend, self.device, self.timeout_s)
         self._ack()
         buf = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
-        try:
-            return self._timed(repeats, lambda _: grp.broadcast(buf))
-        finally:
-            grp.close()
+        self._send[key] = lambda _: grp.broadcast(buf)
+        self._closers.append(grp.close)
+
+    def time_all(self, repeats: int) -> dict[str, float]:
+        """Median seconds per contender (first byte to the receiver's ack) over ``repeats`` rounds,
+        after one warm-up round (allocations, page faults)."""
+        times: dict[str, list[float]] = {key: [] for key in self._send}
+        for version in range(1, repeats + 2):
+            for key, send in self._send.items():
+                start = time.perf_counter()
+                self.conn.send(("go", key, version))  # first: the receiver must be listening
+                send(version)
+                self._ack()
+                times[key].append(time.perf_counter() - start)
+        return {key: statistics.median(t[1:]) for key, t in times.items()}
 
     def close(self) -> None:
         try:
@@ -180,6 +183,8 @@ class Bench:
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
+        for close in self._closers:
+            close()
 
 
 def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int, repeats: int,
@@ -189,12 +194,14 @@ def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int,
     named = [(n, t.to(bench.device)) for n, t in named]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     try:
-        ceiling_s = bench.raw(nbytes, repeats)
+        bench.add_ceiling("ceiling", nbytes)
+        for mode in modes:
+            bench.add_mode(mode, named, buffer_size)
+        seconds = bench.time_all(repeats)
         rows = []
         for mode in modes:
-            seconds = bench.mode(mode, named, buffer_size, repeats)
-            gbps, ceiling_gbps = nbytes / seconds / 1e9, nbytes / ceiling_s / 1e9
-            rows.append({"mode": mode, "bytes": nbytes, "num_tensors": len(named), "seconds": seconds,
+            gbps, ceiling_gbps = nbytes / seconds[mode] / 1e9, nbytes / seconds["ceiling"] / 1e9
+            rows.append({"mode": mode, "bytes": nbytes, "num_tensors": len(named), "seconds": seconds[mode],
                          "gbps": gbps, "ceiling": CEILING_OF[mode], "ceiling_gbps": ceiling_gbps,
                          "ratio": gbps / ceiling_gbps, "buffer_size": buffer_size,
                          "transport": groups_backend(bench.device)})
