@@ -39,6 +39,8 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | Non
 
 def validate(staged: list[NamedTensor], expected: dict[str, tuple[int, ...]] | None, where: str) -> None:
     """Raise naming the first tensor the engine's checkpoint does not have, or has in another shape."""
+    if not staged:
+        raise TransferError(f"{where}: the update holds no tensors; send the model's HF-named tensors")
     if expected is None:
         return
     seen = set()

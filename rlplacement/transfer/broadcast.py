@@ -111,8 +111,13 @@ class BroadcastSender(WeightSender):
             self._drain()
             self._send_frame(KIND_END, version, b"", num_tensors)
         except _SourceFailed as exc:
-            self._drain()
-            self._send_frame(KIND_ABORT, version, str(exc).encode(), 0)
+            try:
+                self._drain()
+                self._send_frame(KIND_ABORT, version, str(exc).encode(), 0)
+            except BaseException as wire_exc:
+                self._broken = f"{type(wire_exc).__name__}: {wire_exc}"
+                self._in_flight = {}
+                raise
             raise UpdateAborted(f"update to version {version} aborted: the trainer's weight source "
                                 f"failed: {exc}") from exc.__cause__
         except BaseException as exc:
