@@ -13,7 +13,7 @@ from rlplacement.transfer import registry
 from rlplacement.transfer.base import TransferError, UpdateAborted, WeightMismatchError, tensor_checksum
 from rlplacement.transfer.broadcast import BroadcastReceiver
 
-MODES = ("broadcast", "broadcast_packed")
+MODES = ("broadcast", "broadcast_packed", "cuda_ipc")
 
 
 def _model(seed):
@@ -131,7 +131,10 @@ def test_check_equal_sends_checksums_and_catches_corruption(mode, monkeypatch):
 
         monkeypatch.setattr(cls, "_recv_payload", corrupting)
         report, send_error, errors = s.run(2, _model(2))
-        assert send_error is None
+        if mode == "cuda_ipc":  # receivers acknowledge each bucket: the sender aborts the update everywhere
+            assert isinstance(send_error, UpdateAborted) and "rank(s) 1 failed on bucket 0" in str(send_error)
+        else:
+            assert send_error is None
         assert isinstance(errors[0], WeightMismatchError) and "model.layers.0.self_attn.q_proj.weight" in str(errors[0])
         assert s.receivers[0].version == 1
         monkeypatch.setattr(cls, "_recv_payload", orig)
@@ -167,5 +170,5 @@ def test_stale_version_is_refused_before_any_transfer():
 
 
 def test_unknown_mode_lists_the_known_ones():
-    with pytest.raises(ValueError, match="broadcast, broadcast_packed"):
+    with pytest.raises(ValueError, match="broadcast, broadcast_packed, cuda_ipc"):
         registry.sender_class("carrier-pigeon")

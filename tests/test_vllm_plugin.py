@@ -27,11 +27,11 @@ def test_init_info_rejects_unknown_fields_and_modes():
     with pytest.raises(TypeError):
         RlplacementInitInfo(mode="broadcast", host="h", port=1, world_size=2, backend="gloo", group_name="g",
                             rank_offset=1, colour="blue")
-    with pytest.raises(ValueError, match="unknown: use one of broadcast, broadcast_packed"):
-        registry.receiver_class("cuda_ipc")
+    with pytest.raises(ValueError, match="unknown: use one of broadcast, broadcast_packed, cuda_ipc"):
+        registry.receiver_class("p2p-by-post")
 
 
-def test_transfer_config_without_a_sender_is_refused_by_name():
+def test_colocate_config_sets_up_the_ipc_sender():
     import argparse
 
     from rlplacement.args import add_arguments, config_from_args
@@ -39,5 +39,9 @@ def test_transfer_config_without_a_sender_is_refused_by_name():
 
     args = add_arguments(argparse.ArgumentParser()).parse_args(
         ["--colocate", "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2"])
-    with pytest.raises(ValueError, match="'cuda_ipc' is unknown"):
-        TrainerTransferMixin().transfer_setup_from_config(config_from_args(args).transfer)
+    trainer = TrainerTransferMixin()
+    trainer.transfer_setup_from_config(config_from_args(args).transfer, device="cpu")
+    try:
+        assert type(trainer.transfer_sender).__name__ == "IpcSender" and trainer.transfer_sender.backend == "gloo"
+    finally:
+        trainer.transfer_close()

@@ -31,8 +31,19 @@ if TYPE_CHECKING:
 KIND_BUCKET, KIND_END, KIND_ABORT = 1, 2, 3
 
 
-class _SourceFailed(Exception):
-    """The trainer's tensor iterator raised: the update is aborted cleanly, the group stays usable."""
+class _AbortUpdate(Exception):
+    """Stop this update cleanly: every receiver gets an ABORT frame and the group stays usable."""
+
+    what = "update"
+
+    def describe(self) -> str:
+        return f"{self.what}: {self}"
+
+
+class _SourceFailed(_AbortUpdate):
+    """The trainer's tensor iterator raised."""
+
+    what = "the trainer's weight source failed"
 
 
 def _guard(named_tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
@@ -101,7 +112,8 @@ class BroadcastSender(WeightSender):
             for index, bucket in enumerate(iter_buckets(_guard(named_tensors), self.buffer_size, self.group_of)):
                 manifest = plan_manifest(index, bucket, self.check_equal)
                 prepared = self._prepare_payload(bucket, manifest)  # before the header: overlaps the last send
-                self._send_frame(KIND_BUCKET, version, json.dumps(manifest.to_wire()).encode(), manifest.nbytes)
+                self._send_frame(KIND_BUCKET, version, json.dumps(self._manifest_wire(manifest, prepared)).encode(),
+                                 manifest.nbytes)
                 self._send_payload(bucket, manifest, prepared)
                 num_buckets += 1
                 num_tensors += len(bucket)
@@ -110,16 +122,15 @@ class BroadcastSender(WeightSender):
                     checksums.update((m.name, m.checksum) for m in manifest.tensors)
             self._drain()
             self._send_frame(KIND_END, version, b"", num_tensors)
-        except _SourceFailed as exc:
+        except _AbortUpdate as exc:
             try:
-                self._drain()
+                self._drain_quietly()
                 self._send_frame(KIND_ABORT, version, str(exc).encode(), 0)
             except BaseException as wire_exc:
                 self._broken = f"{type(wire_exc).__name__}: {wire_exc}"
                 self._in_flight = {}
                 raise
-            raise UpdateAborted(f"update to version {version} aborted: the trainer's weight source "
-                                f"failed: {exc}") from exc.__cause__
+            raise UpdateAborted(f"update to version {version} aborted: {exc.describe()}") from exc.__cause__
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             self._in_flight = {}
@@ -134,6 +145,10 @@ class BroadcastSender(WeightSender):
         if blob:
             self._group.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.wire_device))
 
+    def _manifest_wire(self, manifest: BucketManifest, prepared) -> dict:
+        """The bucket's JSON frame; modes may add a ``"payload"`` entry (e.g. an IPC handle)."""
+        return manifest.to_wire()
+
     def _prepare_payload(self, bucket: list[NamedTensor], manifest: BucketManifest):
         """Work done before the bucket's header goes out (packing, in overlapping modes)."""
         return None
@@ -145,6 +160,10 @@ class BroadcastSender(WeightSender):
 
     def _drain(self) -> None:
         """Wait for payloads still in flight (modes that overlap packing with sending)."""
+
+    def _drain_quietly(self) -> None:
+        """``_drain`` on the abort path: wait for the wire, raise only on wire errors."""
+        self._drain()
 
     def close(self) -> None:
         if self._group is not None:
@@ -168,6 +187,8 @@ class BroadcastReceiver(WeightReceiver):
         self._version = version
         self._pending: int | None = None
         self._staged: list[NamedTensor] | None = None
+        self._wire = torch.device("cpu")  # where control frames (headers, manifests) live
+        self._payload_info: dict | None = None  # the current bucket's "payload" entry, if the mode sends one
 
     @property
     def version(self) -> int:
@@ -188,6 +209,7 @@ class BroadcastReceiver(WeightReceiver):
         wire = _wire_device(endpoint.backend, self.device)
         self._group = groups.TransferGroup(store, endpoint.group_name, rank, endpoint.world_size,
                                            endpoint.backend, wire, endpoint.timeout_s)
+        self._wire = wire
         if self.buffers is None or self.buffers.device != wire:
             self.buffers = FlatBuffers(wire)
         self._endpoint = endpoint
@@ -215,7 +237,7 @@ class BroadcastReceiver(WeightReceiver):
                     break
                 if kind != KIND_BUCKET:
                     raise TransferError(f"unexpected frame kind {kind} from the trainer")
-                manifest = BucketManifest.from_wire(json.loads(blob))
+                manifest = self._parse_manifest(blob)
                 buf = self.buffers.get(manifest.index, manifest.nbytes)
                 self._recv_payload(buf, manifest)
                 tensors = unpack(buf, manifest)
@@ -238,17 +260,22 @@ class BroadcastReceiver(WeightReceiver):
         self._staged = staged
         return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start)
 
+    def _parse_manifest(self, blob: bytes) -> BucketManifest:
+        obj = json.loads(blob)
+        self._payload_info = obj.get("payload")
+        return BucketManifest.from_wire(obj)
+
     def _recv_frame(self) -> tuple[int, int, bytes]:
         import torch
 
-        header = torch.empty(4, dtype=torch.int64, device=self.buffers.device)
+        header = torch.empty(4, dtype=torch.int64, device=self._wire)
         self._group.broadcast(header)
         kind, version, blob_len, aux = (int(x) for x in header.tolist())
         if version != self._pending:
             raise TransferError(f"trainer is sending version {version}, receiver expected {self._pending}")
         blob = b""
         if blob_len:
-            raw = torch.empty(blob_len, dtype=torch.uint8, device=self.buffers.device)
+            raw = torch.empty(blob_len, dtype=torch.uint8, device=self._wire)
             self._group.broadcast(raw)
             blob = raw.cpu().numpy().tobytes()
         self._end_count = aux

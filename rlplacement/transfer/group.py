@@ -98,6 +98,18 @@ class TransferGroup:
         work.wait()
         return None
 
+    def all_reduce_sum(self, tensor: "torch.Tensor", *, async_op: bool = False):
+        """Sum ``tensor`` over every rank in place (acknowledgements in mode ``cuda_ipc``)."""
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        work = self._pg.allreduce([tensor], opts)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
     def close(self) -> None:
         pg, self._pg = getattr(self, "_pg", None), None
         if pg is not None and hasattr(pg, "shutdown"):

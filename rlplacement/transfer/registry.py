@@ -10,6 +10,8 @@ MODES: dict[str, tuple[str, str, str]] = {
     "broadcast": ("rlplacement.transfer.broadcast", "BroadcastSender", "BroadcastReceiver"),
     "broadcast_packed": ("rlplacement.transfer.broadcast_packed", "PackedBroadcastSender",
                          "PackedBroadcastReceiver"),
+    # --colocate: CUDA IPC handles on GPU, /dev/shm mappings on CPU (same protocol)
+    "cuda_ipc": ("rlplacement.transfer.ipc", "IpcSender", "IpcReceiver"),
 }
 
 

@@ -27,8 +27,8 @@ class TrainerTransferMixin:
 
     def transfer_setup_from_config(self, transfer_config, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                                    device: str | None = None) -> None:
-        """Set up from ``rlplacement.args.TransferConfig``: its effective mode (cuda_ipc under
-        --colocate, which has no sender yet and is refused by the registry naming the known modes)."""
+        """Set up from ``rlplacement.args.TransferConfig``: its effective mode (``cuda_ipc`` under
+        --colocate: CUDA IPC handles on GPU, /dev/shm mappings on CPU)."""
         self.transfer_setup(transfer_config.effective_mode, transfer_config.buffer_size,
                             check_equal=transfer_config.check_equal, timeout_s=timeout_s, device=device)
 

@@ -1,0 +1,210 @@
+"""Mode ``cuda_ipc``: the colocated path (``--colocate``): trainer rank 0 and the engine workers
+share the GPU(s), so a bucket is handed over as a memory handle instead of being sent.
+
+Per bucket the sender packs the flat buffer (``bucket.pack_into``) into one of two exportable
+slot buffers (``shared_buffers.SharedSlots``: CUDA IPC on GPU, a /dev/shm mapping on CPU) and
+broadcasts the bucket's JSON manifest with the slot's handle descriptor; each receiver opens the
+handle (once per slot buffer, kept open across buckets and updates), copies the bucket into its
+own staging buffer, checks checksums, and acknowledges. The sender refills a slot only after
+every receiver acknowledged the bucket last in it, so packing bucket i+1 overlaps the receivers
+copying bucket i.
+
+Control channel: the private gloo group of ``group.py`` (manifests as broadcasts from rank 0,
+acknowledgements as one small all-reduce per bucket: an int32 per rank, non-zero where that
+rank failed). It is CPU-side, so it works on both devices; NCCL is not an option here anyway,
+since it refuses two ranks on one GPU, and a Ray round-trip per bucket would cost ~ms. Every wait
+is bounded by the group's timeout, and a dead peer breaks the group at once.
+
+All or nothing across engines: a receiver that fails on a bucket (cannot open the handle, copy
+fails, checksum differs) keeps acknowledging with its failure flag set; the sender then stops
+and broadcasts ABORT, so every engine keeps its previous version whole and the group stays
+usable. The failing receiver raises its own error, the others ``UpdateAborted`` naming its rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, ClassVar
+
+from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferError, UpdateAborted,
+                                       UpdateReport, WeightMismatchError, tensor_checksum)
+from rlplacement.transfer.broadcast import (KIND_ABORT, KIND_BUCKET, KIND_END, BroadcastReceiver, BroadcastSender,
+                                            _AbortUpdate)
+from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, pack_into, unpack
+from rlplacement.transfer.shared_buffers import OpenedBuffer, SharedSlots
+
+if TYPE_CHECKING:
+    import torch
+
+
+class _ReceiversFailed(_AbortUpdate):
+    what = "a receiver could not stage it"
+
+
+@dataclasses.dataclass
+class _Ack:
+    work: object
+    status: "torch.Tensor"
+    index: int
+
+
+class IpcSender(BroadcastSender):
+    """Trainer rank 0 under --colocate: one exported buffer per slot, two slots, one handle each."""
+
+    mode: ClassVar[str] = "cuda_ipc"
+    NUM_SLOTS = 2
+
+    def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 device: "torch.device | str | None" = None, group_of: GroupFn = fused_group_of):
+        import torch
+
+        super().__init__(buffer_size, check_equal=check_equal, timeout_s=timeout_s, device=device, group_of=group_of)
+        self.backend, self.wire_device = "gloo", torch.device("cpu")  # control only; bytes go by handle
+        self.buffers = SharedSlots(self.device)
+
+    def _prepare_payload(self, bucket: list[NamedTensor], manifest: BucketManifest):
+        if not manifest.nbytes:
+            return None
+        slot = manifest.index % self.NUM_SLOTS
+        self._wait_ack(slot)
+        buf, desc = self.buffers.get(slot, manifest.nbytes)
+        pack_into(buf, bucket, manifest)
+        if buf.device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(buf.device).synchronize()  # receivers read it from another process
+        return slot, desc
+
+    def _manifest_wire(self, manifest: BucketManifest, prepared) -> dict:
+        wire = manifest.to_wire()
+        if prepared is not None:
+            slot, desc = prepared
+            wire["payload"] = {**desc, "slot": slot}
+        return wire
+
+    def _send_payload(self, bucket: list[NamedTensor], manifest: BucketManifest, prepared) -> None:
+        import torch
+
+        if prepared is None:
+            return
+        status = torch.zeros(self._endpoint.world_size, dtype=torch.int32)
+        self._in_flight[prepared[0]] = _Ack(self._group.all_reduce_sum(status, async_op=True), status, manifest.index)
+
+    def _wait_ack(self, slot: int) -> None:
+        ack = self._in_flight.pop(slot, None)
+        if ack is None:
+            return
+        ack.work.wait()
+        failed = [rank for rank, flag in enumerate(ack.status.tolist()) if flag]
+        if failed:
+            raise _ReceiversFailed(f"engine worker rank(s) {', '.join(map(str, failed))} failed on bucket {ack.index}")
+        self.buffers.release(slot)  # every receiver has it open: its name may go
+
+    def _drain(self) -> None:
+        for slot in sorted(self._in_flight, key=lambda s: self._in_flight[s].index):
+            self._wait_ack(slot)
+
+    def _drain_quietly(self) -> None:
+        acks, self._in_flight = self._in_flight, {}
+        for ack in sorted(acks.values(), key=lambda a: a.index):
+            ack.work.wait()
+
+    def close(self) -> None:
+        super().close()
+        self._in_flight = {}
+        self.buffers.close()
+
+
+class IpcReceiver(BroadcastReceiver):
+    """One engine worker: open the sender's slot buffers, copy each bucket into staging, acknowledge."""
+
+    mode: ClassVar[str] = "cuda_ipc"
+
+    def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0):
+        super().__init__(device, version=version)
+        self._opened: dict[int, OpenedBuffer] = {}
+        self.handles_opened = 0
+
+    def connect(self, endpoint, rank: int) -> None:
+        super().connect(endpoint, rank)  # closes the previous group and handles first
+        if self.buffers.device != self.device:
+            self.buffers = FlatBuffers(self.device)  # staging lives where the model does
+
+    def _open(self, info: dict) -> OpenedBuffer:
+        slot = int(info["slot"])
+        cur = self._opened.get(slot)
+        if cur is not None and cur.key == info["key"]:
+            return cur
+        if cur is not None:
+            cur.close()
+        self._opened[slot] = cur = OpenedBuffer(info, self.device)
+        self.handles_opened += 1
+        return cur
+
+    def _recv_payload(self, buf: "torch.Tensor", manifest: BucketManifest) -> None:
+        if self._payload_info is None:
+            raise TransferError(f"bucket {manifest.index} came without a shared-buffer handle")
+        self._open(self._payload_info).copy_to(buf, manifest.nbytes)
+
+    def _ack(self, failed: bool) -> None:
+        import torch
+
+        status = torch.zeros(self._endpoint.world_size, dtype=torch.int32)
+        status[self._group.rank] = int(failed)
+        self._group.all_reduce_sum(status)
+
+    def receive(self) -> UpdateReport:
+        if self._pending is None:
+            raise TransferError("receive() without begin(version)")
+        start = time.perf_counter()
+        staged: list[NamedTensor] = []
+        failure: BaseException | None = None
+        nbytes = num_buckets = 0
+        try:
+            while True:
+                kind, version, blob = self._recv_frame()
+                if kind == KIND_ABORT:
+                    if failure is not None:
+                        raise failure
+                    raise UpdateAborted(f"trainer aborted update to version {version}: {blob.decode()}")
+                if kind == KIND_END:
+                    break
+                if kind != KIND_BUCKET:
+                    raise TransferError(f"unexpected frame kind {kind} from the trainer")
+                manifest = self._parse_manifest(blob)
+                buf = self.buffers.get(manifest.index, manifest.nbytes)
+                if manifest.nbytes:
+                    if failure is None:
+                        try:
+                            self._recv_payload(buf, manifest)
+                            self._check(unpack(buf, manifest), manifest)
+                        except Exception as exc:  # noqa: BLE001 - reported through the ack, raised at ABORT
+                            failure = exc
+                    self._ack(failure is not None)
+                staged.extend(unpack(buf, manifest))
+                nbytes += sum(m.nbytes for m in manifest.tensors)
+                num_buckets += 1
+            if failure is not None:
+                raise failure
+            if self._end_count != len(staged):
+                raise TransferError(f"trainer sent {self._end_count} tensors, receiver staged {len(staged)}")
+        except BaseException:
+            self._pending, self._staged = None, None
+            raise
+        self.buffers.trim(num_buckets)
+        self._staged = staged
+        return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start)
+
+    def _check(self, tensors: list[NamedTensor], manifest: BucketManifest) -> None:
+        for meta, (name, tensor) in zip(manifest.tensors, tensors):
+            if meta.checksum is not None:
+                got = tensor_checksum(tensor)
+                if got != meta.checksum:
+                    raise WeightMismatchError(name, meta.checksum, got, f"receiver rank {self._group.rank}")
+
+    def close(self) -> None:
+        super().close()
+        for opened in self._opened.values():
+            opened.close()
+        self._opened = {}
