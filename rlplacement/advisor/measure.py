@@ -117,7 +117,7 @@ def _tail_stats(rows: Sequence[dict], bulk_quantile: float) -> tuple[float, floa
 def cumulative_tokens(lengths: Sequence[int]) -> list[float]:
     """For each sample: tokens the whole batch decoded until it finished, sum_j min(L_j, L_i)."""
     order = sorted(lengths)
-    prefix, out, acc = {}, [], 0
+    prefix, acc = {}, 0
     n = len(order)
     for k, length in enumerate(order):  # sum_j min(L_j, L) = (sum of shorter) + L * (number not shorter)
         prefix.setdefault(length, acc + length * (n - k))

@@ -107,13 +107,16 @@ class TrainerBackend(abc.ABC):
         """Build on every rank; torch.distributed must be initialised (see ``launch.init_distributed``)."""
 
     @property
-    @abc.abstractmethod
     def is_source(self) -> bool:
         """True on the rank where :meth:`iter_hf_tensors` yields (global rank 0)."""
+        import torch.distributed as dist
+
+        return dist.get_rank() == 0
 
     @property
-    @abc.abstractmethod
-    def device(self) -> torch.device: ...
+    def device(self) -> torch.device:
+        """Where the trained weights live: the device of the first parameter."""
+        return self._parameters()[0].device
 
     @property
     def data_parallel_rank(self) -> int:

@@ -46,14 +46,6 @@ class FSDPBackend(TrainerBackend):
         backend.optimizer = optim.build(model.parameters())  # over the sharded DTensors, built once
         return backend
 
-    @property
-    def is_source(self) -> bool:
-        return dist.get_rank() == 0
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     def set_train(self, training: bool) -> None:
         self.model.train(training)
 

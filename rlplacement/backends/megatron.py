@@ -75,14 +75,6 @@ class MegatronBackend(TrainerBackend):
         return cls(model, hf_config, shape, optim, stream_dtype)
 
     @property
-    def is_source(self) -> bool:
-        return dist.get_rank() == 0
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
     def data_parallel_rank(self) -> int:
         from megatron.core import parallel_state as ps
 

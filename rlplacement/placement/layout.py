@@ -12,8 +12,6 @@ No Ray here, so every shape is testable in microseconds. Invariants of a :class:
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
-
 from rlplacement.args import ConfigError, PlacementConfig
 
 Gpu = tuple[int, int]  # (node index, gpu index within the node), both in the cluster's sorted order
