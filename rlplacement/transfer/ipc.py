@@ -61,7 +61,7 @@ class IpcSender(BroadcastSender):
 
         super().__init__(buffer_size, check_equal=check_equal, timeout_s=timeout_s, device=device, group_of=group_of)
         self.backend, self.wire_device = "gloo", torch.device("cpu")  # control only; bytes go by handle
-        self.buffers = SharedSlots(self.device)
+        self.buffers = SharedSlots(self.device, min_nbytes=buffer_size)
 
     def _prepare_payload(self, bucket: list[NamedTensor], manifest: BucketManifest):
         if not manifest.nbytes:

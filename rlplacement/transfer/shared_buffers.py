@@ -85,10 +85,13 @@ class _ShmBuffer:
 class SharedSlots:
     """The sender's exportable bucket buffers, one per slot (the sender double-buffers: slots 0, 1)."""
 
-    def __init__(self, device: "torch.device | str", tag: str | None = None):
+    def __init__(self, device: "torch.device | str", tag: str | None = None, *, min_nbytes: int = 1):
+        """``min_nbytes``: the size a slot starts at (the bucket size), so only a bucket holding one
+        oversized group makes it grow."""
         import torch
 
         self.device = torch.device(device)
+        self.min_nbytes = max(1, int(min_nbytes))
         self.tag = tag or uuid.uuid4().hex[:12]
         self._slots: dict[int, tuple[object, dict]] = {}  # slot -> (buffer, descriptor)
         self.allocations = 0
@@ -101,7 +104,7 @@ class SharedSlots:
             return (buf.tensor if isinstance(buf, _ShmBuffer) else buf), desc
         if entry is not None:
             self._drop(slot)
-        size = max(nbytes, 1)
+        size = max(nbytes, self.min_nbytes)
         key = f"{self.tag}-{slot}-{self.allocations}"
         if self.device.type == "cpu":
             buf = _ShmBuffer(os.path.join(shm_dir(), SHM_PREFIX + key), size)

@@ -1,0 +1,153 @@
+"""Mode ``cuda_ipc`` (the --colocate path) into real vLLM CPU engines under Ray: on CPU the same
+protocol runs over /dev/shm mappings instead of CUDA IPC handles.
+
+One module-wide cluster (a trainer actor holding a real HF model, two engines), connected once:
+the tests run in file order on the same group, which also shows the group survives a failed
+update. The GPU variant (real CUDA IPC between processes on one GPU) is
+tests/test_transfer_ipc_gpu.py.
+"""
+
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("vllm")
+
+from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
+from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
+from rlplacement.transfer import driver  # noqa: E402
+from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
+from rlplacement.transfer.shared_buffers import leftover_shm_files  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 17, 9, 250]]
+BUCKET = 64 * 1024  # several buckets per update for the ~450 KB tiny model
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from tests.transfer_helpers.trainer_actor import HFTrainer
+
+    model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec()))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,  # our own, not a neighbour's
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
+    engines = [create_engine_actor(i, model_dir) for i in range(2)]
+    ray.get(trainer.transfer_setup.remote("cuda_ipc", BUCKET, check_equal=True, timeout_s=TIMEOUT_S))
+    driver.connect(trainer, engines, timeout_s=TIMEOUT_S)
+    state = {"model_dir": model_dir, "trainer": trainer, "engines": engines, "version": 0,
+             "tmp": tmp_path_factory.mktemp("out")}
+    yield state
+    ray.shutdown()
+
+
+def _update(cluster, seed):
+    trainer = cluster["trainer"]
+    ray.get(trainer.perturb.remote(seed))
+    version = cluster["version"] + 1
+    cluster["version"] = version
+    return version, driver.run_update(trainer, cluster["engines"], version, timeout_s=TIMEOUT_S, check_equal=True)
+
+
+def _sender_stats(cluster):
+    def stats(self):
+        s = self.transfer_sender
+        return {"allocations": s.buffers.allocations, "tag": s.buffers.tag, "nbytes": s.buffers.nbytes}
+    return ray.get(cluster["trainer"].__ray_call__.remote(stats))
+
+
+def _receiver_stats(engine):
+    from tests.transfer_helpers.ipc_probes import receiver_stats
+
+    return ray.get(engine.__ray_call__.remote(lambda self: self.llm.collective_rpc(receiver_stats)[0]))
+
+
+def _shm_mappings(actor) -> list[str]:
+    """Lines of the actor process's /proc/self/maps that map one of our shared buckets."""
+    from tests.transfer_helpers.ipc_probes import shm_mappings
+
+    return ray.get(actor.__ray_call__.remote(shm_mappings))
+
+
+def test_colocated_update_is_bit_exact_and_matches_a_fresh_engine(cluster):
+    engines, trainer = cluster["engines"], cluster["trainer"]
+    before = ray.get(engines[0].generate.remote(PROMPTS, max_tokens=8))
+    version, report = _update(cluster, seed=1)
+    assert report["trainer"]["num_buckets"] > 3
+    want = ray.get(trainer.checksums.remote())
+    assert set(report["trainer"]["checksums"]) == set(want)
+    for i, engine in enumerate(engines):
+        assert ray.get(engine.weight_version.remote()) == version
+        assert ray.get(engine.received_checksums.remote()) == want, f"engine {i}: tensors differ from the trainer's"
+    saved = ray.get(trainer.save_hf.remote(str(cluster["tmp"] / "step1")))
+    fresh = create_engine_actor(9, saved)
+    try:
+        ref = ray.get(fresh.generate.remote(PROMPTS, max_tokens=8))
+        ref_sums = ray.get(fresh.model_checksums.remote())
+    finally:
+        ray.kill(fresh)
+    assert [r["logprobs"] for r in ref] != [r["logprobs"] for r in before]  # the weights really changed
+    for engine in engines:
+        got = ray.get(engine.generate.remote(PROMPTS, max_tokens=8))
+        assert [r["weight_version"] for r in got] == [version] * len(PROMPTS)
+        assert [r["token_ids"] for r in got] == [r["token_ids"] for r in ref]
+        assert [r["logprobs"] for r in got] == [r["logprobs"] for r in ref]  # exactly, not approximately
+        assert ray.get(engine.model_checksums.remote()) == ref_sums
+
+
+def test_buffers_and_handles_are_reused_across_updates(cluster):
+    engines = cluster["engines"]
+    if cluster["version"] == 0:
+        _update(cluster, seed=2)
+    sender, receivers = _sender_stats(cluster), [_receiver_stats(e) for e in engines]
+    for seed in (3, 4):
+        version, _ = _update(cluster, seed=seed)
+        assert ray.get([e.received_checksums.remote() for e in engines]) == [
+            ray.get(cluster["trainer"].checksums.remote())] * 2
+    assert _sender_stats(cluster) == sender  # the two slots were allocated in the first update only
+    assert [_receiver_stats(e) for e in engines] == receivers  # no handle reopened, no staging reallocated
+    # one handle per slot buffer, never per tensor or bucket (a slot grows only for an oversized group)
+    assert receivers[0]["handles_opened"] == sender["allocations"] < 2 + 2 and len(receivers[0]["open_keys"]) == 2
+    # each slot's file was unlinked once every receiver had it open: nothing named in /dev/shm mid-run
+    assert leftover_shm_files(sender["tag"]) == []
+    assert all("(deleted)" in line for line in _shm_mappings(engines[0])) and _shm_mappings(engines[0])
+
+
+def test_receiver_failing_mid_update_leaves_every_engine_wholly_old(cluster):
+    from tests.transfer_helpers.faults import fail_receive_after_buckets
+
+    e0, e1 = cluster["engines"]
+    if cluster["version"] == 0:
+        _update(cluster, seed=5)
+    old = cluster["version"]
+    old_out = ray.get([e.generate.remote(PROMPTS, max_tokens=6) for e in (e0, e1)])
+    old_sums = ray.get([e.received_checksums.remote() for e in (e0, e1)])
+    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(fail_receive_after_buckets, args=(2,))))
+    with pytest.raises(WeightUpdateError, match="engine 1: .*injected receiver fault after 2 buckets") as info:
+        _update(cluster, seed=6)
+    # engine 0 was told to abort (rank 2 = engine 1's worker), the trainer names the failing rank
+    assert "rank(s) 2 failed on bucket 2" in info.value.failures["engine 0"]
+    assert "rank(s) 2 failed on bucket 2" in info.value.failures["trainer"]
+    assert ray.get([e.weight_version.remote() for e in (e0, e1)]) == [old, old]
+    assert ray.get([e.generate.remote(PROMPTS, max_tokens=6) for e in (e0, e1)]) == old_out
+    assert ray.get([e.received_checksums.remote() for e in (e0, e1)]) == old_sums
+    # the same group carries the next update to both engines
+    version, _ = _update(cluster, seed=7)
+    assert ray.get([e.weight_version.remote() for e in (e0, e1)]) == [version, version]
+    want = ray.get(cluster["trainer"].checksums.remote())
+    assert ray.get([e.received_checksums.remote() for e in (e0, e1)]) == [want, want]
+
+
+def test_shared_memory_is_released_after_close(cluster):
+    engines, trainer = cluster["engines"], cluster["trainer"]
+    tag = _sender_stats(cluster)["tag"]
+    ray.get(trainer.transfer_close.remote())
+    ray.get([e.close_transfer.remote() for e in engines])
+    assert leftover_shm_files(tag) == []
+    for actor in [trainer, *engines]:
+        assert _shm_mappings(actor) == []  # no mapping of a bucket left in any process
