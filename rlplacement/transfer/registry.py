@@ -12,6 +12,7 @@ MODES: dict[str, tuple[str, str, str]] = {
                          "PackedBroadcastReceiver"),
     # --colocate: CUDA IPC handles on GPU, /dev/shm mappings on CPU (same protocol)
     "cuda_ipc": ("rlplacement.transfer.ipc", "IpcSender", "IpcReceiver"),
+    "disk-delta": ("rlplacement.transfer.disk_delta", "DiskDeltaSender", "DiskDeltaReceiver"),
 }
 
 

@@ -1,0 +1,386 @@
+"""disk-delta: real safetensors folders on the real filesystem, sender and receivers through the
+protocol (endpoint dict round trip included); one case with a real vLLM CPU engine under Ray."""
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rlplacement.transfer import delta_codec as codec
+from rlplacement.transfer import registry
+from rlplacement.transfer.base import TransferEndpoint, TransferError, UpdateAborted, WeightMismatchError
+from rlplacement.transfer.disk_delta import (INDEX_NAME, DeltaUpdateReport, DiskDeltaReceiver, DiskDeltaSender,
+                                             read_pointer, version_folder)
+
+SHARD = 4096  # several shards per version
+
+
+def _weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(48, 32, generator=g).to(torch.bfloat16),
+        "model.layers.0.input_layernorm.weight": torch.ones(32),
+        "model.step": torch.tensor(7, dtype=torch.int64),  # 0-d
+        "model.positions": torch.arange(100, dtype=torch.int32),
+        "model.frozen": torch.randn(16, 16, generator=g),  # never changes: must never be stored
+    }
+
+
+def _perturb(w, seed, fraction=0.02, names=None):
+    """Change ~``fraction`` of the elements of each (or each named) trainable tensor."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in w.items():
+        if name == "model.frozen" or (names is not None and name not in names):
+            continue
+        flat = t.view(-1)
+        k = max(1, int(flat.numel() * fraction))
+        idx = torch.randperm(flat.numel(), generator=g)[:k]
+        if t.is_floating_point():
+            flat[idx] = (flat[idx].float() + torch.randn(k, generator=g) * 0.5 + 0.25).to(t.dtype)
+        else:
+            flat[idx] = flat[idx] + 1
+
+
+def _raw(t):
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def _assert_bit_exact(staged, want):
+    got = dict(staged)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(_raw(got[name]), _raw(t)), f"{name} differs"
+
+
+@pytest.fixture
+def base(tmp_path):
+    w = _weights()
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file({k: v.contiguous() for k, v in w.items()}, str(d / "model.safetensors"))
+    return d, w
+
+
+def _pair(tmp_path, base_dir, encoding, n_receivers=1, **kw):
+    sender = DiskDeltaSender(SHARD, disk_dir=tmp_path / "deltas", delta_encoding=encoding, base_dir=base_dir, **kw)
+    endpoint = TransferEndpoint.from_dict(sender.listen(1 + n_receivers).to_dict())  # as it crosses Ray/vLLM
+    sender.connect()
+    receivers = []
+    for rank in range(1, 1 + n_receivers):
+        r = registry.receiver_class("disk-delta")("cpu")
+        r.connect(endpoint, rank)
+        receivers.append(r)
+    return sender, receivers
+
+
+def _receive(receiver, version, applied=None):
+    receiver.begin(version)
+    report = receiver.receive()
+    receiver.commit(lambda staged: applied.append(dict(staged)) if applied is not None else None)
+    return report
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+def test_round_trip_bit_exact_over_versions(tmp_path, base, encoding):
+    base_dir, w = base
+    sender, receivers = _pair(tmp_path, base_dir, encoding, n_receivers=2)
+    assert registry.sender_class("disk-delta") is DiskDeltaSender
+    for version in range(1, 5):
+        _perturb(w, seed=version)
+        # receivers wait for the pointer while the sender writes, as under driver.run_update
+        results, errors = {}, []
+
+        def run(r):
+            try:
+                results[r.rank] = (_receive(r, version, applied := []), applied)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in receivers]
+        [t.start() for t in threads]
+        report = sender.update(version, list(w.items()))
+        [t.join(30) for t in threads]
+        assert not errors, errors
+        assert isinstance(report, DeltaUpdateReport) and report.encoding == encoding
+        assert report.base_version == version - 1  # version 0 is the HF checkpoint
+        for r in receivers:
+            assert r.version == version
+            _assert_bit_exact(results[r.rank][1][0].items(), w)
+        index = json.loads((tmp_path / "deltas" / version_folder(version) / INDEX_NAME).read_text())
+        assert index["version"] == version and index["base_version"] == version - 1
+        assert index["delta_encoding"] == encoding and index["checksum"] == "xxh3-64"
+        assert "model.frozen" not in index["weight_map"]
+        assert index["tensors"]["model.frozen"]["encoding"] == "unchanged"
+        assert set(index["weight_map"]) == set(w) - {"model.frozen"}
+        assert read_pointer(tmp_path / "deltas")["version"] == version
+        # sparse: a few % of the bytes changed, and the folder holds far fewer bytes than the model
+        total = sum(t.numel() * t.element_size() for t in w.values())
+        assert report.bytes == total and 0.003 < report.density < 0.08
+        assert report.density == report.changed_bytes / total
+        assert 0 < report.wire_bytes < 0.6 * total
+    # only the newest version and its base stay on disk
+    assert sorted(p.name for p in (tmp_path / "deltas").glob("weight_v*")) == [version_folder(3), version_folder(4)]
+
+
+def test_keyframe_without_base_checkpoint_then_deltas(tmp_path):
+    w = _weights(1)
+    sender, (r,) = _pair(tmp_path, None, "xor")
+    report = sender.update(1, list(w.items()))
+    assert report.base_version is None and report.density == 1.0  # everything stored whole
+    applied = []
+    _receive(r, 1, applied)
+    _assert_bit_exact(applied[0].items(), w)
+    _perturb(w, seed=5, fraction=0.01)
+    report = sender.update(2, list(w.items()))
+    assert report.base_version == 1 and report.density < 0.05
+    _receive(r, 2, applied)
+    _assert_bit_exact(applied[1].items(), w)
+
+
+def test_check_equal_checksums_match_the_receivers(tmp_path, base):
+    base_dir, w = base
+    sender, (r,) = _pair(tmp_path, base_dir, "xor", check_equal=True)
+    _perturb(w, seed=3)
+    report = sender.update(1, list(w.items()))
+    _receive(r, 1)
+    from rlplacement.transfer.base import tensor_checksum
+
+    assert report.checksums == {n: tensor_checksum(t) for n, t in w.items()}
+
+
+def _payload_span(shard: Path, name: str) -> tuple[int, int]:
+    with open(shard, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    b, e = header[name]["data_offsets"]
+    return 8 + n + b, 8 + n + e
+
+
+def test_corrupt_shard_is_refused_naming_the_tensor_and_engine_keeps_old_version(tmp_path, base):
+    base_dir, w = base
+    sender, (r,) = _pair(tmp_path, base_dir, "xor")
+    _perturb(w, seed=1)
+    sender.update(1, list(w.items()))
+    _receive(r, 1)
+    _perturb(w, seed=2)
+    sender.update(2, list(w.items()))
+    victim = "model.layers.0.mlp.up_proj.weight"
+    folder = tmp_path / "deltas" / version_folder(2)
+    shard = folder / json.loads((folder / INDEX_NAME).read_text())["weight_map"][victim]
+    start, end = _payload_span(shard, victim)
+    data = bytearray(shard.read_bytes())
+    data[(start + end) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    applied = []
+    r.begin(2)
+    with pytest.raises(TransferError, match=f"tensor '{victim}' is corrupt in .*payload checksum"):
+        r.receive()
+    assert r.version == 1 and r.staged is None
+    with pytest.raises(TransferError, match="without a fully received update"):
+        r.commit(applied.append)
+    assert applied == []
+
+
+def test_corrupt_shard_header_is_refused_naming_the_shard(tmp_path, base):
+    base_dir, w = base
+    sender, (r,) = _pair(tmp_path, base_dir, "overwrite")
+    _perturb(w, seed=1)
+    sender.update(1, list(w.items()))
+    folder = tmp_path / "deltas" / version_folder(1)
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[9] = ord("#")  # inside the JSON header
+    shard.write_bytes(bytes(data))
+    r.begin(1)
+    with pytest.raises(TransferError, match=f"{shard.name} \\(tensors .*\\) is corrupt"):
+        r.receive()
+    assert r.version == 0
+
+
+def test_bit_flip_that_keeps_the_payload_checksum_is_still_caught_by_the_result(tmp_path, base):
+    """A wrong payload whose checksum was forged in the index: the result's checksum refuses it."""
+    base_dir, w = base
+    sender, (r,) = _pair(tmp_path, base_dir, "xor")
+    _perturb(w, seed=1)
+    sender.update(1, list(w.items()))
+    folder = tmp_path / "deltas" / version_folder(1)
+    index = json.loads((folder / INDEX_NAME).read_text())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    index["tensors"][name]["checksum"] = "0" * 16
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    r.begin(1)
+    with pytest.raises(WeightMismatchError, match=f"tensor '{name}'"):
+        r.receive()
+    assert r.version == 0
+
+
+def test_half_written_version_is_invisible_and_cleaned_up(tmp_path, base):
+    base_dir, w = base
+    sender, (r,) = _pair(tmp_path, base_dir, "xor", timeout_s=0.5)
+    root = tmp_path / "deltas"
+    # a crash mid-write: a tmp folder with a partial shard and no index, never renamed
+    crashed = root / f".tmp-{version_folder(1)}-deadbeef"
+    crashed.mkdir()
+    (crashed / "delta-00001.safetensors").write_bytes(b"\x10\x00\x00\x00partial")
+    r.begin(1)
+    with pytest.raises(TransferError, match=r"version 1 was not published in .* within 0s \(latest: none\)"):
+        r.receive()
+    assert r.version == 0 and read_pointer(root) is None
+    _perturb(w, seed=1)
+    sender.update(1, list(w.items()))
+    assert not crashed.exists() and not list(root.glob(".tmp-*"))
+    applied = []
+    _receive(r, 1, applied)
+    _assert_bit_exact(applied[0].items(), w)
+
+
+def test_failing_weight_source_publishes_nothing_and_stops_receivers(tmp_path, base):
+    base_dir, w = base
+    sender, (r,) = _pair(tmp_path, base_dir, "xor", timeout_s=20)
+
+    def failing():
+        yield from list(w.items())[:3]
+        raise RuntimeError("gather failed at tensor 3")
+
+    errors = []
+
+    def run():
+        try:
+            r.begin(1)
+            r.receive()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    with pytest.raises(UpdateAborted, match="gather failed at tensor 3"):
+        sender.update(1, failing())
+    t.join(5)
+    assert not t.is_alive(), "the receiver did not stop within 5 s of the abort"
+    assert len(errors) == 1 and isinstance(errors[0], UpdateAborted)
+    assert "gather failed at tensor 3" in str(errors[0])
+    root = tmp_path / "deltas"
+    assert read_pointer(root) is None and not list(root.glob("weight_v*")) and not list(root.glob(".tmp-*"))
+    # the sender's base is untouched by the failed attempt: the next version still applies
+    _perturb(w, seed=1)
+    assert sender.update(2, list(w.items())).base_version == 0
+    applied = []
+    _receive(r, 2, applied)
+    _assert_bit_exact(applied[0].items(), w)
+
+
+def test_xor_applies_exactly_once(tmp_path, base):
+    base_dir, w = base
+    sender, (r, behind) = _pair(tmp_path, base_dir, "xor", n_receivers=2)
+    _perturb(w, seed=1)
+    sender.update(1, list(w.items()))
+    _receive(r, 1)
+    with pytest.raises(TransferError, match="version 1 is not newer than the served version 1"):
+        r.begin(1)
+    _perturb(w, seed=2)
+    sender.update(2, list(w.items()))
+    behind.begin(2)  # still on version 0: version 2 is an xor delta on 1
+    with pytest.raises(TransferError, match="xor delta on version 1, but this engine serves version 0"):
+        behind.receive()
+    assert behind.version == 0
+    # the codec itself: applied on the new bytes instead of its base, xor does not give them back
+    old, new = np.arange(64, dtype=np.uint8), np.arange(64, dtype=np.uint8)
+    new[5] ^= 0xFF
+    enc = codec.encode(new, old, "xor")
+    once = codec.decode("xor", enc.payload, old, 64, enc.extra)
+    twice = codec.decode("xor", enc.payload, once, 64, enc.extra)
+    assert np.array_equal(once, new) and not np.array_equal(twice, new)
+
+
+def test_overwrite_is_idempotent_and_verified(tmp_path, base):
+    old = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    new = old.copy()
+    new[[3, 100, 4000]] += 1
+    enc = codec.encode(new, old, "overwrite")
+    assert enc.encoding == "overwrite" and enc.changed_bytes == 3
+    once = codec.decode("overwrite", enc.payload, old, 4096, enc.extra)
+    assert np.array_equal(once, new) and np.array_equal(codec.decode("overwrite", enc.payload, once, 4096, enc.extra), new)
+    assert codec.encode(new, new, "overwrite").encoding == "unchanged"
+
+    base_dir, w = base
+    q, emb = "model.positions", "model.embed_tokens.weight"
+    sender, (fresh, other) = _pair(tmp_path, base_dir, "overwrite", n_receivers=2)
+    # v1 and v2 change the same bytes of q (every byte of the elements): v2's overwrite lands on v0 too
+    idx = torch.arange(0, w[q].numel(), 7)
+    w[q][idx] = 0x01010101
+    sender.update(1, list(w.items()))
+    w[q][idx] = 0x02020202
+    sender.update(2, list(w.items()))
+    applied = []
+    _receive(fresh, 2, applied)  # serves 0, skips 1
+    _assert_bit_exact(applied[0].items(), w)
+    # v3 changes embed only; v1 changed q, so v3's overwrite on v0 bytes is refused naming q
+    w[emb].view(-1)[:10] += 1
+    sender.update(3, list(w.items()))
+    other.begin(3)
+    with pytest.raises(WeightMismatchError, match=f"unchanged tensor; the engine serves version 0\\): tensor '{q}'"):
+        other.receive()
+    assert other.version == 0
+
+
+def test_bad_configuration_is_refused_naming_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="--update-weight-delta-encoding 'zip'"):
+        DiskDeltaSender(SHARD, disk_dir=tmp_path, delta_encoding="zip")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(TransferError, match="--update-weight-disk-dir .* is not a writable folder"):
+        DiskDeltaSender(SHARD, disk_dir=blocker / "sub").listen(2)
+    r = DiskDeltaReceiver()
+    endpoint = TransferEndpoint("disk-delta", "h", 0, 2, "file", str(tmp_path / "missing"))
+    with pytest.raises(TransferError, match="--update-weight-disk-dir .*missing is not a folder"):
+        r.connect(endpoint, 1)
+
+
+# ---- a real vLLM CPU engine under Ray ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("vllm")
+    from rlplacement.engines.ray_engines import create_engine_actor
+    from rlplacement.models.tiny import TinySpec, make_tiny_model
+    from rlplacement.transfer import driver
+    from tests.transfer_helpers.trainer_actor import HFTrainer
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model_dir = str(make_tiny_model(tmp_path / "tiny", TinySpec()))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": repo, "RAY_AUTH_MODE": "disabled"}})
+    try:
+        trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
+        engine = create_engine_actor(0, model_dir)
+        disk_dir = str(tmp_path / "deltas")
+
+        def setup(self):  # what trainer.transfer_setup would do once it passes disk-delta's options
+            self.transfer_sender = DiskDeltaSender(64 * 1024, check_equal=True, timeout_s=60, disk_dir=disk_dir,
+                                                   delta_encoding="xor", base_dir=model_dir)
+
+        ray.get(trainer.__ray_call__.remote(setup))
+        driver.connect(trainer, [engine], timeout_s=120)
+        prompts = [[5, 6, 7, 8], [40, 41, 42]]
+        before = ray.get(engine.generate.remote(prompts, max_tokens=6))
+        for version in (1, 2):
+            ray.get(trainer.perturb.remote(version))
+            report = driver.run_update(trainer, [engine], version, timeout_s=60, check_equal=True)
+            assert report["trainer"]["base_version"] == version - 1 and report["trainer"]["density"] > 0
+            assert ray.get(engine.weight_version.remote()) == version
+            assert ray.get(engine.received_checksums.remote()) == ray.get(trainer.checksums.remote())
+        after = ray.get(engine.generate.remote(prompts, max_tokens=6))
+        assert [r["weight_version"] for r in after] == [2, 2]
+        assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before]
+    finally:
+        ray.shutdown()
