@@ -137,10 +137,25 @@ class SharedSlots:
         return sum(desc["nbytes"] for _, desc in self._slots.values())
 
 
+def _expandable_segments_on() -> bool:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
 def _exportable_cuda_buffer(nbytes: int, device: "torch.device") -> "torch.Tensor":
+    """A plain caching-allocator block. Expandable segments (a common trainer setting) are switched
+    off around this one allocation, so the block is a classic cudaMalloc segment that a legacy
+    IPC handle can export; the trainer's setting is restored right after."""
     import torch
 
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    toggle = _expandable_segments_on() and hasattr(torch.cuda.memory, "_set_allocator_settings")
+    if toggle:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    finally:
+        if toggle:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def _export_cuda(tensor: "torch.Tensor") -> str:
