@@ -20,8 +20,11 @@ import statistics
 import time
 from typing import Callable
 
-BENCH_MODES = ("broadcast", "broadcast_packed")
-CEILING_OF = {"broadcast": "flat broadcast", "broadcast_packed": "flat broadcast"}  # same transport, one buffer
+BENCH_MODES = ("broadcast", "broadcast_packed", "cuda_ipc")
+# same transport, one buffer; cuda_ipc (colocated: both processes on one device) moves bytes by copying
+# through shared memory, so its ceiling is one raw in-memory copy of the same bytes on that device
+CEILING_OF = {"broadcast": "flat broadcast", "broadcast_packed": "flat broadcast", "cuda_ipc": "raw in-memory copy"}
+CEILING_KEY = {"broadcast": "ceiling", "broadcast_packed": "ceiling", "cuda_ipc": "copy_ceiling"}
 
 
 def qwen3_shaped_tensors(size_mb: float, num_tensors: int, *, seed: int = 0):
@@ -105,9 +108,9 @@ class Bench:
     """A receiver process holding one group per contender; contenders take turns each repeat, so
     a busy machine slows them alike."""
 
-    def __init__(self, timeout_s: float = 60.0, device: str = "cpu"):
+    def __init__(self, timeout_s: float = 60.0, device: str = "cpu", *, same_device: bool = False):
         """``device``: where the sender's tensors live (cpu: gloo; cuda: NCCL, receiver on the
-        next GPU when there is one)."""
+        next GPU when there is one, or on the same GPU with ``same_device``, as for cuda_ipc)."""
         import multiprocessing as mp
 
         import torch
@@ -116,7 +119,7 @@ class Bench:
         recv_device = device
         if device.startswith("cuda"):
             self.device = "cuda:0"
-            recv_device = f"cuda:{1 % torch.cuda.device_count()}"
+            recv_device = "cuda:0" if same_device else f"cuda:{1 % torch.cuda.device_count()}"
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_receiver_main, args=(child, recv_device), daemon=True)
@@ -124,6 +127,7 @@ class Bench:
         self.timeout_s = timeout_s
         self._send: dict[str, Callable[[int], None]] = {}
         self._closers: list[Callable[[], None]] = []
+        self._local: set[str] = set()  # contenders timed in this process alone (no receiver involved)
 
     def _ack(self) -> None:
         if not self.conn.poll(self.timeout_s):
@@ -162,6 +166,22 @@ class Bench:
         self._send[key] = lambda _: grp.broadcast(buf)
         self._closers.append(grp.close)
 
+    def add_copy_ceiling(self, key: str, nbytes: int) -> None:
+        """The ceiling of the colocated path: one raw copy of ``nbytes`` between two buffers on the
+        sender's device (numpy's single-threaded memcpy on CPU, as packing uses; a device copy on CUDA)."""
+        import torch
+
+        src = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+        dst = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)  # pre-faulted
+        if src.device.type == "cpu":
+            import numpy as np
+
+            src_np, dst_np = src.numpy(), dst.numpy()
+            self._send[key] = lambda _: np.copyto(dst_np, src_np)
+        else:
+            self._send[key] = lambda _: (dst.copy_(src), torch.cuda.synchronize(src.device))
+        self._local.add(key)
+
     def time_all(self, repeats: int) -> dict[str, float]:
         """Median seconds per contender (first byte to the receiver's ack) over ``repeats`` rounds,
         after one warm-up round (allocations, page faults)."""
@@ -169,9 +189,12 @@ class Bench:
         for version in range(1, repeats + 2):
             for key, send in self._send.items():
                 start = time.perf_counter()
-                self.conn.send(("go", key, version))  # first: the receiver must be listening
-                send(version)
-                self._ack()
+                if key in self._local:
+                    send(version)
+                else:
+                    self.conn.send(("go", key, version))  # first: the receiver must be listening
+                    send(version)
+                    self._ack()
                 times[key].append(time.perf_counter() - start)
         return {key: statistics.median(t[1:]) for key, t in times.items()}
 
@@ -189,22 +212,33 @@ class Bench:
 
 def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int, repeats: int,
         device: str = "cpu") -> list[dict]:
+    """One row per mode, in ``modes`` order. The colocated mode runs in its own receiver process on
+    the sender's device (NCCL refuses two ranks on one GPU), next to its own ceiling."""
     named = qwen3_shaped_tensors(size_mb, num_tensors)
-    bench = Bench(device=device)
+    rows: dict[str, dict] = {}
+    for group in ([m for m in modes if m != "cuda_ipc"], [m for m in modes if m == "cuda_ipc"]):
+        if group:
+            rows.update(_run_group(group, named, buffer_size=buffer_size, repeats=repeats, device=device))
+    return [rows[m] for m in modes]
+
+
+def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, device: str) -> dict[str, dict]:
+    bench = Bench(device=device, same_device="cuda_ipc" in modes)
     named = [(n, t.to(bench.device)) for n, t in named]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     try:
-        bench.add_ceiling("ceiling", nbytes)
+        for key in dict.fromkeys(CEILING_KEY[m] for m in modes):
+            (bench.add_ceiling if key == "ceiling" else bench.add_copy_ceiling)(key, nbytes)
         for mode in modes:
             bench.add_mode(mode, named, buffer_size)
         seconds = bench.time_all(repeats)
-        rows = []
+        rows = {}
         for mode in modes:
-            gbps, ceiling_gbps = nbytes / seconds[mode] / 1e9, nbytes / seconds["ceiling"] / 1e9
-            rows.append({"mode": mode, "bytes": nbytes, "num_tensors": len(named), "seconds": seconds[mode],
-                         "gbps": gbps, "ceiling": CEILING_OF[mode], "ceiling_gbps": ceiling_gbps,
-                         "ratio": gbps / ceiling_gbps, "buffer_size": buffer_size,
-                         "transport": groups_backend(bench.device)})
+            gbps, ceiling_gbps = nbytes / seconds[mode] / 1e9, nbytes / seconds[CEILING_KEY[mode]] / 1e9
+            rows[mode] = {"mode": mode, "bytes": nbytes, "num_tensors": len(named), "seconds": seconds[mode],
+                          "gbps": gbps, "ceiling": CEILING_OF[mode], "ceiling_gbps": ceiling_gbps,
+                          "ratio": gbps / ceiling_gbps, "buffer_size": buffer_size,
+                          "transport": "shared memory" if mode == "cuda_ipc" else groups_backend(bench.device)}
         return rows
     finally:
         bench.close()
@@ -224,7 +258,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket-mb", type=float, default=64.0,
                    help="bucket size in MB (--update-weight-buffer-size for the packed mode)")
     p.add_argument("--repeats", type=int, default=3, help="timed updates per mode, after one warm-up")
-    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, GPU 0 -> GPU 1)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (gloo; cuda_ipc over /dev/shm) or cuda (NCCL, GPU 0 -> GPU 1; cuda_ipc on GPU 0 alone)")
     p.add_argument("--json", action="store_true", help="one JSON object per mode")
 
 

@@ -112,7 +112,8 @@ class SharedSlots:
             tensor = buf.tensor
         else:
             tensor = buf = _exportable_cuda_buffer(size, self.device)
-            desc = {"kind": "cuda", "key": key, "nbytes": size, "handle": _export_cuda(tensor)}
+            desc = {"kind": "cuda", "key": key, "nbytes": size, "handle": _export_cuda(tensor),
+                    "gpu_uuid": _gpu_uuid(self.device)}
         self._slots[slot] = (buf, desc)
         self.allocations += 1
         return tensor, desc
@@ -135,6 +136,23 @@ class SharedSlots:
     @property
     def nbytes(self) -> int:
         return sum(desc["nbytes"] for _, desc in self._slots.values())
+
+
+def _gpu_uuid(device: "torch.device") -> str:
+    import torch
+
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+
+
+def _local_index_of(gpu_uuid: str, fallback: int) -> int:
+    """This process's index of the GPU with ``gpu_uuid`` (processes may see different CUDA_VISIBLE_DEVICES)."""
+    import torch
+
+    if gpu_uuid:
+        for i in range(torch.cuda.device_count()):
+            if _gpu_uuid(torch.device("cuda", i)) == gpu_uuid:
+                return i
+    return fallback
 
 
 def _expandable_segments_on() -> bool:
@@ -195,9 +213,10 @@ class OpenedBuffer:
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
             args = list(pickle.loads(base64.b64decode(desc["handle"])))
-            # index 6 of reduce_tensor's args is the device index: under --colocate both sides see the
-            # same CUDA_VISIBLE_DEVICES, so the sender's device is this worker's current device
-            args[6] = device.index if device.index is not None else torch.cuda.current_device()
+            # index 6 of reduce_tensor's args is the device index, which is the sender's numbering: map the
+            # sender's GPU by UUID into this process's numbering (else: this worker's own device)
+            own = device.index if device.index is not None else torch.cuda.current_device()
+            args[6] = _local_index_of(desc.get("gpu_uuid", ""), own)
             self.view = rebuild_cuda_tensor(*args)
         else:
             raise TransferError(f"unknown shared buffer kind {self.kind!r} in a bucket manifest")
