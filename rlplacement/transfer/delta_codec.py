@@ -77,8 +77,10 @@ def _index_dtype(nbytes: int) -> str:
     return "uint32" if nbytes < 2**32 else "uint64"
 
 
-def encode(new: "np.ndarray", old: "np.ndarray | None", encoding: str) -> EncodedTensor:
-    """``new`` against ``old`` (None: no comparable base -> ``full``)."""
+def encode(new: "np.ndarray", old: "np.ndarray | None", encoding: str,
+           scratch: "np.ndarray | None" = None) -> EncodedTensor:
+    """``new`` against ``old`` (None: no comparable base -> ``full``). ``scratch``: a uint8 array of
+    at least ``new.size`` bytes to hold the xor (saves allocating and faulting in fresh pages)."""
     import numpy as np
 
     if encoding not in ENCODINGS:
@@ -88,7 +90,7 @@ def encode(new: "np.ndarray", old: "np.ndarray | None", encoding: str) -> Encode
         return EncodedTensor(FULL, _compress(new), int(new.size), {})
     if old.shape != new.shape:
         raise ValueError(f"cannot diff {new.size} bytes against {old.size}")
-    diff = np.bitwise_xor(new, old)
+    diff = np.bitwise_xor(new, old, out=scratch[:new.size] if scratch is not None and scratch.size >= new.size else None)
     if encoding == "xor":
         changed = int(np.count_nonzero(diff))
         if not changed:

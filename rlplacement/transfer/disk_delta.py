@@ -250,6 +250,8 @@ class DiskDeltaSender(WeightSender):
         self._held_sums: dict[str, str] = {}
         self._held_version: int | None = None
         self._endpoint: TransferEndpoint | None = None
+        self._scratch = None  # uint8, the largest tensor's size: the xor of the tensor being encoded
+        self._spare: dict[str, "np.ndarray"] = {}  # held arrays replaced by the last version, reused
 
     # -- protocol
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint:
@@ -269,6 +271,7 @@ class DiskDeltaSender(WeightSender):
     def connect(self) -> None:
         if self._endpoint is None:
             raise TransferError("connect() before listen(): call listen(world_size) first")
+        self._load_base()  # read the base checkpoint now, not inside the first timed update
 
     def update(self, version: int, named_tensors: Iterable[NamedTensor]) -> DeltaUpdateReport:
         if self._endpoint is None:
@@ -293,6 +296,9 @@ class DiskDeltaSender(WeightSender):
                 raise UpdateAborted(f"update to version {version} aborted: {type(exc).__name__}: {exc}") from exc
             raise
         base_version = index["base_version"]
+        old_held = self._held or {}
+        self._spare = {n: old_held[n][2] for n, held in new_held.items()
+                       if n in old_held and held is not old_held[n]}
         self._held, self._held_sums, self._held_version = new_held, new_sums, version
         self._drop_old_versions(version)
         meta = index["metadata"]
@@ -316,6 +322,8 @@ class DiskDeltaSender(WeightSender):
             self._held_version = 0
 
     def _write_version(self, writer: _VersionWriter, version: int, named_tensors: Iterable[NamedTensor]):
+        import numpy as np
+
         from rlplacement.transfer.bucket import dtype_name
 
         held = self._held or {}
@@ -328,7 +336,9 @@ class DiskDeltaSender(WeightSender):
             dtype, shape, new = dtype_name(tensor.dtype), tuple(tensor.shape), _host_bytes(tensor)
             old = held.get(name)
             comparable = old is not None and old[0] == dtype and old[1] == shape
-            enc = codec.encode(new, old[2] if comparable else None, self.encoding)
+            if self._scratch is None or self._scratch.size < new.size:
+                self._scratch = np.empty(max(new.size, 1), dtype=np.uint8)
+            enc = codec.encode(new, old[2] if comparable else None, self.encoding, self._scratch)
             entry = {"dtype": dtype, "shape": list(shape), "nbytes": int(new.size), "encoding": enc.encoding,
                      "checksum": codec.checksum(new), "changed_bytes": enc.changed_bytes, **enc.extra}
             if enc.encoding == codec.UNCHANGED:
@@ -338,7 +348,12 @@ class DiskDeltaSender(WeightSender):
                     entry["base_checksum"] = self._held_sums[name]
                 entry["payload_checksum"] = codec.checksum(memoryview(enc.payload))
                 writer.add(name, enc.payload)
-                new_held[name] = (dtype, shape, new.copy())  # the trainer may change its tensor in place next step
+                # a copy: the trainer changes its tensor in place next step. Into the array this
+                # tensor's bytes of two versions ago used (no longer anyone's base), if it fits.
+                keep = self._spare.pop(name, None)
+                keep = keep if keep is not None and keep.size == new.size and keep.flags.writeable else np.empty_like(new)
+                np.copyto(keep, new)
+                new_held[name] = (dtype, shape, keep)
             new_sums[name] = entry["checksum"]
             entries[name] = entry
             total += int(new.size)
