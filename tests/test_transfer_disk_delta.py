@@ -145,6 +145,22 @@ def test_keyframe_without_base_checkpoint_then_deltas(tmp_path):
     _assert_bit_exact(applied[1].items(), w)
 
 
+def test_receiver_rebuilt_on_reconnect_keeps_applying_deltas(tmp_path, base):
+    """The vLLM backend makes a new receiver per init_transfer_engine, passing only the version."""
+    base_dir, w = base
+    sender, (r,) = _pair(tmp_path, base_dir, "xor")
+    _perturb(w, seed=1)
+    sender.update(1, list(w.items()))
+    _receive(r, 1)
+    rebuilt = DiskDeltaReceiver("cpu", version=r.version)
+    rebuilt.connect(TransferEndpoint.from_dict(sender.listen(2).to_dict()), 1)
+    _perturb(w, seed=2)
+    sender.update(2, list(w.items()))
+    applied = []
+    _receive(rebuilt, 2, applied)
+    _assert_bit_exact(applied[0].items(), w)
+
+
 def test_check_equal_checksums_match_the_receivers(tmp_path, base):
     base_dir, w = base
     sender, (r,) = _pair(tmp_path, base_dir, "xor", check_equal=True)
