@@ -24,6 +24,7 @@ import base64
 import mmap
 import os
 import pickle
+import socket
 import tempfile
 import uuid
 from typing import TYPE_CHECKING
@@ -114,6 +115,7 @@ class SharedSlots:
             tensor = buf = _exportable_cuda_buffer(size, self.device)
             desc = {"kind": "cuda", "key": key, "nbytes": size, "handle": _export_cuda(tensor),
                     "gpu_uuid": _gpu_uuid(self.device)}
+        desc["host"] = socket.gethostname()
         self._slots[slot] = (buf, desc)
         self.allocations += 1
         return tensor, desc
@@ -195,6 +197,11 @@ class OpenedBuffer:
     def __init__(self, desc: dict, device: "torch.device"):
         self.key, self.nbytes, self.kind = desc["key"], int(desc["nbytes"]), desc["kind"]
         self._map = None
+        here = socket.gethostname()
+        if desc.get("host", here) != here:
+            raise TransferError(f"mode cuda_ipc shares memory within one host: the trainer's buckets are on host "
+                                f"{desc['host']!r}, this engine worker runs on {here!r}; place every engine on trainer "
+                                f"rank 0's node, or drop --colocate and use broadcast_packed")
         if self.kind == "shm":
             import numpy as np
 

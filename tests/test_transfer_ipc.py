@@ -1,0 +1,76 @@
+"""Mode ``cuda_ipc`` pieces on CPU (/dev/shm): shared slot buffers and their clean-up, and a bucket
+that a receiver cannot open aborting the update everywhere. Threads and a real gloo group, as in
+tests/test_transfer_broadcast.py (which also runs its shared cases for cuda_ipc)."""
+
+import os
+
+import pytest
+import torch
+
+from rlplacement.transfer.base import TransferError, UpdateAborted
+from rlplacement.transfer.shared_buffers import OpenedBuffer, SharedSlots, leftover_shm_files
+from tests.test_transfer_broadcast import Session, _model
+
+
+def test_slots_share_bytes_grow_once_and_leave_nothing_in_dev_shm():
+    slots = SharedSlots("cpu", min_nbytes=1000)
+    buf, desc = slots.get(0, 10)
+    assert desc["kind"] == "shm" and desc["nbytes"] == 1000 and os.path.exists(desc["path"])
+    buf[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    opened = OpenedBuffer(desc, torch.device("cpu"))
+    dst = torch.zeros(8, dtype=torch.uint8)
+    opened.copy_to(dst, 4)
+    assert dst[:4].tolist() == [1, 2, 3, 4]
+    assert slots.get(0, 1000)[1] is desc and slots.allocations == 1  # fits: same buffer, same handle
+    slots.release(0)  # every receiver has it open: the name goes, the mapping stays
+    assert not os.path.exists(desc["path"]) and leftover_shm_files(slots.tag) == []
+    buf[:4] = 9
+    opened.copy_to(dst, 4)
+    assert dst[:4].tolist() == [9] * 4
+    _, grown = slots.get(0, 5000)  # an oversized bucket: a new buffer under a new key
+    assert grown["key"] != desc["key"] and grown["nbytes"] == 5000 and slots.allocations == 2
+    with pytest.raises(TransferError, match="does not fit shared buffer"):
+        opened.copy_to(torch.zeros(2000, dtype=torch.uint8), 2000)
+    opened.close()
+    slots.get(1, 10)
+    assert len(leftover_shm_files(slots.tag)) == 2
+    slots.close()
+    assert leftover_shm_files(slots.tag) == []
+
+
+def test_a_handle_from_another_host_is_refused_by_name():
+    slots = SharedSlots("cpu")
+    try:
+        desc = {**slots.get(0, 16)[1], "host": "trainer-node-7"}
+        with pytest.raises(TransferError, match="buckets are on host 'trainer-node-7'.*drop --colocate"):
+            OpenedBuffer(desc, torch.device("cpu"))
+    finally:
+        slots.close()
+
+
+def test_a_receiver_that_cannot_open_a_bucket_aborts_the_update_everywhere(monkeypatch):
+    s = Session("cuda_ipc", check_equal=True)
+    try:
+        assert s.run(1, _model(1))[1:] == (None, [None, None])
+        receiver = s.receivers[1]
+        original = type(receiver)._open
+
+        def refuse_new_handles(info):
+            if info["key"] not in {o.key for o in receiver._opened.values()}:
+                raise TransferError(f"cannot open {info['key']}")
+            return original(receiver, info)
+
+        monkeypatch.setattr(receiver, "_open", refuse_new_handles)
+        s.sender.buffers.close()  # the next update exports fresh buffers, which receiver 2 cannot open
+        report, send_error, errors = s.run(2, _model(2))
+        assert isinstance(send_error, UpdateAborted) and "rank(s) 2 failed on bucket 0" in str(send_error)
+        assert isinstance(errors[0], UpdateAborted) and "rank(s) 2 failed" in str(errors[0])
+        assert isinstance(errors[1], TransferError) and "cannot open" in str(errors[1])
+        assert [r.version for r in s.receivers] == [1, 1]
+        monkeypatch.undo()
+        report, send_error, errors = s.run(2, _model(2))  # the group is still usable
+        assert send_error is None and errors == [None, None] and [r.version for r in s.receivers] == [2, 2]
+        tag = s.sender.buffers.tag
+    finally:
+        s.close()
+    assert leftover_shm_files(tag) == []
