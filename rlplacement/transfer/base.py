@@ -5,9 +5,9 @@ buckets; each engine worker's ``WeightReceiver`` stages everything it receives (
 ``receive``) and only then hands the complete, validated set to the engine's loader
 (``commit``). A failure anywhere before ``commit`` leaves the engine serving its previous
 version whole: that is the all-or-nothing invariant, and why modes stage instead of loading
-bucket by bucket. Modes that come later (p2p via Mooncake, disk-delta, cuda_ipc) fit the same
-shape: stage (write into engine-owned memory / read a version folder / open IPC handles), then
-apply, with versions and per-tensor checksums as here.
+bucket by bucket. Every mode has that shape: stage (receive broadcasts; copy out of the
+trainer's shared bucket buffers in ``cuda_ipc``; write into engine-owned memory / read a
+version folder in the modes to come), then apply, with versions and per-tensor checksums.
 """
 
 from __future__ import annotations
