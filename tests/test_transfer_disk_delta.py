@@ -161,6 +161,35 @@ def test_receiver_rebuilt_on_reconnect_keeps_applying_deltas(tmp_path, base):
     _assert_bit_exact(applied[0].items(), w)
 
 
+def test_keyframe_after_a_version_gap_or_a_new_listen(tmp_path, base):
+    """A sender that cannot know which version the engines hold writes a self-contained version."""
+    base_dir, w = base
+    sender, (r, behind) = _pair(tmp_path, base_dir, "xor", n_receivers=2)
+    _perturb(w, seed=1)
+    assert sender.update(1, list(w.items())).base_version == 0
+    _receive(r, 1)
+    _perturb(w, seed=2)
+    assert sender.update(3, list(w.items())).base_version is None  # version 2 was burnt
+    for receiver in (r, behind):  # on version 1 and on version 0: both load it
+        applied = []
+        _receive(receiver, 3, applied)
+        _assert_bit_exact(applied[0].items(), w)
+    sender.listen(3)
+    _perturb(w, seed=3)
+    assert sender.update(4, list(w.items())).base_version is None
+    _receive(r, 4)
+    _perturb(w, seed=4)
+    assert sender.update(5, list(w.items())).base_version == 4
+    # a fresh sender (transfer_setup again) knows only the checkpoint: keyframe for version 6
+    fresh = DiskDeltaSender(SHARD, disk_dir=tmp_path / "deltas", delta_encoding="xor", base_dir=base_dir)
+    fresh.listen(2)
+    fresh.connect()
+    assert fresh.update(6, list(w.items())).base_version is None
+    applied = []
+    _receive(r, 6, applied)
+    _assert_bit_exact(applied[0].items(), w)
+
+
 def test_check_equal_checksums_match_the_receivers(tmp_path, base):
     base_dir, w = base
     sender, (r,) = _pair(tmp_path, base_dir, "xor", check_equal=True)
@@ -285,11 +314,11 @@ def test_failing_weight_source_publishes_nothing_and_stops_receivers(tmp_path, b
     assert "gather failed at tensor 3" in str(errors[0])
     root = tmp_path / "deltas"
     assert read_pointer(root) is None and not list(root.glob("weight_v*")) and not list(root.glob(".tmp-*"))
-    # the sender's base is untouched by the failed attempt: the next version still applies
+    # the sender's base is untouched by the failed attempt: retrying the version is still a delta on 0
     _perturb(w, seed=1)
-    assert sender.update(2, list(w.items())).base_version == 0
+    assert sender.update(1, list(w.items())).base_version == 0
     applied = []
-    _receive(r, 2, applied)
+    _receive(r, 1, applied)
     _assert_bit_exact(applied[0].items(), w)
 
 

@@ -17,7 +17,9 @@ Folder invariants:
   included, with dtype, shape, its checksum, and for stored ones the payload's checksum.
 * Base bytes are the version the engines hold. Version 0 is the Hugging Face checkpoint they
   started from (``base_dir``); without one the first version is a keyframe. The sender keeps
-  the last bytes it published so it can diff the next step.
+  the last bytes it published so it can diff the next step. Version N is a delta only on
+  version N-1 and only when no ``listen`` came in between (engines that rejoin, e.g. after a
+  failed update, may hold an older version); otherwise it is a keyframe.
 
 Receiver rules: xor applies only on its base version (anything else is refused before
 decoding); overwrite applies on any held bytes and is accepted when every resulting tensor's
@@ -252,6 +254,7 @@ class DiskDeltaSender(WeightSender):
         self._endpoint: TransferEndpoint | None = None
         self._scratch = None  # uint8, the largest tensor's size: the xor of the tensor being encoded
         self._spare: dict[str, "np.ndarray"] = {}  # held arrays replaced by the last version, reused
+        self._keyframe_next = False
 
     # -- protocol
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint:
@@ -266,6 +269,8 @@ class DiskDeltaSender(WeightSender):
             raise TransferError(f"--update-weight-disk-dir {self.root} is not a writable folder: {exc}") from exc
         self._endpoint = TransferEndpoint(MODE, host or "127.0.0.1", 0, world_size, "file", str(self.root.resolve()),
                                           self.timeout_s, self.check_equal)
+        # (re)joining engines may hold anything we sent (a failed update leaves some on the old version)
+        self._keyframe_next = bool(self._held_version)
         return self._endpoint
 
     def connect(self) -> None:
@@ -300,6 +305,7 @@ class DiskDeltaSender(WeightSender):
         self._spare = {n: old_held[n][2] for n, held in new_held.items()
                        if n in old_held and held is not old_held[n]}
         self._held, self._held_sums, self._held_version = new_held, new_sums, version
+        self._keyframe_next = False
         self._drop_old_versions(version)
         meta = index["metadata"]
         return DeltaUpdateReport(version, len(index["tensors"]), max(1, len(set(index["weight_map"].values()))),
@@ -326,7 +332,10 @@ class DiskDeltaSender(WeightSender):
 
         from rlplacement.transfer.bucket import dtype_name
 
-        held = self._held or {}
+        # a delta only on the version just before this one, and only while the engines are known to
+        # hold it; otherwise a keyframe that any engine can load
+        delta = self._held is not None and self._held_version == version - 1 and not self._keyframe_next
+        held = self._held if delta else {}
         entries: dict[str, dict] = {}
         new_held, new_sums = {}, {}
         total = changed = 0
@@ -360,7 +369,7 @@ class DiskDeltaSender(WeightSender):
             changed += enc.changed_bytes
         if not entries:
             raise TransferError("the update holds no tensors; send the model's HF-named tensors")
-        index = {"version": version, "base_version": self._held_version if self._held is not None else None,
+        index = {"version": version, "base_version": self._held_version if delta else None,
                  "delta_encoding": self.encoding, "checksum": codec.CHECKSUM_KIND, "compression": codec.COMPRESSION,
                  "base_checkpoint": str(self.base_dir.resolve()) if self.base_dir is not None else None,
                  "tensors": entries,
