@@ -105,8 +105,11 @@ def run(args: argparse.Namespace) -> int:
             t_sync = time.time()
             report = job.update_weights()
             tel.record_interval("sync", t_sync, time.time())
-            row = tel.end_step(step, reward=statistics.fmean(rewards),
-                               **{"perf/update_weights_bytes": report["trainer"]["bytes"]})
+            sync_metrics = {"perf/update_weights_bytes": report["trainer"]["bytes"]}
+            if "density" in report["trainer"]:  # disk-delta: only the changed bytes travel
+                sync_metrics.update({"perf/update_weights_density": report["trainer"]["density"],
+                                     "perf/update_weights_wire_bytes": report["trainer"]["wire_bytes"]})
+            row = tel.end_step(step, reward=statistics.fmean(rewards), **sync_metrics)
             print(f"step {step}: reward {row['reward']:.3f}  rollout {row['perf/rollout_time']:.2f}s  "
                   f"train {row['perf/train_time']:.2f}s  sync {row['perf/update_weights_time']:.2f}s "
                   f"({report['trainer']['bytes'] / 1e6:.1f} MB, v{job.version})  "

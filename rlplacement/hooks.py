@@ -46,8 +46,9 @@ def _check_transfer_mode(config: Config) -> str:
 
 
 class RLJob:
-    def __init__(self, config: Config, placement, trainers: list, engines: list):
+    def __init__(self, config: Config, placement, trainers: list, engines: list, hf_dir: str):
         self.config, self.placement, self.trainers, self.engines = config, placement, trainers, engines
+        self.hf_dir = hf_dir  # what the engines started from: version 0, the base of the first delta
         self.version = 0
         self.check_equal = config.transfer.check_equal
         self.dp_ranks: list[int] = [0] * len(trainers)  # each trainer rank's share of a batch
@@ -76,7 +77,7 @@ class RLJob:
                                        tensor_parallel_size=layout.gpus_per_engine,
                                        **{**DEFAULT_ENGINE_KWARGS, **(engine_kwargs or {})})
                    for i in range(len(layout.engines))]
-        job = cls(config, placement, trainers, engines)
+        job = cls(config, placement, trainers, engines, hf_dir)
         try:
             addr, port = ray.get(trainers[0].address.remote(), timeout=timeout_s)
             infos = ray.get([t.setup.remote(addr, port, backend_cfg, optim or {}, backend_options) for t in trainers],
@@ -144,8 +145,11 @@ class RLJob:
 
         from rlplacement.transfer import driver
 
-        ray.get(self.trainers[0].transfer_setup.remote(mode, buffer_size or self.config.transfer.buffer_size,
-                                                        check_equal=check_equal, timeout_s=timeout_s))
+        t = self.config.transfer
+        options = ({"disk_dir": t.disk_dir, "delta_encoding": t.delta_encoding, "base_dir": self.hf_dir}
+                   if mode == "disk-delta" else {})
+        ray.get(self.trainers[0].transfer_setup.remote(mode, buffer_size or t.buffer_size, check_equal=check_equal,
+                                                        timeout_s=timeout_s, **options))
         driver.connect(self.trainers[0], self.engines, timeout_s=timeout_s)
         self.check_equal = check_equal
 

@@ -24,11 +24,14 @@ def test_plan_json_contract(capsys):
 
 
 def test_plan_table_shows_roles_per_node(capsys):
-    assert main(["plan", "--colocate", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4",
-                 "--num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "2"]) == 0
+    assert main(["plan", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "4",
+                 "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2"]) == 0
     out = capsys.readouterr().out
-    assert "mode: colocate   nodes: 2" in out
-    assert "node 1:\n  gpu 0: trainer[4], engine[2].0\n  gpu 1: trainer[5], engine[2].1" in out
+    assert "mode: split   nodes: 2" in out
+    assert "node 1:\n  gpu 0: trainer[2]\n  gpu 1: trainer[3]\n  gpu 2: engine[1].0\n  gpu 3: engine[1].1" in out
+    assert main(["plan", "--colocate", "--actor-num-gpus-per-node", "4", "--num-gpus-per-node", "4",
+                 "--rollout-num-gpus-per-engine", "2"]) == 0
+    assert "gpu 3: trainer[3], engine[1].1" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [

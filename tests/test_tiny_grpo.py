@@ -75,3 +75,17 @@ def test_model_the_backend_cannot_shard_fails_before_any_process_starts(tmp_path
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--tensor-model-parallel-size 4" in proc.stderr and "Traceback" not in proc.stderr
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_disk_delta_loop_publishes_versions(tmp_path):
+    weights, telemetry = tmp_path / "weights", tmp_path / "tel.jsonl"
+    proc = run_loop(tmp_path, "--steps", "2", "--update-weight-transfer-mode", "disk-delta",
+                    "--update-weight-disk-dir", str(weights), "--check-weight-update-equal",
+                    "--telemetry", str(telemetry))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((weights / "latest").read_text()) == {"version": 2, "folder": "weight_v000002"}
+    index = json.loads((weights / "weight_v000002" / "model.safetensors.index.json").read_text())
+    assert index["version"] == 2 and index["base_version"] == 1 and index["delta_encoding"] == "xor"
+    rows = [json.loads(l) for l in telemetry.read_text().splitlines()]
+    assert all(0 < r["perf/update_weights_density"] <= 1 for r in rows)

@@ -19,11 +19,12 @@ class TrainerTransferMixin:
         raise NotImplementedError("the trainer actor must yield (hf_name, tensor) from hf_named_tensors()")
 
     def transfer_setup(self, mode: str, buffer_size: int, *, check_equal: bool = False,
-                       timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> None:
+                       timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **mode_options) -> None:
+        """``mode_options`` go to the mode's sender only (disk-delta: disk_dir, delta_encoding, base_dir)."""
         if self.transfer_sender is not None:
             self.transfer_sender.close()
         self.transfer_sender = registry.sender_class(mode)(buffer_size, check_equal=check_equal,
-                                                           timeout_s=timeout_s, device=device)
+                                                           timeout_s=timeout_s, device=device, **mode_options)
 
     def transfer_setup_from_config(self, transfer_config, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                                    device: str | None = None) -> None:
