@@ -89,3 +89,14 @@ def test_disk_delta_loop_publishes_versions(tmp_path):
     assert index["version"] == 2 and index["base_version"] == 1 and index["delta_encoding"] == "xor"
     rows = [json.loads(l) for l in telemetry.read_text().splitlines()]
     assert all(0 < r["perf/update_weights_density"] <= 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_colocated_loop_uses_the_ipc_path(tmp_path):
+    telemetry = tmp_path / "tel.jsonl"
+    proc = run_loop(tmp_path, "--steps", "2", "--colocate", "--check-weight-update-equal", "--telemetry", str(telemetry))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(l) for l in telemetry.read_text().splitlines()]
+    assert [r["colocate"] for r in rows] == [True, True]
+    assert {r["transfer_mode"] for r in rows} == {"cuda_ipc"}
+    assert not list(Path("/dev/shm").glob("rlplacement-ipc-*"))
