@@ -97,6 +97,11 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             raise TransferError("finish_weight_update without a fully received update: call update_weights first")
         self.receiver.commit(lambda staged: vllm_loader.load_into_model(self.model, self.model_config, staged))
 
+    @staticmethod
+    def trainer_send_weights(*args: Any, **kwargs: Any) -> None:
+        """vLLM 0.26 declares the trainer side on the engine class; ours is rlplacement.transfer."""
+        raise NotImplementedError("rlplacement's trainer side is rlplacement.transfer (TrainerTransferMixin)")
+
     def shutdown(self) -> None:
         # never wait on peers here: shutdown runs on error paths, and waiting would turn an error into a hang
         if self.receiver is not None:
