@@ -6,7 +6,6 @@ it checks; the engine-kill test goes last because it kills engine 1.
 """
 
 import concurrent.futures as cf
-import os
 import time
 
 import pytest
@@ -17,11 +16,11 @@ pytest.importorskip("vllm")
 from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
 from rlplacement.transfer import driver  # noqa: E402
+from tests.transfer_helpers.cluster import start_trainer_and_engines  # noqa: E402
 from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 17, 9, 250]]
 BUCKET = 64 * 1024  # several buckets per update for the ~450 KB tiny model
 TIMEOUT_S = 60.0
@@ -29,15 +28,9 @@ TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from tests.transfer_helpers.trainer_actor import HFTrainer
-
     # tied embeddings (as Qwen3-0.6B..4B): the head must follow the embedding; the IPC and loop tests cover untied
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec(tie_word_embeddings=True)))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
-    trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
-    engines = [create_engine_actor(i, model_dir) for i in range(2)]
+    trainer, engines = start_trainer_and_engines(model_dir)
     ray.get([e.info.remote() for e in engines] + [trainer.checksums.remote()])
     state = {"model_dir": model_dir, "trainer": trainer, "engines": engines, "version": 0,
              "tmp": tmp_path_factory.mktemp("out")}

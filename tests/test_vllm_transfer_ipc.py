@@ -7,7 +7,6 @@ update. The GPU variant (real CUDA IPC between processes on one GPU) is
 tests/test_transfer_ipc_gpu.py.
 """
 
-import os
 
 import pytest
 
@@ -17,12 +16,12 @@ pytest.importorskip("vllm")
 from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
 from rlplacement.transfer import driver  # noqa: E402
+from tests.transfer_helpers.cluster import start_trainer_and_engines  # noqa: E402
 from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
 from rlplacement.transfer.shared_buffers import leftover_shm_files  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 17, 9, 250]]
 BUCKET = 64 * 1024  # several buckets per update for the ~450 KB tiny model
 TIMEOUT_S = 60.0
@@ -30,14 +29,8 @@ TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from tests.transfer_helpers.trainer_actor import HFTrainer
-
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec()))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,  # our own, not a neighbour's
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
-    trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
-    engines = [create_engine_actor(i, model_dir) for i in range(2)]
+    trainer, engines = start_trainer_and_engines(model_dir)
     ray.get(trainer.transfer_setup.remote("cuda_ipc", BUCKET, check_equal=True, timeout_s=TIMEOUT_S))
     driver.connect(trainer, engines, timeout_s=TIMEOUT_S)
     state = {"model_dir": model_dir, "trainer": trainer, "engines": engines, "version": 0,
