@@ -9,6 +9,7 @@ from rlplacement.backends import launch
 from rlplacement.backends.base import OptimConfig
 from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
 from rlplacement.models.tiny import TinySpec, make_tiny_model
+from tests.reference_checks import assert_streamed_match_reference
 
 SPEC = TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
@@ -43,8 +44,4 @@ def test_fsdp_two_ranks_step_matches_hf_reference(tmp_path):
         assert res["mismatched"] == [], "streamed tensors differ from the shards FSDP holds"
     ref_metrics = hf_reference_step(ref, batches, SGD)
     assert results[0]["metrics"]["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4)
-    streamed = torch.load(tmp_path / "streamed.pt")
-    expected = dict(ref.named_parameters())
-    assert set(streamed) == set(expected)
-    for name, tensor in streamed.items():
-        torch.testing.assert_close(tensor, expected[name].detach(), atol=2e-6, rtol=1e-5, msg=name)
+    assert_streamed_match_reference(tmp_path / "streamed.pt", ref)

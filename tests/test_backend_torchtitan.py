@@ -13,6 +13,7 @@ from rlplacement.backends import make_backend
 from rlplacement.backends.base import OptimConfig
 from rlplacement.backends import torchtitan as tt
 from rlplacement.models.tiny import TinySpec, make_tiny_model
+from tests.reference_checks import assert_streamed_match_reference
 
 
 def _adapter_map(family: str) -> dict:
@@ -112,8 +113,4 @@ def test_two_ranks_on_cpu_match_hf_reference_where_triton_imports(tmp_path, fami
         assert res["mismatched"] == [], "streamed tensors differ from the shards FSDP holds"
     ref_metrics = hf_reference_step(ref, batches, SGD)
     assert results[0]["metrics"]["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4)
-    streamed = torch.load(tmp_path / "streamed.pt")
-    expected = dict(ref.named_parameters())
-    assert set(streamed) == set(expected)
-    for name, tensor in streamed.items():
-        torch.testing.assert_close(tensor, expected[name].detach(), atol=2e-6, rtol=1e-5, msg=name)
+    assert_streamed_match_reference(tmp_path / "streamed.pt", ref)

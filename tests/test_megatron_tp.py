@@ -10,6 +10,7 @@ from rlplacement.backends.base import OptimConfig
 from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
 from rlplacement.cli import main
 from rlplacement.models.tiny import TinySpec, make_tiny_model
+from tests.reference_checks import assert_streamed_match_reference
 from test_convert import assert_same_tensors
 
 SPEC = TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
@@ -65,8 +66,4 @@ def test_tp2_convert_reshard_logits_and_step(tmp_path):
     ref_metrics = hf_reference_step(ref, [batch], SGD)
     assert results[0]["metrics"]["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)
     assert results[0]["metrics"]["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4)
-    streamed = torch.load(tmp_path / "streamed.pt")
-    expected = dict(ref.named_parameters())
-    assert set(streamed) == set(expected)
-    for name, tensor in streamed.items():
-        torch.testing.assert_close(tensor, expected[name].detach(), atol=2e-6, rtol=1e-5, msg=name)
+    assert_streamed_match_reference(tmp_path / "streamed.pt", ref)
