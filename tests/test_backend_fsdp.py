@@ -2,14 +2,13 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlplacement.args import BackendConfig
 from rlplacement.backends import launch
 from rlplacement.backends.base import OptimConfig
 from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
 from rlplacement.models.tiny import TinySpec, make_tiny_model
-from tests.reference_checks import assert_streamed_match_reference
+from tests.reference_checks import assert_streamed_match_reference, step_and_share_stream
 
 SPEC = TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
@@ -20,14 +19,7 @@ def _worker(rank, world, hf, streamed_path):
 
     backend = make_backend(BackendConfig("fsdp", hf, None, 1, 1), SGD)
     batch = random_batch(SPEC.vocab_size, seed=10 + rank)  # each rank its own data-parallel share
-    logp = backend.log_probs(batch)
-    metrics = backend.train_step(batch)
-    streamed = dict(backend.iter_hf_tensors())
-    assert (len(streamed) > 0) == (rank == 0), "only rank 0 yields"
-    if rank == 0:
-        torch.save(streamed, streamed_path)
-    dist.barrier()
-    streamed = torch.load(streamed_path)
+    logp, metrics, streamed = step_and_share_stream(backend, batch, streamed_path, rank)
     mismatched = [n for n, p in backend.model.named_parameters()
                   if not torch.equal(p.to_local(), streamed[n].chunk(world, 0)[rank])]
     return {"logp": logp, "metrics": metrics, "mismatched": mismatched}

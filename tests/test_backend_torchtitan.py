@@ -13,7 +13,7 @@ from rlplacement.backends import make_backend
 from rlplacement.backends.base import OptimConfig
 from rlplacement.backends import torchtitan as tt
 from rlplacement.models.tiny import TinySpec, make_tiny_model
-from tests.reference_checks import assert_streamed_match_reference
+from tests.reference_checks import assert_streamed_match_reference, step_and_share_stream
 
 
 def _adapter_map(family: str) -> dict:
@@ -71,20 +71,11 @@ SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
 
 
 def _worker(rank, world, hf, family, streamed_path):
-    import torch.distributed as dist
-
     from rlplacement.backends.hf_reference import random_batch
 
     backend = make_backend(BackendConfig("torchtitan", hf, None, 1, 1), SGD, allow_cpu=True)
     batch = random_batch(300, seed=20 + rank)
-    logp = backend.log_probs(batch)
-    metrics = backend.train_step(batch)
-    streamed = dict(backend.iter_hf_tensors())
-    assert (len(streamed) > 0) == (rank == 0), "only rank 0 yields"
-    if rank == 0:
-        torch.save(streamed, streamed_path)
-    dist.barrier()
-    streamed = torch.load(streamed_path)
+    logp, metrics, streamed = step_and_share_stream(backend, batch, streamed_path, rank)
     from rlplacement.backends import torchtitan_model as ttm
 
     mismatched = [n for n, p in backend.model.named_parameters()
