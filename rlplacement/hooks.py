@@ -108,7 +108,7 @@ class RLJob:
             finished = time.time()
             for j, out in zip(idx, ray.get(done[0])):
                 samples[j] = RolloutSample(list(prompts[j]), out["token_ids"], out["logprobs"], out["finish_reason"],
-                                           out["weight_version"], i, out.get("finished_at", finished))
+                                           out["weight_version"], i, finished)
         return samples  # type: ignore[return-value]
 
     # ---- training -------------------------------------------------------------------------------
