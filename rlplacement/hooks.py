@@ -17,6 +17,7 @@ import time
 from typing import Any, Sequence
 
 from rlplacement.args import Config, ConfigError
+from rlplacement.runtime.waits import get_all
 
 DEFAULT_ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256}
 
@@ -53,6 +54,8 @@ class RLJob:
         self.check_equal = config.transfer.check_equal
         self.dp_ranks: list[int] = [0] * len(trainers)  # each trainer rank's share of a batch
         self.dp_size = 1
+        self.timeout_s = 600.0  # every wait on an actor is bounded and names who did not answer
+        self.trainer_names = [f"trainer rank {r}" for r in range(len(trainers))]
 
     @classmethod
     def start(cls, config: Config, hf_dir: str, *, optim: dict[str, Any] | None = None,
@@ -78,10 +81,11 @@ class RLJob:
                                        **{**DEFAULT_ENGINE_KWARGS, **(engine_kwargs or {})})
                    for i in range(len(layout.engines))]
         job = cls(config, placement, trainers, engines, hf_dir)
+        job.timeout_s = timeout_s
         try:
-            addr, port = ray.get(trainers[0].address.remote(), timeout=timeout_s)
-            infos = ray.get([t.setup.remote(addr, port, backend_cfg, optim or {}, backend_options) for t in trainers],
-                            timeout=timeout_s)
+            addr, port = get_all([trainers[0].address.remote()], timeout_s, "trainer address", ["trainer rank 0"])[0]
+            infos = get_all([t.setup.remote(addr, port, backend_cfg, optim or {}, backend_options) for t in trainers],
+                            timeout_s, "trainer set-up", job.trainer_names)
             job.dp_ranks = [i["data_parallel_rank"] for i in infos]
             job.dp_size = infos[0]["data_parallel_size"]
             job.set_transfer(mode, check_equal=config.transfer.check_equal, timeout_s=timeout_s)
@@ -102,11 +106,15 @@ class RLJob:
                 for i, (e, idx) in enumerate(zip(self.engines, shares)) if idx]
         samples: list[RolloutSample | None] = [None] * len(prompts)
         pending = {ref: (i, idx) for i, idx, ref in refs}
+        deadline = time.monotonic() + self.timeout_s
         while pending:  # stamp each engine's batch when it finishes, not when the slowest does
-            done, _ = ray.wait(list(pending), num_returns=1)
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                late = ", ".join(f"engine {i}" for i, _ in pending.values())
+                raise TimeoutError(f"generation: {late} did not answer within {self.timeout_s:.0f}s")
             i, idx = pending.pop(done[0])
             finished = time.time()
-            for j, out in zip(idx, ray.get(done[0])):
+            for j, out in zip(idx, ray.get(done[0], timeout=self.timeout_s)):
                 samples[j] = RolloutSample(list(prompts[j]), out["token_ids"], out["logprobs"], out["finish_reason"],
                                            out["weight_version"], i, finished)
         return samples  # type: ignore[return-value]
@@ -122,17 +130,15 @@ class RLJob:
         return [{k: v[r * per:(r + 1) * per] for k, v in batch.items()} for r in self.dp_ranks]
 
     def log_probs(self, batch: dict[str, list]) -> list[list[float]]:
-        import ray
-
-        parts = ray.get([t.log_probs.remote(s) for t, s in zip(self.trainers, self._shards(batch))])
+        parts = get_all([t.log_probs.remote(s) for t, s in zip(self.trainers, self._shards(batch))],
+                        self.timeout_s, "trainer log-probs", self.trainer_names)
         first_of_share = {dp: part for dp, part in zip(self.dp_ranks, parts)}
         return [row for dp in range(self.dp_size) for row in first_of_share[dp]]
 
     def train(self, batch: dict[str, list]) -> list[dict]:
         """One optimizer step on ``batch`` (lists: input_ids [B][T], loss_mask [B][T], advantages [B])."""
-        import ray
-
-        return ray.get([t.train_step.remote(s) for t, s in zip(self.trainers, self._shards(batch))])
+        return get_all([t.train_step.remote(s) for t, s in zip(self.trainers, self._shards(batch))],
+                       self.timeout_s, "train step", self.trainer_names)
 
     # ---- weights --------------------------------------------------------------------------------
     def set_transfer(self, mode: str, *, check_equal: bool, buffer_size: int | None = None,
@@ -141,29 +147,26 @@ class RLJob:
 
         Engines keep serving their current version; the next update continues the numbering.
         """
-        import ray
-
         from rlplacement.transfer import driver
 
         t = self.config.transfer
         options = ({"disk_dir": t.disk_dir, "delta_encoding": t.delta_encoding, "base_dir": self.hf_dir}
                    if mode == "disk-delta" else {})
-        ray.get(self.trainers[0].transfer_setup.remote(mode, buffer_size or t.buffer_size, check_equal=check_equal,
-                                                        timeout_s=timeout_s, **options))
+        get_all([self.trainers[0].transfer_setup.remote(mode, buffer_size or t.buffer_size, check_equal=check_equal,
+                                                        timeout_s=timeout_s, **options)],
+                timeout_s, "transfer set-up", ["trainer rank 0"])
         driver.connect(self.trainers[0], self.engines, timeout_s=timeout_s)
         self.check_equal = check_equal
 
     def update_weights(self, *, timeout_s: float = 600.0) -> dict:
         """Send the trainer's current weights to every engine as the next version."""
-        import ray
-
         from rlplacement.transfer import driver
 
         version = self.version + 1
         helpers = [t.gather_for_update.remote() for t in self.trainers[1:]]
         report = driver.run_update(self.trainers[0], self.engines, version, timeout_s=timeout_s,
                                    check_equal=self.check_equal)
-        ray.get(helpers, timeout=timeout_s)
+        get_all(helpers, timeout_s, "trainer gathers", self.trainer_names[1:])
         self.version = version
         return report
 

@@ -172,3 +172,25 @@ def test_stale_version_is_refused_before_any_transfer():
 def test_unknown_mode_lists_the_known_ones():
     with pytest.raises(ValueError, match="broadcast, broadcast_packed, cuda_ipc"):
         registry.sender_class("carrier-pigeon")
+
+
+def test_unchanged_manifests_are_sent_once_and_a_new_layout_is_sent_again(mode):
+    s = Session(mode)
+    try:
+        # cuda_ipc: an oversized bucket grows its slot during the first update (a new handle), so the
+        # manifests settle from the second update on
+        for version in (1, 2):
+            assert s.run(version, _model(version))[2] == [None, None]
+        first = dict(s.receivers[0]._manifests)
+        report, send_error, errors = s.run(3, _model(3))  # same layout, new bytes: manifests are reused
+        assert send_error is None and errors == [None, None]
+        assert first and all(s.receivers[0]._manifests[i][0] is first[i][0] for i in first)
+        for (name, src), (_, got) in zip(_model(3), s.applied[0]):
+            assert torch.equal(_bytes(src), _bytes(got)), name
+        changed = [(n, t * 2 if n != "big" else torch.randn(500)) for n, t in _model(4)]  # "big" changes shape
+        report, send_error, errors = s.run(4, changed)
+        assert send_error is None and errors == [None, None]
+        for (name, src), (_, got) in zip(changed, s.applied[1]):
+            assert got.shape == src.shape and torch.equal(_bytes(src), _bytes(got)), name
+    finally:
+        s.close()

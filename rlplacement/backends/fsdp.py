@@ -75,6 +75,11 @@ class FSDPBackend(TrainerBackend):
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.model.reshard()  # see log_probs: stream the sharded parameters, never a stale gathered copy
         for name, param in self.model.named_parameters():
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+            if not hasattr(param, "full_tensor"):
+                full = param.detach()
+            elif param.device_mesh.size() == 1:
+                full = param.to_local()  # one rank holds it whole: no gather, no copy
+            else:
+                full = param.full_tensor()
             if self.is_source:
                 yield name, full.detach() if self.stream_dtype is None else full.detach().to(self.stream_dtype)

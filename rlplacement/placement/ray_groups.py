@@ -125,7 +125,7 @@ class RayPlacement:
         remove_placement_group(self.placement_group)
 
 
-def _probe_bundles(pg: Any, count: int) -> list[tuple[str, str]]:
+def _probe_bundles(pg: Any, count: int, timeout_s: float = 60.0) -> list[tuple[str, str]]:
     """(node id, GPU id) of each bundle, read by a tiny task inside it."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -135,7 +135,7 @@ def _probe_bundles(pg: Any, count: int) -> list[tuple[str, str]]:
         return ray.get_runtime_context().get_node_id(), str(ray.get_gpu_ids()[0])
 
     refs = [where.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote() for i in range(count)]
-    return ray.get(refs)
+    return ray.get(refs, timeout=timeout_s)
 
 
 def place(cfg: PlacementConfig, *, timeout_s: float = 60.0) -> RayPlacement:

@@ -82,6 +82,7 @@ class BroadcastSender(WeightSender):
         self._store = self._endpoint = self._group = None
         self._broken: str | None = None
         self._in_flight: dict = {}  # slot -> work of a payload still on the wire (overlapping modes)
+        self._sent_manifests: dict[int, bytes] = {}  # bucket index -> manifest the group already has
 
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint:
         if world_size < 2:
@@ -99,6 +100,7 @@ class BroadcastSender(WeightSender):
         self._group = groups.TransferGroup(self._store, e.group_name, 0, e.world_size, e.backend,
                                            self.wire_device, e.timeout_s)
         self._broken = None
+        self._sent_manifests = {}
 
     def update(self, version: int, named_tensors: Iterable[NamedTensor]) -> UpdateReport:
         if self._group is None:
@@ -112,8 +114,7 @@ class BroadcastSender(WeightSender):
             for index, bucket in enumerate(iter_buckets(_guard(named_tensors), self.buffer_size, self.group_of)):
                 manifest = plan_manifest(index, bucket, self.check_equal)
                 prepared = self._prepare_payload(bucket, manifest)  # before the header: overlaps the last send
-                self._send_frame(KIND_BUCKET, version, json.dumps(self._manifest_wire(manifest, prepared)).encode(),
-                                 manifest.nbytes)
+                self._send_frame(KIND_BUCKET, version, self._manifest_blob(manifest, prepared), manifest.nbytes)
                 self._send_payload(bucket, manifest, prepared)
                 num_buckets += 1
                 num_tensors += len(bucket)
@@ -122,7 +123,12 @@ class BroadcastSender(WeightSender):
                     checksums.update((m.name, m.checksum) for m in manifest.tensors)
             self._drain()
             self._send_frame(KIND_END, version, b"", num_tensors)
+            if self.wire_device.type == "cuda":
+                import torch
+
+                torch.cuda.current_stream(self.wire_device).synchronize()  # sent means off the wire
         except _AbortUpdate as exc:
+            self._sent_manifests = {}
             try:
                 self._drain_quietly()
                 self._send_frame(KIND_ABORT, version, str(exc).encode(), 0)
@@ -144,6 +150,15 @@ class BroadcastSender(WeightSender):
                                            device=self.wire_device))
         if blob:
             self._group.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.wire_device))
+
+    def _manifest_blob(self, manifest: BucketManifest, prepared) -> bytes:
+        """The bucket's JSON, or b"" when the group already holds this exact manifest for this bucket
+        index (steady state: same model, same buckets, no checksums), saving a frame and a parse."""
+        blob = json.dumps(self._manifest_wire(manifest, prepared)).encode()
+        if self._sent_manifests.get(manifest.index) == blob:
+            return b""
+        self._sent_manifests[manifest.index] = blob
+        return blob
 
     def _manifest_wire(self, manifest: BucketManifest, prepared) -> dict:
         """The bucket's JSON frame; modes may add a ``"payload"`` entry (e.g. an IPC handle)."""
@@ -189,6 +204,8 @@ class BroadcastReceiver(WeightReceiver):
         self._staged: list[NamedTensor] | None = None
         self._wire = torch.device("cpu")  # where control frames (headers, manifests) live
         self._payload_info: dict | None = None  # the current bucket's "payload" entry, if the mode sends one
+        self._manifests: dict[int, tuple[BucketManifest, dict | None]] = {}  # as sent, per bucket index
+        self._views: dict[int, tuple] = {}  # bucket index -> (buffer, manifest, typed views) of the last update
 
     @property
     def version(self) -> int:
@@ -210,6 +227,7 @@ class BroadcastReceiver(WeightReceiver):
         self._group = groups.TransferGroup(store, endpoint.group_name, rank, endpoint.world_size,
                                            endpoint.backend, wire, endpoint.timeout_s)
         self._wire = wire
+        self._manifests = {}
         if self.buffers is None or self.buffers.device != wire:
             self.buffers = FlatBuffers(wire)
         self._endpoint = endpoint
@@ -237,10 +255,10 @@ class BroadcastReceiver(WeightReceiver):
                     break
                 if kind != KIND_BUCKET:
                     raise TransferError(f"unexpected frame kind {kind} from the trainer")
-                manifest = self._parse_manifest(blob)
+                manifest = self._parse_manifest(blob, num_buckets)
                 buf = self.buffers.get(manifest.index, manifest.nbytes)
                 self._recv_payload(buf, manifest)
-                tensors = unpack(buf, manifest)
+                tensors = self._unpack(buf, manifest)
                 for meta, (name, tensor) in zip(manifest.tensors, tensors):
                     if meta.checksum is not None and mismatch is None:
                         got = tensor_checksum(tensor)
@@ -260,10 +278,31 @@ class BroadcastReceiver(WeightReceiver):
         self._staged = staged
         return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start)
 
-    def _parse_manifest(self, blob: bytes) -> BucketManifest:
-        obj = json.loads(blob)
-        self._payload_info = obj.get("payload")
-        return BucketManifest.from_wire(obj)
+    def _parse_manifest(self, blob: bytes, position: int) -> BucketManifest:
+        """The manifest of the bucket at ``position`` in this update: parsed from ``blob``, or the one
+        this group received for that position before when the sender sent none (unchanged)."""
+        if blob:
+            obj = json.loads(blob)
+            manifest = BucketManifest.from_wire(obj)
+            self._manifests[manifest.index] = (manifest, obj.get("payload"))
+        elif position in self._manifests:
+            manifest = self._manifests[position][0]
+        else:
+            raise TransferError(f"the trainer referred to the manifest of bucket {position}, which this receiver "
+                                f"never received; rebuild the transfer group")
+        if manifest.index != position:
+            raise TransferError(f"bucket {manifest.index} arrived at position {position}")
+        self._payload_info = self._manifests[position][1]
+        return manifest
+
+    def _unpack(self, buf: "torch.Tensor", manifest: BucketManifest) -> list[NamedTensor]:
+        """Typed views of the bucket; the same list objects as last update when nothing moved."""
+        cached = self._views.get(manifest.index)
+        if cached is not None and cached[0] is buf and cached[1] is manifest:
+            return list(cached[2])
+        views = unpack(buf, manifest)
+        self._views[manifest.index] = (buf, manifest, views)
+        return list(views)
 
     def _recv_frame(self) -> tuple[int, int, bytes]:
         import torch

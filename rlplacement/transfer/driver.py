@@ -13,61 +13,23 @@ failure the group is unusable; call :func:`connect` again before the next update
 
 from __future__ import annotations
 
-import time
 from typing import Any, Sequence
 
+from rlplacement.runtime.waits import get_all, wait_named
 from rlplacement.transfer.base import WeightMismatchError, WeightUpdateError
-
-FAILURE_GRACE_S = 5.0  # after the first failure, how long to wait for the others' causes
-
-
-def _cause(exc: BaseException) -> str:
-    import ray
-
-    if isinstance(exc, ray.exceptions.RayTaskError):
-        inner = exc.cause if getattr(exc, "cause", None) is not None else exc
-        text = str(inner).strip().splitlines()
-        return f"{type(inner).__name__}: {text[-1] if text else ''}"
-    if isinstance(exc, ray.exceptions.ActorDiedError | ray.exceptions.RayActorError):
-        return "actor died (process killed or crashed)"
-    return f"{type(exc).__name__}: {exc}"
-
 
 def wait_all(refs: dict[str, Any], timeout_s: float, version: int = 0) -> dict[str, Any]:
     """ray.get every ref by name within ``timeout_s``; raise WeightUpdateError naming the failures."""
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    pending = {ref: who for who, ref in refs.items()}
-    results: dict[str, Any] = {}
-    failures: dict[str, str] = {}
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
-        for ref in done:
-            who = pending.pop(ref)
-            try:
-                results[who] = ray.get(ref)
-            except Exception as exc:  # noqa: BLE001 - every cause is reported
-                failures[who] = _cause(exc)
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-    for who in pending.values():
-        failures[who] = f"no answer within {timeout_s:.0f}s" if not failures else "did not finish after the failure"
-    if failures:
-        ordered = dict(sorted(failures.items(), key=lambda kv: kv[0] == "trainer"))
-        raise WeightUpdateError(version, ordered)
-    return results
+    return wait_named(refs, timeout_s, error=lambda failures: WeightUpdateError(version, failures))
 
 
 def connect(trainer, engines: Sequence, *, timeout_s: float = 120.0, host: str | None = None) -> dict:
     """Build the transfer group: trainer rank 0 plus every worker of every engine. Returns the endpoint."""
-    import ray
-
-    infos = ray.get([e.info.remote() for e in engines], timeout=timeout_s)
+    infos = get_all([e.info.remote() for e in engines], timeout_s, "engine info",
+                    [f"engine {i}" for i in range(len(engines))])
     world_size = 1 + sum(i["num_workers"] for i in infos)
-    endpoint = ray.get(trainer.transfer_listen.remote(world_size, host), timeout=timeout_s)
+    endpoint = wait_named({"trainer": trainer.transfer_listen.remote(world_size, host)}, timeout_s,
+                          "opening the transfer group")["trainer"]
     refs = {"trainer": trainer.transfer_connect.remote()}
     offset = 1
     for i, (engine, info) in enumerate(zip(engines, infos)):
@@ -86,8 +48,6 @@ def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 1
     also refuse a mismatching update themselves when the group was built with check_equal).
     Returns ``{"trainer": UpdateReport dict, "engines": [per-engine timings]}``.
     """
-    import ray
-
     refs = {"trainer": trainer.transfer_send.remote(version)}
     refs.update({f"engine {i}": e.update_weights.remote(version) for i, e in enumerate(engines)})
     results = wait_all(refs, timeout_s, version)
@@ -96,7 +56,8 @@ def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 1
         expected = report.get("checksums")
         if not expected:
             raise WeightUpdateError(version, {"trainer": "check_equal needs the sender set up with check_equal=True"})
-        got_all = ray.get([e.received_checksums.remote() for e in engines], timeout=timeout_s)
+        got_all = get_all([e.received_checksums.remote() for e in engines], timeout_s, "reading engine checksums",
+                          [f"engine {i}" for i in range(len(engines))])
         for i, got in enumerate(got_all):
             for name, want in expected.items():
                 if got.get(name, "<missing>") != want:

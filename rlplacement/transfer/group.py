@@ -111,10 +111,19 @@ class TransferGroup:
         return None
 
     def close(self) -> None:
+        """Drop the group without waiting for any peer.
+
+        NCCL's ``shutdown()`` is not local: on one rank it waits until every peer closes too
+        (measured on 2 H200s: 20 s when the peer held its side open for 20 s, 0.5 s with
+        ``abort()``). Members close at different times (the trainer rebuilds its side before the
+        engines are told), so NCCL groups are aborted; gloo's close is local.
+        """
         pg, self._pg = getattr(self, "_pg", None), None
-        if pg is not None and hasattr(pg, "shutdown"):
-            try:
-                pg.shutdown()
-            except Exception:  # shutting down a broken group must not turn an error into a hang
-                pass
+        if pg is not None:
+            end = getattr(pg, "abort", None) if self.backend == "nccl" else getattr(pg, "shutdown", None)
+            if end is not None:
+                try:
+                    end()
+                except Exception:  # closing a broken group must not turn an error into a hang
+                    pass
         self._store = None

@@ -31,7 +31,7 @@ from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedT
                                        UpdateReport, WeightMismatchError, tensor_checksum)
 from rlplacement.transfer.broadcast import (KIND_ABORT, KIND_BUCKET, KIND_END, BroadcastReceiver, BroadcastSender,
                                             _AbortUpdate)
-from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, pack_into, unpack
+from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, pack_into
 from rlplacement.transfer.shared_buffers import OpenedBuffer, SharedSlots
 
 if TYPE_CHECKING:
@@ -172,17 +172,17 @@ class IpcReceiver(BroadcastReceiver):
                     break
                 if kind != KIND_BUCKET:
                     raise TransferError(f"unexpected frame kind {kind} from the trainer")
-                manifest = self._parse_manifest(blob)
+                manifest = self._parse_manifest(blob, num_buckets)
                 buf = self.buffers.get(manifest.index, manifest.nbytes)
                 if manifest.nbytes:
                     if failure is None:
                         try:
                             self._recv_payload(buf, manifest)
-                            self._check(unpack(buf, manifest), manifest)
+                            self._check(self._unpack(buf, manifest), manifest)
                         except Exception as exc:  # noqa: BLE001 - reported through the ack, raised at ABORT
                             failure = exc
                     self._ack(failure is not None)
-                staged.extend(unpack(buf, manifest))
+                staged.extend(self._unpack(buf, manifest))
                 nbytes += sum(m.nbytes for m in manifest.tensors)
                 num_buckets += 1
             if failure is not None:

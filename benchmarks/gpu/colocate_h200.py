@@ -1,0 +1,128 @@
+"""Colocated layout on one GPU: FSDP trainer and a vLLM engine (engine core in its own process) on
+GPU 0, placed by rlplacement with ``--colocate``. Per Qwen3 shape: our ``cuda_ipc`` path (whole
+update as the loop sees it), the per-tensor-handle baseline (``per_tensor_ipc``: one CUDA IPC
+handle per tensor into ``load_weights``) on the same GPU and model, and the ceiling: one
+device-to-device copy of the same bytes on that GPU (CUDA events), all in the same run.
+
+    source benchmarks/gpu/device_env.sh
+    python3 benchmarks/gpu/colocate_h200.py --sizes 4B 8B --out $OUT   # -> colocate_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def job_config(buffer_size: int):
+    from rlplacement.args import build_parser, config_from_args
+
+    return config_from_args(build_parser().parse_args([
+        "--colocate", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1",
+        "--update-weight-buffer-size", str(buffer_size), "--train-backend", "fsdp"]))
+
+
+def per_tensor_ipc(model_dir: Path, args, row: dict) -> None:
+    import ray
+
+    from peers import PeerEngine, PeerTrainer
+    from rlplacement.placement import ray_groups
+    from rlplacement.runtime.waits import get_all
+
+    placement = ray_groups.place(job_config(args.buffer_size).placement)
+    trainer = ray.remote(PeerTrainer).options(**placement.trainer_options(0)).remote(str(model_dir))
+    engine = ray.remote(PeerEngine).options(**placement.engine_options(0)).remote(
+        str(model_dir), None, gpu_memory_utilization=args.gpu_memory_utilization)
+    try:
+        expected = get_all([trainer.perturb.remote()], 600, "peer trainer")[0]
+        handles = get_all([trainer.ipc_handles.remote()], 300, "handles")[0]
+        get_all([engine.ipc_update.remote(handles)], 600, "per-tensor IPC")
+        got = get_all([engine.unfused_checksums.remote()], 300, "engine checksums")[0]
+        whole, load = [], []
+        for i in range(args.repeats + 1):
+            t0 = time.perf_counter()
+            handles = get_all([trainer.ipc_handles.remote()], 300, "handles")[0]
+            timing = get_all([engine.ipc_update.remote(handles)], 600, "per-tensor IPC")[0]
+            if i:
+                whole.append(time.perf_counter() - t0)
+                load.append(timing["load"])
+        row["per_tensor_ipc"] = {"whole": whole, "wire": [None], "load": load,
+                                 "bit_exact": all(got.get(n) == c for n, c in expected.items()),
+                                 "bit_exact_scope": f"{len(expected)} unfused tensors (embedding, norm, down_proj)"}
+        print(f"[{row['size']}] per_tensor_ipc: whole {statistics.median(whole) * 1e3:.1f} ms", flush=True)
+    finally:
+        for actor in (engine, trainer):
+            ray.kill(actor)
+        placement.remove()
+
+
+def run_size(size: str, root: Path, args, results: dict, compare_generation: bool) -> None:
+    t0 = time.time()
+    model_dir = common.make_model(root, size, "bfloat16")
+    row: dict = {"size": size, "make_model_s": round(time.time() - t0, 1)}
+    common.run_ours(job_config(args.buffer_size), ("cuda_ipc",), size, model_dir, root, args, row, compare_generation,
+                    gpu_memory_utilization=args.gpu_memory_utilization)
+    try:
+        per_tensor_ipc(model_dir, args, row)
+    except Exception as exc:  # noqa: BLE001 - the baseline failing must not lose our numbers
+        row["per_tensor_ipc_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"[{size}] per_tensor_ipc failed: {row['per_tensor_ipc_error']}", flush=True)
+    copies = common.device_copy_seconds(row["bytes"], args.repeats)
+    ceiling = row["bytes"] / statistics.median(copies) / 1e9
+    out = {"size": size, "bytes": row["bytes"], "num_tensors": row["num_tensors"], "ceiling_gbps": round(ceiling, 2),
+           "ceiling_seconds": statistics.median(copies), "ceiling": "device-to-device copy (bytes moved once)",
+           **{k: v for k, v in row.items() if k not in ("size", "bytes", "num_tensors") and not isinstance(v, dict)}}
+    for mode in ("cuda_ipc", "per_tensor_ipc"):
+        m = row.get(mode)
+        if m:
+            out[mode] = common.mode_row(row["bytes"], ceiling, m["whole"], m["wire"], m["load"], m["bit_exact"])
+            out[mode].update({k: v for k, v in m.items() if k not in ("whole", "wire", "load", "bit_exact")})
+    results["sizes"].append(out)
+    common.write(args.out, "colocate_h200.json", results)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["4B", "8B"], choices=sorted(common.SIZES))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--buffer-size", type=int, default=512 * 1024 * 1024)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--out", type=str, default=None)
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("colocate_h200: needs a CUDA GPU; nothing run")
+        return 0
+    os.environ.update(common.NVLS_OFF)
+    common.export_path()
+    import ray
+
+    results: dict = {"command": " ".join(["python3", *sys.argv]), "gpus": common.gpu_names()[:1],
+                     "versions": common.versions(), "sizes": []}
+    root = Path(tempfile.mkdtemp(prefix="colocate_h200_"))
+    try:
+        for i, size in enumerate(args.sizes):
+            run_size(size, root, args, results, compare_generation=(i == 0))
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        common.write(args.out, "colocate_h200.json", results)
+    print(f"{'size':>5} {'GB':>6} {'ceil GB/s':>9} {'cuda_ipc':>22} {'per_tensor_ipc':>22}")
+    for r in results["sizes"]:
+        cells = [f"{r[m]['whole_seconds'] * 1e3:9.1f}ms ({r[m]['ratio']:.0%})" if m in r else "-"
+                 for m in ("cuda_ipc", "per_tensor_ipc")]
+        print(f"{r['size']:>5} {r['bytes'] / 1e9:6.2f} {r['ceiling_gbps']:9.1f} {cells[0]:>22} {cells[1]:>22}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

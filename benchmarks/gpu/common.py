@@ -1,0 +1,256 @@
+"""Pieces the H200 benchmarks share: Qwen3-shaped random models made fast, the ceilings measured in
+the same run (flat NCCL broadcast GPU 0 -> GPU 1; device-to-device copy), the peers (vLLM's own
+NCCL weight-transfer backend; per-tensor CUDA IPC handles into ``load_weights``), and the rows of
+the results contract (``whole_seconds``, ``wire_seconds``, ``load_seconds``, ``ratio``, ``bit_exact``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+# Qwen3 shapes, head_dim 128. 0.5B-4B keep an 8192-token vocabulary (the earlier runs' bytes); 8B is
+# the real Qwen3-8B (151,936 vocabulary, untied: 399 tensors, ~16.4 GB in bf16).
+SIZES = {
+    "0.5B": dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=8,
+                 num_hidden_layers=28, vocab_size=8192, tie_word_embeddings=True),
+    "1.5B": dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
+                 num_hidden_layers=28, vocab_size=8192, tie_word_embeddings=True),
+    "4B": dict(hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
+               num_hidden_layers=36, vocab_size=8192, tie_word_embeddings=True),
+    "8B": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+               num_hidden_layers=36, vocab_size=151936, tie_word_embeddings=False),
+    "smoke": dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                  num_hidden_layers=2, vocab_size=300, tie_word_embeddings=True, head_dim=32),
+}
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def export_path() -> None:
+    """Ray workers (started after this) import ``peers`` and ``rlplacement`` from here."""
+    import os
+
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+
+
+def make_model(root: Path, size: str, dtype: str) -> Path:
+    """An HF folder with random weights, generated on the GPU when there is one (an 8B model made
+    by transformers' CPU init takes minutes); the tokenizer keeps a small vocabulary (vLLM accepts
+    a tokenizer smaller than the model's embedding)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from rlplacement.models.tiny import TinySpec, build_config, build_tokenizer
+
+    shape = {"head_dim": 128, **SIZES[size]}
+    spec = TinySpec(family="qwen3", max_position_embeddings=1024, dtype=dtype, **shape)
+    out = root / size
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = build_config(spec)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(cfg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(0)
+    tensors = {}
+    for name, p in meta.named_parameters():
+        if spec.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t = torch.randn(p.shape, generator=g, device=device, dtype=torch.float32)
+        t = (1 + 0.05 * t) if p.dim() == 1 else t * 0.02
+        tensors[name] = t.to(getattr(torch, dtype)).cpu()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg.architectures = [type(meta).__name__]  # what vLLM picks the model class by
+    cfg.save_pretrained(out)
+    build_tokenizer(min(spec.vocab_size, 8192)).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "pad_token_id": 0}))
+    del tensors
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _raw_rank(rank: int, nbytes: int, repeats: int, port: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    if rank == 0:
+        buf.random_(0, 255)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        dist.broadcast(buf, src=0)
+        sync()
+        if i >= 2:  # two warm-ups: NCCL sets up its channels on first use
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(times)
+    dist.destroy_process_group()
+
+
+def raw_broadcast_seconds(nbytes: int, repeats: int) -> list[float]:
+    """Seconds per broadcast of one flat ``nbytes`` buffer GPU 0 -> GPU 1 (gloo on CPU): the ceiling."""
+    import torch.multiprocessing as mp
+
+    from rlplacement.backends.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_raw_rank, args=(r, nbytes, repeats, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    times = q.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    return times
+
+
+def device_copy_seconds(nbytes: int, repeats: int) -> list[float]:
+    """Seconds per device-to-device copy of ``nbytes`` on GPU 0 (CUDA events): the colocated ceiling."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").random_(0, 255)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(repeats + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 2:
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return times
+
+
+def mode_row(nbytes: int, ceiling_gbps: float, whole: list[float], wire: list[float | None],
+             load: list[float | None], bit_exact: bool) -> dict:
+    med = statistics.median
+    wire = [w for w in wire if w is not None]
+    load = [x for x in load if x is not None]
+    return {"whole_seconds": med(whole), "wire_seconds": med(wire) if wire else None,
+            "load_seconds": med(load) if load else None, "ratio": round(nbytes / med(whole) / 1e9 / ceiling_gbps, 4),
+            "bit_exact": bool(bit_exact), "whole_all": whole}
+
+
+def random_batch(vocab: int, batch: int = 4, length: int = 64) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = torch.zeros(batch, length)
+    mask[:, length // 2:] = 1
+    return {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "advantages": [1.0, -1.0, 0.5, -0.5][:batch]}
+
+
+def greedy(engine, prompts: list[list[int]]) -> list[dict]:
+    import ray
+
+    return ray.get(engine.generate.remote(prompts, max_tokens=32, temperature=0.0), timeout=600)
+
+
+def timed_updates(job, repeats: int) -> tuple[list, list, list]:
+    whole, wire, load = [], [], []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        report = job.update_weights()
+        if i:  # the first is a warm-up
+            whole.append(time.perf_counter() - t0)
+            wire.append(report["trainer"]["seconds"])
+            load.append(report["engines"][0].get("load"))
+    return whole, wire, load
+
+
+def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: dict, compare_generation: bool,
+             gpu_memory_utilization: float) -> None:
+    """Our modes through ``RLJob`` (as a loop sees them): a train step so the weights move, then per
+    mode one checked update and timed ones; optionally greedy generation vs a fresh engine."""
+    import ray
+    import torch
+
+    from rlplacement.engines.ray_engines import create_engine_actor
+    from rlplacement.engines.vllm_backend import load_path
+    from rlplacement.hooks import RLJob
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    engine_kwargs = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 512}
+    if torch.cuda.is_available():
+        engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    t0 = time.time()
+    job = RLJob.start(config, str(model_dir), optim={"lr": 1e-4},
+                      engine_kwargs=engine_kwargs, backend_options={"dtype": dtype})
+    row["startup_s"] = round(time.time() - t0, 1)
+    try:
+        job.train(random_batch(8192 if size != "smoke" else 300, batch=1 if size == "smoke" else 4))
+        for mode in modes:
+            job.set_transfer(mode, check_equal=True)
+            checked = job.update_weights()  # raises WeightUpdateError naming the tensor on any mismatch
+            job.set_transfer(mode, check_equal=False)
+            whole, wire, load = timed_updates(job, args.repeats)
+            row["bytes"], row["num_tensors"] = checked["trainer"]["bytes"], checked["trainer"]["num_tensors"]
+            row[mode] = {"whole": whole, "wire": wire, "load": load, "bit_exact": True,
+                         "commit": ray.get(job.engines[0].call_workers.remote(load_path), timeout=60)}
+            print(f"[{size}] {mode}: whole {statistics.median(whole) * 1e3:.1f} ms, wire "
+                  f"{statistics.median(wire) * 1e3:.1f} ms, load {statistics.median(load) * 1e3:.1f} ms "
+                  f"{row[mode]['commit']}", flush=True)
+        if compare_generation:
+            prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 250, 120], [7] * 16]  # inside the smoke vocabulary too
+            updated = greedy(job.engines[0], prompts)
+            saved = ray.get(job.trainers[0].save_hf_folder.remote(str(root / f"{size}_trained"), str(model_dir)),
+                            timeout=600)
+            ray.get(job.engines[0].shutdown.remote(), timeout=120)
+            ray.kill(job.engines[0])
+            job.engines[0] = fresh_engine = create_engine_actor(0, saved, options=job.placement.engine_options(0),
+                                                                **engine_kwargs)
+            fresh = greedy(fresh_engine, prompts)
+            row["generation_tokens_equal"] = all(a["token_ids"] == b["token_ids"] for a, b in zip(updated, fresh))
+            row["generation_logprob_max_abs_diff"] = max(abs(x - y) for a, b in zip(updated, fresh)
+                                                         for x, y in zip(a["logprobs"], b["logprobs"]))
+    finally:
+        job.close()
+
+
+def versions() -> dict:
+    import torch
+
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import vllm
+
+        out["vllm"] = vllm.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def gpu_names() -> list[str]:
+    import torch
+
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def write(out_dir: str | None, name: str, results: dict) -> None:
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / name).write_text(json.dumps(results, indent=1))

@@ -1,0 +1,128 @@
+"""The peers we are measured against, as Ray actors on the same GPUs and model as our own run.
+
+* ``vllm_nccl``: vLLM 0.26's own NCCL weight-transfer backend. Trainer side: the static
+  ``NCCLWeightTransferEngine.trainer_init`` / ``trainer_send_weights`` (0.26 has no trainer class);
+  engine side: ``LLM(weight_transfer_config={"backend": "nccl"})`` with ``start_weight_update()``
+  -> ``update_weights({"update_info": names, dtype_names, shapes, packed})`` ->
+  ``finish_weight_update()`` (layerwise reload around a ``load_weights`` per tensor or per chunk).
+* ``per_tensor_ipc``: the colocated baseline: one CUDA IPC handle per tensor, each rebuilt in the
+  engine's worker and passed to ``model.load_weights`` (what a loop without packing does).
+
+Bit-exactness of a peer is checked on tensors vLLM keeps unfused (embedding, final norm, every
+``down_proj``): the trainer perturbs its weights, sends, and those checksums must match.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rlplacement.transfer.base import tensor_checksum
+
+UNFUSED = ("model.embed_tokens.weight", "model.norm.weight")
+
+
+def _unfused(name: str) -> bool:
+    return name in UNFUSED or name.endswith("mlp.down_proj.weight")
+
+
+class PeerTrainer:
+    """Holds the model's HF tensors on its GPU, as a trainer would after a step."""
+
+    def __init__(self, model_dir: str):
+        import torch
+        from safetensors.torch import load_file
+
+        self.tensors = {n: t.to("cuda") for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+        self.group = None
+        torch.cuda.synchronize()
+
+    def layout(self) -> dict:
+        return {"names": list(self.tensors), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in self.tensors.values()],
+                "shapes": [list(t.shape) for t in self.tensors.values()],
+                "bytes": sum(t.numel() * t.element_size() for t in self.tensors.values())}
+
+    def perturb(self) -> dict[str, str]:
+        import torch
+
+        with torch.no_grad():
+            for t in self.tensors.values():
+                t.add_(torch.randn_like(t) * 1e-3)
+        return {n: tensor_checksum(t) for n, t in self.tensors.items() if _unfused(n)}
+
+    def nccl_init(self, host: str, port: int, world_size: int) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        self.group = NCCLWeightTransferEngine.trainer_init({"master_address": host, "master_port": port,
+                                                            "world_size": world_size})
+
+    def nccl_send(self, packed: bool) -> float:
+        import torch
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        t0 = time.perf_counter()
+        NCCLWeightTransferEngine.trainer_send_weights(iter(self.tensors.items()), {"group": self.group, "packed": packed})
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def ipc_handles(self) -> list:
+        """One (name, pickled CUDA IPC rebuild args) per tensor."""
+        import pickle
+
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return [(n, pickle.dumps(reduce_tensor(t))) for n, t in self.tensors.items()]
+
+
+class PeerEngine:
+    """A vLLM engine with vLLM's own transfer machinery (or none, for the IPC baseline)."""
+
+    def __init__(self, model_dir: str, backend: str | None, **llm_kwargs):
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        from vllm import LLM
+
+        kwargs = dict(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=512, **llm_kwargs)
+        if backend:
+            kwargs["weight_transfer_config"] = {"backend": backend}
+        self.llm = LLM(**kwargs)
+
+    def nccl_init(self, host: str, port: int, world_size: int) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": {"master_address": host, "master_port": port,
+                                                            "rank_offset": 1, "world_size": world_size}})
+
+    def nccl_update(self, layout: dict, packed: bool) -> dict:
+        t0 = time.perf_counter()
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"names": layout["names"], "dtype_names": layout["dtype_names"],
+                                                 "shapes": layout["shapes"], "packed": packed}})
+        t1 = time.perf_counter()
+        self.llm.finish_weight_update()
+        t2 = time.perf_counter()
+        self.llm.reset_prefix_cache()
+        return {"receive": t1 - t0, "load": t2 - t1}
+
+    def ipc_update(self, handles: list) -> dict:
+        t0 = time.perf_counter()
+        self.llm.collective_rpc(_load_from_handles, args=(handles,))
+        self.llm.reset_prefix_cache()
+        return {"load": time.perf_counter() - t0}
+
+    def unfused_checksums(self) -> dict[str, str]:
+        return self.llm.collective_rpc(_unfused_checksums)[0]
+
+
+def _load_from_handles(worker, handles: list) -> None:
+    import pickle
+
+    import torch
+
+    model = worker.model_runner.get_model()
+    for name, blob in handles:
+        rebuild, args = pickle.loads(blob)
+        model.load_weights([(name, rebuild(*args))])
+    torch.cuda.synchronize()
+
+
+def _unfused_checksums(worker) -> dict[str, str]:
+    model = worker.model_runner.get_model()
+    return {n: tensor_checksum(p) for n, p in model.named_parameters() if _unfused(n)}

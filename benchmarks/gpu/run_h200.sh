@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One command per experiment on the lent H200 machine, after benchmarks/gpu/device_setup.sh:
+#   bash benchmarks/gpu/run_h200.sh split [--sizes ...]     -> $OUT/split_h200.json     (2 GPUs)
+#   bash benchmarks/gpu/run_h200.sh colocate [--sizes ...]  -> $OUT/colocate_h200.json  (1 GPU)
+#   bash benchmarks/gpu/run_h200.sh tests                   -> the GPU-marked tests (pytest -m gpu)
+# Installs this checkout into /tmp/site first, so vLLM's processes find the `vllm.general_plugins`
+# entry point that registers rlplacement's weight-transfer backend.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . 2>&1 | grep -v WARNING || true
+source benchmarks/gpu/device_env.sh
+what=$1; shift
+out=${OUT:-benchmarks/gpu/results}
+case "$what" in
+  split) python3 benchmarks/gpu/split_h200.py --out "$out" "$@" ;;
+  colocate) python3 benchmarks/gpu/colocate_h200.py --out "$out" "$@" ;;
+  tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests "$@" ;;
+  *) echo "unknown experiment $what (split | colocate | tests)" >&2; exit 2 ;;
+esac

