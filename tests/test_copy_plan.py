@@ -90,3 +90,13 @@ def test_post_load_processing_that_changes_parameters_gets_no_plan():
 
     result = copy_plan.record_load(load_then_repack, _staged(torch.randn(100)))
     assert isinstance(result, str) and "differs from the staged bytes" in result
+
+
+def test_the_served_bytes_check_compares_in_slices_and_names_the_tensor():
+    buf = torch.randn(100)
+    model = FusedStandInForVllm()
+    staged = _staged(buf)
+    plan = copy_plan.record_load(model.load_weights, staged)
+    assert plan.mismatches(staged, chunk_bytes=16) == []  # 16 bytes: every tensor compared row by row
+    model.gate_up.data[5, 1] += 1  # a byte of "up" the engine serves is not what was staged
+    assert plan.mismatches(staged, chunk_bytes=16) == ["up"]

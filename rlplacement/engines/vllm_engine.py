@@ -5,15 +5,15 @@ Ray actor. An actor runs one method at a time, so generation is paused for the w
 update by construction; ``update_weights`` still marks the pause explicitly so that an actor
 given more concurrency refuses to generate mid-update instead of mixing versions.
 
-Lifecycle of ``update_weights(v)``: pause -> start_weight_update -> update_weights (receive and
-stage everything, validate) -> finish_weight_update (load, serve v) -> reset prefix cache ->
-resume. Any failure before the load leaves the engine serving its previous version.
+Lifecycle of ``update_weights(v)``: pause -> (one round trip to every worker) start_weight_update
+-> receive_weights (receive and stage everything, validate) -> finish_weight_update (load, serve
+v) -> reset prefix cache -> resume. Any failure before the load leaves the engine serving its
+previous version.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 from rlplacement.transfer.base import TransferError, tensor_checksum
@@ -65,21 +65,23 @@ class VllmRolloutEngine:
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
     def update_weights(self, version: int) -> dict:
-        """Receive version ``version`` from the trainer and serve it; returns phase timings (s)."""
-        timings = {}
+        """Receive version ``version`` from the trainer and serve it; returns phase timings (s).
+
+        One worker round trip (``vllm_backend.receive_and_commit``: start, receive and stage, load)
+        rather than vLLM's three calls: each round trip to a multi-process engine core costs ~ms.
+        """
+        from rlplacement.engines.vllm_backend import receive_and_commit
+
         self._updating = True
         try:
-            t0 = time.perf_counter()
-            self.llm.collective_rpc("start_weight_update")
-            self.llm.collective_rpc("update_weights", kwargs={"update_info": {"version": int(version)}})
-            t1 = time.perf_counter()
-            self.llm.collective_rpc("finish_weight_update")
-            t2 = time.perf_counter()
-            timings.update(receive=t1 - t0, load=t2 - t1)
+            per_worker = self.llm.collective_rpc(receive_and_commit, args=(int(version),))
         finally:
             self.llm.reset_prefix_cache()
             self._updating = False
-        return {"engine_index": self.engine_index, "version": self.weight_version(), **timings}
+        # every worker committed (a failure raised above): the version is the one asked for, with no
+        # extra round trip to the workers (generate() reads it from them)
+        return {"engine_index": self.engine_index, "version": int(version),
+                "receive": max(t["receive"] for t in per_worker), "load": max(t["load"] for t in per_worker)}
 
     def weight_version(self) -> int:
         """The version every worker serves; raises if workers disagree (never expected)."""
