@@ -1,6 +1,6 @@
 """broadcast vs broadcast_packed vs the raw flat-buffer broadcast of the same bytes (the ceiling),
-on this machine's transport (gloo over loopback TCP; NCCL when run with CUDA tensors is future
-work), for a Qwen3-shaped model of a few hundred MB with >= 300 tensors.
+on this machine's transport (NCCL GPU 0 -> GPU 1 where there are two GPUs, else gloo over
+loopback TCP; each row names it), for a Qwen3-shaped model of a few hundred MB with >= 300 tensors.
 
     python benchmarks/bench_broadcast.py [--size-mb 400] [--num-tensors 311] [--bucket-mb 64]
                                          [--repeats 3] [--small]
@@ -42,7 +42,8 @@ def main() -> int:
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--small", action="store_true", help="also run a model of ~3000 smaller tensors")
-    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, GPU 0 -> GPU 1)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: NCCL GPU 0 -> GPU 1 where there are two GPUs, else cpu (gloo)")
     p.add_argument("--json", type=str, default=None, help="also write the results to this file")
     args = p.parse_args()
     out = [report("Qwen3-shaped", run(["broadcast", "broadcast_packed"], size_mb=args.size_mb,

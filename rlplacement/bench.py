@@ -210,15 +210,34 @@ class Bench:
             close()
 
 
+def resolve_device(device: str) -> tuple[str, str]:
+    """(device of the broadcast modes, device of cuda_ipc) for ``--device auto|cpu|cuda``.
+
+    ``auto`` measures the GPU path where there is one: NCCL GPU 0 -> GPU 1 needs two GPUs (NCCL
+    refuses two ranks on one GPU), so with one GPU the broadcast modes stay on gloo while
+    cuda_ipc runs on the GPU; every row says which transport it measured.
+    """
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        return ("cuda" if gpus >= 2 else "cpu"), ("cuda" if gpus >= 1 else "cpu")
+    if device == "cuda" and gpus == 0:
+        raise ValueError("--device cuda: no CUDA GPU is visible here; use --device cpu or auto")
+    return device, device
+
+
 def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int, repeats: int,
         device: str = "cpu") -> list[dict]:
     """One row per mode, in ``modes`` order. The colocated mode runs in its own receiver process on
     the sender's device (NCCL refuses two ranks on one GPU), next to its own ceiling."""
     named = qwen3_shaped_tensors(size_mb, num_tensors)
+    wire_device, ipc_device = resolve_device(device)
     rows: dict[str, dict] = {}
-    for group in ([m for m in modes if m != "cuda_ipc"], [m for m in modes if m == "cuda_ipc"]):
+    for group, dev in (([m for m in modes if m != "cuda_ipc"], wire_device),
+                       ([m for m in modes if m == "cuda_ipc"], ipc_device)):
         if group:
-            rows.update(_run_group(group, named, buffer_size=buffer_size, repeats=repeats, device=device))
+            rows.update(_run_group(group, named, buffer_size=buffer_size, repeats=repeats, device=dev))
     return [rows[m] for m in modes]
 
 
@@ -236,18 +255,26 @@ def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, devic
         for mode in modes:
             gbps, ceiling_gbps = nbytes / seconds[mode] / 1e9, nbytes / seconds[CEILING_KEY[mode]] / 1e9
             rows[mode] = {"mode": mode, "bytes": nbytes, "num_tensors": len(named), "seconds": seconds[mode],
-                          "gbps": gbps, "ceiling": CEILING_OF[mode], "ceiling_gbps": ceiling_gbps,
+                          "gbps": gbps, "ceiling": ceiling_name(mode, bench.device), "ceiling_gbps": ceiling_gbps,
                           "ratio": gbps / ceiling_gbps, "buffer_size": buffer_size,
-                          "transport": "shared memory" if mode == "cuda_ipc" else groups_backend(bench.device)}
+                          "transport": transport_of(mode, bench.device)}
         return rows
     finally:
         bench.close()
 
 
-def groups_backend(device: str) -> str:
-    from rlplacement.transfer.group import backend_for
+def transport_of(mode: str, device: str) -> str:
+    """What a row measured: nccl or gloo for the broadcast modes, cuda ipc or shared memory for cuda_ipc."""
+    cuda = device.startswith("cuda")
+    if mode == "cuda_ipc":
+        return "cuda ipc" if cuda else "shared memory"
+    return "nccl" if cuda else "gloo"
 
-    return backend_for(device)
+
+def ceiling_name(mode: str, device: str) -> str:
+    if mode == "cuda_ipc":
+        return "raw in-GPU copy" if device.startswith("cuda") else "raw in-memory copy"
+    return CEILING_OF[mode]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -258,8 +285,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket-mb", type=float, default=64.0,
                    help="bucket size in MB (--update-weight-buffer-size for the packed mode)")
     p.add_argument("--repeats", type=int, default=3, help="timed updates per mode, after one warm-up")
-    p.add_argument("--device", default="cpu",
-                   help="cpu (gloo; cuda_ipc over /dev/shm) or cuda (NCCL, GPU 0 -> GPU 1; cuda_ipc on GPU 0 alone)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto (default): the GPU path where there are GPUs (NCCL GPU 0 -> GPU 1 with two, "
+                        "cuda_ipc on GPU 0), else cpu (gloo; cuda_ipc over /dev/shm); each row names its transport")
     p.add_argument("--json", action="store_true", help="one JSON object per mode")
 
 
@@ -274,13 +302,16 @@ def main(args: argparse.Namespace) -> int:
                         ("--bucket-mb", args.bucket_mb), ("--repeats", args.repeats)):
         if value <= 0:
             raise CliError(f"{flag} must be positive, got {value}")
-    rows = run(modes, size_mb=args.size_mb, num_tensors=args.num_tensors,
-               buffer_size=int(args.bucket_mb * 1e6), repeats=args.repeats, device=args.device)
+    try:
+        rows = run(modes, size_mb=args.size_mb, num_tensors=args.num_tensors,
+                   buffer_size=int(args.bucket_mb * 1e6), repeats=args.repeats, device=args.device)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
     for row in rows:
         if args.json:
             print(json.dumps(row))
         else:
             print(f"{row['mode']:>17}: {row['bytes'] / 1e6:.0f} MB in {row['num_tensors']} tensors, "
                   f"{row['seconds']:.3f} s, {row['gbps']:.2f} GB/s = {row['ratio']:.0%} of {row['ceiling']} "
-                  f"({row['ceiling_gbps']:.2f} GB/s)")
+                  f"({row['ceiling_gbps']:.2f} GB/s) over {row['transport']}")
     return 0

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from rlplacement import cli
 
@@ -18,11 +19,15 @@ def test_bench_prints_one_json_row_per_mode(capsys):
         assert FIELDS <= set(r)
         assert r["num_tensors"] == 47 and r["bytes"] > 2e6
         assert r["ceiling"] == ("raw in-memory copy" if r["mode"] == "cuda_ipc" else "flat broadcast")
-        assert r["ratio"] == pytest.approx(r["gbps"] / r["ceiling_gbps"])
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9) and 0 < r["ratio"]
+        # no GPU here: --device auto measured the CPU transports and says so
+        assert r["transport"] == ("shared memory" if r["mode"] == "cuda_ipc" else "gloo")
 
 
 @pytest.mark.parametrize("argv,message", [(["--mode", "p2p"], "--mode 'p2p' has no benchmark"),
-                                          (["--size-mb", "0"], "--size-mb must be positive")])
+                                          (["--size-mb", "0"], "--size-mb must be positive")]
+                         + ([] if torch.cuda.is_available() else
+                            [(["--device", "cuda", "--size-mb", "1"], "--device cuda: no CUDA GPU is visible")]))
 def test_bench_refuses_bad_input(argv, message, capsys):
     assert cli.main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
