@@ -12,7 +12,7 @@ EXTRAS = {
     "megatron": ["megatron-core==0.16.1; python_version < '3.12'",
                  "megatron-core>=0.17; python_version >= '3.12'", "psutil"],
     "mooncake": ["mooncake-transfer-engine-non-cuda"],
-    "delta": ["zstandard", "xxhash"],
+    "delta": ["zstandard"],
     "advisor": ["matplotlib"],
     "gpu": ["nvidia-ml-py"],  # per-role GPU utilization inside phases; recorded as null without it
     "test": ["pytest", "pytest-timeout"],
@@ -25,7 +25,8 @@ setup(
     description=__doc__.splitlines()[0],
     packages=find_packages(include=["rlplacement", "rlplacement.*"]),
     python_requires=">=3.11",
-    install_requires=["numpy", "safetensors", "transformers", "tokenizers", "tqdm"],
+    # xxhash: the per-tensor checksums behind --check-weight-update-equal, a flag of every install
+    install_requires=["numpy", "safetensors", "transformers", "tokenizers", "tqdm", "xxhash"],
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": ["rlplacement=rlplacement.cli:main"],

@@ -150,10 +150,10 @@ class RLJob:
         from rlplacement.transfer import driver
 
         t = self.config.transfer
-        options = ({"disk_dir": t.disk_dir, "delta_encoding": t.delta_encoding, "base_dir": self.hf_dir}
-                   if mode == "disk-delta" else {})
-        get_all([self.trainers[0].transfer_setup.remote(mode, buffer_size or t.buffer_size, check_equal=check_equal,
-                                                        timeout_s=timeout_s, **options)],
+        if buffer_size is not None:
+            t = dataclasses.replace(t, buffer_size=buffer_size)
+        get_all([self.trainers[0].transfer_setup_from_config.remote(t, timeout_s=timeout_s, base_dir=self.hf_dir,
+                                                                     mode=mode, check_equal=check_equal)],
                 timeout_s, "transfer set-up", ["trainer rank 0"])
         driver.connect(self.trainers[0], self.engines, timeout_s=timeout_s)
         self.check_equal = check_equal

@@ -41,4 +41,9 @@ def test_stub_run_one_step_off_then_advise(tmp_path, capsys):
     assert advice["measured"]["overlapped"] is True  # one-step-off seen in the timeline
     rec = advice["recommended"]
     assert rec["colocate"] or (rec["trainer_gpus"] + rec["rollout_gpus"] == 8 and rec["rollout_gpus"] % 2 == 0)
+    # the recommendation is the current layout or the candidate the advisor's model predicts fastest
+    best = min(advice["candidates"], key=lambda c: c["predicted_step_time"])
+    recommended = {k: rec[k] for k in ("colocate", "trainer_gpus", "rollout_gpus")}
+    assert recommended in ({k: best[k] for k in recommended}, advice["current"])
+    assert advice["predicted_step_time"]["recommended"] <= advice["predicted_step_time"]["current"] + 1e-9
     assert png.stat().st_size > 10_000

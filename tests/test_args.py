@@ -90,3 +90,18 @@ def test_unknown_mode_from_a_foreign_parser_is_rejected():
     ns = argparse.Namespace(rollout_num_gpus=2, update_weight_transfer_mode="nccl")
     with pytest.raises(ConfigError, match="--update-weight-transfer-mode 'nccl' is unknown"):
         config_from_args(ns)
+
+
+def test_rljob_refuses_a_mode_not_built_before_any_process_starts(tmp_path):
+    import ray
+
+    from rlplacement.args import ConfigError, build_parser, config_from_args
+    from rlplacement.hooks import RLJob
+
+    config = config_from_args(build_parser().parse_args(
+        ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--update-weight-transfer-mode", "p2p"]))
+    was_up = ray.is_initialized()
+    with pytest.raises(ConfigError, match=r"weight transfer 'p2p' \(from --update-weight-transfer-mode\) is not "
+                                          r"available in this build: use one of broadcast, broadcast_packed"):
+        RLJob.start(config, str(tmp_path / "no-model-needed"))
+    assert ray.is_initialized() == was_up  # refused before Ray, placement or any actor

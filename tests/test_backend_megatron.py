@@ -80,3 +80,22 @@ def test_cpu_shims_are_undone_after_close(tmp_path, single_rank):
     assert torch.cuda.current_device is not real  # megatron needs them while it works
     backend.close()
     assert torch.cuda.current_device is real
+
+
+def test_auto_spec_says_once_when_a_gpu_host_falls_back_to_local(monkeypatch):
+    """Stands in for a GPU host with a broken TransformerEngine (no GPU here): the fallback is said,
+    once, with TE's import error."""
+    import warnings
+
+    from rlplacement.backends import megatron_model
+
+    monkeypatch.setattr(megatron_model, "te_import_error", lambda: "ImportError: libcudnn.so.9 missing")
+    monkeypatch.setattr(megatron_model, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert megatron_model.resolve_spec("auto") == "local"
+        assert megatron_model.resolve_spec("auto") == "local"
+    messages = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "libcudnn.so.9 missing" in messages[0]
+    with pytest.raises(RuntimeError, match="libcudnn.so.9 missing"):
+        megatron_model.resolve_spec("te")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rlplacement.transfer import registry
-from rlplacement.transfer.base import TransferError, UpdateAborted, WeightMismatchError, tensor_checksum
+from rlplacement.transfer.base import (TransferError, UpdateAborted, WeightMismatchError, WeightUpdateError,
+                                       tensor_checksum)
 from rlplacement.transfer.broadcast import BroadcastReceiver
 
 MODES = ("broadcast", "broadcast_packed", "cuda_ipc")
@@ -194,3 +195,16 @@ def test_unchanged_manifests_are_sent_once_and_a_new_layout_is_sent_again(mode):
             assert got.shape == src.shape and torch.equal(_bytes(src), _bytes(got)), name
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("error", [
+    WeightMismatchError("model.norm.weight", "00ff", "0a0b", "receiver rank 2"),
+    WeightUpdateError(7, {"engine 1": "TransferError: x", "trainer": "y"}),
+    UpdateAborted("trainer aborted update to version 3: gather failed"),
+])
+def test_transfer_errors_survive_pickling_with_their_message(error):
+    import pickle
+
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error)
+    assert vars(back) == vars(error)

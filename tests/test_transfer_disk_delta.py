@@ -195,10 +195,13 @@ def test_check_equal_checksums_match_the_receivers(tmp_path, base):
     sender, (r,) = _pair(tmp_path, base_dir, "xor", check_equal=True)
     _perturb(w, seed=3)
     report = sender.update(1, list(w.items()))
-    _receive(r, 1)
+    applied = []
+    _receive(r, 1, applied)
     from rlplacement.transfer.base import tensor_checksum
 
+    # the sender's checksums are of what it was given, and the receiver's staged tensors hash the same
     assert report.checksums == {n: tensor_checksum(t) for n, t in w.items()}
+    assert {n: tensor_checksum(t) for n, t in applied[0].items()} == report.checksums
 
 
 def _payload_span(shard: Path, name: str) -> tuple[int, int]:

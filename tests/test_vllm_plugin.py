@@ -45,3 +45,13 @@ def test_colocate_config_sets_up_the_ipc_sender():
         assert type(trainer.transfer_sender).__name__ == "IpcSender" and trainer.transfer_sender.backend == "gloo"
     finally:
         trainer.transfer_close()
+
+
+def test_workers_disagreeing_name_the_tensor():
+    from rlplacement.engines.vllm_engine import workers_disagree
+
+    first = {"a": "01", "b": "02"}
+    assert workers_disagree(first, dict(first)) == ""
+    assert workers_disagree(first, {"a": "01"}) == "did not receive tensor 'b'"
+    assert workers_disagree(first, {**first, "c": "03"}) == "received tensor 'c', which the first worker did not"
+    assert workers_disagree(first, {"a": "01", "b": "ff"}) == "received tensor 'b' with checksum ff instead of 02"

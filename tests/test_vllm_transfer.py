@@ -135,6 +135,23 @@ def test_receiver_failing_mid_update_leaves_no_engine_half_updated(cluster):
     assert ray.get(e1.generate.remote(PROMPTS, max_tokens=6)) == ray.get(e0.generate.remote(PROMPTS, max_tokens=6))
 
 
+@pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed"])
+def test_a_corrupted_byte_reaches_the_driver_naming_the_tensor(cluster, mode):
+    """The engine's WeightMismatchError crosses vLLM's RPC and Ray whole: the driver's error names
+    the engine and the tensor, and the engine stays on its version."""
+    from tests.transfer_helpers.faults import flip_first_byte_of_next_update
+
+    e0 = cluster["engines"][0]
+    old = ray.get(e0.weight_version.remote())
+    _connect(cluster, mode, [e0])
+    ray.get(e0.__ray_call__.remote(lambda self: self.llm.collective_rpc(flip_first_byte_of_next_update)))
+    with pytest.raises(WeightUpdateError, match=r"engine 0: .*weight mismatch.*tensor 'model\.embed_tokens\.weight'"):
+        _update(cluster, mode, [e0], seed=55, connect=False)
+    assert ray.get(e0.weight_version.remote()) == old
+    version = _update(cluster, mode, [e0], seed=None)  # the next update lands
+    assert ray.get(e0.weight_version.remote()) == version
+
+
 def test_engine_killed_during_update_raises_in_bounded_time(cluster):
     e0, e1 = cluster["engines"]
     trainer = cluster["trainer"]

@@ -213,6 +213,7 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
         if compare_generation:
             prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 250, 120], [7] * 16]  # inside the smoke vocabulary too
             updated = greedy(job.engines[0], prompts)
+            updated_sums = ray.get(job.engines[0].model_checksums.remote(), timeout=300)
             saved = ray.get(job.trainers[0].save_hf_folder.remote(str(root / f"{size}_trained"), str(model_dir)),
                             timeout=600)
             ray.get(job.engines[0].shutdown.remote(), timeout=120)
@@ -220,6 +221,12 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
             job.engines[0] = fresh_engine = create_engine_actor(0, saved, options=job.placement.engine_options(0),
                                                                 **engine_kwargs)
             fresh = greedy(fresh_engine, prompts)
+            # which of the served parameters differ between the updated and the fresh engine (a
+            # generation difference is then weights, or numerics if none differ)
+            fresh_sums = ray.get(fresh_engine.model_checksums.remote(), timeout=300)
+            row["served_params_differing"] = sorted(n for n, c in fresh_sums.items() if updated_sums.get(n) != c)
+            row["generation_first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"]))
+                                                        if x != y), None) for a, b in zip(updated, fresh)]
             row["generation_tokens_equal"] = all(a["token_ids"] == b["token_ids"] for a, b in zip(updated, fresh))
             row["generation_logprob_max_abs_diff"] = max(abs(x - y) for a, b in zip(updated, fresh)
                                                          for x, y in zip(a["logprobs"], b["logprobs"]))

@@ -40,19 +40,25 @@ class Thresholds:
                                  f"{field_help(Thresholds)[name]}")
 
 
-# Achieved share of the path's bandwidth per transfer mode. broadcast sends one collective per
-# tensor (verl measured ~16% of a NIC for NCCL receive); packed and p2p move whole buckets.
+# Achieved share of the path's bandwidth per transfer mode: estimates, kept conservative. Sources:
+# verl's NCCL receive at ~16% of a NIC (shared/ANCHORS.md) for broadcast; for the whole update on
+# 2 H200s benchmarks/gpu/results/split_h200.json measured broadcast 0.49-0.56 and broadcast_packed
+# 0.55-0.64 of a flat NCCL broadcast at 4B-8B, and colocate_h200.json cuda_ipc 0.08 of an in-GPU
+# copy at 4B (fixed costs dominate there); p2p is not built (an estimate); disk-delta's share is
+# taken against disk_gbps.
 MODE_EFFICIENCY = {"broadcast": 0.2, "broadcast_packed": 0.5, "p2p": 0.5, "disk-delta": 1.0, "cuda_ipc": 0.5}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelAssumptions:
-    link_gbps: float = _field(400.0, "Network between nodes in Gb/s (NDR InfiniBand: 400), used when a split "
-                                     "layout's trainer and engines sit on different nodes.")
-    nvlink_gbps: float = _field(3600.0, "GPU-to-GPU inside a node in Gb/s (NVLink 4: 450 GB/s each way).")
-    ipc_gbps: float = _field(16800.0, "In-GPU copy through a CUDA IPC handle in Gb/s (colocated; 2.1 TB/s "
-                                      "measured on H200).")
-    disk_gbps: float = _field(11.2, "Shared disk write + fsync in Gb/s for disk-delta (1.4 GB/s measured).")
+    link_gbps: float = _field(400.0, "Network between nodes in Gb/s (NDR InfiniBand's datasheet rate), used when "
+                                     "a split layout's trainer and engines sit on different nodes.")
+    nvlink_gbps: float = _field(3600.0, "GPU-to-GPU inside a node in Gb/s (NVLink 4's datasheet 450 GB/s each way; "
+                                        "a flat NCCL broadcast reached 372 GB/s in split_h200.json).")
+    ipc_gbps: float = _field(16800.0, "In-GPU copy through a CUDA IPC handle in Gb/s (colocated; 2.1 TB/s: the "
+                                      "device-to-device copy in benchmarks/gpu/results/colocate_h200.json).")
+    disk_gbps: float = _field(11.2, "Shared disk write + fsync in Gb/s for disk-delta (1.4 GB/s: an estimate "
+                                    "from one H200 machine's local disk, shared/ANCHORS.md; measure yours).")
     transfer_mode: str = _field("broadcast", "Transfer mode assumed for split layouts when the measured run "
                                              "was colocated (a split run keeps its own mode).")
     rollout_length_exponent: float = _field(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,24 +27,42 @@ from rlplacement.backends.megatron_cpu import apply_cpu_shims, cuda_absent
 SPECS = ("auto", "local", "te")
 
 
-def te_available() -> bool:
+def te_import_error() -> str | None:
+    """Why TransformerEngine cannot be used here (None when it can): no CUDA, or its import error."""
     if cuda_absent():
-        return False
+        return "no CUDA device"
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # TE raises several kinds when its CUDA libraries are missing
-        return False
-    return True
+    except Exception as exc:  # TE raises several kinds when its CUDA libraries are missing
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def te_available() -> bool:
+    return te_import_error() is None
+
+
+_WARNED: set[str] = set()
 
 
 def resolve_spec(choice: str = "auto") -> str:
-    """``local`` or ``te``; ``auto`` picks TE when it imports and CUDA is present."""
+    """``local`` or ``te``; ``auto`` picks TE when it imports and CUDA is present.
+
+    On a GPU host ``auto`` falling back to the local spec is a different model implementation
+    (unfused kernels, other numerics and speed), so it is said once, with TE's import error.
+    """
     if choice not in SPECS:
         raise ValueError(f"layer spec {choice!r} is unknown: use one of {', '.join(SPECS)}")
+    why = te_import_error() if choice in ("auto", "te") else None
     if choice == "auto":
-        return "te" if te_available() else "local"
-    if choice == "te" and not te_available():
-        raise RuntimeError("layer spec 'te' needs transformer_engine and a CUDA device; use 'local'")
+        if why is not None and why != "no CUDA device" and why not in _WARNED:
+            _WARNED.add(why)
+            warnings.warn(f"megatron layer spec 'auto' falls back to the local spec on a GPU host: "
+                          f"TransformerEngine does not import ({why}); install it or choose the spec explicitly",
+                          RuntimeWarning, stacklevel=2)
+        return "te" if why is None else "local"
+    if choice == "te" and why is not None:
+        raise RuntimeError(f"layer spec 'te' needs transformer_engine and a CUDA device ({why}); use 'local'")
     return choice
 
 

@@ -93,7 +93,8 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
                 self.received_checksums = {n: tensor_checksum(t) for n, t in staged}
             if self._tied:  # a tied lm_head is the embedding; vLLM has no separate tensor for it
                 staged[:] = [(n, t) for n, t in staged if n != "lm_head.weight"]
-            vllm_loader.validate(staged, self._expected, self._where())
+            vllm_loader.validate(staged, self._expected, self._where(),
+                                 frozenset({"lm_head.weight"}) if self._tied else frozenset())
         except BaseException:
             self.receiver.abort()
             raise
@@ -113,6 +114,11 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         if plan is not None and plan.matches(staged) and plan.still_live(self.model):
             plan.replay(staged)
             self.last_load_path = "copy-plan"
+            if self.check_equal:  # the bytes the model serves, not only the staged ones
+                bad = plan.mismatches(staged)
+                if bad:
+                    raise TransferError(f"{self._where()}: after the load the model serves tensor {bad[0]!r} with "
+                                        f"other bytes than were received ({len(bad)} tensor(s) differ)")
         elif self.device.type == "cuda" and self.plan_failure is None:
             result = copy_plan.record_load(lambda tensors: self.model.load_weights(iter(tensors)), staged)
             if isinstance(result, str):
@@ -174,3 +180,12 @@ def receive_and_commit(worker: Any, version: int) -> dict:
     t1 = time.perf_counter()
     engine.finish_weight_update()
     return {"receive": t1 - t0, "load": time.perf_counter() - t1}
+
+
+def shutdown_transfer(worker: Any) -> None:
+    """For ``collective_rpc``: close this worker's transfer group (aborts NCCL: never waits on peers).
+    vLLM 0.26's GPU worker has no ``shutdown_weight_transfer_engine`` method (0.32 has), so the
+    engine's own ``shutdown`` is reached directly."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if isinstance(engine, RlplacementWeightTransferEngine):
+        engine.shutdown()

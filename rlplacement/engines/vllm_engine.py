@@ -93,16 +93,16 @@ class VllmRolloutEngine:
         return versions.pop()
 
     def received_checksums(self) -> dict[str, str]:
-        """Per-tensor checksums (HF names) of the last update as the workers received and loaded it
-        (recorded only with check_equal on); raises if two workers of this engine differ."""
+        """Per-tensor checksums (HF names) of the last update as the workers staged it, recorded only with
+        check_equal on; raises if two workers of this engine differ. What the model serves is checked
+        apart: ``model_checksums``, and on GPU the copy plan's served-bytes check."""
         from rlplacement.engines.vllm_backend import received_checksums
 
         per_worker = self.llm.collective_rpc(received_checksums)
         for rank, sums in enumerate(per_worker[1:], start=1):
-            bad = next((n for n in per_worker[0] if sums.get(n) != per_worker[0][n]), None)
-            if bad is not None or len(sums) != len(per_worker[0]):
-                raise TransferError(f"engine {self.engine_index}: worker {rank} received tensor {bad!r} "
-                                    f"differently from worker 0")
+            problem = workers_disagree(per_worker[0], sums)
+            if problem:
+                raise TransferError(f"engine {self.engine_index}: worker {rank} {problem} (compared with worker 0)")
         return per_worker[0]
 
     def model_checksums(self) -> dict[str, str]:
@@ -118,7 +118,9 @@ class VllmRolloutEngine:
         return self.llm.collective_rpc(fn)
 
     def close_transfer(self) -> None:
-        self.llm.collective_rpc("shutdown_weight_transfer_engine")
+        from rlplacement.engines.vllm_backend import shutdown_transfer
+
+        self.llm.collective_rpc(shutdown_transfer)
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], *, max_tokens: int = 16, temperature: float = 0.0,
@@ -149,11 +151,25 @@ class VllmRolloutEngine:
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
+            from rlplacement.engines.vllm_backend import shutdown_transfer
+
             try:
-                llm.collective_rpc("shutdown_weight_transfer_engine")
-            except Exception:
+                llm.collective_rpc(shutdown_transfer)
+            except Exception:  # noqa: BLE001 - shutting down must not hide the error that led here
                 pass
             del llm
+
+
+def workers_disagree(first: dict[str, str], other: dict[str, str]) -> str:
+    """How ``other``'s received checksums differ from ``first``'s, naming a tensor; "" when equal."""
+    missing = next((n for n in first if n not in other), None)
+    if missing is not None:
+        return f"did not receive tensor {missing!r}"
+    extra = next((n for n in other if n not in first), None)
+    if extra is not None:
+        return f"received tensor {extra!r}, which the first worker did not"
+    bad = next((n for n in first if other[n] != first[n]), None)
+    return f"received tensor {bad!r} with checksum {other[bad]} instead of {first[bad]}" if bad else ""
 
 
 def cpu_thread_binding(num_workers: int) -> str:

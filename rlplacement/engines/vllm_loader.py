@@ -37,8 +37,12 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | Non
     return shapes
 
 
-def validate(staged: list[NamedTensor], expected: dict[str, tuple[int, ...]] | None, where: str) -> None:
-    """Raise naming the first tensor the engine's checkpoint does not have, or has in another shape."""
+def validate(staged: list[NamedTensor], expected: dict[str, tuple[int, ...]] | None, where: str,
+             optional: frozenset[str] = frozenset()) -> None:
+    """Raise naming the first tensor the engine's checkpoint does not have, or has in another shape,
+    or has but the update does not carry: an update is the whole model (every mode stages every
+    tensor), so an engine never serves a mix of two versions. ``optional``: checkpoint names an
+    update may leave out (a tied ``lm_head``, which is the embedding)."""
     if not staged:
         raise TransferError(f"{where}: the update holds no tensors; send the model's HF-named tensors")
     if expected is None:
@@ -54,6 +58,11 @@ def validate(staged: list[NamedTensor], expected: dict[str, tuple[int, ...]] | N
         if tuple(tensor.shape) != expected[name]:
             raise TransferError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the engine's "
                                 f"checkpoint has {expected[name]}")
+    if len(seen) < len(expected):
+        missing = next((n for n in expected if n not in seen and n not in optional), None)
+        if missing is not None:
+            raise TransferError(f"{where}: the update has no tensor {missing!r} ({len(seen)} of the engine's "
+                                f"{len(expected)} tensors); send every tensor of the model in each update")
 
 
 def has_layerwise_reload() -> bool:

@@ -6,8 +6,8 @@ buckets; each engine worker's ``WeightReceiver`` stages everything it receives (
 (``commit``). A failure anywhere before ``commit`` leaves the engine serving its previous
 version whole: that is the all-or-nothing invariant, and why modes stage instead of loading
 bucket by bucket. Every mode has that shape: stage (receive broadcasts; copy out of the
-trainer's shared bucket buffers in ``cuda_ipc``; write into engine-owned memory / read a
-version folder in the modes to come), then apply, with versions and per-tensor checksums.
+trainer's shared bucket buffers in ``cuda_ipc``; read and verify a version folder in
+``disk-delta``), then apply, with versions and per-tensor checksums.
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ DEFAULT_TIMEOUT_S = 120.0
 
 
 class TransferError(RuntimeError):
-    """A weight update that did not complete; the receiver keeps its previous version."""
+    """A weight update that did not complete; the receiver keeps its previous version.
+
+    Every error here survives pickling (subclasses with their own fields define ``__reduce__``):
+    they cross Ray and vLLM's engine-core RPC, and one that cannot be rebuilt reaches the user as
+    "Failed to deserialize exception" with the tensor's name lost.
+    """
 
 
 class UpdateAborted(TransferError):
@@ -38,8 +43,12 @@ class WeightMismatchError(TransferError):
 
     def __init__(self, name: str, expected: str, got: str, where: str = ""):
         self.name, self.expected, self.got = name, expected, got
+        self.where = where
         super().__init__(f"weight mismatch{(' on ' + where) if where else ''}: tensor {name!r} has "
                          f"checksum {got} but the trainer sent {expected}")
+
+    def __reduce__(self):  # rebuilt from its fields on the other side of Ray or vLLM's RPC
+        return type(self), (self.name, self.expected, self.got, self.where)
 
 
 class WeightUpdateError(TransferError):
@@ -49,6 +58,9 @@ class WeightUpdateError(TransferError):
         self.version, self.failures = version, dict(failures)
         detail = "; ".join(f"{who}: {why}" for who, why in failures.items())
         super().__init__(f"weight update to version {version} failed: {detail}")
+
+    def __reduce__(self):
+        return type(self), (self.version, self.failures)
 
 
 @dataclasses.dataclass(frozen=True)

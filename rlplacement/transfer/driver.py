@@ -58,9 +58,16 @@ def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 1
             raise WeightUpdateError(version, {"trainer": "check_equal needs the sender set up with check_equal=True"})
         got_all = get_all([e.received_checksums.remote() for e in engines], timeout_s, "reading engine checksums",
                           [f"engine {i}" for i in range(len(engines))])
-        for i, got in enumerate(got_all):
-            for name, want in expected.items():
-                if got.get(name, "<missing>") != want:
-                    raise WeightUpdateError(version, {f"engine {i}": str(WeightMismatchError(
-                        name, want, got.get(name, "<missing>")))})
+        mismatch = first_mismatch(expected, got_all)
+        if mismatch is not None:
+            raise WeightUpdateError(version, {f"engine {mismatch[0]}": str(mismatch[1])})
     return {"trainer": report, "engines": [results[f"engine {i}"] for i in range(len(engines))]}
+
+
+def first_mismatch(expected: dict[str, str], got_all: Sequence[dict[str, str]]) -> tuple[int, WeightMismatchError] | None:
+    """The first engine whose received checksums differ from the trainer's, and the tensor; None if all agree."""
+    for i, got in enumerate(got_all):
+        for name, want in expected.items():
+            if got.get(name, "<missing>") != want:
+                return i, WeightMismatchError(name, want, got.get(name, "<missing>"))
+    return None

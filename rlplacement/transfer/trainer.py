@@ -27,11 +27,16 @@ class TrainerTransferMixin:
                                                            timeout_s=timeout_s, device=device, **mode_options)
 
     def transfer_setup_from_config(self, transfer_config, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                                   device: str | None = None) -> None:
+                                   device: str | None = None, base_dir: str | None = None, mode: str | None = None,
+                                   check_equal: bool | None = None) -> None:
         """Set up from ``rlplacement.args.TransferConfig``: its effective mode (``cuda_ipc`` under
-        --colocate: CUDA IPC handles on GPU, /dev/shm mappings on CPU)."""
-        self.transfer_setup(transfer_config.effective_mode, transfer_config.buffer_size,
-                            check_equal=transfer_config.check_equal, timeout_s=timeout_s, device=device)
+        --colocate) unless ``mode`` overrides it, with every option of that mode from the config
+        (:func:`mode_options`), so none is dropped on the way. ``base_dir``: the checkpoint the
+        engines started from (disk-delta's version 0)."""
+        mode = mode or transfer_config.effective_mode
+        check = transfer_config.check_equal if check_equal is None else check_equal
+        self.transfer_setup(mode, transfer_config.buffer_size, check_equal=check, timeout_s=timeout_s, device=device,
+                            **mode_options(transfer_config, mode, base_dir))
 
     def transfer_listen(self, world_size: int, host: str | None = None) -> dict:
         if self.transfer_sender is None:
@@ -45,9 +50,25 @@ class TrainerTransferMixin:
         """One update of every tensor ``hf_named_tensors()`` yields; returns the UpdateReport as a dict."""
         if self.transfer_sender is None:
             raise TransferError("transfer_send before transfer_setup/listen/connect")
-        return dataclasses.asdict(self.transfer_sender.update(version, self.hf_named_tensors()))
+        tensors = iter(self.hf_named_tensors())
+        try:
+            return dataclasses.asdict(self.transfer_sender.update(version, tensors))
+        except BaseException:
+            # the other trainer ranks are inside the same per-tensor gathers (gather_for_update):
+            # finish the stream with them, or they wait in a collective and the next step runs out of step
+            for _ in tensors:
+                pass
+            raise
 
     def transfer_close(self) -> None:
         if self.transfer_sender is not None:
             self.transfer_sender.close()
             self.transfer_sender = None
+
+
+def mode_options(transfer_config, mode: str, base_dir: str | None = None) -> dict:
+    """The sender options ``mode`` takes from the flags: the one place a flag becomes a mode option."""
+    if mode == "disk-delta":
+        return {"disk_dir": transfer_config.disk_dir, "delta_encoding": transfer_config.delta_encoding,
+                "base_dir": base_dir}
+    return {}

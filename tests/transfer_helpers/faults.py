@@ -15,3 +15,17 @@ def fail_receive_after_buckets(worker, n_buckets: int = 2) -> None:
         cls_recv(receiver, buf, manifest)
 
     receiver._recv_payload = failing
+
+
+def flip_first_byte_of_next_update(worker) -> None:
+    """Flip one byte of the first tensor as it lands in this worker's staging buffer (once): the wire
+    corrupted it, and --check-weight-update-equal must catch it by name."""
+    receiver = worker.weight_transfer_engine.receiver
+    cls_recv = type(receiver)._recv_payload
+
+    def corrupting(buf, manifest):
+        del receiver._recv_payload  # back to normal for later updates
+        cls_recv(receiver, buf, manifest)
+        buf[manifest.tensors[0].offset] ^= 0xFF
+
+    receiver._recv_payload = corrupting
