@@ -73,8 +73,9 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
                   help="Shared folder for disk-delta versions."),
             _flag("--update-weight-delta-encoding", type=str, default="xor", choices=DELTA_ENCODINGS,
                   help="disk-delta encoding: xor (apply exactly once) or overwrite (idempotent)."),
-            _flag("--p2p-protocol", type=str, default="tcp", choices=P2P_PROTOCOLS,
-                  help="Mooncake protocol for p2p (rdma in production)."),
+            _flag("--p2p-protocol", type=str, default=None, choices=P2P_PROTOCOLS,
+                  help="Mooncake transport for p2p: rdma where this host has an RDMA device, else tcp "
+                       "(the default picks so; a value you set is kept, and rdma without a device is refused)."),
             _flag("--p2p-transfer-timeout", type=float, default=30.0,
                   help="Seconds a p2p update may take before it is failed."),
             _flag("--check-weight-update-equal", action="store_true", default=False,
@@ -239,13 +240,22 @@ def transfer_from_args(args: argparse.Namespace) -> TransferConfig:
         raise ConfigError(
             f"--update-weight-transfer-mode {mode} cannot be used with --colocate (the engines share the "
             f"trainer's GPUs and get weights by CUDA IPC): use broadcast or broadcast_packed, or drop --colocate.")
+    protocol = _get(args, "p2p_protocol")
+    if mode == "p2p":
+        from rlplacement.transfer.p2p import rdma_device_present
+
+        if protocol is None:
+            protocol = "rdma" if rdma_device_present() else "tcp"
+        elif protocol == "rdma" and not rdma_device_present():
+            raise ConfigError("--p2p-protocol rdma: this host has no RDMA device (/sys/class/infiniband is empty): "
+                              "use --p2p-protocol tcp, or run where the RDMA NICs are.")
     disk_dir = _get(args, "update_weight_disk_dir")
     if mode == "disk-delta" and not disk_dir:
         raise ConfigError(
             "--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir: set it to a folder "
             "every engine can read.")
     return TransferConfig(mode, _get(args, "update_weight_buffer_size"), disk_dir,
-                          _get(args, "update_weight_delta_encoding"), _get(args, "p2p_protocol"),
+                          _get(args, "update_weight_delta_encoding"), protocol or "tcp",
                           float(_get(args, "p2p_transfer_timeout")), bool(_get(args, "check_weight_update_equal")),
                           colocate)
 

@@ -20,11 +20,14 @@ import statistics
 import time
 from typing import Callable
 
-BENCH_MODES = ("broadcast", "broadcast_packed", "cuda_ipc")
+BENCH_MODES = ("broadcast", "broadcast_packed", "cuda_ipc", "p2p")
 # same transport, one buffer; cuda_ipc (colocated: both processes on one device) moves bytes by copying
 # through shared memory, so its ceiling is one raw in-memory copy of the same bytes on that device
-CEILING_OF = {"broadcast": "flat broadcast", "broadcast_packed": "flat broadcast", "cuda_ipc": "raw in-memory copy"}
-CEILING_KEY = {"broadcast": "ceiling", "broadcast_packed": "ceiling", "cuda_ipc": "copy_ceiling"}
+# p2p's ceiling: one raw Mooncake batch write of the same bytes (same slices) between the same processes
+CEILING_OF = {"broadcast": "flat broadcast", "broadcast_packed": "flat broadcast", "cuda_ipc": "raw in-memory copy",
+              "p2p": "raw Mooncake write"}
+CEILING_KEY = {"broadcast": "ceiling", "broadcast_packed": "ceiling", "cuda_ipc": "copy_ceiling",
+               "p2p": "mooncake_ceiling"}
 
 
 def qwen3_shaped_tensors(size_mb: float, num_tensors: int, *, seed: int = 0):
@@ -80,6 +83,14 @@ def _receiver_main(conn, device: str) -> None:
             return
         if cmd[0] == "join":
             _, key, endpoint, nbytes = cmd
+            if endpoint.get("mode") == "raw_mooncake":  # the p2p ceiling: a registered buffer, written to
+                from rlplacement.transfer.p2p import _Engine
+
+                engine = _Engine("127.0.0.1", endpoint["protocol"])
+                buf = torch.zeros(nbytes, dtype=torch.uint8)  # pre-faulted
+                joined[key] = ("none", engine, buf)
+                conn.send(("joined", engine.session, engine.register(buf)))
+                continue
             e = TransferEndpoint.from_dict(endpoint)
             if e.mode == "raw":
                 grp = groups.TransferGroup(groups.join_store(e.host, e.port, 2, e.timeout_s), e.group_name, 1, 2,
@@ -94,7 +105,9 @@ def _receiver_main(conn, device: str) -> None:
         elif cmd[0] == "go":
             _, key, version = cmd
             kind, obj, buf = joined[key]
-            if kind == "raw":
+            if kind == "none":
+                pass  # the sender's write is synchronous: nothing to do here
+            elif kind == "raw":
                 obj.broadcast(buf)
             else:
                 obj.begin(version)
@@ -166,6 +179,31 @@ class Bench:
         self._send[key] = lambda _: grp.broadcast(buf)
         self._closers.append(grp.close)
 
+    def add_mooncake_ceiling(self, key: str, nbytes: int, protocol: str = "tcp") -> None:
+        """The ceiling of p2p: one raw Mooncake batch write of ``nbytes`` (in the mode's slices) from a
+        registered buffer here into a registered buffer in the receiver process."""
+        import torch
+
+        from rlplacement.transfer.p2p import SLICE_BYTES, _Engine
+
+        self.conn.send(("join", key, {"mode": "raw_mooncake", "protocol": protocol}, nbytes))
+        if not self.conn.poll(self.timeout_s):
+            raise TimeoutError(f"receiver process gave no answer within {self.timeout_s}s")
+        _, session, dst = self.conn.recv()
+        engine = _Engine("127.0.0.1", protocol)
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        ptr = engine.register(src)
+        offsets = list(range(0, nbytes, SLICE_BYTES))
+        lens = [min(SLICE_BYTES, nbytes - o) for o in offsets]
+
+        def write(_, src=src):  # holds the registered buffer for as long as the contender lives
+            rc = engine.te.batch_transfer_sync_write(session, [ptr + o for o in offsets], [dst + o for o in offsets], lens)
+            if rc != 0:
+                raise RuntimeError(f"raw Mooncake write returned {rc}")
+
+        self._send[key] = write
+        self._closers.append(engine.close)
+
     def add_copy_ceiling(self, key: str, nbytes: int) -> None:
         """The ceiling of the colocated path: one raw copy of ``nbytes`` between two buffers on the
         sender's device (numpy's single-threaded memcpy on CPU, as packing uses; a device copy on CUDA)."""
@@ -234,8 +272,10 @@ def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int,
     named = qwen3_shaped_tensors(size_mb, num_tensors)
     wire_device, ipc_device = resolve_device(device)
     rows: dict[str, dict] = {}
-    for group, dev in (([m for m in modes if m != "cuda_ipc"], wire_device),
-                       ([m for m in modes if m == "cuda_ipc"], ipc_device)):
+    # p2p measures host memory: the Mooncake build installed here is the CPU one (mooncake tcp)
+    for group, dev in (([m for m in modes if m in ("broadcast", "broadcast_packed")], wire_device),
+                       ([m for m in modes if m == "cuda_ipc"], ipc_device),
+                       ([m for m in modes if m == "p2p"], "cpu")):
         if group:
             rows.update(_run_group(group, named, buffer_size=buffer_size, repeats=repeats, device=dev))
     return [rows[m] for m in modes]
@@ -247,7 +287,8 @@ def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, devic
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     try:
         for key in dict.fromkeys(CEILING_KEY[m] for m in modes):
-            (bench.add_ceiling if key == "ceiling" else bench.add_copy_ceiling)(key, nbytes)
+            {"ceiling": bench.add_ceiling, "copy_ceiling": bench.add_copy_ceiling,
+             "mooncake_ceiling": bench.add_mooncake_ceiling}[key](key, nbytes)
         for mode in modes:
             bench.add_mode(mode, named, buffer_size)
         seconds = bench.time_all(repeats)
@@ -268,6 +309,8 @@ def transport_of(mode: str, device: str) -> str:
     cuda = device.startswith("cuda")
     if mode == "cuda_ipc":
         return "cuda ipc" if cuda else "shared memory"
+    if mode == "p2p":
+        return "mooncake tcp"
     return "nccl" if cuda else "gloo"
 
 

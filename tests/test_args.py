@@ -92,16 +92,35 @@ def test_unknown_mode_from_a_foreign_parser_is_rejected():
         config_from_args(ns)
 
 
-def test_rljob_refuses_a_mode_not_built_before_any_process_starts(tmp_path):
+def test_rljob_refuses_a_mode_not_built_before_any_process_starts(tmp_path, monkeypatch):
     import ray
 
     from rlplacement.args import ConfigError, build_parser, config_from_args
     from rlplacement.hooks import RLJob
+    from rlplacement.transfer import registry
+
+    monkeypatch.delitem(registry.MODES, "p2p")  # a build without the mode (e.g. no Mooncake for it)
 
     config = config_from_args(build_parser().parse_args(
         ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--update-weight-transfer-mode", "p2p"]))
     was_up = ray.is_initialized()
     with pytest.raises(ConfigError, match=r"weight transfer 'p2p' \(from --update-weight-transfer-mode\) is not "
-                                          r"available in this build: use one of broadcast, broadcast_packed"):
+                                          r"available in this build: use one of broadcast, broadcast_packed, cuda_ipc, "
+                                          r"disk-delta\."):
         RLJob.start(config, str(tmp_path / "no-model-needed"))
     assert ray.is_initialized() == was_up  # refused before Ray, placement or any actor
+
+
+@pytest.mark.parametrize("has_rdma, flags, want", [
+    (False, [], "tcp"), (True, [], "rdma"), (True, ["--p2p-protocol", "tcp"], "tcp"),
+    (False, ["--p2p-protocol", "rdma"], None)])
+def test_p2p_protocol_defaults_to_the_hosts_transport_and_keeps_a_set_value(monkeypatch, has_rdma, flags, want):
+    from rlplacement.transfer import p2p
+
+    monkeypatch.setattr(p2p, "rdma_device_present", lambda: has_rdma)
+    argv = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--update-weight-transfer-mode", "p2p", *flags]
+    if want is None:
+        with pytest.raises(ConfigError, match=r"--p2p-protocol rdma: this host has no RDMA device .* use --p2p-protocol tcp"):
+            config_from_args(build_parser().parse_args(argv))
+    else:
+        assert config_from_args(build_parser().parse_args(argv)).transfer.p2p_protocol == want

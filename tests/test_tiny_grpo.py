@@ -100,3 +100,14 @@ def test_colocated_loop_uses_the_ipc_path(tmp_path):
     assert [r["colocate"] for r in rows] == [True, True]
     assert {r["transfer_mode"] for r in rows} == {"cuda_ipc"}
     assert not list(Path("/dev/shm").glob("rlplacement-ipc-*"))
+
+
+@pytest.mark.slow
+def test_p2p_loop_writes_over_mooncake_tcp(tmp_path):
+    telemetry = tmp_path / "tel.jsonl"
+    proc = run_loop(tmp_path, "--steps", "2", "--update-weight-transfer-mode", "p2p", "--p2p-protocol", "tcp",
+                    "--check-weight-update-equal", "--telemetry", str(telemetry))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 1:" in proc.stdout and "v2)" in proc.stdout
+    rows = [json.loads(l) for l in telemetry.read_text().splitlines()]
+    assert {r["transfer_mode"] for r in rows} == {"p2p"} and all(r["perf/update_weights_time"] > 0 for r in rows)

@@ -14,17 +14,18 @@ def test_bench_prints_one_json_row_per_mode(capsys):
     assert cli.main(["bench", "--size-mb", "4", "--num-tensors", "47", "--bucket-mb", "1", "--repeats", "1",
                      "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["mode"] for r in rows] == ["broadcast", "broadcast_packed", "cuda_ipc"]
+    assert [r["mode"] for r in rows] == ["broadcast", "broadcast_packed", "cuda_ipc", "p2p"]
     for r in rows:
         assert FIELDS <= set(r)
         assert r["num_tensors"] == 47 and r["bytes"] > 2e6
-        assert r["ceiling"] == ("raw in-memory copy" if r["mode"] == "cuda_ipc" else "flat broadcast")
+        assert r["ceiling"] == {"cuda_ipc": "raw in-memory copy", "p2p": "raw Mooncake write"}.get(r["mode"],
+                                                                                                 "flat broadcast")
         assert r["gbps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9) and 0 < r["ratio"]
         # no GPU here: --device auto measured the CPU transports and says so
-        assert r["transport"] == ("shared memory" if r["mode"] == "cuda_ipc" else "gloo")
+        assert r["transport"] == {"cuda_ipc": "shared memory", "p2p": "mooncake tcp"}.get(r["mode"], "gloo")
 
 
-@pytest.mark.parametrize("argv,message", [(["--mode", "p2p"], "--mode 'p2p' has no benchmark"),
+@pytest.mark.parametrize("argv,message", [(["--mode", "pigeon"], "--mode 'pigeon' has no benchmark"),
                                           (["--size-mb", "0"], "--size-mb must be positive")]
                          + ([] if torch.cuda.is_available() else
                             [(["--device", "cuda", "--size-mb", "1"], "--device cuda: no CUDA GPU is visible")]))

@@ -14,7 +14,7 @@ from rlplacement.transfer.base import (TransferError, UpdateAborted, WeightMisma
                                        tensor_checksum)
 from rlplacement.transfer.broadcast import BroadcastReceiver
 
-MODES = ("broadcast", "broadcast_packed", "cuda_ipc")
+MODES = ("broadcast", "broadcast_packed", "cuda_ipc", "p2p")  # p2p: real Mooncake over loopback TCP
 
 
 def _model(seed):
@@ -208,3 +208,25 @@ def test_transfer_errors_survive_pickling_with_their_message(error):
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error) and str(back) == str(error)
     assert vars(back) == vars(error)
+
+
+def test_p2p_write_failure_aborts_naming_the_engine_and_bucket():
+    """Real Mooncake over TCP: a receiver whose staging memory is no longer registered refuses the
+    trainer's write; the trainer raises naming that engine worker and the bucket, every receiver keeps
+    its version, and once the memory is registered again the next update lands."""
+    s = Session("p2p", buffer_size=1 << 20)
+    try:
+        assert s.run(1, _model(1))[2] == [None, None]
+        engine = s.receivers[1]._engine
+        for ptr in list(engine.registered):
+            engine.te.unregister_memory(ptr)
+        report, send_error, errors = s.run(2, _model(2))
+        assert isinstance(send_error, UpdateAborted)
+        assert "engine worker rank 2: bucket 0 failed to write" in str(send_error)
+        assert all(isinstance(e, UpdateAborted) for e in errors)
+        assert [r.version for r in s.receivers] == [1, 1]
+        engine.registered.clear()  # registered afresh at the next bucket
+        report, send_error, errors = s.run(3, _model(3))
+        assert send_error is None and errors == [None, None] and [r.version for r in s.receivers] == [3, 3]
+    finally:
+        s.close()

@@ -59,7 +59,8 @@ def _update(cluster, mode, engines, *, seed, check_equal=True, timeout_s=TIMEOUT
 
 
 @pytest.mark.parametrize("mode,n_engines", [("broadcast", 1), ("broadcast", 2),
-                                            ("broadcast_packed", 1), ("broadcast_packed", 2)])
+                                            ("broadcast_packed", 1), ("broadcast_packed", 2),
+                                            ("p2p", 1), ("p2p", 2)])  # p2p: real Mooncake over loopback TCP
 def test_update_lands_bit_exact(cluster, mode, n_engines):
     engines = cluster["engines"][:n_engines]
     before = ray.get([e.generate.remote(PROMPTS, max_tokens=6) for e in engines])
@@ -79,11 +80,13 @@ def test_updated_engines_match_a_fresh_engine_from_the_same_weights(cluster):
     trainer = cluster["trainer"]
     ray.get(trainer.perturb.remote(1234))
     version = cluster["version"] + 1
-    for mode, engine in (("broadcast", e0), ("broadcast_packed", e1)):  # same weights, one mode each
+    # same weights, one mode each; then both take them again over p2p as the next version
+    for mode, engines, v in (("broadcast", [e0], version), ("broadcast_packed", [e1], version),
+                             ("p2p", [e0, e1], version + 1)):
         ray.get(trainer.transfer_setup.remote(mode, BUCKET, check_equal=True, timeout_s=TIMEOUT_S))
-        driver.connect(trainer, [engine], timeout_s=TIMEOUT_S)
-        driver.run_update(trainer, [engine], version, timeout_s=TIMEOUT_S, check_equal=True)
-    cluster["version"] = version
+        driver.connect(trainer, engines, timeout_s=TIMEOUT_S)
+        driver.run_update(trainer, engines, v, timeout_s=TIMEOUT_S, check_equal=True)
+    cluster["version"] = version + 1
     saved = ray.get(trainer.save_hf.remote(str(cluster["tmp"] / "step")))
     fresh = create_engine_actor(9, saved)
     try:
@@ -150,6 +153,34 @@ def test_a_corrupted_byte_reaches_the_driver_naming_the_tensor(cluster, mode):
     assert ray.get(e0.weight_version.remote()) == old
     version = _update(cluster, mode, [e0], seed=None)  # the next update lands
     assert ray.get(e0.weight_version.remote()) == version
+
+
+def test_p2p_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluster):
+    e0, e1 = cluster["engines"]
+    trainer = cluster["trainer"]
+    old = ray.get(e0.weight_version.remote())
+    ray.get(trainer.transfer_setup.remote("p2p", BUCKET, timeout_s=12.0, transfer_timeout_s=5.0))
+    driver.connect(trainer, [e0, e1], timeout_s=TIMEOUT_S)
+    ray.get(trainer.perturb.remote(101))
+    ray.get(trainer.set_slow.remote(0.1))  # 25 tensors -> ~2.5 s of updating
+    version = cluster["version"] + 1
+    cluster["version"] = version
+    with cf.ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        future = pool.submit(driver.run_update, trainer, [e0, e1], version, timeout_s=12.0)
+        time.sleep(1.0)
+        ray.kill(e1)
+        with pytest.raises(WeightUpdateError, match=r"engine 1: actor died"):
+            future.result(timeout=60)
+        assert time.monotonic() - start < 12.0 + waits.FAILURE_GRACE_S + 5
+    ray.get(trainer.set_slow.remote(0.0))
+    assert ray.get(e0.weight_version.remote()) == old  # the surviving engine is whole on its old version
+    restarted = create_engine_actor(1, cluster["model_dir"])
+    cluster["engines"][1] = restarted
+    version = _update(cluster, "p2p", [e0, restarted], seed=None)  # fresh registrations, the next version
+    assert ray.get([e.weight_version.remote() for e in (e0, restarted)]) == [version, version]
+    want = ray.get(trainer.checksums.remote())
+    assert ray.get(restarted.received_checksums.remote()) == want
 
 
 def test_engine_killed_during_update_raises_in_bounded_time(cluster):

@@ -36,6 +36,7 @@ class RlplacementInitInfo(WeightTransferInitInfo):
     rank_offset: int
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_equal: bool = False
+    p2p_protocol: str = "tcp"
 
 
 @dataclasses.dataclass

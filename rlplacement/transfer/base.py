@@ -115,6 +115,7 @@ class TransferEndpoint:
     group_name: str
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_equal: bool = False
+    p2p_protocol: str = "tcp"  # mode p2p: the Mooncake transport every receiver initialises
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

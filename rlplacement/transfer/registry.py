@@ -13,6 +13,8 @@ MODES: dict[str, tuple[str, str, str]] = {
     # --colocate: CUDA IPC handles on GPU, /dev/shm mappings on CPU (same protocol)
     "cuda_ipc": ("rlplacement.transfer.ipc", "IpcSender", "IpcReceiver"),
     "disk-delta": ("rlplacement.transfer.disk_delta", "DiskDeltaSender", "DiskDeltaReceiver"),
+    # Mooncake Transfer Engine writes (RDMA, or TCP where RDMA is missing)
+    "p2p": ("rlplacement.transfer.p2p", "P2PSender", "P2PReceiver"),
 }
 
 

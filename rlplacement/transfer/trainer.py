@@ -71,4 +71,6 @@ def mode_options(transfer_config, mode: str, base_dir: str | None = None) -> dic
     if mode == "disk-delta":
         return {"disk_dir": transfer_config.disk_dir, "delta_encoding": transfer_config.delta_encoding,
                 "base_dir": base_dir}
+    if mode == "p2p":
+        return {"protocol": transfer_config.p2p_protocol, "transfer_timeout_s": transfer_config.p2p_timeout}
     return {}
