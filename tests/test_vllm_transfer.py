@@ -75,6 +75,16 @@ def test_update_lands_bit_exact(cluster, mode, n_engines):
         assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before[i]]  # the weights really changed
 
 
+def test_p2p_five_versions_bit_exact_into_two_engines(cluster):
+    engines, trainer = cluster["engines"], cluster["trainer"]
+    _connect(cluster, "p2p", engines)
+    for step in range(5):
+        version = _update(cluster, "p2p", engines, seed=500 + step, connect=False)
+        want = ray.get(trainer.checksums.remote())
+        assert ray.get([e.weight_version.remote() for e in engines]) == [version, version]
+        assert all(got == want for got in ray.get([e.received_checksums.remote() for e in engines]))
+
+
 def test_updated_engines_match_a_fresh_engine_from_the_same_weights(cluster):
     e0, e1 = cluster["engines"]
     trainer = cluster["trainer"]
