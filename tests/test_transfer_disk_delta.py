@@ -15,7 +15,7 @@ from rlplacement.transfer import delta_codec as codec
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import TransferEndpoint, TransferError, UpdateAborted, WeightMismatchError
 from rlplacement.transfer.disk_delta import (INDEX_NAME, DeltaUpdateReport, DiskDeltaReceiver, DiskDeltaSender,
-                                             read_pointer, version_folder)
+                                             index_checksum, read_pointer, version_folder)
 
 SHARD = 4096  # several shards per version
 
@@ -254,7 +254,8 @@ def test_corrupt_shard_header_is_refused_naming_the_shard(tmp_path, base):
 
 
 def test_bit_flip_that_keeps_the_payload_checksum_is_still_caught_by_the_result(tmp_path, base):
-    """A wrong payload whose checksum was forged in the index: the result's checksum refuses it."""
+    """A wrong expected checksum forged in the index, with the index's own checksum forged to match:
+    the decoded result's checksum still refuses it."""
     base_dir, w = base
     sender, (r,) = _pair(tmp_path, base_dir, "xor")
     _perturb(w, seed=1)
@@ -263,6 +264,7 @@ def test_bit_flip_that_keeps_the_payload_checksum_is_still_caught_by_the_result(
     index = json.loads((folder / INDEX_NAME).read_text())
     name = "model.layers.0.self_attn.q_proj.weight"
     index["tensors"][name]["checksum"] = "0" * 16
+    index["index_checksum"] = index_checksum(index)
     (folder / INDEX_NAME).write_text(json.dumps(index))
     r.begin(1)
     with pytest.raises(WeightMismatchError, match=f"tensor '{name}'"):
@@ -432,3 +434,79 @@ def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
         assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before]
     finally:
         ray.shutdown()
+
+
+def _two_versions(tmp_path, base):
+    """Receiver on version 1, version 2 published and not yet read."""
+    base_dir, w = base
+    sender, (r,) = _pair(tmp_path, base_dir, "xor")
+    _perturb(w, seed=1)
+    sender.update(1, list(w.items()))
+    _receive(r, 1)
+    _perturb(w, seed=2)
+    sender.update(2, list(w.items()))
+    return sender, r, tmp_path / "deltas" / version_folder(2)
+
+
+def _refused_and_still_on_version_1(r, match):
+    r.begin(2)
+    with pytest.raises(TransferError, match=match):
+        r.receive()
+    assert r.version == 1 and r.staged is None
+
+
+def test_an_edited_index_is_refused_whole(tmp_path, base):
+    sender, r, folder = _two_versions(tmp_path, base)
+    index = json.loads((folder / INDEX_NAME).read_text())
+    name = next(iter(index["tensors"]))
+    index["tensors"][name]["checksum"] = "0" * 16  # still valid JSON, still plausible
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    _refused_and_still_on_version_1(r, r"model.safetensors.index.json is corrupt: its content does not match "
+                                       r"its index_checksum")
+
+
+def test_a_truncated_delta_file_is_refused_naming_it(tmp_path, base):
+    sender, r, folder = _two_versions(tmp_path, base)
+    shard = sorted(folder.glob("delta-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    _refused_and_still_on_version_1(r, shard.name)
+
+
+def test_an_xor_delta_on_another_base_is_refused(tmp_path, base):
+    base_dir, w = base
+    sender, (r1, r2) = _pair(tmp_path, base_dir, "xor", n_receivers=2)
+    _perturb(w, seed=1)
+    threads = [threading.Thread(target=_receive, args=(r1, 1))]
+    [t.start() for t in threads]
+    sender.update(1, list(w.items()))
+    [t.join(30) for t in threads]
+    _perturb(w, seed=2)
+    sender.update(2, list(w.items()))  # r2 never took version 1: version 2 is an xor on version 1
+    r2.begin(2)
+    with pytest.raises(TransferError, match=r"version 2 is an xor delta on version 1, but this engine serves version 0"):
+        r2.receive()
+    assert r2.version == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+def test_a_full_disk_while_publishing_publishes_nothing(tmp_path, base):
+    """A 64 KiB tmpfs fills half-way through a version: the update fails naming the error, no version
+    folder or pointer appears, and the receivers stay on what they serve."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("this machine does not let the test mount a tmpfs (say so: the case cannot run here)")
+    try:
+        base_dir, w = base
+        sender = DiskDeltaSender(SHARD, disk_dir=mount / "deltas", delta_encoding="xor", base_dir=base_dir)
+        sender.listen(2)
+        sender.connect()
+        w["model.big"] = torch.randn(64 * 1024)  # 256 KiB of incompressible bytes: more than the disk holds
+        with pytest.raises(UpdateAborted, match="No space left on device"):
+            sender.update(1, list(w.items()))
+        assert not list((mount / "deltas").glob("weight_v*")) and not (mount / "deltas" / "latest").exists()
+        sender.close()
+    finally:
+        subprocess.run(["umount", str(mount)])

@@ -12,7 +12,8 @@ Folder invariants:
   ``{"version": N, "folder": ...}``) is written last the same way (tmp + fsync + rename + fsync
   of ``DIR``). A crash leaves at most a ``.tmp-*`` entry, removed by the next update.
 * The index holds ``version``, ``base_version`` (None: a keyframe whose tensors are all stored
-  whole), ``delta_encoding`` (xor|overwrite), ``checksum`` (the kind, xxh3-64), ``weight_map``
+  whole), ``delta_encoding`` (xor|overwrite), ``checksum`` (the kind, xxh3-64), ``index_checksum``
+  (xxh3-64 of the index's own canonical JSON: a damaged index is refused whole), ``weight_map``
   (stored tensor -> shard) and ``tensors``: every tensor of the version, unchanged ones
   included, with dtype, shape, its checksum, and for stored ones the payload's checksum.
 * Base bytes are the version the engines hold. Version 0 is the Hugging Face checkpoint they
@@ -60,6 +61,15 @@ if TYPE_CHECKING:
 
 MODE = "disk-delta"
 INDEX_NAME = "model.safetensors.index.json"
+
+
+def index_checksum(index: dict) -> str:
+    """xxh3-64 of the index's canonical JSON without its own ``index_checksum`` entry: an index edited
+    or damaged after publishing (a shard name, an offset, a tensor checksum) is refused as a whole."""
+    import xxhash
+
+    body = {k: v for k, v in index.items() if k != "index_checksum"}
+    return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 POINTER_NAME = "latest"
 TMP_PREFIX = ".tmp-"
 KEEP_VERSIONS = 2  # the newest and its base: a receiver one step behind can still catch up
@@ -188,6 +198,7 @@ class _VersionWriter:
         self._flush()
         index["weight_map"] = dict(self.weight_map)
         index["metadata"]["wire_bytes"] = self.wire_bytes
+        index["index_checksum"] = index_checksum(index)
         blob = json.dumps(index, indent=1, sort_keys=True).encode()
         index["metadata"]["wire_bytes"] = self.wire_bytes = self.wire_bytes + len(blob)
         _write_synced(self.tmp / INDEX_NAME, blob)
@@ -514,6 +525,9 @@ class DiskDeltaReceiver(WeightReceiver):
             index = json.loads((folder / INDEX_NAME).read_text())
         except (OSError, ValueError) as exc:
             raise TransferError(f"{folder / INDEX_NAME} is unreadable or corrupt: {exc}") from exc
+        if index.get("index_checksum") != index_checksum(index):
+            raise TransferError(f"{folder / INDEX_NAME} is corrupt: its content does not match its index_checksum "
+                                f"{index.get('index_checksum')!r}; the engine keeps version {self._version}")
         if index.get("version") != self._pending:
             raise TransferError(f"{folder / INDEX_NAME} holds version {index.get('version')}, expected {self._pending}")
         if index.get("checksum") != codec.CHECKSUM_KIND:
