@@ -165,11 +165,15 @@ def test_a_corrupted_byte_reaches_the_driver_naming_the_tensor(cluster, mode):
     assert ray.get(e0.weight_version.remote()) == version
 
 
-def test_p2p_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluster):
+@pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed", "p2p", "disk-delta"])
+def test_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluster, mode):
+    """The fault matrix's "engine killed mid-update", per mode: the driver names the dead engine within
+    the timeout, the other engine is on one whole version, and a restarted engine takes the next one."""
     e0, e1 = cluster["engines"]
     trainer = cluster["trainer"]
     old = ray.get(e0.weight_version.remote())
-    ray.get(trainer.transfer_setup.remote("p2p", BUCKET, timeout_s=12.0, transfer_timeout_s=5.0))
+    options = {"transfer_timeout_s": 5.0} if mode == "p2p" else {}
+    ray.get(trainer.transfer_setup.remote(mode, BUCKET, timeout_s=12.0, **options))
     driver.connect(trainer, [e0, e1], timeout_s=TIMEOUT_S)
     ray.get(trainer.perturb.remote(101))
     ray.get(trainer.set_slow.remote(0.1))  # 25 tensors -> ~2.5 s of updating
@@ -184,32 +188,14 @@ def test_p2p_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cl
             future.result(timeout=60)
         assert time.monotonic() - start < 12.0 + waits.FAILURE_GRACE_S + 5
     ray.get(trainer.set_slow.remote(0.0))
-    assert ray.get(e0.weight_version.remote()) == old  # the surviving engine is whole on its old version
+    v0 = ray.get(e0.weight_version.remote())
+    if mode == "disk-delta":  # engines read the published version on their own: e0 may have taken it whole
+        assert v0 in (old, version)
+    else:  # a collective needs every member: e0 could not finish
+        assert v0 == old
     restarted = create_engine_actor(1, cluster["model_dir"])
     cluster["engines"][1] = restarted
-    version = _update(cluster, "p2p", [e0, restarted], seed=None)  # fresh registrations, the next version
+    version = _update(cluster, mode, [e0, restarted], seed=None)
     assert ray.get([e.weight_version.remote() for e in (e0, restarted)]) == [version, version]
     want = ray.get(trainer.checksums.remote())
-    assert ray.get(restarted.received_checksums.remote()) == want
-
-
-def test_engine_killed_during_update_raises_in_bounded_time(cluster):
-    e0, e1 = cluster["engines"]
-    trainer = cluster["trainer"]
-    old = ray.get(e0.weight_version.remote())
-    timeout_s = 12.0
-    ray.get(trainer.transfer_setup.remote("broadcast_packed", BUCKET, timeout_s=timeout_s))
-    driver.connect(trainer, [e0, e1], timeout_s=TIMEOUT_S)
-    ray.get(trainer.perturb.remote(99))
-    ray.get(trainer.set_slow.remote(0.1))  # 25 tensors -> ~2.5 s on the wire
-    with cf.ThreadPoolExecutor(1) as pool:
-        start = time.monotonic()
-        future = pool.submit(driver.run_update, trainer, [e0, e1], cluster["version"] + 1, timeout_s=timeout_s)
-        time.sleep(1.0)
-        ray.kill(e1)
-        with pytest.raises(WeightUpdateError, match=r"engine 1: actor died") as info:
-            future.result(timeout=timeout_s + 30)
-        assert time.monotonic() - start < timeout_s + waits.FAILURE_GRACE_S + 5
-    ray.get(trainer.set_slow.remote(0.0))
-    assert "engine 1" in str(info.value)
-    assert ray.get(e0.weight_version.remote(), timeout=timeout_s + 30) == old  # it never saw the END
+    assert ray.get([e.received_checksums.remote() for e in (e0, restarted)]) == [want, want]
