@@ -212,7 +212,8 @@ def _payload_span(shard: Path, name: str) -> tuple[int, int]:
     return 8 + n + b, 8 + n + e
 
 
-def test_corrupt_shard_is_refused_naming_the_tensor_and_engine_keeps_old_version(tmp_path, base):
+def _two_versions(tmp_path, base):
+    """Receiver on version 1, version 2 published and not yet read."""
     base_dir, w = base
     sender, (r,) = _pair(tmp_path, base_dir, "xor")
     _perturb(w, seed=1)
@@ -220,8 +221,19 @@ def test_corrupt_shard_is_refused_naming_the_tensor_and_engine_keeps_old_version
     _receive(r, 1)
     _perturb(w, seed=2)
     sender.update(2, list(w.items()))
+    return sender, r, tmp_path / "deltas" / version_folder(2)
+
+
+def _refused_and_still_on_version_1(r, match):
+    r.begin(2)
+    with pytest.raises(TransferError, match=match):
+        r.receive()
+    assert r.version == 1 and r.staged is None
+
+
+def test_corrupt_shard_is_refused_naming_the_tensor_and_engine_keeps_old_version(tmp_path, base):
+    sender, r, folder = _two_versions(tmp_path, base)
     victim = "model.layers.0.mlp.up_proj.weight"
-    folder = tmp_path / "deltas" / version_folder(2)
     shard = folder / json.loads((folder / INDEX_NAME).read_text())["weight_map"][victim]
     start, end = _payload_span(shard, victim)
     data = bytearray(shard.read_bytes())
@@ -434,25 +446,6 @@ def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
         assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before]
     finally:
         ray.shutdown()
-
-
-def _two_versions(tmp_path, base):
-    """Receiver on version 1, version 2 published and not yet read."""
-    base_dir, w = base
-    sender, (r,) = _pair(tmp_path, base_dir, "xor")
-    _perturb(w, seed=1)
-    sender.update(1, list(w.items()))
-    _receive(r, 1)
-    _perturb(w, seed=2)
-    sender.update(2, list(w.items()))
-    return sender, r, tmp_path / "deltas" / version_folder(2)
-
-
-def _refused_and_still_on_version_1(r, match):
-    r.begin(2)
-    with pytest.raises(TransferError, match=match):
-        r.receive()
-    assert r.version == 1 and r.staged is None
 
 
 def test_an_edited_index_is_refused_whole(tmp_path, base):

@@ -14,7 +14,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -64,7 +63,7 @@ def per_tensor_ipc(model_dir: Path, args, row: dict) -> None:
         placement.remove()
 
 
-def run_size(size: str, root: Path, args, results: dict, compare_generation: bool) -> None:
+def run_size(size: str, root: Path, args, compare_generation: bool) -> dict:
     t0 = time.time()
     model_dir = common.make_model(root, size, "bfloat16")
     row: dict = {"size": size, "make_model_s": round(time.time() - t0, 1)}
@@ -76,17 +75,7 @@ def run_size(size: str, root: Path, args, results: dict, compare_generation: boo
         row["per_tensor_ipc_error"] = f"{type(exc).__name__}: {exc}"[:2000]
         print(f"[{size}] per_tensor_ipc failed: {row['per_tensor_ipc_error']}", flush=True)
     copies = common.device_copy_seconds(row["bytes"], args.repeats)
-    ceiling = row["bytes"] / statistics.median(copies) / 1e9
-    out = {"size": size, "bytes": row["bytes"], "num_tensors": row["num_tensors"], "ceiling_gbps": round(ceiling, 2),
-           "ceiling_seconds": statistics.median(copies), "ceiling": "device-to-device copy (bytes moved once)",
-           **{k: v for k, v in row.items() if k not in ("size", "bytes", "num_tensors") and not isinstance(v, dict)}}
-    for mode in ("cuda_ipc", "per_tensor_ipc"):
-        m = row.get(mode)
-        if m:
-            out[mode] = common.mode_row(row["bytes"], ceiling, m["whole"], m["wire"], m["load"], m["bit_exact"])
-            out[mode].update({k: v for k, v in m.items() if k not in ("whole", "wire", "load", "bit_exact")})
-    results["sizes"].append(out)
-    common.write(args.out, "colocate_h200.json", results)
+    return common.size_row(row, copies, "device-to-device copy (bytes moved once)", ("cuda_ipc", "per_tensor_ipc"))
 
 
 def main() -> int:
@@ -104,23 +93,10 @@ def main() -> int:
         return 0
     os.environ.update(common.NVLS_OFF)
     common.export_path()
-    import ray
 
     results: dict = {"command": " ".join(["python3", *sys.argv]), "gpus": common.gpu_names()[:1],
                      "versions": common.versions(), "sizes": []}
-    root = Path(tempfile.mkdtemp(prefix="colocate_h200_"))
-    try:
-        for i, size in enumerate(args.sizes):
-            run_size(size, root, args, results, compare_generation=(i == 0))
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        common.write(args.out, "colocate_h200.json", results)
-    print(f"{'size':>5} {'GB':>6} {'ceil GB/s':>9} {'cuda_ipc':>22} {'per_tensor_ipc':>22}")
-    for r in results["sizes"]:
-        cells = [f"{r[m]['whole_seconds'] * 1e3:9.1f}ms ({r[m]['ratio']:.0%})" if m in r else "-"
-                 for m in ("cuda_ipc", "per_tensor_ipc")]
-        print(f"{r['size']:>5} {r['bytes'] / 1e9:6.2f} {r['ceiling_gbps']:9.1f} {cells[0]:>22} {cells[1]:>22}")
+    common.run_sizes(args, results, "colocate_h200.json", run_size, ("cuda_ipc", "per_tensor_ipc"))
     return 0
 
 

@@ -234,6 +234,43 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
         job.close()
 
 
+def size_row(row: dict, ceiling_runs: list[float], ceiling: str, modes) -> dict:
+    """The results contract's row for one size: ceiling from ``ceiling_runs`` (seconds, same run) and
+    one ``mode_row`` per mode measured (extra per-mode fields, e.g. ``commit``, kept)."""
+    ceiling_gbps = row["bytes"] / statistics.median(ceiling_runs) / 1e9
+    out = {"size": row["size"], "bytes": row["bytes"], "num_tensors": row["num_tensors"],
+           "ceiling_gbps": round(ceiling_gbps, 2), "ceiling_seconds": statistics.median(ceiling_runs), "ceiling": ceiling,
+           **{k: v for k, v in row.items() if k not in ("size", "bytes", "num_tensors") and not isinstance(v, dict)}}
+    for mode in modes:
+        m = row.get(mode)
+        if m:
+            out[mode] = mode_row(row["bytes"], ceiling_gbps, m["whole"], m["wire"], m["load"], m["bit_exact"])
+            out[mode].update({k: v for k, v in m.items() if k not in ("whole", "wire", "load", "bit_exact")})
+    return out
+
+
+def run_sizes(args, results: dict, file_name: str, run_size, modes) -> None:
+    """Each size in turn (greedy generation compared with a fresh engine on the first), the JSON
+    rewritten after every size, Ray shut down at the end, then a table of whole-update times."""
+    import tempfile
+
+    import ray
+
+    root = Path(tempfile.mkdtemp(prefix=file_name.removesuffix(".json") + "_"))
+    try:
+        for i, size in enumerate(args.sizes):
+            results["sizes"].append(run_size(size, root, args, compare_generation=(i == 0)))
+            write(args.out, file_name, results)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        write(args.out, file_name, results)
+    print(f"{'size':>5} {'GB':>6} {'ceil GB/s':>9} " + " ".join(f"{m:>22}" for m in modes))
+    for r in results["sizes"]:
+        cells = [f"{r[m]['whole_seconds'] * 1e3:9.1f}ms ({r[m]['ratio']:.0%})" if m in r else "-" for m in modes]
+        print(f"{r['size']:>5} {r['bytes'] / 1e9:6.2f} {r['ceiling_gbps']:9.1f} " + " ".join(f"{c:>22}" for c in cells))
+
+
 def versions() -> dict:
     import torch
 

@@ -20,7 +20,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -80,7 +79,7 @@ def vllm_nccl(model_dir: Path, args, row: dict) -> None:
         placement.remove()
 
 
-def run_size(size: str, root: Path, args, results: dict, compare_generation: bool) -> None:
+def run_size(size: str, root: Path, args, compare_generation: bool) -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
@@ -96,17 +95,7 @@ def run_size(size: str, root: Path, args, results: dict, compare_generation: boo
             row["vllm_nccl_error"] = f"{type(exc).__name__}: {exc}"[:2000]
             print(f"[{size}] vllm_nccl failed: {row['vllm_nccl_error']}", flush=True)
     raw = common.raw_broadcast_seconds(row["bytes"], args.repeats)
-    ceiling = row["bytes"] / statistics.median(raw) / 1e9
-    out = {"size": size, "bytes": row["bytes"], "num_tensors": row["num_tensors"],
-           "ceiling_gbps": round(ceiling, 2), "ceiling_seconds": statistics.median(raw), "ceiling": "flat broadcast",
-           **{k: v for k, v in row.items() if k not in ("size", "bytes", "num_tensors") and not isinstance(v, dict)}}
-    for mode in (*MODES, "vllm_nccl", "vllm_nccl_per_tensor"):
-        m = row.get(mode)
-        if m:
-            out[mode] = common.mode_row(row["bytes"], ceiling, m["whole"], m["wire"], m["load"], m["bit_exact"])
-            out[mode].update({k: v for k, v in m.items() if k not in ("whole", "wire", "load", "bit_exact")})
-    results["sizes"].append(out)
-    common.write(args.out, "split_h200.json", results)
+    return common.size_row(row, raw, "flat broadcast", (*MODES, "vllm_nccl", "vllm_nccl_per_tensor"))
 
 
 def main() -> int:
@@ -126,23 +115,10 @@ def main() -> int:
         return 0
     os.environ.update(common.NVLS_OFF)  # Ray workers and vLLM's engine process inherit these
     common.export_path()
-    import ray
 
     results: dict = {"command": " ".join(["python3", *sys.argv]), "gpus": common.gpu_names(),
                      "versions": common.versions(), "sizes": []}
-    root = Path(tempfile.mkdtemp(prefix="split_h200_"))
-    try:
-        for i, size in enumerate(args.sizes):
-            run_size(size, root, args, results, compare_generation=(i == 0))
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        common.write(args.out, "split_h200.json", results)
-    print(f"{'size':>5} {'GB':>6} {'ceil GB/s':>9} " + " ".join(f"{m:>22}" for m in (*MODES, "vllm_nccl")))
-    for r in results["sizes"]:
-        cells = [f"{r[m]['whole_seconds'] * 1e3:9.1f}ms ({r[m]['ratio']:.0%})" if m in r else f"{'-':>22}"
-                 for m in (*MODES, "vllm_nccl")]
-        print(f"{r['size']:>5} {r['bytes'] / 1e9:6.2f} {r['ceiling_gbps']:9.1f} " + " ".join(f"{c:>22}" for c in cells))
+    common.run_sizes(args, results, "split_h200.json", run_size, (*MODES, "vllm_nccl"))
     return 0
 
 
