@@ -6,7 +6,9 @@ engines, a tiny model made offline. Every rlplacement flag works here.
 Per step: G samples per prompt from the engines -> reward (how often the response uses the
 target token) -> group-normalised advantages -> one optimizer step -> weights to the engines
 (a new version) -> one telemetry row. With --check-weight-update-equal a mismatch between the
-trainer's and an engine's weights exits non-zero naming the tensor.
+trainer's and an engine's weights exits non-zero naming the tensor. With --one-step-off (split
+layouts) step k+1 generates while step k trains: samples are one version stale after the first
+step (``rollout/staleness``) and the loss uses the engine's log-probs for the importance ratio.
 """
 
 from __future__ import annotations
@@ -46,20 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_batch(samples, rewards: list[float], group_size: int, pad_id: int) -> dict[str, list]:
-    """Right-padded input_ids, a loss mask on response tokens, group-normalised advantages."""
+def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, behaviour: bool = False) -> dict[str, list]:
+    """Right-padded input_ids, a loss mask on response tokens, group-normalised advantages; with
+    ``behaviour`` also the engine's log-probs at the sampled tokens' positions (``old_logprobs``),
+    which the loss uses for stale samples' importance ratio."""
     advantages = []
     for g in range(0, len(rewards), group_size):
         group = rewards[g:g + group_size]
         mean, std = statistics.fmean(group), statistics.pstdev(group)
         advantages += [(r - mean) / (std + 1e-6) for r in group]
     width = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
-    input_ids, loss_mask = [], []
+    input_ids, loss_mask, old_logprobs = [], [], []
     for s in samples:
-        ids = s.prompt_ids + s.token_ids
-        input_ids.append(ids + [pad_id] * (width - len(ids)))
-        loss_mask.append([0] * len(s.prompt_ids) + [1] * len(s.token_ids) + [0] * (width - len(ids)))
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "advantages": advantages}
+        ids, pad = s.prompt_ids + s.token_ids, width - len(s.prompt_ids) - len(s.token_ids)
+        input_ids.append(ids + [pad_id] * pad)
+        loss_mask.append([0] * len(s.prompt_ids) + [1] * len(s.token_ids) + [0] * pad)
+        old_logprobs.append([0.0] * len(s.prompt_ids) + list(s.logprobs) + [0.0] * pad)
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask, "advantages": advantages}
+    if behaviour:
+        batch["old_logprobs"] = old_logprobs
+    return batch
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,16 +94,24 @@ def run(args: argparse.Namespace) -> int:
         tel = StepRecorder(args.telemetry, RunLayout.from_placement(
             config.placement, transfer_mode=config.transfer.effective_mode,
             max_response_len=args.max_response_len, group_size=args.group_size))
-        for step in range(args.steps):
+        one_step_off = config.placement.one_step_off
+
+        def start_rollout(step: int):
             chosen = [prompts[(step * args.prompts_per_step + i) % len(prompts)] for i in range(args.prompts_per_step)]
             batch_prompts = [p for p in chosen for _ in range(args.group_size)]
-            t0 = time.time()
-            samples = job.generate(batch_prompts, max_tokens=args.max_response_len, temperature=1.0,
-                                   seed=args.seed + 1000 * step)
+            return time.time(), job.generate_async(batch_prompts, max_tokens=args.max_response_len, temperature=1.0,
+                                                   seed=args.seed + 1000 * step)
+
+        t0, pending = start_rollout(0)
+        for step in range(args.steps):
+            samples = job.collect(pending)
             tel.record_interval("rollout", t0, max(s.finished_at for s in samples))
             tel.record_samples([len(s.token_ids) for s in samples], [s.finished_at - t0 for s in samples])
+            if one_step_off and step + 1 < args.steps:  # step k+1 generates (on the current weights) while k trains
+                t0, pending = start_rollout(step + 1)
+            staleness = job.version - min(s.weight_version for s in samples)  # versions behind the trainer
             rewards = [sum(t in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
-            batch = make_batch(samples, rewards, args.group_size, tok.pad_token_id or 0)
+            batch = make_batch(samples, rewards, args.group_size, tok.pad_token_id or 0, behaviour=one_step_off)
             with tel.phase("train", role="trainer"):  # trainer work: the forward for the log-prob check
                 trainer_lp = job.log_probs(batch)
             tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)]
@@ -103,17 +119,22 @@ def run(args: argparse.Namespace) -> int:
             for m in job.train(batch):
                 tel.record_interval("train", m["start"], m["end"])
             t_sync = time.time()
-            report = job.update_weights()
+            report = job.update_weights()  # engines apply it after their current batch, never inside one
             tel.record_interval("sync", t_sync, time.time())
+            if not one_step_off and step + 1 < args.steps:
+                t0, pending = start_rollout(step + 1)
             sync_metrics = {"perf/update_weights_bytes": report["trainer"]["bytes"]}
             if "density" in report["trainer"]:  # disk-delta: only the changed bytes travel
                 sync_metrics.update({"perf/update_weights_density": report["trainer"]["density"],
                                      "perf/update_weights_wire_bytes": report["trainer"]["wire_bytes"]})
+            if one_step_off:
+                sync_metrics["rollout/staleness"] = staleness
             row = tel.end_step(step, reward=statistics.fmean(rewards), **sync_metrics)
             print(f"step {step}: reward {row['reward']:.3f}  rollout {row['perf/rollout_time']:.2f}s  "
                   f"train {row['perf/train_time']:.2f}s  sync {row['perf/update_weights_time']:.2f}s "
                   f"({report['trainer']['bytes'] / 1e6:.1f} MB, v{job.version})  "
-                  f"logprob diff {row['rollout/logprob_abs_diff']:.2e}", flush=True)
+                  f"logprob diff {row['rollout/logprob_abs_diff']:.2e}"
+                  + (f"  staleness {staleness}" if one_step_off else ""), flush=True)
     finally:
         job.close()
     return 0

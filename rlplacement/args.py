@@ -59,6 +59,9 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
             _flag("--num-gpus-per-node", type=int, default=8, help="GPUs on each node of the cluster."),
             _flag("--ray-address", type=str, default=None,
                   help="Address of an existing Ray cluster (else RAY_ADDRESS, else a local one)."),
+            _flag("--one-step-off", action="store_true", default=False,
+                  help="Split layouts: generate step k+1 while the trainer trains on step k (samples at most "
+                       "one weight version stale; the loss corrects with the engine's log-probs)."),
         ),
     ),
     (
@@ -123,6 +126,7 @@ class PlacementConfig:
     rollout_num_gpus_per_engine: int
     num_gpus_per_node: int
     ray_address: str | None = None
+    one_step_off: bool = False
 
     @property
     def trainer_num_gpus(self) -> int:
@@ -226,8 +230,13 @@ def placement_from_args(args: argparse.Namespace) -> PlacementConfig:
         raise ConfigError(
             f"Under --colocate an engine of --rollout-num-gpus-per-engine {per_engine} would straddle "
             f"trainer nodes of --actor-num-gpus-per-node {per_node}: use a divisor or multiple of {per_node}.")
+    one_step_off = bool(_get(args, "one_step_off"))
+    if colocate and one_step_off:
+        raise ConfigError(
+            "--one-step-off overlaps generation with training, but under --colocate both run on the same GPUs "
+            "and cannot run at once: drop --one-step-off, or drop --colocate for a split layout.")
     return PlacementConfig(colocate, nodes, per_node, rollout, per_engine, gpus_per_node,
-                           _get(args, "ray_address"))
+                           _get(args, "ray_address"), one_step_off)
 
 
 def transfer_from_args(args: argparse.Namespace) -> TransferConfig:

@@ -46,6 +46,14 @@ def _check_transfer_mode(config: Config) -> str:
     return mode
 
 
+@dataclasses.dataclass
+class PendingRollout:
+    """A rollout started by :meth:`RLJob.generate_async`; :meth:`RLJob.collect` returns its samples."""
+
+    prompts: list[list[int]]
+    refs: dict  # Ray ref -> (engine index, indices of its prompts)
+
+
 class RLJob:
     def __init__(self, config: Config, placement, trainers: list, engines: list, hf_dir: str):
         self.config, self.placement, self.trainers, self.engines = config, placement, trainers, engines
@@ -98,25 +106,40 @@ class RLJob:
     def generate(self, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float = 1.0,
                  seed: int = 0, stop_token_ids: list[int] | None = None) -> list[RolloutSample]:
         """One sample per prompt (repeat a prompt for a group); prompts are dealt round-robin to engines."""
+        return self.collect(self.generate_async(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                                stop_token_ids=stop_token_ids))
+
+    def generate_async(self, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float = 1.0,
+                       seed: int = 0, stop_token_ids: list[int] | None = None) -> "PendingRollout":
+        """Start generation and return at once (one-step-off: the trainer trains meanwhile).
+
+        Each engine runs one call at a time, so an ``update_weights`` issued while this runs is
+        applied after the batch, never inside it: every sample comes from one weight version.
+        """
+        shares = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
+        refs = {e.generate.remote([prompts[j] for j in idx], max_tokens=max_tokens, temperature=temperature,
+                                  seed=seed + 100_003 * i, stop_token_ids=stop_token_ids): (i, idx)
+                for i, (e, idx) in enumerate(zip(self.engines, shares)) if idx}
+        return PendingRollout([list(p) for p in prompts], refs)
+
+    def collect(self, pending: "PendingRollout") -> list[RolloutSample]:
+        """The samples of a started rollout, waiting at most the job's timeout (naming late engines)."""
         import ray
 
-        shares = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
-        refs = [(i, idx, e.generate.remote([prompts[j] for j in idx], max_tokens=max_tokens, temperature=temperature,
-                                            seed=seed + 100_003 * i, stop_token_ids=stop_token_ids))
-                for i, (e, idx) in enumerate(zip(self.engines, shares)) if idx]
-        samples: list[RolloutSample | None] = [None] * len(prompts)
-        pending = {ref: (i, idx) for i, idx, ref in refs}
+        samples: list[RolloutSample | None] = [None] * len(pending.prompts)
+        refs = dict(pending.refs)
         deadline = time.monotonic() + self.timeout_s
-        while pending:  # stamp each engine's batch when it finishes, not when the slowest does
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        while refs:
+            done, _ = ray.wait(list(refs), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
-                late = ", ".join(f"engine {i}" for i, _ in pending.values())
+                late = ", ".join(f"engine {i}" for i, _ in refs.values())
                 raise TimeoutError(f"generation: {late} did not answer within {self.timeout_s:.0f}s")
-            i, idx = pending.pop(done[0])
-            finished = time.time()
+            i, idx = refs.pop(done[0])
+            seen = time.time()
             for j, out in zip(idx, ray.get(done[0], timeout=self.timeout_s)):
-                samples[j] = RolloutSample(list(prompts[j]), out["token_ids"], out["logprobs"], out["finish_reason"],
-                                           out["weight_version"], i, finished)
+                # the engine stamps its batch's end; collected late (one-step-off), the driver's time would not
+                samples[j] = RolloutSample(pending.prompts[j], out["token_ids"], out["logprobs"], out["finish_reason"],
+                                           out["weight_version"], i, out.get("finished_at", seen))
         return samples  # type: ignore[return-value]
 
     # ---- training -------------------------------------------------------------------------------

@@ -72,6 +72,8 @@ def test_config_is_frozen():
      r"6 GPUs are not divisible by --tensor-model-parallel-size 4"),
     (["--rollout-num-gpus", "2", "--train-backend", "fsdp", "--tensor-model-parallel-size", "2"],
      r"apply to --train-backend megatron, not fsdp"),
+    (["--colocate", "--one-step-off"], r"--one-step-off overlaps generation with training, but under --colocate .*"
+                                       r"drop --one-step-off, or drop --colocate"),
 ])
 def test_rejections_name_the_flag(argv, pattern):
     with pytest.raises(ConfigError, match=pattern):

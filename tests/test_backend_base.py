@@ -38,3 +38,20 @@ def test_policy_gradient_loss_is_the_masked_token_mean_of_advantage_times_logp()
     batch = Batch(torch.zeros(2, 3, dtype=torch.int64), torch.tensor([[0, 1, 1], [0, 1, 0.]]), torch.tensor([2.0, -1.0]))
     # tokens: 2*-1, 2*-2, -1*-3 -> sum -3 over 3 tokens -> loss = -(-3/3) = 1
     assert policy_gradient_loss(logp, batch).item() == pytest.approx(1.0)
+
+
+def test_the_importance_ratio_is_one_on_policy_and_clipped_when_stale():
+    ids = torch.zeros(2, 3, dtype=torch.int64)
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    adv = torch.tensor([1.0, -1.0])
+    logp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, -1.5]], requires_grad=True)
+    plain = policy_gradient_loss(logp, Batch(ids, mask, adv))
+    on_policy = policy_gradient_loss(logp, Batch(ids, mask, adv, logp.detach().clone()))
+    g_plain, = torch.autograd.grad(plain, logp)
+    g_on, = torch.autograd.grad(on_policy, logp)
+    assert torch.allclose(g_on, g_plain)  # ratio 1: the same gradient as the on-policy loss
+    # the current policy likes sample 0 far more than the engine that drew it (ratio e > 1.2):
+    # its positive advantage is clipped, so it gives no gradient; sample 1 (ratio 1) still does
+    stale = policy_gradient_loss(logp, Batch(ids, mask, adv, logp.detach() - torch.tensor([[1.0], [0.0]])))
+    g_stale, = torch.autograd.grad(stale, logp)
+    assert torch.all(g_stale[0] == 0) and torch.allclose(g_stale[1], g_plain[1])

@@ -129,3 +129,20 @@ def test_a_hundred_consecutive_updates_stay_bit_exact(tmp_path, flags):
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [l for l in proc.stdout.splitlines() if l.startswith("step ")]
     assert len(steps) == 100 and "v100)" in steps[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [
+    ["--update-weight-transfer-mode", "broadcast"],
+    ["--update-weight-transfer-mode", "broadcast_packed"],
+    ["--update-weight-transfer-mode", "p2p", "--p2p-protocol", "tcp"],
+    ["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "{tmp}/weights"],
+], ids=["broadcast", "broadcast_packed", "p2p", "disk-delta"])
+def test_one_step_off_trains_on_samples_one_version_stale(tmp_path, flags):
+    telemetry = tmp_path / "tel.jsonl"
+    proc = run_loop(tmp_path, "--steps", "4", "--one-step-off", "--check-weight-update-equal",
+                    "--telemetry", str(telemetry), *[f.format(tmp=tmp_path) for f in flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(l) for l in telemetry.read_text().splitlines()]
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
+    assert "v4)" in proc.stdout

@@ -14,6 +14,7 @@ previous version.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from rlplacement.transfer.base import TransferError, tensor_checksum
@@ -143,9 +144,10 @@ class VllmRolloutEngine:
             results.append({"token_ids": list(c.token_ids),
                             "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                             "finish_reason": c.finish_reason, "weight_version": None})
+        finished = time.time()  # this batch's end on the engine's clock (the driver may collect it later)
         version = self.weight_version()
         for r in results:
-            r["weight_version"] = version
+            r["weight_version"], r["finished_at"] = version, finished
         return results
 
     def shutdown(self) -> None:

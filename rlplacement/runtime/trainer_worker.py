@@ -53,9 +53,11 @@ class TrainerWorker(TrainerTransferMixin):
 
         from rlplacement.backends.base import Batch
 
+        old = batch.get("old_logprobs")
         return Batch(torch.as_tensor(batch["input_ids"], dtype=torch.int64),
                      torch.as_tensor(batch["loss_mask"], dtype=torch.float32),
-                     torch.as_tensor(batch["advantages"], dtype=torch.float32))
+                     torch.as_tensor(batch["advantages"], dtype=torch.float32),
+                     None if old is None else torch.as_tensor(old, dtype=torch.float32))
 
     def log_probs(self, batch: dict) -> list[list[float]]:
         return self.backend.log_probs(self._batch(batch)).cpu().tolist()

@@ -6,7 +6,7 @@ Usage in a loop (colocated, split, or one-step-off async alike)::
     h = tel.open("rollout")                       # prompts dispatched to the engines
     for step in range(n):
         batch = ray.get(futures)
-        tel.close(h, end=max(b.finished_at for b in batch))  # when the driver saw the batch end
+        tel.close(h, end=max(b.finished_at for b in batch))  # each engine stamps its batch end
         tel.record_samples(lengths, finish_times)
         with tel.phase("sync"):                   # both roles busy (pause, send, resume)
             push_weights()
