@@ -42,10 +42,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-per-step", type=int, default=2)
     g.add_argument("--group-size", type=int, default=4, help="GRPO G: samples per prompt")
     g.add_argument("--max-response-len", type=int, default=16)
+    g.add_argument("--long-tail", action="store_true",
+                   help="response lengths drawn from a long-tailed (Pareto) distribution, each step's longest at "
+                        "--max-response-len, generated exactly that long: the tail gates the rollout")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--work-dir", type=str, default=None, help="where the tiny model is made (default: a temp dir)")
     return parser
+
+
+def long_tail_lengths(n: int, max_len: int, seed: int, alpha: float = 1.5, minimum: int = 2) -> list[int]:
+    """``n`` response lengths from a Pareto(alpha) tail above ``minimum``, capped at ``max_len``; one of
+    them is ``max_len`` so every step has its straggler (with a few samples a draw may have none)."""
+    import random
+
+    rng = random.Random(seed)
+    lengths = [min(max_len, int(minimum * (1.0 - rng.random()) ** (-1.0 / alpha))) for _ in range(n)]
+    lengths[rng.randrange(n)] = max_len
+    return lengths
 
 
 def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, behaviour: bool = False) -> dict[str, list]:
@@ -99,8 +113,10 @@ def run(args: argparse.Namespace) -> int:
         def start_rollout(step: int):
             chosen = [prompts[(step * args.prompts_per_step + i) % len(prompts)] for i in range(args.prompts_per_step)]
             batch_prompts = [p for p in chosen for _ in range(args.group_size)]
-            return time.time(), job.generate_async(batch_prompts, max_tokens=args.max_response_len, temperature=1.0,
-                                                   seed=args.seed + 1000 * step)
+            lengths = (long_tail_lengths(len(batch_prompts), args.max_response_len, args.seed + step)
+                       if args.long_tail else args.max_response_len)
+            return time.time(), job.generate_async(batch_prompts, max_tokens=lengths, temperature=1.0,
+                                                   seed=args.seed + 1000 * step, exact_lengths=args.long_tail)
 
         t0, pending = start_rollout(0)
         for step in range(args.steps):

@@ -30,7 +30,8 @@ class RolloutSample:
     finish_reason: str
     weight_version: int
     engine: int
-    finished_at: float
+    finished_at: float  # wall time this sample's last token was produced (the engine's per-request stats)
+    first_token_at: float | None = None
 
 
 def _check_transfer_mode(config: Config) -> str:
@@ -103,22 +104,27 @@ class RLJob:
         return job
 
     # ---- rollout --------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float = 1.0,
-                 seed: int = 0, stop_token_ids: list[int] | None = None) -> list[RolloutSample]:
-        """One sample per prompt (repeat a prompt for a group); prompts are dealt round-robin to engines."""
+    def generate(self, prompts: Sequence[list[int]], *, max_tokens: int | Sequence[int], temperature: float = 1.0,
+                 seed: int = 0, stop_token_ids: list[int] | None = None,
+                 exact_lengths: bool = False) -> list[RolloutSample]:
+        """One sample per prompt (repeat a prompt for a group); prompts are dealt round-robin to engines.
+        ``max_tokens``: one for all or one per prompt; ``exact_lengths``: completions exactly that long."""
         return self.collect(self.generate_async(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                                stop_token_ids=stop_token_ids))
+                                                stop_token_ids=stop_token_ids, exact_lengths=exact_lengths))
 
-    def generate_async(self, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float = 1.0,
-                       seed: int = 0, stop_token_ids: list[int] | None = None) -> "PendingRollout":
+    def generate_async(self, prompts: Sequence[list[int]], *, max_tokens: int | Sequence[int],
+                       temperature: float = 1.0, seed: int = 0, stop_token_ids: list[int] | None = None,
+                       exact_lengths: bool = False) -> "PendingRollout":
         """Start generation and return at once (one-step-off: the trainer trains meanwhile).
 
         Each engine runs one call at a time, so an ``update_weights`` issued while this runs is
         applied after the batch, never inside it: every sample comes from one weight version.
         """
         shares = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
-        refs = {e.generate.remote([prompts[j] for j in idx], max_tokens=max_tokens, temperature=temperature,
-                                  seed=seed + 100_003 * i, stop_token_ids=stop_token_ids): (i, idx)
+        lengths = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(prompts)
+        refs = {e.generate.remote([prompts[j] for j in idx], max_tokens=[lengths[j] for j in idx],
+                                  temperature=temperature, seed=seed + 100_003 * i, stop_token_ids=stop_token_ids,
+                                  exact_lengths=exact_lengths): (i, idx)
                 for i, (e, idx) in enumerate(zip(self.engines, shares)) if idx}
         return PendingRollout([list(p) for p in prompts], refs)
 
@@ -137,9 +143,10 @@ class RLJob:
             i, idx = refs.pop(done[0])
             seen = time.time()
             for j, out in zip(idx, ray.get(done[0], timeout=self.timeout_s)):
-                # the engine stamps its batch's end; collected late (one-step-off), the driver's time would not
+                # the engine stamps each request's own end; collected late (one-step-off), the driver's time would not
                 samples[j] = RolloutSample(pending.prompts[j], out["token_ids"], out["logprobs"], out["finish_reason"],
-                                           out["weight_version"], i, out.get("finished_at", seen))
+                                           out["weight_version"], i, out.get("finished_at", seen),
+                                           out.get("first_token_at"))
         return samples  # type: ignore[return-value]
 
     # ---- training -------------------------------------------------------------------------------

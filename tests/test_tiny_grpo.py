@@ -146,3 +146,23 @@ def test_one_step_off_trains_on_samples_one_version_stale(tmp_path, flags):
     rows = [json.loads(l) for l in telemetry.read_text().splitlines()]
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
     assert "v4)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_long_tail_run_is_diagnosed_and_gets_no_more_rollout_gpus(tmp_path, capsys):
+    """A real run whose response lengths have a long tail: per-sample finish times from the engine
+    (more distinct times than engines), p99/p50 >= 4, and the advisor diagnoses long-tail without
+    adding rollout GPUs."""
+    telemetry = tmp_path / "tel.jsonl"
+    proc = run_loop(tmp_path, "--steps", "3", "--long-tail", "--max-response-len", "64", "--prompts-per-step", "4",
+                    "--telemetry", str(telemetry))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(l) for l in telemetry.read_text().splitlines()]
+    for row in rows:
+        assert len(set(row["rollout/sample_finish_times"])) > row["rollout_gpus"] // row["rollout_gpus_per_engine"]
+    assert cli_main(["advise", "--metrics", str(telemetry), "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)
+    measured = advice["measured"]  # over the steps after warm-up, as the advisor reads them
+    assert measured["sample_finish_p99"] >= 4 * measured["sample_finish_p50"], measured
+    assert advice["diagnosis"] == "long-tail"
+    assert advice["recommended"]["colocate"] or advice["recommended"]["rollout_gpus"] <= advice["current"]["rollout_gpus"]

@@ -51,6 +51,8 @@ class VllmRolloutEngine:
         self.engine_index = engine_index
         self.model_dir = str(model_dir)
         self._updating = False
+        # per-request finish and first-token times come from vLLM's request stats, kept only with log stats on
+        llm_kwargs.setdefault("disable_log_stats", False)
         self.llm = LLM(model=self.model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        tensor_parallel_size=tensor_parallel_size, enforce_eager=llm_kwargs.pop("enforce_eager", True),
                        weight_transfer_config={"backend": BACKEND}, **llm_kwargs)
@@ -124,30 +126,46 @@ class VllmRolloutEngine:
         self.llm.collective_rpc(shutdown_transfer)
 
     # ---- generation ------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], *, max_tokens: int = 16, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, stop_token_ids: list[int] | None = None) -> list[dict]:
-        """One completion per prompt: token ids, the log-probability of each sampled token, and why it
-        stopped. ``seed`` makes sampling reproducible (prompt i uses ``seed + i``)."""
+    def generate(self, prompt_token_ids: list[list[int]], *, max_tokens: int | list[int] = 16,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 stop_token_ids: list[int] | None = None, exact_lengths: bool = False) -> list[dict]:
+        """One completion per prompt: token ids, the log-probability of each sampled token, why it
+        stopped, and when it finished. ``seed`` makes sampling reproducible (prompt i uses ``seed + i``);
+        ``max_tokens`` may be one per prompt, and ``exact_lengths`` makes each completion that long
+        (no early stop), e.g. to reproduce a length distribution.
+
+        ``finished_at`` / ``first_token_at`` are each request's own times (vLLM's per-request stats,
+        on the engine core's monotonic clock, turned into wall time here); without them, the batch end.
+        """
         if self._updating:
             raise EngineBusy(f"engine {self.engine_index} is updating its weights; generate after the update")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
+        n = len(prompt_token_ids)
+        lengths = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * n
+        if len(lengths) != n:
+            raise ValueError(f"max_tokens has {len(lengths)} entries for {n} prompts")
+        params = [SamplingParams(max_tokens=lengths[i], min_tokens=lengths[i] if exact_lengths else 0,
+                                 temperature=temperature, top_p=top_p, logprobs=0,
                                  seed=None if seed is None else seed + i, stop_token_ids=stop_token_ids)
-                  for i in range(len(prompt_token_ids))]
+                  for i in range(n)]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
+        wall0, mono0 = time.time(), time.monotonic()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        finished = time.time()  # this batch's end on the engine's clock (the driver may collect it later)
         results = []
         for out in outputs:
-            c = out.outputs[0]
+            c, stats = out.outputs[0], out.metrics
+            own = stats is not None and stats.last_token_ts > 0
             results.append({"token_ids": list(c.token_ids),
                             "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                            "finish_reason": c.finish_reason, "weight_version": None})
-        finished = time.time()  # this batch's end on the engine's clock (the driver may collect it later)
+                            "finish_reason": c.finish_reason, "weight_version": None,
+                            "finished_at": wall0 + (stats.last_token_ts - mono0) if own else finished,
+                            "first_token_at": wall0 + (stats.first_token_ts - mono0) if own else None})
         version = self.weight_version()
         for r in results:
-            r["weight_version"], r["finished_at"] = version, finished
+            r["weight_version"] = version
         return results
 
     def shutdown(self) -> None:
