@@ -67,6 +67,12 @@ def render(advice: Advice) -> str:
     lines.append(f"current {m.placement}: measured {m.step_time:.3g} s, predicted {advice.current.step_time:.3g} s; "
                  f"recommended {advice.recommended.placement}: predicted {advice.recommended.step_time:.3g} s")
     lines.append(advice.reason)
+    t = advice.transfer
+    if t.saving_s > 0:
+        lines.append(f"transfer: {t.recommended} is predicted to sync in {t.predicted_sync_s[t.recommended]:.3g} s, "
+                     f"saving {t.saving_s:.3g} s per step")
+    else:
+        lines.append(f"transfer: keep {t.recommended} (no mode is predicted to sync faster)")
     return "\n".join(lines)
 
 

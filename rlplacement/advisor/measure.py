@@ -63,6 +63,7 @@ class Measurement:
     max_response_len: float        # the cap recorded by the loop, else the longest response seen
     group_size: int | None
     sync_bytes: float | None
+    sync_density: float | None     # disk-delta: changed bytes / all bytes (perf/update_weights_density)
     overlapped: bool               # rollout ran while the trainer trained (one-step-off async)
     response_lengths: tuple[int, ...]
 
@@ -200,6 +201,8 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         max_response_len=float(max(caps) if caps else (max(lengths) if lengths else math.nan)),
         group_size=int(first["group_size"]) if first.get("group_size") else None,
         sync_bytes=float(statistics.median(bytes_)) if bytes_ else None,
+        sync_density=(float(statistics.median(densities)) if (densities := [
+            r["perf/update_weights_density"] for r in used if r.get("perf/update_weights_density")]) else None),
         overlapped=(not colocate) and _overlapped(rows),  # a property of the loop: warm-up steps show it too
         response_lengths=lengths,
     )

@@ -15,6 +15,7 @@ from rlplacement.advisor.diagnose import Diagnosis, diagnose
 from rlplacement.advisor.measure import Measurement, Placement
 from rlplacement.advisor.model import Prediction, StepModel, Workload, fit
 from rlplacement.advisor.thresholds import ModelAssumptions, Thresholds
+from rlplacement.advisor.transfer_mode import ModeAdvice, advise_transfer_mode
 from rlplacement.placement.layout import feasible_splits
 
 
@@ -26,6 +27,7 @@ class Advice:
     candidates: tuple[Prediction, ...]
     measurement: Measurement
     reason: str
+    transfer: ModeAdvice
 
     def to_json(self) -> dict:
         """The ``rlplacement advise --json`` object (DESIGN.md "contract: rlplacement advise")."""
@@ -44,6 +46,9 @@ class Advice:
                          "overlapped": m.overlapped, "gpus_per_engine": m.gpus_per_engine,
                          "num_gpus_per_node": m.num_gpus_per_node},
             "candidates": [c.to_json() for c in self.candidates],
+            "recommended_transfer_mode": self.transfer.recommended,
+            "transfer_mode_saving_s": self.transfer.saving_s,
+            "transfer_mode_predicted_sync_s": self.transfer.predicted_sync_s,
         }
 
 
@@ -100,4 +105,4 @@ def recommend(m: Measurement, *, thresholds: Thresholds = Thresholds(),
         change = best.step_time / current.step_time - 1 if current.step_time > 0 else 0.0
         reason = (f"{diag.label}: {diag.why}; {_describe_change(m.placement, best.placement)} is predicted to take "
                   f"the step from {current.step_time:.3g} s to {best.step_time:.3g} s ({change:+.0%}).")
-    return Advice(diag, current, best, preds, m, reason)
+    return Advice(diag, current, best, preds, m, reason, advise_transfer_mode(m, assumptions, thresholds.min_gain))

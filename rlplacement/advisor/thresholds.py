@@ -60,6 +60,8 @@ class ModelAssumptions:
                                       "device-to-device copy in benchmarks/gpu/results/colocate_h200.json).")
     disk_gbps: float = _field(11.2, "Shared disk write + fsync in Gb/s for disk-delta (1.4 GB/s: an estimate "
                                     "from one H200 machine's local disk, shared/ANCHORS.md; measure yours).")
+    delta_density: float = _field(0.03, "disk-delta: share of the bytes that change per step when the run did not "
+                                        "measure it (an estimate: ~1-3% of bf16 bytes, shared/ANCHORS.md).")
     transfer_mode: str = _field("broadcast", "Transfer mode assumed for split layouts when the measured run "
                                              "was colocated (a split run keeps its own mode).")
     rollout_length_exponent: float = _field(
@@ -68,6 +70,8 @@ class ModelAssumptions:
              "Training grows linearly: its matmuls dominate.")
 
     def __post_init__(self) -> None:
+        if not 0 < self.delta_density <= 1:
+            raise ValueError(f"--delta-density {self.delta_density} must be in (0, 1]")
         for name in ("link_gbps", "nvlink_gbps", "ipc_gbps", "disk_gbps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

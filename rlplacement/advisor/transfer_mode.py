@@ -1,0 +1,55 @@
+"""Which weight-transfer mode the measured run should use, and what it would save per step.
+
+Each candidate's sync time = the run's fixed cost (its measured sync minus its own wire time,
+as the step-time model splits it) + the bytes that mode puts on its path / that path's achieved
+bandwidth (``ModelAssumptions``: ``--link-gbps`` for a cluster's links, NVLink inside a node,
+``--disk-gbps`` for disk-delta, ``MODE_EFFICIENCY`` per mode). disk-delta moves only the changed
+bytes: the run's measured ``perf/update_weights_density`` when it ran disk-delta, else
+``--delta-density`` (an estimate). A colocated run has one path (CUDA IPC): nothing to choose.
+The measured mode keeps its measured sync time; the recommendation is the fastest candidate when
+it saves at least ``min_gain`` of the measured sync (``--min-gain``), else the current mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlplacement.advisor.measure import Measurement
+from rlplacement.advisor.thresholds import MODE_EFFICIENCY, ModelAssumptions
+
+SPLIT_MODES = ("broadcast", "broadcast_packed", "p2p", "disk-delta")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeAdvice:
+    recommended: str
+    saving_s: float                    # per step, against the measured sync time
+    predicted_sync_s: dict[str, float]  # per candidate mode
+
+
+def _gbps(mode: str, m: Measurement, a: ModelAssumptions) -> float:
+    if mode == "disk-delta":
+        path = a.disk_gbps
+    elif m.placement.total_gpus <= m.num_gpus_per_node:
+        path = a.nvlink_gbps
+    else:
+        path = a.link_gbps
+    return path * MODE_EFFICIENCY[mode]
+
+
+def advise_transfer_mode(m: Measurement, a: ModelAssumptions = ModelAssumptions(), min_gain: float = 0.05) -> ModeAdvice:
+    current = "cuda_ipc" if m.placement.colocate else (m.transfer_mode or a.transfer_mode)
+    if m.placement.colocate or not m.sync_bytes or current not in SPLIT_MODES:
+        return ModeAdvice(current, 0.0, {current: m.sync_time})
+    density = m.sync_density if (current == "disk-delta" and m.sync_density) else a.delta_density
+
+    def wire(mode: str) -> float:
+        nbytes = m.sync_bytes * (density if mode == "disk-delta" else 1.0)
+        return nbytes * 8 / (_gbps(mode, m, a) * 1e9)
+
+    fixed = max(0.0, m.sync_time - wire(current))
+    predicted = {mode: (m.sync_time if mode == current else fixed + wire(mode)) for mode in SPLIT_MODES}
+    best = min(predicted, key=lambda mode: (predicted[mode], mode != current))
+    if m.sync_time - predicted[best] < min_gain * m.sync_time:
+        best = current
+    return ModeAdvice(best, max(0.0, m.sync_time - predicted[best]), predicted)
