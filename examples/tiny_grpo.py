@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         tel = StepRecorder(args.telemetry, RunLayout.from_placement(
             config.placement, transfer_mode=config.transfer.effective_mode,
-            max_response_len=args.max_response_len, group_size=args.group_size))
+            max_response_len=args.max_response_len, group_size=args.group_size,
+            prompt_len=round(statistics.fmean(len(p) for p in prompts)), **job.engine_capacity()))
         one_step_off = config.placement.one_step_off
 
         def start_rollout(step: int):

@@ -149,6 +149,13 @@ class RLJob:
                                            out.get("first_token_at"))
         return samples  # type: ignore[return-value]
 
+    def engine_capacity(self) -> dict:
+        """The smallest engine's ``kv_cache_tokens`` and ``max_num_seqs`` (what caps decoding concurrency)."""
+        infos = get_all([e.info.remote() for e in self.engines], self.timeout_s, "engine info",
+                        [f"engine {i}" for i in range(len(self.engines))])
+        return {"kv_cache_tokens": min(i["kv_cache_tokens"] for i in infos),
+                "max_num_seqs": min(i["max_num_seqs"] for i in infos)}
+
     # ---- training -------------------------------------------------------------------------------
     def _shards(self, batch: dict[str, list]) -> list[dict[str, list]]:
         """Each trainer rank's share: ranks of one tensor/pipeline-parallel group get the same one."""

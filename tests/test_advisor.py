@@ -11,6 +11,7 @@ import pytest
 from rlplacement.advisor.measure import cumulative_tokens
 from rlplacement.advisor import (ModelAssumptions, Placement, Thresholds, Workload, candidate_placements, measure,
                                  recommend)
+from rlplacement.advisor.model import fit
 from rlplacement.cli import main as cli_main
 from rlplacement.placement.layout import feasible_splits
 from rlplacement.telemetry import StepRecorder, read_rows
@@ -281,3 +282,25 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     assert "--imbalance 0.5 is out of range" in capsys.readouterr().err
     assert cli_main(["advise", "--metrics", str(path), "--trainer-min-gpus", "9"]) == 2
     assert "no layout of 8 GPUs" in capsys.readouterr().err
+
+
+def test_what_if_group_size_shifts_gpus_to_rollout_once_the_kv_cache_is_full(tmp_path):
+    """The same run, now with the engines' KV-cache capacity recorded: while every engine holds all
+    its sequences the group does not move GPUs to rollout (as above); once the sequences in flight
+    exceed what the cache holds, decoding runs in waves and the best split keeps more GPUs on
+    rollout than with a cache that holds everything."""
+    import dataclasses
+
+    rows = synth(tmp_path / "w.jsonl", trainer=8, rollout=8, gpe=1, gpn=8, R=6.0, T=6.0,
+                 latency_share=0.3, max_len=256, group=8)
+    m = measure(rows)
+    roomy = dataclasses.replace(m, kv_cache_tokens=10**9, prompt_len=64.0)
+    tight = dataclasses.replace(m, kv_cache_tokens=int(m.samples_per_step / 8 * 320), prompt_len=64.0)  # just fits
+    groups = (8, 16, 32, 64)
+    roomy_split = [_best_split(recommend(roomy, workload=Workload(group_size=g))).placement.rollout_gpus for g in groups]
+    tight_split = [_best_split(recommend(tight, workload=Workload(group_size=g))).placement.rollout_gpus for g in groups]
+    assert roomy_split == sorted(roomy_split, reverse=True), roomy_split  # as without capacity: no shift to rollout
+    assert all(t >= r for t, r in zip(tight_split, roomy_split)) and tight_split[-1] > roomy_split[-1], \
+        (tight_split, roomy_split)
+    model = fit(tight)
+    assert model.waves(m.placement) == 1 and model.waves(m.placement, group=64 / 8) == 8

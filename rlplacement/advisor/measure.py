@@ -66,6 +66,9 @@ class Measurement:
     sync_density: float | None     # disk-delta: changed bytes / all bytes (perf/update_weights_density)
     overlapped: bool               # rollout ran while the trainer trained (one-step-off async)
     response_lengths: tuple[int, ...]
+    kv_cache_tokens: int | None = None  # per engine: with prompt + response length, caps sequences in flight
+    max_num_seqs: int | None = None
+    prompt_len: float | None = None
 
 
 def _median(rows: Sequence[dict], key: str) -> float:
@@ -205,4 +208,7 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
             r["perf/update_weights_density"] for r in used if r.get("perf/update_weights_density")]) else None),
         overlapped=(not colocate) and _overlapped(rows),  # a property of the loop: warm-up steps show it too
         response_lengths=lengths,
+        kv_cache_tokens=int(first["kv_cache_tokens"]) if first.get("kv_cache_tokens") else None,
+        max_num_seqs=int(first["max_num_seqs"]) if first.get("max_num_seqs") else None,
+        prompt_len=float(first["prompt_len"]) if first.get("prompt_len") else None,
     )

@@ -11,7 +11,11 @@ rollout/trainer GPUs, ``l`` = max-response-length ratio, ``g`` = group-size rati
   ``bulk_quantile`` of the samples finished. ``fixed`` (the rest: per-step latency, the tail,
   dispatch) does not divide. Decode cost per token grows with context, hence
   ``e = rollout_length_exponent`` > 1. The fixed part follows the longest sample, whose
-  expected length grows ~H(n) (harmonic number) with n samples for an exponential tail.
+  expected length grows ~H(n) (harmonic number) with n samples for an exponential tail, and it
+  runs once per decode *wave*: waves = ceil(sequences per engine / concurrency), concurrency =
+  min(max_num_seqs, kv_cache_tokens // (prompt + response cap)) from the engine's own cache at
+  start; the fixed part scales by waves(layout) / waves(measured) (1 when the run did not record
+  its capacity).
 * train = train0 * (N_t0 / N_t) * g * l: data parallel over the trainer's GPUs, linear in tokens.
 * sync = fixed + bytes / bandwidth(path, mode): the path is CUDA IPC when colocated, NVLink when
   a split fits one node, the ``--link-gbps`` network otherwise (disk for disk-delta); ``fixed``
@@ -24,12 +28,14 @@ rollout/trainer GPUs, ``l`` = max-response-length ratio, ``g`` = group-size rati
 
 So the current layout is reproduced by construction; the model's claims are the *changes*.
 
-What-if directions that follow: a longer response cap grows rollout faster than training
-(``e`` > 1, and the latency-bound part follows the longest sample), so GPUs shift to rollout.
-A larger group grows throughput-bound rollout and training alike (both linear in samples) and
-the latency-bound part only ~log n, so it does *not* shift GPUs to rollout here (slightly the
-other way); it would only where engines run out of KV-cache room and decode in waves, which
-one run's telemetry does not show.
+What-if directions that follow (the seed's two claims): a longer response cap grows rollout
+faster than training (``e`` > 1, the latency-bound part follows the longest sample, and longer
+sequences fit fewer at once in the KV cache), so GPUs shift to rollout. A larger group grows
+throughput-bound rollout and training alike (both linear in samples) and the tail only ~log n,
+so while every engine's KV cache holds all its sequences it does *not* shift GPUs to rollout;
+once the sequences in flight exceed what the cache holds, decoding runs in more waves, each
+another pass of the latency-bound part, and more rollout GPUs (more engines, fewer sequences
+each) pay: then the group does shift GPUs to rollout.
 """
 
 from __future__ import annotations
@@ -121,14 +127,27 @@ class StepModel:
         tail_growth = _harmonic(n * group) / _harmonic(n)
         return length, group, tail_growth
 
+    def waves(self, p: Placement, group: float = 1.0, length: float = 1.0) -> int:
+        """Decode waves per engine in ``p``: ceil(sequences per engine / sequences the KV cache holds)."""
+        m = self.m
+        if not m.kv_cache_tokens or not m.max_response_len or m.max_response_len != m.max_response_len:
+            return 1
+        per_seq = (m.prompt_len or 0.0) + m.max_response_len * length
+        concurrency = max(1, int(m.kv_cache_tokens // max(per_seq, 1.0)))
+        if m.max_num_seqs:
+            concurrency = min(concurrency, m.max_num_seqs)
+        engines = max(1, p.rollout_gpus // m.gpus_per_engine)
+        return max(1, math.ceil(m.samples_per_step * group / engines / concurrency))
+
     def predict(self, p: Placement, workload: Workload = Workload()) -> Prediction:
         m = self.m
         length, group, tail_growth = self._ratios(workload)
         r0 = m.placement.rollout_gpus
         t0 = m.placement.trainer_gpus
         fixed = m.rollout_time - m.rollout_scalable
+        waves = self.waves(p, group, length) / self.waves(m.placement)
         rollout = (m.rollout_scalable * (r0 / p.rollout_gpus) * group * length ** self.assumptions.rollout_length_exponent
-                   + fixed * length * tail_growth)
+                   + fixed * length * tail_growth * waves)
         train = m.train_time * (t0 / p.trainer_gpus) * group * length
         sync, path = self.sync_time(p)
         step = self._compose(p, rollout, sync, train) + self.other_time

@@ -60,7 +60,13 @@ class VllmRolloutEngine:
 
     # ---- weight transfer -------------------------------------------------------------------
     def info(self) -> dict:
-        return {"engine_index": self.engine_index, "num_workers": self.num_workers, "model_dir": self.model_dir}
+        """Identity plus capacity: ``kv_cache_tokens`` (tokens the KV cache holds, from the engine's own
+        cache config after start-up) and ``max_num_seqs`` (its scheduler's cap on sequences in flight)."""
+        vc = self.llm.llm_engine.vllm_config
+        blocks = vc.cache_config.num_gpu_blocks or 0
+        return {"engine_index": self.engine_index, "num_workers": self.num_workers, "model_dir": self.model_dir,
+                "kv_cache_tokens": int(blocks * vc.cache_config.block_size),
+                "max_num_seqs": int(vc.scheduler_config.max_num_seqs)}
 
     def init_transfer(self, endpoint: dict, rank_offset: int) -> None:
         """Join the trainer's transfer group; blocks until every member has joined."""

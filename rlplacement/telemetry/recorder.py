@@ -75,6 +75,9 @@ class RunLayout:
     transfer_mode: str | None = None
     max_response_len: int | None = None
     group_size: int | None = None
+    kv_cache_tokens: int | None = None  # per engine (the smallest): caps how many sequences decode at once
+    max_num_seqs: int | None = None
+    prompt_len: int | None = None  # mean prompt tokens: a sequence holds prompt + response in the KV cache
 
     def __post_init__(self) -> None:
         for name in ("trainer_gpus", "rollout_gpus", "rollout_gpus_per_engine", "num_gpus_per_node"):
