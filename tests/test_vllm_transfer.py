@@ -17,7 +17,7 @@ from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
 from rlplacement.transfer import driver  # noqa: E402
 from rlplacement.runtime import waits  # noqa: E402
-from tests.transfer_helpers.cluster import start_trainer_and_engines  # noqa: E402
+from tests.transfer_helpers.cluster import outputs, start_trainer_and_engines  # noqa: E402
 from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -114,7 +114,7 @@ def test_updated_engines_match_a_fresh_engine_from_the_same_weights(cluster):
 def test_trainer_abort_leaves_every_engine_on_the_old_version(cluster):
     engines, trainer = cluster["engines"], cluster["trainer"]
     old = cluster["version"]
-    before = ray.get([e.generate.remote(PROMPTS, max_tokens=6) for e in engines])
+    before = [outputs(e, PROMPTS, 6) for e in engines]
     ray.get(trainer.set_fail_after.remote(7))
     try:
         with pytest.raises(WeightUpdateError, match="simulated gather failure at tensor 7") as info:
@@ -123,7 +123,7 @@ def test_trainer_abort_leaves_every_engine_on_the_old_version(cluster):
     finally:
         ray.get(trainer.set_fail_after.remote(None))
     assert ray.get([e.weight_version.remote() for e in engines]) == [old, old]
-    assert ray.get([e.generate.remote(PROMPTS, max_tokens=6) for e in engines]) == before
+    assert [outputs(e, PROMPTS, 6) for e in engines] == before
 
 
 def test_receiver_failing_mid_update_leaves_no_engine_half_updated(cluster):
@@ -131,21 +131,21 @@ def test_receiver_failing_mid_update_leaves_no_engine_half_updated(cluster):
 
     e0, e1 = cluster["engines"]
     old = ray.get(e1.weight_version.remote())
-    old_out = ray.get(e1.generate.remote(PROMPTS, max_tokens=6))
+    old_out = outputs(e1, PROMPTS, 6)
     _connect(cluster, "broadcast", [e0, e1], timeout_s=15)
     ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(fail_receive_after_buckets, args=(2,))))
     with pytest.raises(WeightUpdateError, match="engine 1: .*injected receiver fault after 2 buckets"):
         _update(cluster, "broadcast", [e0, e1], seed=88, timeout_s=15, connect=False)
     new = cluster["version"]
     v0, v1 = ray.get([e0.weight_version.remote(), e1.weight_version.remote()])
-    assert v1 == old and ray.get(e1.generate.remote(PROMPTS, max_tokens=6)) == old_out
+    assert v1 == old and outputs(e1, PROMPTS, 6) == old_out
     assert v0 in (old, new)
     if v0 == new:  # engine 0 finished: it holds exactly the trainer's tensors
         assert ray.get(e0.received_checksums.remote()) == ray.get(cluster["trainer"].checksums.remote())
     # a new group brings both engines to the next version
     version = _update(cluster, "broadcast", [e0, e1], seed=None)
     assert ray.get([e.weight_version.remote() for e in (e0, e1)]) == [version, version]
-    assert ray.get(e1.generate.remote(PROMPTS, max_tokens=6)) == ray.get(e0.generate.remote(PROMPTS, max_tokens=6))
+    assert outputs(e1, PROMPTS, 6) == outputs(e0, PROMPTS, 6)
 
 
 @pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed"])

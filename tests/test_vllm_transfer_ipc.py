@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
 from rlplacement.transfer import driver  # noqa: E402
-from tests.transfer_helpers.cluster import start_trainer_and_engines  # noqa: E402
+from tests.transfer_helpers.cluster import outputs, start_trainer_and_engines  # noqa: E402
 from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
 from rlplacement.transfer.shared_buffers import leftover_shm_files  # noqa: E402
 
@@ -118,7 +118,7 @@ def test_receiver_failing_mid_update_leaves_every_engine_wholly_old(cluster):
     if cluster["version"] == 0:
         _update(cluster, seed=5)
     old = cluster["version"]
-    old_out = ray.get([e.generate.remote(PROMPTS, max_tokens=6) for e in (e0, e1)])
+    old_out = [outputs(e, PROMPTS, 6) for e in (e0, e1)]
     old_sums = ray.get([e.received_checksums.remote() for e in (e0, e1)])
     ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(fail_receive_after_buckets, args=(2,))))
     with pytest.raises(WeightUpdateError, match="engine 1: .*injected receiver fault after 2 buckets") as info:
@@ -127,13 +127,49 @@ def test_receiver_failing_mid_update_leaves_every_engine_wholly_old(cluster):
     assert "rank(s) 2 failed on bucket 2" in info.value.failures["engine 0"]
     assert "rank(s) 2 failed on bucket 2" in info.value.failures["trainer"]
     assert ray.get([e.weight_version.remote() for e in (e0, e1)]) == [old, old]
-    assert ray.get([e.generate.remote(PROMPTS, max_tokens=6) for e in (e0, e1)]) == old_out
+    assert [outputs(e, PROMPTS, 6) for e in (e0, e1)] == old_out
     assert ray.get([e.received_checksums.remote() for e in (e0, e1)]) == old_sums
     # the same group carries the next update to both engines
     version, _ = _update(cluster, seed=7)
     assert ray.get([e.weight_version.remote() for e in (e0, e1)]) == [version, version]
     want = ray.get(cluster["trainer"].checksums.remote())
     assert ray.get([e.received_checksums.remote() for e in (e0, e1)]) == [want, want]
+
+
+def test_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluster):
+    """The fault matrix's "engine killed mid-update" for cuda_ipc: every bucket needs every receiver's
+    acknowledgement, so the other engine stays on its version; a restarted engine takes the next."""
+    import concurrent.futures as cf
+    import time
+
+    from rlplacement.runtime import waits
+
+    e0, e1 = cluster["engines"]
+    trainer = cluster["trainer"]
+    old = ray.get(e0.weight_version.remote())
+    ray.get(trainer.transfer_setup.remote("cuda_ipc", BUCKET, check_equal=True, timeout_s=12.0))
+    driver.connect(trainer, [e0, e1], timeout_s=TIMEOUT_S)
+    ray.get(trainer.perturb.remote(303))
+    ray.get(trainer.set_slow.remote(0.1))  # ~2.5 s of updating
+    version = cluster["version"] + 1
+    cluster["version"] = version
+    with cf.ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        future = pool.submit(driver.run_update, trainer, [e0, e1], version, timeout_s=12.0, check_equal=True)
+        time.sleep(1.0)
+        ray.kill(e1)
+        with pytest.raises(WeightUpdateError, match=r"engine 1: actor died"):
+            future.result(timeout=60)
+        assert time.monotonic() - start < 12.0 + waits.FAILURE_GRACE_S + 5
+    ray.get(trainer.set_slow.remote(0.0))
+    assert ray.get(e0.weight_version.remote()) == old
+    cluster["engines"][1] = create_engine_actor(1, cluster["model_dir"])
+    ray.get(trainer.transfer_setup.remote("cuda_ipc", BUCKET, check_equal=True, timeout_s=TIMEOUT_S))
+    driver.connect(trainer, cluster["engines"], timeout_s=TIMEOUT_S)
+    version, _ = _update(cluster, seed=304)
+    assert ray.get([e.weight_version.remote() for e in cluster["engines"]]) == [version, version]
+    want = ray.get(trainer.checksums.remote())
+    assert ray.get([e.received_checksums.remote() for e in cluster["engines"]]) == [want, want]
 
 
 def test_shared_memory_is_released_after_close(cluster):

@@ -5,13 +5,13 @@ Usage in a loop (colocated, split, or one-step-off async alike)::
     tel = StepRecorder("run.jsonl", trainer_gpus=4, rollout_gpus=4, rollout_gpus_per_engine=2)
     h = tel.open("rollout")                       # prompts dispatched to the engines
     for step in range(n):
-        batch = ray.get(futures)
+        batch = ray.get(futures, timeout=600)
         tel.close(h, end=max(b.finished_at for b in batch))  # each engine stamps its batch end
         tel.record_samples(lengths, finish_times)
         with tel.phase("sync"):                   # both roles busy (pause, send, resume)
             push_weights()
         h = tel.open("rollout")                   # one-step-off: next rollout overlaps training
-        for start, end in ray.get(train_refs):    # timestamps from trainer ranks
+        for start, end in ray.get(train_refs, timeout=600):    # timestamps from trainer ranks
             tel.record_interval("train", start, end)
         tel.record_logprobs(trainer_lp, engine_lp)
         logger.log(tel.end_step(step))

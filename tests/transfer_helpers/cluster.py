@@ -19,3 +19,11 @@ def start_trainer_and_engines(model_dir: str, num_engines: int = 2):
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
     trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
     return trainer, [create_engine_actor(i, model_dir) for i in range(num_engines)]
+
+
+def outputs(engine, prompts, max_tokens: int):
+    """An engine's completions without their timestamps: what must stay equal across updates."""
+    import ray
+
+    return [{k: v for k, v in r.items() if k not in ("finished_at", "first_token_at")}
+            for r in ray.get(engine.generate.remote(prompts, max_tokens=max_tokens), timeout=300)]
