@@ -100,3 +100,16 @@ def test_the_served_bytes_check_compares_in_slices_and_names_the_tensor():
     assert plan.mismatches(staged, chunk_bytes=16) == []  # 16 bytes: every tensor compared row by row
     model.gate_up.data[5, 1] += 1  # a byte of "up" the engine serves is not what was staged
     assert plan.mismatches(staged, chunk_bytes=16) == ["up"]
+
+
+def test_copies_into_memory_the_model_does_not_serve_get_no_plan():
+    model = FusedStandInForVllm()
+    scratch = torch.zeros(4)
+
+    def load_via_scratch(ws):
+        model.load_weights([w for w in ws if w[0] != "norm"])
+        scratch.copy_(dict(ws)["norm"])  # a loader's own buffer, not a parameter
+        model.norm.data.copy_(scratch)
+
+    result = copy_plan.record_load(load_via_scratch, _staged(torch.randn(100)), model)
+    assert isinstance(result, str) and "not one of the model's parameters" in result

@@ -204,10 +204,12 @@ def layout_of(staged: Sequence[NamedTensor]) -> tuple[tuple[str, str, tuple[int,
     return tuple((n, str(t.dtype), tuple(t.shape)) for n, t in staged)
 
 
-def record_load(load: Callable[[list[NamedTensor]], None], staged: list[NamedTensor]) -> CopyPlan | str:
+def record_load(load: Callable[[list[NamedTensor]], None], staged: list[NamedTensor],
+                model: "torch.nn.Module | None" = None) -> CopyPlan | str:
     """Run ``load`` (the engine's own loader, which really loads) on probes of ``staged``.
 
     Returns the plan, or the reason no plan can stand in for this loader (the load still happened).
+    With ``model``, every copy must land in memory the model serves (not in a loader's scratch).
     """
     rec = _Recorder(staged)
     _ACTIVE.append(rec)
@@ -222,6 +224,8 @@ def record_load(load: Callable[[list[NamedTensor]], None], staged: list[NamedTen
     if missing is not None:
         return f"tensor {missing!r} reached no parameter through a recordable copy"
     plan = CopyPlan(layout_of(staged), rec.copies)
+    if model is not None and not plan.still_live(model):
+        return "the loader copied into memory that is not one of the model's parameters or buffers"
     bad = plan.mismatches(staged)
     if bad:
         return f"the loaded parameter of {bad[0]!r} differs from the staged bytes (post-load processing)"
