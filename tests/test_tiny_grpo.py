@@ -113,14 +113,17 @@ def test_p2p_loop_writes_over_mooncake_tcp(tmp_path):
     assert {r["transfer_mode"] for r in rows} == {"p2p"} and all(r["perf/update_weights_time"] > 0 for r in rows)
 
 
+SPLIT_MODE_FLAGS = {  # every split mode as loop flags ({tmp}: the test's folder)
+    "broadcast": ["--update-weight-transfer-mode", "broadcast"],
+    "broadcast_packed": ["--update-weight-transfer-mode", "broadcast_packed"],
+    "p2p": ["--update-weight-transfer-mode", "p2p", "--p2p-protocol", "tcp"],
+    "disk-delta": ["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "{tmp}/weights"],
+}
+ALL_MODE_FLAGS = {**SPLIT_MODE_FLAGS, "cuda_ipc": ["--colocate"]}  # cuda_ipc: /dev/shm here
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [
-    ["--update-weight-transfer-mode", "broadcast"],
-    ["--update-weight-transfer-mode", "broadcast_packed"],
-    ["--update-weight-transfer-mode", "p2p", "--p2p-protocol", "tcp"],
-    ["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "{tmp}/weights"],
-    ["--colocate"],  # cuda_ipc (/dev/shm here)
-], ids=["broadcast", "broadcast_packed", "p2p", "disk-delta", "cuda_ipc"])
+@pytest.mark.parametrize("flags", list(ALL_MODE_FLAGS.values()), ids=list(ALL_MODE_FLAGS))
 def test_a_hundred_consecutive_updates_stay_bit_exact(tmp_path, flags):
     """Every step's update is checked tensor by tensor (--check-weight-update-equal exits non-zero
     naming the tensor on any difference); ~40 s a mode on 2 cores."""
@@ -132,12 +135,7 @@ def test_a_hundred_consecutive_updates_stay_bit_exact(tmp_path, flags):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [
-    ["--update-weight-transfer-mode", "broadcast"],
-    ["--update-weight-transfer-mode", "broadcast_packed"],
-    ["--update-weight-transfer-mode", "p2p", "--p2p-protocol", "tcp"],
-    ["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "{tmp}/weights"],
-], ids=["broadcast", "broadcast_packed", "p2p", "disk-delta"])
+@pytest.mark.parametrize("flags", list(SPLIT_MODE_FLAGS.values()), ids=list(SPLIT_MODE_FLAGS))
 def test_one_step_off_trains_on_samples_one_version_stale(tmp_path, flags):
     telemetry = tmp_path / "tel.jsonl"
     proc = run_loop(tmp_path, "--steps", "4", "--one-step-off", "--check-weight-update-equal",

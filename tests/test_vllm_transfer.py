@@ -1,12 +1,11 @@
-"""Weight transfer into real vLLM CPU engines (Ray actors), both modes, 1 and 2 engines, failures.
+"""Weight transfer into real vLLM CPU engines (Ray actors): broadcast, broadcast_packed and p2p
+(Mooncake over loopback TCP), 1 and 2 engines, failures.
 
 One module-wide cluster: a trainer actor holding a real HF model and two engines, started once
 (engine start-up dominates). Tests run in file order and each one brings the engines to a state
-it checks; the engine-kill test goes last because it kills engine 1.
+it checks; the engine-kill tests go last: each kills engine 1 and starts a new one in its place.
 """
 
-import concurrent.futures as cf
-import time
 
 import pytest
 
@@ -16,8 +15,8 @@ pytest.importorskip("vllm")
 from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
 from rlplacement.transfer import driver  # noqa: E402
-from rlplacement.runtime import waits  # noqa: E402
 from tests.transfer_helpers.cluster import outputs, start_trainer_and_engines  # noqa: E402
+from tests.transfer_helpers.killing import kill_engine_mid_update  # noqa: E402
 from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -175,19 +174,9 @@ def test_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluste
     options = {"transfer_timeout_s": 5.0} if mode == "p2p" else {}
     ray.get(trainer.transfer_setup.remote(mode, BUCKET, timeout_s=12.0, **options))
     driver.connect(trainer, [e0, e1], timeout_s=TIMEOUT_S)
-    ray.get(trainer.perturb.remote(101))
-    ray.get(trainer.set_slow.remote(0.1))  # 25 tensors -> ~2.5 s of updating
     version = cluster["version"] + 1
     cluster["version"] = version
-    with cf.ThreadPoolExecutor(1) as pool:
-        start = time.monotonic()
-        future = pool.submit(driver.run_update, trainer, [e0, e1], version, timeout_s=12.0)
-        time.sleep(1.0)
-        ray.kill(e1)
-        with pytest.raises(WeightUpdateError, match=r"engine 1: actor died"):
-            future.result(timeout=60)
-        assert time.monotonic() - start < 12.0 + waits.FAILURE_GRACE_S + 5
-    ray.get(trainer.set_slow.remote(0.0))
+    kill_engine_mid_update(trainer, [e0, e1], version, 1, seed=101)
     v0 = ray.get(e0.weight_version.remote())
     if mode == "disk-delta":  # engines read the published version on their own: e0 may have taken it whole
         assert v0 in (old, version)

@@ -139,29 +139,16 @@ def test_receiver_failing_mid_update_leaves_every_engine_wholly_old(cluster):
 def test_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluster):
     """The fault matrix's "engine killed mid-update" for cuda_ipc: every bucket needs every receiver's
     acknowledgement, so the other engine stays on its version; a restarted engine takes the next."""
-    import concurrent.futures as cf
-    import time
-
-    from rlplacement.runtime import waits
+    from tests.transfer_helpers.killing import kill_engine_mid_update
 
     e0, e1 = cluster["engines"]
     trainer = cluster["trainer"]
     old = ray.get(e0.weight_version.remote())
     ray.get(trainer.transfer_setup.remote("cuda_ipc", BUCKET, check_equal=True, timeout_s=12.0))
     driver.connect(trainer, [e0, e1], timeout_s=TIMEOUT_S)
-    ray.get(trainer.perturb.remote(303))
-    ray.get(trainer.set_slow.remote(0.1))  # ~2.5 s of updating
     version = cluster["version"] + 1
     cluster["version"] = version
-    with cf.ThreadPoolExecutor(1) as pool:
-        start = time.monotonic()
-        future = pool.submit(driver.run_update, trainer, [e0, e1], version, timeout_s=12.0, check_equal=True)
-        time.sleep(1.0)
-        ray.kill(e1)
-        with pytest.raises(WeightUpdateError, match=r"engine 1: actor died"):
-            future.result(timeout=60)
-        assert time.monotonic() - start < 12.0 + waits.FAILURE_GRACE_S + 5
-    ray.get(trainer.set_slow.remote(0.0))
+    kill_engine_mid_update(trainer, [e0, e1], version, 1, seed=303, check_equal=True)
     assert ray.get(e0.weight_version.remote()) == old
     cluster["engines"][1] = create_engine_actor(1, cluster["model_dir"])
     ray.get(trainer.transfer_setup.remote("cuda_ipc", BUCKET, check_equal=True, timeout_s=TIMEOUT_S))
