@@ -126,3 +126,14 @@ def test_p2p_protocol_defaults_to_the_hosts_transport_and_keeps_a_set_value(monk
             config_from_args(build_parser().parse_args(argv))
     else:
         assert config_from_args(build_parser().parse_args(argv)).transfer.p2p_protocol == want
+
+
+def test_every_flag_works_on_a_base_install():
+    """--check-weight-update-equal hashes with xxhash: it must be a base requirement, not an extra's."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    requires = next(ast.literal_eval(k.value) for k in call.keywords if k.arg == "install_requires")
+    assert "xxhash" in requires

@@ -147,7 +147,7 @@ def test_receiver_failing_mid_update_leaves_no_engine_half_updated(cluster):
     assert outputs(e1, PROMPTS, 6) == outputs(e0, PROMPTS, 6)
 
 
-@pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed"])
+@pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed", "p2p"])
 def test_a_corrupted_byte_reaches_the_driver_naming_the_tensor(cluster, mode):
     """The engine's WeightMismatchError crosses vLLM's RPC and Ray whole: the driver's error names
     the engine and the tensor, and the engine stays on its version."""
