@@ -164,6 +164,29 @@ def test_a_corrupted_byte_reaches_the_driver_naming_the_tensor(cluster, mode):
     assert ray.get(e0.weight_version.remote()) == version
 
 
+def test_an_engine_that_stops_answering_is_named_within_the_timeout(cluster):
+    """A receiver that hangs (not dies): the driver gives up after its timeout naming every party that
+    did not answer, no engine serves a mix of versions, and a new group carries the next update."""
+    import time
+
+    from tests.transfer_helpers.faults import stall_next_receive
+
+    e0, e1 = cluster["engines"]
+    old = ray.get([e.weight_version.remote() for e in (e0, e1)])
+    _connect(cluster, "broadcast_packed", [e0, e1], check_equal=False, timeout_s=8.0)
+    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(stall_next_receive, args=(20.0,))))
+    version = cluster["version"] + 1
+    cluster["version"] = version
+    start = time.monotonic()
+    with pytest.raises(WeightUpdateError, match=r"engine 1: (no answer within 6s|did not finish after the failure)"):
+        driver.run_update(cluster["trainer"], [e0, e1], version, timeout_s=6.0)
+    assert time.monotonic() - start < 6.0 + 10
+    time.sleep(16)  # let engine 1 come back from its stall (its side of the old group then fails)
+    assert ray.get([e.weight_version.remote() for e in (e0, e1)], timeout=60) == old
+    version = _update(cluster, "broadcast_packed", [e0, e1], seed=202)
+    assert ray.get([e.weight_version.remote() for e in (e0, e1)]) == [version, version]
+
+
 @pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed", "p2p", "disk-delta"])
 def test_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluster, mode):
     """The fault matrix's "engine killed mid-update", per mode: the driver names the dead engine within

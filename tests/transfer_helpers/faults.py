@@ -29,3 +29,18 @@ def flip_first_byte_of_next_update(worker) -> None:
         buf[manifest.tensors[0].offset] ^= 0xFF
 
     receiver._recv_payload = corrupting
+
+
+def stall_next_receive(worker, seconds: float) -> None:
+    """Make this worker stop answering for ``seconds`` at the first bucket of the next update (once)."""
+    import time
+
+    receiver = worker.weight_transfer_engine.receiver
+    cls_recv = type(receiver)._recv_payload
+
+    def stalling(buf, manifest):
+        del receiver._recv_payload
+        time.sleep(seconds)
+        cls_recv(receiver, buf, manifest)
+
+    receiver._recv_payload = stalling
