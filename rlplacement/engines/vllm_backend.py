@@ -121,7 +121,11 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
                     raise TransferError(f"{self._where()}: after the load the model serves tensor {bad[0]!r} with "
                                         f"other bytes than were received ({len(bad)} tensor(s) differ)")
         elif self.device.type == "cuda" and self.plan_failure is None:
-            result = copy_plan.record_load(lambda tensors: self.model.load_weights(iter(tensors)), staged, self.model)
+            try:
+                result = copy_plan.record_load(lambda tensors: self.model.load_weights(iter(tensors)), staged,
+                                               self.model)
+            except Exception as exc:  # noqa: BLE001 - the generic load below rewrites every weight whole
+                result = f"recording the load raised {type(exc).__name__}: {exc}"
             if isinstance(result, str):
                 self.plan_failure, self._plan = result, None
                 logger.warning("rlplacement: updates commit through vLLM's loader (%s)", result)
