@@ -70,6 +70,20 @@ class Prediction:
                 "sync_time": self.sync_time, "sync_path": self.sync_path}
 
 
+def transfer_path(p: Placement, mode: str, num_gpus_per_node: int, a: ModelAssumptions) -> tuple[str, float]:
+    """(path name, achieved Gb/s) of ``mode`` in layout ``p``: CUDA IPC colocated, the disk for
+    disk-delta, NVLink when the layout fits one node, the network otherwise."""
+    if p.colocate:
+        name, gbps = "cuda_ipc", a.ipc_gbps
+    elif mode == "disk-delta":
+        name, gbps = "disk", a.disk_gbps
+    elif p.total_gpus <= num_gpus_per_node:
+        name, gbps = "nvlink", a.nvlink_gbps
+    else:
+        name, gbps = "network", a.link_gbps
+    return f"{name}/{mode}", gbps * MODE_EFFICIENCY[mode]
+
+
 def _harmonic(n: float) -> float:
     return math.log(n) + 0.5772156649 + 1 / (2 * n) if n >= 1 else 1.0
 
@@ -90,16 +104,7 @@ class StepModel:
 
     def _path(self, p: Placement) -> tuple[str, float]:
         """(path name, achieved Gb/s) that weights take to reach the engines in ``p``."""
-        a, mode = self.assumptions, self._mode(p)
-        if p.colocate:
-            name, gbps = "cuda_ipc", a.ipc_gbps
-        elif mode == "disk-delta":
-            name, gbps = "disk", a.disk_gbps
-        elif p.total_gpus <= self.m.num_gpus_per_node:
-            name, gbps = "nvlink", a.nvlink_gbps
-        else:
-            name, gbps = "network", a.link_gbps
-        return f"{name}/{mode}", gbps * MODE_EFFICIENCY[mode]
+        return transfer_path(p, self._mode(p), self.m.num_gpus_per_node, self.assumptions)
 
     def sync_time(self, p: Placement) -> tuple[float, str]:
         path0, gbps0 = self._path(self.m.placement)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from rlplacement.advisor.measure import Measurement
-from rlplacement.advisor.thresholds import MODE_EFFICIENCY, ModelAssumptions
+from rlplacement.advisor.model import transfer_path
+from rlplacement.advisor.thresholds import ModelAssumptions
 
 SPLIT_MODES = ("broadcast", "broadcast_packed", "p2p", "disk-delta")
 
@@ -27,16 +28,6 @@ class ModeAdvice:
     predicted_sync_s: dict[str, float]  # per candidate mode
 
 
-def _gbps(mode: str, m: Measurement, a: ModelAssumptions) -> float:
-    if mode == "disk-delta":
-        path = a.disk_gbps
-    elif m.placement.total_gpus <= m.num_gpus_per_node:
-        path = a.nvlink_gbps
-    else:
-        path = a.link_gbps
-    return path * MODE_EFFICIENCY[mode]
-
-
 def advise_transfer_mode(m: Measurement, a: ModelAssumptions = ModelAssumptions(), min_gain: float = 0.05) -> ModeAdvice:
     current = "cuda_ipc" if m.placement.colocate else (m.transfer_mode or a.transfer_mode)
     if m.placement.colocate or not m.sync_bytes or current not in SPLIT_MODES:
@@ -45,7 +36,7 @@ def advise_transfer_mode(m: Measurement, a: ModelAssumptions = ModelAssumptions(
 
     def wire(mode: str) -> float:
         nbytes = m.sync_bytes * (density if mode == "disk-delta" else 1.0)
-        return nbytes * 8 / (_gbps(mode, m, a) * 1e9)
+        return nbytes * 8 / (transfer_path(m.placement, mode, m.num_gpus_per_node, a)[1] * 1e9)
 
     fixed = max(0.0, m.sync_time - wire(current))
     predicted = {mode: (m.sync_time if mode == current else fixed + wire(mode)) for mode in SPLIT_MODES}

@@ -174,15 +174,16 @@ class IpcReceiver(BroadcastReceiver):
                     raise TransferError(f"unexpected frame kind {kind} from the trainer")
                 manifest = self._parse_manifest(blob, num_buckets)
                 buf = self.buffers.get(manifest.index, manifest.nbytes)
+                tensors = self._unpack(buf, manifest)
                 if manifest.nbytes:
                     if failure is None:
                         try:
                             self._recv_payload(buf, manifest)
-                            self._check(self._unpack(buf, manifest), manifest)
+                            self._check(tensors, manifest)
                         except Exception as exc:  # noqa: BLE001 - reported through the ack, raised at ABORT
                             failure = exc
                     self._ack(failure is not None)
-                staged.extend(self._unpack(buf, manifest))
+                staged.extend(tensors)
                 nbytes += sum(m.nbytes for m in manifest.tensors)
                 num_buckets += 1
             if failure is not None:
