@@ -147,11 +147,15 @@ def run(args: argparse.Namespace) -> int:
             if one_step_off:
                 sync_metrics["rollout/staleness"] = staleness
             row = tel.end_step(step, reward=statistics.fmean(rewards), **sync_metrics)
-            print(f"step {step}: reward {row['reward']:.3f}  rollout {row['perf/rollout_time']:.2f}s  "
-                  f"train {row['perf/train_time']:.2f}s  sync {row['perf/update_weights_time']:.2f}s "
-                  f"({report['trainer']['bytes'] / 1e6:.1f} MB, v{job.version})  "
-                  f"logprob diff {row['rollout/logprob_abs_diff']:.2e}"
-                  + (f"  staleness {staleness}" if one_step_off else ""), flush=True)
+            line = (f"step {step}: reward {row['reward']:.3f}  rollout {row['perf/rollout_time']:.2f}s  "
+                    f"train {row['perf/train_time']:.2f}s  sync {row['perf/update_weights_time']:.2f}s "
+                    f"({report['trainer']['bytes'] / 1e6:.1f} MB, v{job.version})  "
+                    f"logprob diff {row['rollout/logprob_abs_diff']:.2e}"
+                    + (f"  staleness {staleness}" if one_step_off else ""))
+            # One write with its newline: Ray's log thread shares this stdout, and print's two
+            # writes (text, then "\n") let a worker's line land between them.
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
     finally:
         job.close()
     return 0
