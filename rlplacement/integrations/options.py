@@ -1,0 +1,42 @@
+"""A framework's per-backend options (verl's ``engine_kwargs.<backend>``, Miles' args) turned
+into our validated :class:`~rlplacement.args.TransferConfig`.
+
+The keys are our flags' names with underscores (``update_weight_disk_dir`` for
+``--update-weight-disk-dir``), so every option is defined once, in ``rlplacement.args``, and
+validated by the same code as on our own command line. Unknown keys are refused, listing the
+accepted ones: a typo must not fall back to a default silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Mapping
+
+from rlplacement.args import ALL_FLAGS, ConfigError, TransferConfig, transfer_from_args
+
+# our transfer flags a framework may set per backend; the mode and the bucket size come from the
+# framework's own settings (verl: backend name and update_weights_bucket_megabytes)
+TRANSFER_OPTION_KEYS = ("update_weight_disk_dir", "update_weight_delta_encoding", "check_weight_update_equal",
+                        "p2p_protocol", "p2p_transfer_timeout")
+
+
+def transfer_config(mode: str, buffer_size: int, options: Mapping[str, Any], *, where: str,
+                    owned_elsewhere: Mapping[str, str] = {}) -> TransferConfig:
+    """Validate ``options`` (keys from :data:`TRANSFER_OPTION_KEYS`) for split-layout ``mode``.
+
+    ``where`` names the options' place in the framework's config for error messages;
+    ``owned_elsewhere`` maps keys the framework sets itself to the setting to use instead.
+    """
+    for key in options:
+        if key in owned_elsewhere:
+            raise ConfigError(f"{where}.{key}: set {owned_elsewhere[key]} instead (the framework owns it).")
+        if key not in TRANSFER_OPTION_KEYS:
+            raise ConfigError(f"{where}.{key} is not an rlplacement option: use one of "
+                              f"{', '.join(TRANSFER_OPTION_KEYS)} (our flags' names with underscores).")
+    values = {f.dest: f.kwargs.get("default") for f in ALL_FLAGS}
+    values.update(options)
+    values.update(update_weight_transfer_mode=mode, update_weight_buffer_size=buffer_size, colocate=False)
+    try:
+        return transfer_from_args(argparse.Namespace(**values))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc} (the flag --x-y is the key x_y here)") from None
