@@ -152,3 +152,34 @@ def test_verl_finds_the_backends_through_its_plugin_entry_point():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(sorted(BACKENDS))
+
+
+def test_plan_emit_verl_overrides_build_our_engine_from_verls_own_config(capsys, tmp_path):
+    """The overrides `plan --emit verl` prints name keys of verl 0.9.1's generated trainer config
+    (a new key only where verl's Hydra needs the ``+``), and the resulting checkpoint-engine
+    config builds our backend the way verl's workers do."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    from rlplacement.cli import main
+
+    assert main(["plan", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "4", "--check-weight-update-equal",
+                 "--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", str(tmp_path),
+                 "--update-weight-buffer-size", str(64 << 20), "--emit", "verl"]) == 0
+    overrides = capsys.readouterr().out.splitlines()[0].split()
+    cfg = OmegaConf.load(str(files("verl.trainer.config") / "_generated_ppo_trainer.yaml"))
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if key.startswith("+"):
+            assert OmegaConf.select(cfg, key[1:].rsplit(".", 2)[0], default=None) is not None, key
+        else:
+            assert OmegaConf.select(cfg, key, default="<missing>") != "<missing>", key
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
+    ce = cfg.actor_rollout_ref.rollout.checkpoint_engine
+    engine = CheckpointEngineRegistry.new(ce.backend, is_master=True, bucket_size=ce.update_weights_bucket_megabytes << 20,
+                                          **OmegaConf.to_container(ce.engine_kwargs).get(ce.backend, {}))
+    assert (engine.mode, engine.config.buffer_size, engine.config.check_equal) == ("disk-delta", 64 << 20, True)
+    assert engine.config.disk_dir == str(tmp_path)
+    assert cfg.trainer.v1.trainer_mode == "separate_async" and cfg.actor_rollout_ref.hybrid_engine is False

@@ -1,4 +1,5 @@
-"""``rlplacement plan [flags] [--json]``: the layout the flags ask for, without a cluster."""
+"""``rlplacement plan [flags] [--json | --emit verl|miles]``: the layout the flags ask for, without a
+cluster, or the same layout in verl's or Miles' settings."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="print the layout the flags ask for (no cluster needed)")
     add_arguments(p)
     p.add_argument("--json", action="store_true", help="print the layout as JSON")
+    p.add_argument("--emit", choices=("verl", "miles"), default=None,
+                   help="print the same layout and transfer mode as verl Hydra overrides or Miles flags")
 
 
 def render_table(layout: Layout) -> str:
@@ -29,6 +32,12 @@ def render_table(layout: Layout) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    layout = compute_layout(config_from_args(args).placement)
+    config = config_from_args(args)
+    if args.emit:
+        from rlplacement.integrations.emit import EMITTERS
+
+        print("\n".join(EMITTERS[args.emit](config, args)))
+        return 0
+    layout = compute_layout(config.placement)
     print(json.dumps(layout.to_json()) if args.json else render_table(layout))
     return 0

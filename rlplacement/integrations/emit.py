@@ -1,0 +1,114 @@
+"""The same layout and transfer mode in another framework's settings: ``rlplacement plan ...
+--emit verl|miles``. Pure functions of a validated :class:`~rlplacement.args.Config`; no framework
+is imported.
+
+Each emitter returns the line to copy and notes (``# ...``) for whatever that framework's config
+cannot express, saying which part and why, never a silently different layout.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from rlplacement.args import DEFAULT_BUFFER_SIZE, Config, ConfigError
+from rlplacement.integrations.options import TRANSFER_OPTION_KEYS
+
+MIB = 1 << 20
+VERL_CE = "actor_rollout_ref.rollout.checkpoint_engine"
+VERL_BACKENDS = {"broadcast": "rlplacement_broadcast", "broadcast_packed": "rlplacement_broadcast_packed",
+                 "disk-delta": "rlplacement_disk_delta", "p2p": "rlplacement_p2p"}
+MILES_FACTORIES = {"broadcast": "broadcast", "broadcast_packed": "broadcast_packed", "disk-delta": "disk_delta",
+                   "p2p": "p2p"}
+# our transfer flags Miles defines itself (miles/utils/arguments.py); the others need
+# parse_args(add_custom_arguments=rlplacement.args.add_arguments) in the driver script
+MILES_OWN_FLAGS = {"update_weight_disk_dir", "update_weight_delta_encoding", "check_weight_update_equal",
+                   "p2p_transfer_timeout"}
+DEFAULTS = {"update_weight_delta_encoding": "xor", "p2p_transfer_timeout": 30.0, "check_weight_update_equal": False}
+
+
+def _mode_options(config: Config, args) -> dict[str, object]:
+    """Our transfer options that differ from their defaults, by flag dest. ``--p2p-protocol`` only
+    as the user set it: the default is picked on each host (rdma where a device is), not here."""
+    t = config.transfer
+    values = {"update_weight_disk_dir": t.disk_dir, "update_weight_delta_encoding": t.delta_encoding,
+              "check_weight_update_equal": t.check_equal, "p2p_transfer_timeout": t.p2p_timeout,
+              "p2p_protocol": getattr(args, "p2p_protocol", None) if t.mode == "p2p" else None}
+    assert set(values) == set(TRANSFER_OPTION_KEYS)
+    return {k: v for k, v in values.items() if v is not None and DEFAULTS.get(k, object()) != v}
+
+
+def rollout_nodes(config: Config) -> tuple[int, int] | None:
+    """(nodes, GPUs per node) of the rollout GPUs in our layout, or None when their count differs
+    between nodes: verl's rollout pools are always ``[n_gpus_per_node] * nnodes``."""
+    from rlplacement.placement.layout import compute_layout
+
+    per_node: dict[int, int] = {}
+    for node, _ in compute_layout(config.placement).rollout_gpus:
+        per_node[node] = per_node.get(node, 0) + 1
+    counts = set(per_node.values())
+    return (len(per_node), counts.pop()) if len(counts) == 1 else None
+
+
+def emit_verl(config: Config, args=None) -> list[str]:
+    p, t = config.placement, config.transfer
+    overrides = [f"trainer.nnodes={p.actor_num_nodes}", f"trainer.n_gpus_per_node={p.actor_num_gpus_per_node}",
+                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={p.rollout_num_gpus_per_engine}"]
+    notes = []
+    if p.colocate:
+        overrides.insert(0, "trainer.v1.trainer_mode=sync")
+        notes.append("# --colocate: verl's colocated trainers move weights in-process with its own 'naive' backend "
+                     "(trainer.v1 forces it), so no rlplacement transfer mode runs there")
+        return [" ".join(overrides), *notes]
+    split = rollout_nodes(config)
+    if split is None:
+        raise ConfigError(f"--rollout-num-gpus {p.rollout_num_gpus} lands on nodes with different rollout GPU counts "
+                          f"(see `rlplacement plan`), which verl's actor_rollout_ref.rollout.nnodes x n_gpus_per_node "
+                          f"cannot write: choose a count that fills whole nodes of --num-gpus-per-node "
+                          f"{p.num_gpus_per_node}, or the same count on each node.")
+    if t.buffer_size % MIB:
+        raise ConfigError(f"--update-weight-buffer-size {t.buffer_size} is not a whole number of MiB: verl takes "
+                          f"{VERL_CE}.update_weights_bucket_megabytes; use a multiple of {MIB}.")
+    backend = VERL_BACKENDS[t.mode]
+    overrides[:0] = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false"]
+    overrides += [f"actor_rollout_ref.rollout.nnodes={split[0]}", f"actor_rollout_ref.rollout.n_gpus_per_node={split[1]}",
+                  f"{VERL_CE}.backend={backend}", f"{VERL_CE}.custom_backend_module=rlplacement.integrations.verl",
+                  f"{VERL_CE}.update_weights_bucket_megabytes={t.buffer_size // MIB}"]
+    overrides += [f"+{VERL_CE}.engine_kwargs.{backend}.{k}={_hydra(v)}" for k, v in _mode_options(config, args).items()]
+    notes.append("# verl places the trainer pool and each rollout replica's pool by Ray (STRICT_PACK per node, no "
+                 "node choice): they may share or skip nodes differently from `rlplacement plan`")
+    notes.append("# separate_async trains off-policy by trainer.v1.separate_async.parameter_sync_step (default 4); "
+                 "it needs data.train_batch_size == parameter_sync_step x actor_rollout_ref.actor.ppo_mini_batch_size")
+    return [" ".join(shlex.quote(o) for o in overrides), *notes]
+
+
+def emit_miles(config: Config, args=None) -> list[str]:
+    p, t = config.placement, config.transfer
+    flags = [f"--actor-num-nodes {p.actor_num_nodes}", f"--actor-num-gpus-per-node {p.actor_num_gpus_per_node}",
+             f"--rollout-num-gpus {p.rollout_num_gpus}", f"--rollout-num-gpus-per-engine {p.rollout_num_gpus_per_engine}",
+             f"--num-gpus-per-node {p.num_gpus_per_node}"]
+    notes = []
+    if p.colocate:
+        flags.append("--colocate")
+        notes.append("# --colocate: Miles moves colocated weights with its own CUDA IPC path; no external protocol runs")
+        return [" ".join(flags), *notes]
+    flags += ["--update-weight-transfer-mode external",
+              f"--custom-weight-transfer-protocol-path rlplacement.integrations.miles.{MILES_FACTORIES[t.mode]}"]
+    if t.buffer_size != DEFAULT_BUFFER_SIZE:
+        flags.append(f"--update-weight-buffer-size {t.buffer_size}")
+    extra = []
+    for key, value in _mode_options(config, args).items():
+        flag = "--" + key.replace("_", "-")
+        text = flag if value is True else f"{flag} {shlex.quote(str(value))}"
+        (flags if key in MILES_OWN_FLAGS else extra).append(text)
+    if extra:
+        notes.append(f"# {' '.join(extra)}: not Miles flags; pass them too, with "
+                     f"parse_args(add_custom_arguments=rlplacement.args.add_arguments) in your driver script")
+        flags += extra
+    return [" ".join(flags), *notes]
+
+
+def _hydra(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+EMITTERS = {"verl": emit_verl, "miles": emit_miles}
