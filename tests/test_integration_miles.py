@@ -1,13 +1,15 @@
 """Our transfer modes as Miles external weight-transfer protocols, called the way Miles calls them,
 into real vLLM CPU engines.
 
-Call order and signatures: Miles' ``WeightUpdater`` (``miles/backends/training_utils/weight_update/
-updater.py``) and ``WeightTransferProtocol`` (``.../protocol.py``) in the radixark/miles version
-that added ``--custom-weight-transfer-protocol-path`` (its lifecycle test checks
-connect, begin_sync(1), send_bucket, after_base_weights, finalize(1), after_engines_resumed). The
-snapshot ``fetch`` returns (31f1ca961a94cb860cec3b2dea34ec332bfa8f76) predates that protocol, and
-Miles is not on PyPI, so the loader step is repeated here: a dotted path split at its last dot,
-the module imported, the attribute called with ``args``.
+Call order and signatures: radixark/miles ``WeightUpdater.update_weights`` (``miles/backends/
+training_utils/weight_update/updater.py``) and ``WeightTransferProtocol`` /
+``resolve_external_protocol_target`` (``.../protocol.py``), as stored in the code-search index
+(protocol.py version id 70481331494, the one with ``--custom-weight-transfer-protocol-path``; the
+index records no commit for it). Its lifecycle test checks connect, begin_sync(1), send_bucket,
+after_base_weights, finalize(1), after_engines_resumed. The newest snapshot ``fetch`` returns
+(31f1ca961a94cb860cec3b2dea34ec332bfa8f76) predates that protocol and Miles is not on PyPI, so the
+loader step is repeated here: the dotted path split at its last dot, the module imported, the
+attribute called with ``args``.
 """
 
 from __future__ import annotations
