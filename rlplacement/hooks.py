@@ -16,7 +16,8 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
-from rlplacement.args import Config, ConfigError
+from rlplacement.args import Config
+from rlplacement.errors import ConfigError
 from rlplacement.runtime.waits import get_all
 
 DEFAULT_ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256}

@@ -25,7 +25,8 @@ from typing import Any, ClassVar, Iterator
 
 import torch
 
-from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.args import BackendConfig
+from rlplacement.errors import ConfigError
 
 
 @dataclasses.dataclass

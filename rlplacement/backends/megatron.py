@@ -19,7 +19,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.args import BackendConfig
+from rlplacement.errors import ConfigError
 from rlplacement.backends import launch, mapping
 from rlplacement.backends import megatron_model as mm
 from rlplacement.backends.base import OptimConfig, TrainerBackend

@@ -13,7 +13,8 @@ import types
 from pathlib import Path
 from typing import Any
 
-from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.args import BackendConfig
+from rlplacement.errors import ConfigError
 
 from rlplacement.backends.torchtitan import FAMILIES as TORCHTITAN_FAMILIES
 from rlplacement.backends.torchtitan import NEEDS_CUDA as TORCHTITAN_NEEDS_CUDA

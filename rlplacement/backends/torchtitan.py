@@ -30,7 +30,8 @@ from typing import Any, Iterator
 
 import torch
 
-from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.args import BackendConfig
+from rlplacement.errors import ConfigError
 from rlplacement.backends.base import OptimConfig, TrainerBackend, token_log_probs
 from rlplacement.backends.fsdp import FSDPBackend
 
