@@ -66,7 +66,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rlplacement.convert import layout
+    from rlplacement.backends import megatron_checkpoint as layout
     from rlplacement.convert.run import run_collective
 
     if layout.state(args.save) == "finished":  # fast path: no torch.distributed, no megatron import

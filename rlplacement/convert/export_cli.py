@@ -45,7 +45,7 @@ def _export_rank(rank: int, world: int, load: str, save: str, hf_config: str | N
 
 
 def main(args: argparse.Namespace) -> int:
-    from rlplacement.convert import layout
+    from rlplacement.backends import megatron_checkpoint as layout
     from rlplacement.convert.run import run_collective
 
     load = Path(args.load)
