@@ -17,11 +17,12 @@ import dataclasses
 from typing import Any, Iterable
 
 from rlplacement.errors import ConfigError
+from rlplacement.transfer import registry
+from rlplacement.transfer.options import DELTA_ENCODINGS, P2P_PROTOCOLS
 
-TRANSFER_MODES = ("broadcast", "broadcast_packed", "p2p", "disk-delta")
+# Registered modes only, so a mode this build lacks is never offered (--colocate picks cuda_ipc).
+TRANSFER_MODES = registry.selectable_modes()
 TRAIN_BACKENDS = ("megatron", "fsdp", "torchtitan")
-DELTA_ENCODINGS = ("xor", "overwrite")
-P2P_PROTOCOLS = ("tcp", "rdma")
 DEFAULT_BUFFER_SIZE = 512 * 1024 * 1024
 
 

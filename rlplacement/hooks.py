@@ -185,7 +185,7 @@ class RLJob:
 
         Engines keep serving their current version; the next update continues the numbering.
         """
-        from rlplacement.transfer import driver
+        from rlplacement.runtime import transfer_driver as driver
 
         t = self.config.transfer
         if buffer_size is not None:
@@ -198,7 +198,7 @@ class RLJob:
 
     def update_weights(self, *, timeout_s: float = 600.0) -> dict:
         """Send the trainer's current weights to every engine as the next version."""
-        from rlplacement.transfer import driver
+        from rlplacement.runtime import transfer_driver as driver
 
         version = self.version + 1
         helpers = [t.gather_for_update.remote() for t in self.trainers[1:]]

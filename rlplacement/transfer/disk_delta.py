@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable
 
 from rlplacement.transfer import delta_codec as codec
+from rlplacement.transfer.options import DiskDeltaOptions
 from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, ApplyFn, NamedTensor, TransferEndpoint, TransferError,
                                        UpdateAborted, UpdateReport, WeightMismatchError, WeightReceiver, WeightSender)
 
@@ -249,9 +250,7 @@ class DiskDeltaSender(WeightSender):
         engines started from (version 0); None makes the first version a keyframe."""
         if buffer_size <= 0:
             raise ValueError(f"buffer_size must be positive, got {buffer_size}: set --update-weight-buffer-size")
-        if delta_encoding not in codec.ENCODINGS:
-            raise ValueError(f"--update-weight-delta-encoding {delta_encoding!r} is unknown: use one of "
-                             f"{', '.join(codec.ENCODINGS)}")
+        self.options = DiskDeltaOptions(disk_dir, delta_encoding, base_dir)  # validates
         if keep_versions < 2:
             raise ValueError(f"keep_versions {keep_versions}: keep at least the newest version and its base")
         self.buffer_size, self.check_equal, self.timeout_s = buffer_size, check_equal, timeout_s
