@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Iterator
 import torch
 
 from rlplacement.args import BackendConfig
-from rlplacement.backends.registry import backend_class, known_backends, register_backend  # noqa: F401
+from rlplacement.backends.registry import backend_class
 from rlplacement.errors import ConfigError
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from rlplacement.transfer.base import (ApplyFn, BucketManifest, NamedTensor, TransferEndpoint, TransferError,
                                        UpdateReport, WeightMismatchError, WeightReceiver, tensor_checksum)
