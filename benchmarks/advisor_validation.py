@@ -3,7 +3,7 @@
     python benchmarks/advisor_validation.py [--steps 5] [--fit 4:4] [--device cpu|cuda] [--out DIR]
 
 Runs ``examples/tiny_grpo.py`` when it exists and ``--loop tiny`` is given; otherwise (default)
-the real-computation stub :mod:`rlplacement.advisor.stub_loop`, whose time scales with the
+the real-computation stub ``benchmarks/stub_loop.py``, whose time scales with the
 logical GPU counts as its docstring documents. Layouts: 6:2, 4:4, 2:6 (8 GPUs on one node,
 2-GPU engines) and colocated on 8. Prints, per layout, the measured median step time, the
 model's prediction fitted from ``--fit`` alone, the error, and whether the advisor's
@@ -36,7 +36,7 @@ TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny_grpo.py"
 
 
 def run_stub(p: Placement, steps: int, path: Path, device: str) -> list[dict]:
-    from rlplacement.advisor.stub_loop import StubConfig, run
+    from benchmarks.stub_loop import StubConfig, run
 
     kw = {}
     if device == "cuda":  # two GPUs: trainer and rollout each on its own; bigger rows keep kernels busy

@@ -16,15 +16,14 @@ import argparse
 import dataclasses
 from typing import Any, Iterable
 
-TRANSFER_MODES = ("broadcast", "broadcast_packed", "p2p", "disk-delta")
+from rlplacement.errors import ConfigError
+from rlplacement.transfer import registry
+from rlplacement.transfer.options import DELTA_ENCODINGS, P2P_PROTOCOLS
+
+# Registered modes only, so a mode this build lacks is never offered (--colocate picks cuda_ipc).
+TRANSFER_MODES = registry.selectable_modes()
 TRAIN_BACKENDS = ("megatron", "fsdp", "torchtitan")
-DELTA_ENCODINGS = ("xor", "overwrite")
-P2P_PROTOCOLS = ("tcp", "rdma")
 DEFAULT_BUFFER_SIZE = 512 * 1024 * 1024
-
-
-class ConfigError(ValueError):
-    """A flag combination that cannot run; the message names the flag and what to change."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +110,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         for f in missing:
             group.add_argument(*f.names, **f.kwargs)
     return parser
+
+
+def add_flag(parser: argparse.ArgumentParser, name: str, **overrides: Any) -> None:
+    """Add one flag of the table to a subcommand's parser: its names, type and default stay the
+    table's, so a flag shared with a subcommand (``convert``'s TP/PP sizes) is defined once;
+    ``overrides`` may only reword how it is shown (``help``, ``metavar``)."""
+    if set(overrides) - {"help", "metavar"}:
+        raise ValueError(f"{name}: only help and metavar may differ from the flag table")
+    flag = next((f for f in ALL_FLAGS if name in f.names), None)
+    if flag is None:
+        raise KeyError(f"{name} is not an rlplacement flag")
+    parser.add_argument(*flag.names, **{**flag.kwargs, **overrides})
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:

@@ -335,7 +335,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rlplacement.cli import CliError
+    from rlplacement.errors import CliError
 
     modes = list(BENCH_MODES) if args.mode == "all" else [args.mode]
     unknown = [m for m in modes if m not in BENCH_MODES]

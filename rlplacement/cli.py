@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from rlplacement.args import ConfigError
+from rlplacement.errors import CliError, ConfigError
 
 # subcommand -> module holding add_parser(subparsers) and main(args)
 SUBCOMMANDS = {
@@ -21,10 +21,6 @@ SUBCOMMANDS = {
     "advise": "rlplacement.advisor.cli",
     "bench": "rlplacement.bench",
 }
-
-
-class CliError(Exception):
-    """A user-facing error: printed without a traceback, exit status 2."""
 
 
 def _chosen(argv: list[str]) -> str | None:

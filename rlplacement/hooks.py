@@ -16,7 +16,8 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
-from rlplacement.args import Config, ConfigError
+from rlplacement.args import Config
+from rlplacement.errors import ConfigError
 from rlplacement.runtime.waits import get_all
 
 DEFAULT_ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256}
@@ -184,7 +185,7 @@ class RLJob:
 
         Engines keep serving their current version; the next update continues the numbering.
         """
-        from rlplacement.transfer import driver
+        from rlplacement.runtime import transfer_driver as driver
 
         t = self.config.transfer
         if buffer_size is not None:
@@ -197,7 +198,7 @@ class RLJob:
 
     def update_weights(self, *, timeout_s: float = 600.0) -> dict:
         """Send the trainer's current weights to every engine as the next version."""
-        from rlplacement.transfer import driver
+        from rlplacement.runtime import transfer_driver as driver
 
         version = self.version + 1
         helpers = [t.gather_for_update.remote() for t in self.trainers[1:]]

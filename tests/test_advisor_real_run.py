@@ -1,6 +1,6 @@
 """A real short run (the stub loop: two processes, real matmuls, a real gloo broadcast) read by the advisor.
 
-The stub stands in for examples/tiny_grpo.py until that exists; see rlplacement/advisor/stub_loop.py.
+The stub stands in for examples/tiny_grpo.py until that exists; see benchmarks/stub_loop.py.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rlplacement.advisor.stub_loop import StubConfig, run
+from benchmarks.stub_loop import StubConfig, run
 from rlplacement.cli import main as cli_main
 from rlplacement.telemetry import read_rows
 

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from rlplacement.args import BackendConfig, ConfigError
-from rlplacement.backends import launch, make_backend, mapping
+from rlplacement.backends import launch, make_backend
+from rlplacement.families import megatron_mapping as mapping
 from rlplacement.backends.base import OptimConfig
 from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
 from rlplacement.models.tiny import TinySpec, make_tiny_model

@@ -8,7 +8,7 @@ import pytest
 
 from rlplacement.args import BackendConfig, ConfigError
 from rlplacement.backends import preflight
-from rlplacement.convert import layout
+from rlplacement.backends import megatron_checkpoint as layout
 from rlplacement.models.tiny import TinySpec, make_tiny_model
 
 
@@ -112,3 +112,34 @@ def test_torchtitan_refusals(hf, tmp_path):
     qwen2 = _variant(hf, tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"])
     with pytest.raises(ConfigError, match=r"--train-backend torchtitan has no qwen2 model"):
         preflight(cfg("torchtitan", qwen2), cuda_available=True)
+
+
+def test_preflight_imports_no_torch(hf, tmp_path):
+    """The driver calls preflight before any process starts: it must not pay for torch (seconds) to do so.
+    A fresh interpreter runs every check that passes, and a refusal, then asserts torch was never imported."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from rlplacement.args import BackendConfig
+from rlplacement.backends.preflight import preflight
+from rlplacement.errors import ConfigError
+hf = {str(hf)!r}
+preflight(BackendConfig("megatron", hf, None, 2, 2))
+preflight(BackendConfig("fsdp", hf, None, 1, 1))
+preflight(BackendConfig("torchtitan", hf, None, 1, 1), cuda_available=True)
+try:
+    preflight(BackendConfig("megatron", hf, None, 3, 1))
+except ConfigError:
+    pass
+else:
+    raise SystemExit("tp=3 was not refused")
+import rlplacement.backends
+heavy = sorted(m for m in ("torch", "megatron", "torchtitan", "transformers", "ray") if m in sys.modules)
+assert not heavy, heavy
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -12,6 +12,7 @@ from rlplacement.args import BackendConfig, ConfigError
 from rlplacement.backends import make_backend
 from rlplacement.backends.base import OptimConfig
 from rlplacement.backends import torchtitan as tt
+from rlplacement.families import torchtitan_mapping as names
 from rlplacement.models.tiny import TinySpec, make_tiny_model
 from tests.reference_checks import assert_streamed_match_reference, step_and_share_stream
 
@@ -33,16 +34,16 @@ def test_name_table_agrees_with_torchtitan_adapter(family):
     theirs = {k: v for k, v in _adapter_map(family).items() if v is not None and ".experts." not in k
               and "mlp.gate.weight" not in k}
     for hf, titan in theirs.items():
-        assert tt.HF_TO_TORCHTITAN[hf] == titan
-    assert tt.hf_to_torchtitan_name("model.layers.11.mlp.up_proj.weight") == "layers.11.feed_forward.w3.weight"
-    assert tt.torchtitan_to_hf_name("layers.3.attention.qkv_linear.wk.weight") == "model.layers.3.self_attn.k_proj.weight"
+        assert names.HF_TO_TORCHTITAN[hf] == titan
+    assert names.hf_to_torchtitan_name("model.layers.11.mlp.up_proj.weight") == "layers.11.feed_forward.w3.weight"
+    assert names.torchtitan_to_hf_name("layers.3.attention.qkv_linear.wk.weight") == "model.layers.3.self_attn.k_proj.weight"
 
 
 def test_rope_permutation_round_trips_bit_exact():
     w = torch.randn(4 * 32, 64)
-    p = tt.permute_for_interleaved_rope(w, 4)
+    p = names.permute_for_interleaved_rope(w, 4)
     assert not torch.equal(p, w)
-    assert torch.equal(tt.unpermute_from_interleaved_rope(p, 4), w)
+    assert torch.equal(names.unpermute_from_interleaved_rope(p, 4), w)
     assert torch.equal(p[1], w[16])  # head 0: row pairs (0, 16) interleave
 
 
@@ -76,11 +77,10 @@ def _worker(rank, world, hf, family, streamed_path):
     backend = make_backend(BackendConfig("torchtitan", hf, None, 1, 1), SGD, allow_cpu=True)
     batch = random_batch(300, seed=20 + rank)
     logp, metrics, streamed = step_and_share_stream(backend, batch, streamed_path, rank)
-    from rlplacement.backends import torchtitan_model as ttm
 
     mismatched = [n for n, p in backend.model.named_parameters()
-                  if not torch.equal(p.to_local(), ttm.hf_to_torchtitan_tensor(
-                      n, streamed[tt.torchtitan_to_hf_name(n)], backend.hf_config).chunk(world, 0)[rank])]
+                  if not torch.equal(p.to_local(), names.hf_to_torchtitan_tensor(
+                      n, streamed[names.torchtitan_to_hf_name(n)], backend.hf_config).chunk(world, 0)[rank])]
     return {"logp": logp, "metrics": metrics, "mismatched": mismatched}
 
 

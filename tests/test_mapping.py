@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from rlplacement.backends import mapping
-from rlplacement.backends.families import all_families, family_for
-from rlplacement.backends.families.base import Fused
+from rlplacement.families import megatron_mapping as mapping
+from rlplacement.families import all_families, family_for
+from rlplacement.families.base import Fused
 
 SHAPE = mapping.ModelShape(num_layers=2, hidden_size=8, num_heads=4, num_query_groups=2, head_dim=3,
                            vocab_size=300, padded_vocab_size=384, tied=False)

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 from rlplacement.args import BackendConfig
-from rlplacement.backends import launch, mapping
+from rlplacement.backends import launch
+from rlplacement.families import megatron_mapping as mapping
 from rlplacement.backends.base import OptimConfig
 from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
 from rlplacement.cli import main

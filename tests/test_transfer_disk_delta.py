@@ -414,7 +414,7 @@ def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
     pytest.importorskip("vllm")
     from rlplacement.engines.ray_engines import create_engine_actor
     from rlplacement.models.tiny import TinySpec, make_tiny_model
-    from rlplacement.transfer import driver
+    from rlplacement.runtime import transfer_driver as driver
     from tests.transfer_helpers.trainer_actor import HFTrainer
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -35,7 +35,7 @@ def test_colocate_config_sets_up_the_ipc_sender():
     import argparse
 
     from rlplacement.args import add_arguments, config_from_args
-    from rlplacement.transfer.trainer import TrainerTransferMixin
+    from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
 
     args = add_arguments(argparse.ArgumentParser()).parse_args(
         ["--colocate", "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2"])

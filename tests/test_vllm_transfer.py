@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
-from rlplacement.transfer import driver  # noqa: E402
+from rlplacement.runtime import transfer_driver as driver  # noqa: E402
 from tests.transfer_helpers.cluster import outputs, start_trainer_and_engines  # noqa: E402
 from tests.transfer_helpers.killing import kill_engine_mid_update  # noqa: E402
 from rlplacement.transfer.base import WeightUpdateError  # noqa: E402

@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
-from rlplacement.transfer import driver  # noqa: E402
+from rlplacement.runtime import transfer_driver as driver  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a 2-worker CPU engine starts in ~60-90 s on 2 cores
 

@@ -52,7 +52,7 @@ def _versions() -> dict:
 def run_case(out: Path, family: str, tied: bool, dtype: torch.dtype, allow_cpu: bool) -> dict:
     from rlplacement.args import BackendConfig
     from rlplacement.backends import make_backend
-    from rlplacement.backends import torchtitan_model as ttm
+    from rlplacement.families import torchtitan_mapping
     from rlplacement.backends.base import OptimConfig
     from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
     from rlplacement.models.tiny import TinySpec, make_tiny_model
@@ -114,8 +114,8 @@ def run_case(out: Path, family: str, tied: bool, dtype: torch.dtype, allow_cpu: 
     not_equal = []
     for tt_name, param in backend.model.named_parameters():
         held = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
-        hf_name = ttm.names.torchtitan_to_hf_name(tt_name)
-        back = ttm.hf_to_torchtitan_tensor(tt_name, streamed[hf_name], backend.hf_config)
+        hf_name = torchtitan_mapping.torchtitan_to_hf_name(tt_name)
+        back = torchtitan_mapping.hf_to_torchtitan_tensor(tt_name, streamed[hf_name], backend.hf_config)
         if back.dtype != held.dtype or not torch.equal(back.contiguous().view(torch.uint8),
                                                       held.detach().contiguous().view(torch.uint8)):
             not_equal.append(hf_name)

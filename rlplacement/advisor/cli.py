@@ -77,7 +77,7 @@ def render(advice: Advice) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rlplacement.cli import CliError
+    from rlplacement.errors import CliError
     from rlplacement.telemetry import read_rows
 
     try:

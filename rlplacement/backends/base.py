@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
 import math
 from typing import Any, ClassVar, Iterator
 
 import torch
 
-from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.args import BackendConfig
+from rlplacement.backends.registry import backend_class
+from rlplacement.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -215,27 +216,6 @@ class TrainerBackend(abc.ABC):
         """Release framework state (parallel groups); the process group stays the caller's."""
 
 
-# name -> (module, class): imported only when chosen, so each backend's deps stay optional.
-_REGISTRY: dict[str, tuple[str, str]] = {
-    "megatron": ("rlplacement.backends.megatron", "MegatronBackend"),
-    "fsdp": ("rlplacement.backends.fsdp", "FSDPBackend"),
-    "torchtitan": ("rlplacement.backends.torchtitan", "TorchtitanBackend"),
-}
-
-
-def register_backend(name: str, module: str, class_name: str) -> None:
-    if name in _REGISTRY:
-        raise ValueError(f"trainer backend {name!r} is already registered ({_REGISTRY[name][0]})")
-    _REGISTRY[name] = (module, class_name)
-
-
-def known_backends() -> list[str]:
-    return sorted(_REGISTRY)
-
-
 def make_backend(cfg: BackendConfig, optim: OptimConfig = OptimConfig(), **options: Any) -> TrainerBackend:
     """Build the backend ``cfg.name`` on this rank (collective)."""
-    if cfg.name not in _REGISTRY:
-        raise ConfigError(f"--train-backend {cfg.name!r} is unknown: use one of {', '.join(known_backends())}")
-    module, class_name = _REGISTRY[cfg.name]
-    return getattr(importlib.import_module(module), class_name).from_config(cfg, optim, **options)
+    return backend_class(cfg.name).from_config(cfg, optim, **options)

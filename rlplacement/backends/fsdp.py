@@ -12,7 +12,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.args import BackendConfig
+from rlplacement.errors import ConfigError
 from rlplacement.backends import launch
 from rlplacement.backends.base import OptimConfig, TrainerBackend, token_log_probs
 

@@ -19,11 +19,13 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rlplacement.args import BackendConfig, ConfigError
-from rlplacement.backends import launch, mapping
+from rlplacement.args import BackendConfig
+from rlplacement.errors import ConfigError
+from rlplacement.backends import launch
+from rlplacement.families import megatron_mapping as mapping
 from rlplacement.backends import megatron_model as mm
 from rlplacement.backends.base import OptimConfig, TrainerBackend
-from rlplacement.backends.families import family_for
+from rlplacement.families import family_for
 
 
 class MegatronBackend(TrainerBackend):
@@ -44,7 +46,7 @@ class MegatronBackend(TrainerBackend):
                     seed: int = 1234, **_: Any) -> "MegatronBackend":
         """``dtype``: the trained (master) weights; ``stream_dtype``: what ``iter_hf_tensors`` yields
         (default: the dtype the weights are trained in)."""
-        from rlplacement.convert import layout
+        from rlplacement.backends import megatron_checkpoint as layout
 
         tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
         if cfg.load:

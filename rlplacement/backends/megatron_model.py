@@ -2,7 +2,7 @@
 
 Used by ``rlplacement convert``/``export-hf`` and by the Megatron backend. Invariants:
 - the architecture comes only from ``config.json`` (no per-size flags);
-- loading and exporting are copies through :mod:`rlplacement.backends.mapping`, so bytes survive;
+- loading and exporting are copies through :mod:`rlplacement.families.megatron_mapping`, so bytes survive;
 - every function that talks to other ranks is collective: all ranks of the model-parallel world call
   it in the same order, and only global rank 0 yields or returns the full tensors.
 Works with megatron-core 0.16 (Python 3.11) and 0.17+ (Python 3.12); the TransformerEngine layer spec
@@ -20,8 +20,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rlplacement.backends import mapping
-from rlplacement.backends.families import DenseFamily, family_for, rope_parameters
+from rlplacement.families import megatron_mapping as mapping
+from rlplacement.families import DenseFamily, family_for, rope_parameters
 from rlplacement.backends.megatron_cpu import apply_cpu_shims, cuda_absent
 
 SPECS = ("auto", "local", "te")

@@ -1,7 +1,9 @@
 """Refuse a backend configuration before any process starts, from ``config.json`` alone.
 
-Reads only JSON files (the HF ``config.json``, the converted folder's marker and metadata): no torch
-model, no megatron or torchtitan import, so the RL driver can call it in milliseconds. Every check
+Reads only JSON files (the HF ``config.json``, the converted folder's marker and metadata) and imports
+only torch-free modules (the family tables, the backend registry, the checkpoint folder format): no
+torch, megatron or torchtitan import, so the RL driver can call it in milliseconds (a test checks it
+in a fresh process). The one exception is the default of ``cuda_available``, which asks torch. Every check
 here mirrors a refusal a backend would otherwise raise minutes later inside a Ray actor; each
 message names the flag or file and what to change.
 """
@@ -13,10 +15,13 @@ import types
 from pathlib import Path
 from typing import Any
 
-from rlplacement.args import BackendConfig, ConfigError
-
-from rlplacement.backends.torchtitan import FAMILIES as TORCHTITAN_FAMILIES
-from rlplacement.backends.torchtitan import NEEDS_CUDA as TORCHTITAN_NEEDS_CUDA
+from rlplacement.args import BackendConfig
+from rlplacement.backends import megatron_checkpoint
+from rlplacement.backends.registry import known_backends
+from rlplacement.errors import ConfigError
+from rlplacement.families import family_for
+from rlplacement.families.torchtitan_mapping import FAMILIES as TORCHTITAN_FAMILIES
+from rlplacement.families.torchtitan_mapping import NEEDS_CUDA as TORCHTITAN_NEEDS_CUDA
 
 
 def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: bool | None = None) -> None:
@@ -26,8 +31,6 @@ def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: 
     ``cuda_available``: whether the trainer ranks have CUDA (default: ``torch.cuda.is_available()``
     here, the right answer when the driver runs on a trainer node).
     """
-    from rlplacement.backends.base import known_backends
-
     if cfg.name not in known_backends():
         raise ConfigError(f"--train-backend {cfg.name!r} is unknown: use one of {', '.join(known_backends())}")
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
@@ -85,8 +88,6 @@ def read_hf_config(hf: str, flag: str = "--hf-checkpoint") -> tuple[Any, str]:
 
 
 def _family(hf_config: Any, source: str):
-    from rlplacement.backends.families import family_for
-
     try:
         return family_for(hf_config, source)
     except ValueError as exc:
@@ -94,25 +95,23 @@ def _family(hf_config: Any, source: str):
 
 
 def _check_load(load: str, tp: int) -> tuple[Any, str]:
-    from rlplacement.convert import layout
-
     path = Path(load)
     if not path.is_dir():
         raise ConfigError(f"--load {load}: no such folder; convert first with "
                           f"`rlplacement convert --hf-checkpoint HF_DIR --save {load}`")
-    if layout.state(path) != "finished":
-        raise ConfigError(f"--load {load} is not a finished conversion (no {layout.MARKER}): rerun "
+    if megatron_checkpoint.state(path) != "finished":
+        raise ConfigError(f"--load {load} is not a finished conversion (no {megatron_checkpoint.MARKER}): rerun "
                           f"`rlplacement convert --hf-checkpoint HF_DIR --save {load}`")
-    meta_file = path / layout.META
+    meta_file = path / megatron_checkpoint.META
     if not meta_file.is_file():
-        raise ConfigError(f"--load {load}: {layout.META} missing, so it was not written by `rlplacement convert`; "
+        raise ConfigError(f"--load {load}: {megatron_checkpoint.META} missing, so it was not written by `rlplacement convert`; "
                           f"convert the HF folder with it")
     meta = json.loads(meta_file.read_text())
     padded = int(meta["padded_vocab_size"])
     if padded % tp:
         raise ConfigError(f"--load {load} has a padded vocabulary of {padded}, not divisible by "
                           f"--tensor-model-parallel-size {tp}: reconvert with --tensor-model-parallel-size {tp}")
-    return read_hf_config(str(path / layout.HF_CONFIG_DIR), f"--load {load}:")
+    return read_hf_config(str(path / megatron_checkpoint.HF_CONFIG_DIR), f"--load {load}:")
 
 
 def _check_megatron_sizes(hf_config: Any, source: str, tp: int, pp: int) -> None:

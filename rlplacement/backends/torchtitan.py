@@ -13,80 +13,24 @@ On a CPU host torchtitan 0.3.0 (torch 2.13.0+cpu) has two blockers, both checked
 On torch older than torchtitan's (2.11 on the GPU machine) the import goes through
 :mod:`rlplacement.backends.torchtitan_compat`, which stands in for nightly-only torch names.
 So the backend refuses without CUDA unless ``allow_cpu=True`` is passed explicitly (a CPU smoke run
-with triton importable, e.g. ``benchmarks/gpu/torchtitan_check.py --device cpu``). The name table
-is checked against torchtitan's own ``state_dict_adapter.from_hf_map`` (read as source, no triton).
+with triton importable, e.g. ``benchmarks/gpu/torchtitan_check.py --device cpu``).
 
-Layouts: q/k/v stay unfused and gate/up are ``w1``/``w3`` (``w2`` = down), so streaming is a rename.
-Llama in torchtitan uses interleaved (complex) RoPE: q/k rows are permuted per head on HF ->
-torchtitan (:func:`permute_for_interleaved_rope`); Qwen3 uses rotate-half (``CosSinRoPE``) like HF.
+Names and layouts (q/k/v unfused, gate/up as ``w1``/``w3``, Llama's interleaved-RoPE q/k rows) are
+:mod:`rlplacement.families.torchtitan_mapping`, torch-free so preflight reads it.
 Sharding: FSDP2 ``fully_shard`` on every block and the root, as the fsdp backend does with the HF
 model; every rank is a data-parallel replica.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Iterator
 
 import torch
 
-from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.args import BackendConfig
+from rlplacement.errors import ConfigError
 from rlplacement.backends.base import OptimConfig, TrainerBackend, token_log_probs
 from rlplacement.backends.fsdp import FSDPBackend
-
-# Families torchtitan 0.3.0 has a model for (it ships qwen3 and llama3, no qwen2).
-FAMILIES = ("qwen3", "llama")
-NEEDS_CUDA = ("torchtitan 0.3.0 cannot train without CUDA: importing any of its models imports triton "
-              "(GPU-only), and its language-model attention (flex or varlen) has no CPU backward")
-
-# HF name pattern -> torchtitan name pattern ("{}" = layer index), dense Llama-style families.
-HF_TO_TORCHTITAN: dict[str, str] = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.qkv_linear.wq.weight",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.qkv_linear.wk.weight",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.qkv_linear.wv.weight",
-    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
-    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
-    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
-    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
-    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
-    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
-    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
-    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-_LAYER = re.compile(r"\.(\d+)\.")
-
-
-def _translate(name: str, table: dict[str, str]) -> str:
-    m = _LAYER.search(name)
-    key = name.replace(f".{m.group(1)}.", ".{}.", 1) if m else name
-    if key not in table:
-        raise KeyError(f"no torchtitan mapping for {name!r}")
-    return table[key].format(m.group(1)) if m else table[key]
-
-
-def hf_to_torchtitan_name(name: str) -> str:
-    return _translate(name, HF_TO_TORCHTITAN)
-
-
-def torchtitan_to_hf_name(name: str) -> str:
-    return _translate(name, {v: k for k, v in HF_TO_TORCHTITAN.items()})
-
-
-def permute_for_interleaved_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """HF rotate-half q/k rows -> interleaved pairs per head (Llama in torchtitan): row ``i`` of a
-    head's second half lands next to row ``i`` of its first half."""
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def unpermute_from_interleaved_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of :func:`permute_for_interleaved_rope` (torchtitan -> HF)."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
 
 def torchtitan_import_error() -> str | None:
     """Why torchtitan's models cannot be imported here, or None if they can."""

@@ -22,8 +22,9 @@ from typing import Any, Iterator
 
 import torch
 
-from rlplacement.backends import torchtitan as names
-from rlplacement.backends.families import family_for, head_dim, rope_parameters
+from rlplacement.families import family_for, head_dim, rope_parameters
+from rlplacement.families import torchtitan_mapping as names
+from rlplacement.families.torchtitan_mapping import hf_to_torchtitan_tensor, torchtitan_to_hf_tensor
 
 
 def model_config(hf_config: Any):
@@ -90,27 +91,6 @@ def build(hf_config: Any, device: torch.device, dtype: torch.dtype) -> torch.nn.
     for p in model.parameters():
         p.data = p.data.to(dtype)
     return model
-
-
-def _rope_heads(tt_name: str, hf_config: Any) -> int | None:
-    """Heads to (un)permute for a Llama q/k weight, else None."""
-    if family_for(hf_config).name != "llama":
-        return None
-    if tt_name.endswith("qkv_linear.wq.weight"):
-        return hf_config.num_attention_heads
-    if tt_name.endswith("qkv_linear.wk.weight"):
-        return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    return None
-
-
-def hf_to_torchtitan_tensor(tt_name: str, hf_tensor: torch.Tensor, hf_config: Any) -> torch.Tensor:
-    heads = _rope_heads(tt_name, hf_config)
-    return names.permute_for_interleaved_rope(hf_tensor, heads) if heads else hf_tensor
-
-
-def torchtitan_to_hf_tensor(tt_name: str, tensor: torch.Tensor, hf_config: Any) -> torch.Tensor:
-    heads = _rope_heads(tt_name, hf_config)
-    return names.unpermute_from_interleaved_rope(tensor, heads) if heads else tensor
 
 
 def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, hf_config: Any) -> int:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlplacement.args import ConfigError
+from rlplacement.args import add_flag
+from rlplacement.errors import ConfigError
 
 DESCRIPTION = """\
 Convert a Hugging Face model folder (config.json + *.safetensors) into a Megatron-core torch_dist
@@ -32,11 +33,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--hf-checkpoint", required=True, metavar="DIR",
                    help="Hugging Face model folder: config.json and *.safetensors (single or sharded).")
     p.add_argument("--save", required=True, metavar="DIR", help="Output folder for the torch_dist checkpoint.")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
-                   help="TP size to shard for (must divide the attention and key/value heads); default 1. "
-                        "A checkpoint loads at other TP sizes too.")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="M",
-                   help="PP size (must divide num_hidden_layers); default 1.")
+    add_flag(p, "--tensor-model-parallel-size", metavar="N",
+             help="TP size to shard for (must divide the attention and key/value heads); default 1. "
+                  "A checkpoint loads at other TP sizes too.")
+    add_flag(p, "--pipeline-model-parallel-size", metavar="M", help="PP size (must divide num_hidden_layers); default 1.")
     p.add_argument("--layer-spec", choices=("auto", "local", "te"), default="auto",
                    help="Megatron layer spec: te (TransformerEngine, fused layer-norm names), local, or auto "
                         "(te when TransformerEngine and CUDA are there). Default auto.")
@@ -66,7 +66,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rlplacement.convert import layout
+    from rlplacement.backends import megatron_checkpoint as layout
     from rlplacement.convert.run import run_collective
 
     if layout.state(args.save) == "finished":  # fast path: no torch.distributed, no megatron import

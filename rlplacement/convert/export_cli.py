@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlplacement.args import ConfigError
+from rlplacement.args import add_flag
+from rlplacement.errors import ConfigError
 
 DESCRIPTION = """\
 Write a Megatron-core torch_dist checkpoint (from `rlplacement convert`) back as a Hugging Face folder:
@@ -27,8 +28,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--save", required=True, metavar="DIR", help="Output Hugging Face folder.")
     p.add_argument("--hf-config", default=None, metavar="DIR",
                    help="HF folder with config.json/tokenizer (default: the copy convert kept in --load).")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
-                   help="TP used to read the checkpoint (any size the model divides); default 1.")
+    add_flag(p, "--tensor-model-parallel-size", metavar="N",
+             help="TP used to read the checkpoint (any size the model divides); default 1.")
     p.add_argument("--layer-spec", choices=("auto", "local", "te"), default="auto",
                    help="Megatron layer spec to read with (see `rlplacement convert --help`). Default auto.")
     p.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3, metavar="BYTES",
@@ -44,7 +45,7 @@ def _export_rank(rank: int, world: int, load: str, save: str, hf_config: str | N
 
 
 def main(args: argparse.Namespace) -> int:
-    from rlplacement.convert import layout
+    from rlplacement.backends import megatron_checkpoint as layout
     from rlplacement.convert.run import run_collective
 
     load = Path(args.load)

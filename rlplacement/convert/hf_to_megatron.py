@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from rlplacement.backends import mapping
+from rlplacement.families import megatron_mapping as mapping
 from rlplacement.backends import megatron_model as mm
-from rlplacement.backends.families import family_for
-from rlplacement.convert import layout
+from rlplacement.families import family_for
+from rlplacement.backends import megatron_checkpoint as layout
 
 
 def convert(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tp: int = 1, pp: int = 1,

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlplacement.backends import mapping
+from rlplacement.families import megatron_mapping as mapping
 from rlplacement.backends import megatron_model as mm
-from rlplacement.backends.families import family_for
-from rlplacement.convert import layout
+from rlplacement.families import family_for
+from rlplacement.backends import megatron_checkpoint as layout
 
 
 def export(load_dir: str | os.PathLike, save_dir: str | os.PathLike, hf_config_dir: str | os.PathLike | None = None,

@@ -142,7 +142,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
     @staticmethod
     def trainer_send_weights(*args: Any, **kwargs: Any) -> None:
         """vLLM 0.26 declares the trainer side on the engine class; ours is rlplacement.transfer."""
-        raise NotImplementedError("rlplacement's trainer side is rlplacement.transfer (TrainerTransferMixin)")
+        raise NotImplementedError("rlplacement's trainer side is rlplacement.runtime.trainer_transfer (TrainerTransferMixin)")
 
     def shutdown(self) -> None:
         # never wait on peers here: shutdown runs on error paths, and waiting would turn an error into a hang

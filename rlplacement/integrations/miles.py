@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from rlplacement.args import ConfigError
+from rlplacement.errors import ConfigError
 from rlplacement.integrations.options import TRANSFER_OPTION_KEYS, transfer_config
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, NamedTensor, TransferError, WeightUpdateError
@@ -109,8 +109,8 @@ class RlplacementProtocol(_Base):
         if not self.is_sender:
             return
         from rlplacement.runtime.waits import get_all
-        from rlplacement.transfer.driver import wait_all
-        from rlplacement.transfer.trainer import mode_options
+        from rlplacement.runtime.transfer_driver import wait_all
+        from rlplacement.transfer.options import mode_options
 
         for i, engine in enumerate(self.rollout_engines):
             if not hasattr(engine, "init_transfer"):
@@ -207,7 +207,7 @@ class _StreamedUpdate:
         self._thread.join(self.timeout_s)
 
     def result(self, engines, check_equal: bool):
-        from rlplacement.transfer.driver import first_mismatch, wait_all
+        from rlplacement.runtime.transfer_driver import first_mismatch, wait_all
         from rlplacement.runtime.waits import get_all
 
         failures = {}

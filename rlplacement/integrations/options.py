@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
-from rlplacement.args import ALL_FLAGS, ConfigError, TransferConfig, transfer_from_args
+from rlplacement.args import ALL_FLAGS, TransferConfig, transfer_from_args
+from rlplacement.errors import ConfigError
 
 # our transfer flags a framework may set per backend; the mode and the bucket size come from the
 # framework's own settings (verl: backend name and update_weights_bucket_megabytes)

@@ -41,7 +41,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from rlplacement.integrations.options import transfer_config
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, NamedTensor, TransferEndpoint, TransferError
-from rlplacement.transfer.trainer import mode_options
+from rlplacement.transfer.options import mode_options
 
 # verl backend name -> our transfer mode
 BACKENDS = {

@@ -12,7 +12,8 @@ No Ray here, so every shape is testable in microseconds. Invariants of a :class:
 from __future__ import annotations
 
 import dataclasses
-from rlplacement.args import ConfigError, PlacementConfig
+from rlplacement.args import PlacementConfig
+from rlplacement.errors import ConfigError
 
 Gpu = tuple[int, int]  # (node index, gpu index within the node), both in the cluster's sorted order
 

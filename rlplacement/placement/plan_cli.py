@@ -34,7 +34,7 @@ def render_table(layout: Layout) -> str:
 def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.emit:
-        from rlplacement.integrations.emit import EMITTERS
+        from rlplacement.placement.emit import EMITTERS
 
         print("\n".join(EMITTERS[args.emit](config, args)))
         return 0

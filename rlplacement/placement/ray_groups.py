@@ -18,7 +18,8 @@ import dataclasses
 import os
 from typing import Any
 
-from rlplacement.args import ConfigError, PlacementConfig
+from rlplacement.args import PlacementConfig
+from rlplacement.errors import ConfigError
 from rlplacement.placement.layout import ClusterShape, Gpu, Layout, compute_layout
 
 TRAINER_GPU_SHARE_COLOCATED = 0.5

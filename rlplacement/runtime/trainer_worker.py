@@ -13,7 +13,7 @@ import socket
 import time
 from typing import Any, Iterable
 
-from rlplacement.transfer.trainer import TrainerTransferMixin
+from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
 
 
 def node_ip() -> str:

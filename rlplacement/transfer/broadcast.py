@@ -19,11 +19,11 @@ import uuid
 from typing import TYPE_CHECKING, ClassVar, Iterable, Iterator
 
 from rlplacement.transfer import group as groups
-from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, ApplyFn, BucketManifest, NamedTensor, TransferEndpoint,
-                                       TransferError, UpdateAborted, UpdateReport, WeightMismatchError,
-                                       WeightReceiver, WeightSender, tensor_checksum)
+from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferEndpoint, TransferError,
+                                       UpdateAborted, UpdateReport, WeightSender)
 from rlplacement.transfer.bucket import (FlatBuffers, GroupFn, as_bytes, fused_group_of, iter_buckets,
                                          plan_manifest, unpack)
+from rlplacement.transfer.staging import StagingReceiver
 
 if TYPE_CHECKING:
     import torch
@@ -186,41 +186,38 @@ class BroadcastSender(WeightSender):
         self._group = self._store = self._endpoint = None
 
 
-class BroadcastReceiver(WeightReceiver):
-    """One engine worker: stage every bucket into kept buffers, verify, hand over on commit."""
+class BroadcastReceiver(StagingReceiver):
+    """One engine worker: stage every bucket into kept buffers, verify, hand over on commit.
+
+    The frame loop (:meth:`_stage`) is shared by every mode on this wire (``broadcast_packed``,
+    ``cuda_ipc``, ``p2p``); a mode changes how a bucket's bytes arrive (:meth:`_recv_payload`) and,
+    where it must answer per bucket, :meth:`_take_bucket`. A checksum mismatch is deferred
+    (``self._failure``) so the receiver drains to END and never stalls the group for the others.
+    """
 
     mode: ClassVar[str] = "broadcast"
 
     def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0):
-        """``version`` is what the engine serves now (a receiver rebuilt after a reconnect keeps it)."""
         import torch
 
-        self.device = torch.device(device)
+        super().__init__(device, version=version)
         self.buffers: FlatBuffers | None = None
         self._group = None
         self._endpoint: TransferEndpoint | None = None
-        self._version = version
-        self._pending: int | None = None
-        self._staged: list[NamedTensor] | None = None
         self._wire = torch.device("cpu")  # where control frames (headers, manifests) live
         self._payload_info: dict | None = None  # the current bucket's "payload" entry, if the mode sends one
         self._manifests: dict[int, tuple[BucketManifest, dict | None]] = {}  # as sent, per bucket index
         self._views: dict[int, tuple] = {}  # bucket index -> (buffer, manifest, typed views) of the last update
+        self._failure: BaseException | None = None  # the first failure of this update, raised once drained
 
-    @property
-    def version(self) -> int:
-        return self._version
+    def _joined(self) -> bool:
+        return self._group is not None
 
-    @property
-    def staged(self) -> list[NamedTensor] | None:
-        """The complete update received by ``receive`` and not yet committed (views into buffers)."""
-        return self._staged
+    def _where(self) -> str:
+        return f"receiver rank {self._group.rank}"
 
     def connect(self, endpoint: TransferEndpoint, rank: int) -> None:
-        if endpoint.mode != self.mode:
-            raise TransferError(f"endpoint is for mode {endpoint.mode!r}, receiver is {self.mode!r}")
-        if not 0 < rank < endpoint.world_size:
-            raise TransferError(f"receiver rank {rank} outside 1..{endpoint.world_size - 1}")
+        self._check_endpoint(endpoint, rank)
         self.close()
         store = groups.join_store(endpoint.host, endpoint.port, endpoint.world_size, endpoint.timeout_s)
         wire = _wire_device(endpoint.backend, self.device)
@@ -232,51 +229,44 @@ class BroadcastReceiver(WeightReceiver):
             self.buffers = FlatBuffers(wire)
         self._endpoint = endpoint
 
-    def begin(self, version: int) -> None:
-        if self._group is None:
-            raise TransferError("begin() before connect(): the engine has not joined a transfer group")
-        if version <= self._version:
-            raise TransferError(f"update version {version} is not newer than the served version {self._version}")
-        self._pending, self._staged = version, None
-
-    def receive(self) -> UpdateReport:
-        if self._pending is None:
-            raise TransferError("receive() without begin(version)")
-        start = time.perf_counter()
+    def _stage(self) -> tuple[list[NamedTensor], int, int]:
         staged: list[NamedTensor] = []
-        mismatch: WeightMismatchError | None = None
         nbytes = num_buckets = 0
-        try:
-            while True:
-                kind, version, blob = self._recv_frame()
-                if kind == KIND_ABORT:
-                    raise UpdateAborted(f"trainer aborted update to version {version}: {blob.decode()}")
-                if kind == KIND_END:
-                    break
-                if kind != KIND_BUCKET:
-                    raise TransferError(f"unexpected frame kind {kind} from the trainer")
-                manifest = self._parse_manifest(blob, num_buckets)
-                buf = self.buffers.get(manifest.index, manifest.nbytes)
-                self._recv_payload(buf, manifest)
-                tensors = self._unpack(buf, manifest)
-                for meta, (name, tensor) in zip(manifest.tensors, tensors):
-                    if meta.checksum is not None and mismatch is None:
-                        got = tensor_checksum(tensor)
-                        if got != meta.checksum:
-                            mismatch = WeightMismatchError(name, meta.checksum, got, f"receiver rank {self._group.rank}")
-                staged.extend(tensors)
-                nbytes += sum(m.nbytes for m in manifest.tensors)
-                num_buckets += 1
-            if self._end_count != len(staged):
-                raise TransferError(f"trainer sent {self._end_count} tensors, receiver staged {len(staged)}")
-            if mismatch is not None:
-                raise mismatch
-        except BaseException:
-            self._pending, self._staged = None, None
-            raise
+        self._failure = None
+        while True:
+            kind, version, blob = self._recv_frame()
+            if kind == KIND_ABORT:
+                self._on_abort_frame(version, blob)
+            if kind == KIND_END:
+                break
+            if kind != KIND_BUCKET:
+                raise TransferError(f"unexpected frame kind {kind} from the trainer")
+            manifest = self._parse_manifest(blob, num_buckets)
+            buf = self.buffers.get(manifest.index, manifest.nbytes)
+            staged.extend(self._take_bucket(buf, manifest))
+            nbytes += sum(m.nbytes for m in manifest.tensors)
+            num_buckets += 1
+        self._after_end(len(staged))
         self.buffers.trim(num_buckets)
-        self._staged = staged
-        return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start)
+        return staged, num_buckets, nbytes
+
+    def _take_bucket(self, buf: "torch.Tensor", manifest: BucketManifest) -> list[NamedTensor]:
+        """The bucket's bytes into ``buf``, as typed views; the first mismatch is kept, not raised."""
+        self._recv_payload(buf, manifest)
+        tensors = self._unpack(buf, manifest)
+        if self._failure is None:
+            self._failure = self.first_mismatch(manifest, tensors, self._where())
+        return tensors
+
+    def _on_abort_frame(self, version: int, blob: bytes) -> None:
+        raise UpdateAborted(f"trainer aborted update to version {version}: {blob.decode()}")
+
+    def _after_end(self, num_staged: int) -> None:
+        """The update is off the wire: refuse a short one, then raise the failure kept while draining."""
+        if self._end_count != num_staged:
+            raise TransferError(f"trainer sent {self._end_count} tensors, receiver staged {num_staged}")
+        if self._failure is not None:
+            raise self._failure
 
     def _parse_manifest(self, blob: bytes, position: int) -> BucketManifest:
         """The manifest of the bucket at ``position`` in this update: parsed from ``blob``, or the one
@@ -324,19 +314,6 @@ class BroadcastReceiver(WeightReceiver):
         for meta in manifest.tensors:
             if meta.nbytes:
                 self._group.broadcast(buf[meta.offset:meta.offset + meta.nbytes])
-
-    def commit(self, apply: ApplyFn) -> int:
-        """Hand the staged update to ``apply`` (the engine's loader); on success serve its version."""
-        if self._staged is None or self._pending is None:
-            raise TransferError("commit() without a fully received update")
-        staged, version = self._staged, self._pending
-        self._staged = self._pending = None
-        apply(staged)
-        self._version = version
-        return version
-
-    def abort(self) -> None:
-        self._staged = self._pending = None
 
     def close(self) -> None:
         if self._group is not None:

@@ -24,13 +24,10 @@ usable. The failing receiver raises its own error, the others ``UpdateAborted`` 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING, ClassVar
 
-from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferError, UpdateAborted,
-                                       UpdateReport, WeightMismatchError, tensor_checksum)
-from rlplacement.transfer.broadcast import (KIND_ABORT, KIND_BUCKET, KIND_END, BroadcastReceiver, BroadcastSender,
-                                            _AbortUpdate)
+from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferError
+from rlplacement.transfer.broadcast import BroadcastReceiver, BroadcastSender, _AbortUpdate
 from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, pack_into
 from rlplacement.transfer.shared_buffers import OpenedBuffer, SharedSlots
 
@@ -154,55 +151,31 @@ class IpcReceiver(BroadcastReceiver):
         status[self._group.rank] = int(failed)
         self._group.all_reduce_sum(status)
 
-    def receive(self) -> UpdateReport:
-        if self._pending is None:
-            raise TransferError("receive() without begin(version)")
-        start = time.perf_counter()
-        staged: list[NamedTensor] = []
-        failure: BaseException | None = None
-        nbytes = num_buckets = 0
-        try:
-            while True:
-                kind, version, blob = self._recv_frame()
-                if kind == KIND_ABORT:
-                    if failure is not None:
-                        raise failure
-                    raise UpdateAborted(f"trainer aborted update to version {version}: {blob.decode()}")
-                if kind == KIND_END:
-                    break
-                if kind != KIND_BUCKET:
-                    raise TransferError(f"unexpected frame kind {kind} from the trainer")
-                manifest = self._parse_manifest(blob, num_buckets)
-                buf = self.buffers.get(manifest.index, manifest.nbytes)
-                tensors = self._unpack(buf, manifest)
-                if manifest.nbytes:
-                    if failure is None:
-                        try:
-                            self._recv_payload(buf, manifest)
-                            self._check(tensors, manifest)
-                        except Exception as exc:  # noqa: BLE001 - reported through the ack, raised at ABORT
-                            failure = exc
-                    self._ack(failure is not None)
-                staged.extend(tensors)
-                nbytes += sum(m.nbytes for m in manifest.tensors)
-                num_buckets += 1
-            if failure is not None:
-                raise failure
-            if self._end_count != len(staged):
-                raise TransferError(f"trainer sent {self._end_count} tensors, receiver staged {len(staged)}")
-        except BaseException:
-            self._pending, self._staged = None, None
-            raise
-        self.buffers.trim(num_buckets)
-        self._staged = staged
-        return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start)
+    def _take_bucket(self, buf: "torch.Tensor", manifest: BucketManifest) -> list[NamedTensor]:
+        """Copy and verify the bucket, then acknowledge it with this rank's failure flag: after a
+        failure the sender sends ABORT, and this rank raises its own error there."""
+        tensors = self._unpack(buf, manifest)
+        if manifest.nbytes:
+            if self._failure is None:
+                try:
+                    self._recv_payload(buf, manifest)
+                    mismatch = self.first_mismatch(manifest, tensors, self._where())
+                    if mismatch is not None:
+                        raise mismatch
+                except Exception as exc:  # noqa: BLE001 - reported through the ack, raised at ABORT
+                    self._failure = exc
+            self._ack(self._failure is not None)
+        return tensors
 
-    def _check(self, tensors: list[NamedTensor], manifest: BucketManifest) -> None:
-        for meta, (name, tensor) in zip(manifest.tensors, tensors):
-            if meta.checksum is not None:
-                got = tensor_checksum(tensor)
-                if got != meta.checksum:
-                    raise WeightMismatchError(name, meta.checksum, got, f"receiver rank {self._group.rank}")
+    def _on_abort_frame(self, version: int, blob: bytes) -> None:
+        if self._failure is not None:
+            raise self._failure
+        super()._on_abort_frame(version, blob)
+
+    def _after_end(self, num_staged: int) -> None:
+        if self._failure is not None:
+            raise self._failure
+        super()._after_end(num_staged)
 
     def close(self) -> None:
         super().close()

@@ -31,11 +31,12 @@ from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedT
                                        TransferError)
 from rlplacement.transfer.broadcast import BroadcastReceiver, BroadcastSender, _AbortUpdate
 from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, pack_into
+from rlplacement.transfer.options import P2P_PROTOCOLS, P2POptions
 
 if TYPE_CHECKING:
     import torch
 
-PROTOCOLS = ("tcp", "rdma")
+PROTOCOLS = P2P_PROTOCOLS
 SLICE_BYTES = 8 << 20  # one bucket goes as slices of this size in one batch (Mooncake runs them concurrently)
 POLL_S = 0.0002
 
@@ -111,10 +112,7 @@ class P2PSender(BroadcastSender):
         import torch
 
         super().__init__(buffer_size, check_equal=check_equal, timeout_s=timeout_s, device=device, group_of=group_of)
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"--p2p-protocol {protocol!r} is unknown: use one of {', '.join(PROTOCOLS)}")
-        if transfer_timeout_s <= 0:
-            raise ValueError(f"--p2p-transfer-timeout must be positive, got {transfer_timeout_s}")
+        self.options = P2POptions(protocol, transfer_timeout_s)  # validates
         self.protocol, self.transfer_timeout_s = protocol, transfer_timeout_s
         self.backend, self.wire_device = "gloo", torch.device("cpu")  # control only; bytes go by Mooncake
         self.buffers = FlatBuffers(self.device)

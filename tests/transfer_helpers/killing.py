@@ -13,7 +13,7 @@ def kill_engine_mid_update(trainer, engines, version: int, victim: int, *, seed:
     import ray
 
     from rlplacement.runtime import waits
-    from rlplacement.transfer import driver
+    from rlplacement.runtime import transfer_driver as driver
     from rlplacement.transfer.base import WeightUpdateError
 
     ray.get(trainer.perturb.remote(seed))

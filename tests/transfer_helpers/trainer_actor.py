@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from rlplacement.transfer.base import tensor_checksum
-from rlplacement.transfer.trainer import TrainerTransferMixin
+from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
 
 
 class HFTrainer(TrainerTransferMixin):

@@ -1,7 +1,8 @@
 """Megatron GPT parameters <-> Hugging Face tensors: rename, fuse/un-fuse, vocabulary padding, TP shards.
 
-Pure tensor code (no megatron import) so the converters, the Megatron backend and the GPU check share
-it and it is tested on CPU. Every function is a lossless copy: HF -> Megatron -> HF returns the same
+Pure tensor code with no megatron import, so the converters, the Megatron backend and the GPU
+check share it and it is tested on CPU; torch is imported only by the functions that build
+tensors, so names and shapes are read without it. Every function is a lossless copy: HF -> Megatron -> HF returns the same
 bytes. Layouts (Megatron's, which its checkpoints and TP sharding rely on):
 
 - ``linear_qkv``: rows grouped by query group, ``[groups, q_per_group + 2, head_dim, ...]``: the group's
@@ -15,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import torch
+from rlplacement.families.base import (HF_LAYER_PREFIX, MEGATRON_LAYER_PREFIX, VOCAB_HF_NAMES, DenseFamily, Fused,
+                                       head_dim)
 
-from rlplacement.backends.families.base import (HF_LAYER_PREFIX, MEGATRON_LAYER_PREFIX, VOCAB_HF_NAMES,
-                                                 DenseFamily, Fused, head_dim)
+if TYPE_CHECKING:
+    import torch
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 VOCAB_MEGATRON_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -82,14 +84,18 @@ def megatron_layer_name(layer: int, suffix: str) -> str:
     return MEGATRON_LAYER_PREFIX.format(i=layer) + suffix
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+def fuse_qkv(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", shape: ModelShape) -> "torch.Tensor":
+    import torch
+
     g, d = shape.num_query_groups, shape.head_dim
     rest = q.shape[1:]
     parts = (q.reshape(g, shape.q_per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest))
     return torch.cat(parts, dim=1).reshape(g * (shape.q_per_group + 2) * d, *rest)
 
 
-def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(qkv: "torch.Tensor", shape: ModelShape) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    import torch
+
     g, d, qpg = shape.num_query_groups, shape.head_dim, shape.q_per_group
     rest = qkv.shape[1:]
     grouped = qkv.reshape(g, (qpg + 2) * d, *rest)
@@ -98,9 +104,11 @@ def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, torch
             v.reshape(g * d, *rest).contiguous())
 
 
-def hf_to_megatron(mname: str, read_hf: Callable[[str], torch.Tensor], shape: ModelShape,
-                   family: DenseFamily) -> torch.Tensor:
+def hf_to_megatron(mname: str, read_hf: Callable[[str], "torch.Tensor"], shape: ModelShape,
+                   family: DenseFamily) -> "torch.Tensor":
     """The full (unsharded) Megatron tensor for ``mname`` built from HF tensors read by ``read_hf``."""
+    import torch
+
     src = hf_sources(mname, family)
     if isinstance(src, Fused):
         parts = [read_hf(n) for n in src.hf]
@@ -114,9 +122,11 @@ def hf_to_megatron(mname: str, read_hf: Callable[[str], torch.Tensor], shape: Mo
     return tensor
 
 
-def megatron_to_hf(mname: str, full: torch.Tensor, shape: ModelShape,
-                   family: DenseFamily) -> list[tuple[str, torch.Tensor]]:
+def megatron_to_hf(mname: str, full: "torch.Tensor", shape: ModelShape,
+                   family: DenseFamily) -> list[tuple[str, "torch.Tensor"]]:
     """Un-fuse, strip vocabulary padding and rename one full Megatron tensor; [] for a tied output layer."""
+    import torch
+
     if mname == "output_layer.weight" and shape.tied:
         return []
     src = hf_sources(mname, family)
@@ -150,8 +160,10 @@ def is_fc1(mname: str) -> bool:
     return mname.endswith("mlp.linear_fc1.weight") or mname.endswith("mlp.linear_fc1.bias")
 
 
-def tp_shard(mname: str, full: torch.Tensor, partition_dim: int | None, tp: int, rank: int) -> torch.Tensor:
+def tp_shard(mname: str, full: "torch.Tensor", partition_dim: int | None, tp: int, rank: int) -> "torch.Tensor":
     """Rank ``rank``'s TP shard of a full Megatron tensor (``partition_dim`` None: replicated)."""
+    import torch
+
     if partition_dim is None or tp == 1:
         return full
     if is_fc1(mname):
@@ -160,8 +172,10 @@ def tp_shard(mname: str, full: torch.Tensor, partition_dim: int | None, tp: int,
     return full.chunk(tp, dim=partition_dim)[rank]
 
 
-def tp_unshard(mname: str, shards: list[torch.Tensor], partition_dim: int | None) -> torch.Tensor:
+def tp_unshard(mname: str, shards: list["torch.Tensor"], partition_dim: int | None) -> "torch.Tensor":
     """The full Megatron tensor from all ranks' shards, in rank order (inverse of :func:`tp_shard`)."""
+    import torch
+
     if partition_dim is None or len(shards) == 1:
         return shards[0]
     if is_fc1(mname):

@@ -1,7 +1,7 @@
 """Driver side: connect a trainer actor to engine actors, and run one update across all of them
 concurrently with a bounded wait.
 
-The trainer actor mixes in :class:`rlplacement.transfer.trainer.TrainerTransferMixin`; engine
+The trainer actor mixes in :class:`rlplacement.runtime.trainer_transfer.TrainerTransferMixin`; engine
 actors are :class:`rlplacement.engines.vllm_engine.VllmRolloutEngine` (any actor with ``info``,
 ``init_transfer``, ``update_weights``, ``received_checksums`` works).
 

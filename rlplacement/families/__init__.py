@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rlplacement.backends.families.base import DenseFamily, Fused, head_dim, rope_parameters  # noqa: F401
+from rlplacement.families.base import DenseFamily, Fused, head_dim, rope_parameters  # noqa: F401
 
 FAMILY_MODULES = ("qwen3", "qwen2", "llama")
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import shlex
 
-from rlplacement.args import DEFAULT_BUFFER_SIZE, Config, ConfigError
-from rlplacement.integrations.options import TRANSFER_OPTION_KEYS
+from rlplacement.args import DEFAULT_BUFFER_SIZE, Config
+from rlplacement.errors import ConfigError
+from rlplacement.placement.layout import compute_layout
 
 MIB = 1 << 20
 VERL_CE = "actor_rollout_ref.rollout.checkpoint_engine"
@@ -33,15 +34,12 @@ def _mode_options(config: Config, args) -> dict[str, object]:
     values = {"update_weight_disk_dir": t.disk_dir, "update_weight_delta_encoding": t.delta_encoding,
               "check_weight_update_equal": t.check_equal, "p2p_transfer_timeout": t.p2p_timeout,
               "p2p_protocol": getattr(args, "p2p_protocol", None) if t.mode == "p2p" else None}
-    assert set(values) == set(TRANSFER_OPTION_KEYS)
     return {k: v for k, v in values.items() if v is not None and DEFAULTS.get(k, object()) != v}
 
 
 def rollout_nodes(config: Config) -> tuple[int, int] | None:
     """(nodes, GPUs per node) of the rollout GPUs in our layout, or None when their count differs
     between nodes: verl's rollout pools are always ``[n_gpus_per_node] * nnodes``."""
-    from rlplacement.placement.layout import compute_layout
-
     per_node: dict[int, int] = {}
     for node, _ in compute_layout(config.placement).rollout_gpus:
         per_node[node] = per_node.get(node, 0) + 1

@@ -3,7 +3,7 @@
 import argparse
 
 from rlplacement.args import add_arguments, config_from_args
-from rlplacement.transfer.trainer import TrainerTransferMixin
+from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
 
 
 def _transfer_config(*flags):
@@ -96,7 +96,7 @@ def test_a_failed_send_finishes_the_gathers_with_the_other_ranks():
 
 
 def test_the_driver_finds_the_engine_and_tensor_that_differ():
-    from rlplacement.transfer.driver import first_mismatch
+    from rlplacement.runtime.transfer_driver import first_mismatch
 
     want = {"a": "01", "b": "02"}
     assert first_mismatch(want, [dict(want), dict(want)]) is None

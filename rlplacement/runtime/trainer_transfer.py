@@ -1,7 +1,8 @@
-"""Trainer side inside a Ray actor: mix :class:`TrainerTransferMixin` into the actor of trainer
-rank 0 and implement ``hf_named_tensors()`` (an iterator of full HF-named tensors, streamed;
-the backend may gather lazily). The driver (``rlplacement.transfer.driver``) calls the
-``transfer_*`` methods."""
+"""Trainer side of weight transfer inside a Ray actor: :class:`TrainerTransferMixin` is mixed into
+the trainer worker (:mod:`rlplacement.runtime.trainer_worker`); the actor implements
+``hf_named_tensors()`` (an iterator of full HF-named tensors, streamed; the backend may gather
+lazily) and the driver (:mod:`rlplacement.runtime.transfer_driver`) calls the ``transfer_*`` methods.
+Which options reach the sender is :func:`rlplacement.transfer.options.mode_options`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Iterable
 
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, NamedTensor, TransferError
+from rlplacement.transfer.options import mode_options
 
 
 class TrainerTransferMixin:
@@ -64,13 +66,3 @@ class TrainerTransferMixin:
         if self.transfer_sender is not None:
             self.transfer_sender.close()
             self.transfer_sender = None
-
-
-def mode_options(transfer_config, mode: str, base_dir: str | None = None) -> dict:
-    """The sender options ``mode`` takes from the flags: the one place a flag becomes a mode option."""
-    if mode == "disk-delta":
-        return {"disk_dir": transfer_config.disk_dir, "delta_encoding": transfer_config.delta_encoding,
-                "base_dir": base_dir}
-    if mode == "p2p":
-        return {"protocol": transfer_config.p2p_protocol, "transfer_timeout_s": transfer_config.p2p_timeout}
-    return {}

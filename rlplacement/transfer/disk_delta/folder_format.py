@@ -1,0 +1,260 @@
+"""The disk-delta folder format: how a version is written and published, and how it is read back.
+
+Layout of ``DIR`` (the ``--update-weight-disk-dir`` shared by the trainer and the engines)::
+
+    DIR/weight_v{N:06d}/                 safetensors shards of zstd payloads + model.safetensors.index.json
+    DIR/latest                           JSON {"version": N, "folder": ...}, the newest complete version
+    DIR/abort_v{N:06d}.json              written by a sender whose weight source failed during version N
+    DIR/.tmp-*                           an unfinished write (removed by the next update)
+
+Invariants:
+
+* A version is visible only when complete: it is written into ``DIR/.tmp-weight_v{N}-*``, every
+  file and the folder are fsynced, the folder is renamed into place, and ``DIR/latest`` is
+  written last the same way (tmp + fsync + rename + fsync of ``DIR``). A crash leaves at most a
+  ``.tmp-*`` entry.
+* The index holds ``version``, ``base_version`` (None: a keyframe whose tensors are all stored
+  whole), ``delta_encoding`` (xor|overwrite), ``checksum`` (the kind, xxh3-64), ``index_checksum``
+  (xxh3-64 of the index's own canonical JSON: a damaged index is refused whole), ``weight_map``
+  (stored tensor -> shard) and ``tensors``: every tensor of the version, unchanged ones
+  included, with dtype, shape, its checksum, and for stored ones the payload's checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlplacement.transfer import delta_codec as codec
+from rlplacement.transfer.base import TransferError, UpdateAborted
+
+if TYPE_CHECKING:
+    import numpy as np
+
+MODE = "disk-delta"
+INDEX_NAME = "model.safetensors.index.json"
+POINTER_NAME = "latest"
+TMP_PREFIX = ".tmp-"
+POLL_S = 0.02
+
+# safetensors dtype codes <-> torch dtype names (the names ``bucket.dtype_name`` writes)
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32",
+              "U64": "uint64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def version_folder(version: int) -> str:
+    return f"weight_v{version:06d}"
+
+
+def abort_marker(version: int) -> str:
+    return f"abort_v{version:06d}.json"
+
+
+
+def index_checksum(index: dict) -> str:
+    """xxh3-64 of the index's canonical JSON without its own ``index_checksum`` entry: an index edited
+    or damaged after publishing (a shard name, an offset, a tensor checksum) is refused as a whole."""
+    import xxhash
+
+    body = {k: v for k, v in index.items() if k != "index_checksum"}
+    return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, data: bytes) -> int:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return len(data)
+
+
+def publish_file(root: Path, name: str, data: bytes) -> None:
+    """``root/name`` replaced atomically: tmp + fsync + rename + fsync of the folder."""
+    tmp = root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+    write_synced(tmp, data)
+    os.replace(tmp, root / name)
+    fsync_dir(root)
+
+
+def read_pointer(root: Path) -> dict | None:
+    """``DIR/latest`` as a dict, None while nothing is published."""
+    try:
+        return json.loads((Path(root) / POINTER_NAME).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def read_safetensors_bytes(path: Path) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
+    """name -> (torch dtype name, shape, uint8 bytes) of one safetensors file, read raw (any dtype)."""
+    import numpy as np
+
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+        data = np.frombuffer(bytearray(fh.read()), dtype=np.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise TransferError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which disk-delta does not read")
+        begin, end = info["data_offsets"]
+        out[name] = (_ST_DTYPES[info["dtype"]], tuple(info["shape"]), data[begin:end])
+    return out
+
+
+def read_checkpoint_bytes(model_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
+    """Every tensor of a Hugging Face folder's ``*.safetensors`` files, as raw bytes."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise TransferError(f"base checkpoint {model_dir} has no *.safetensors files: disk-delta diffs against "
+                            f"the checkpoint the engines started from (--hf-checkpoint)")
+    out: dict = {}
+    for f in files:
+        out.update(read_safetensors_bytes(f))
+    return out
+
+
+class VersionWriter:
+    """Writes one version into a tmp folder shard by shard, then publishes it (see module doc)."""
+
+    def __init__(self, root: Path, version: int, shard_bytes: int):
+        self.root, self.version, self.shard_bytes = root, version, max(1, shard_bytes)
+        self.tmp = root / f"{TMP_PREFIX}{version_folder(version)}-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir()
+        self.weight_map: dict[str, str] = {}
+        self.wire_bytes = 0
+        self._pending: dict[str, "np.ndarray"] = {}
+        self._pending_bytes = 0
+        self._shards = 0
+
+    def add(self, name: str, payload: bytes) -> None:
+        import numpy as np
+
+        self._pending[name] = np.frombuffer(payload, dtype=np.uint8)
+        self._pending_bytes += len(payload)
+        if self._pending_bytes >= self.shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.numpy import save
+
+        if not self._pending:
+            return
+        self._shards += 1
+        shard = f"delta-{self._shards:05d}.safetensors"
+        self.wire_bytes += write_synced(self.tmp / shard, save(self._pending))
+        self.weight_map.update((n, shard) for n in self._pending)
+        self._pending, self._pending_bytes = {}, 0
+
+    def publish(self, index: dict) -> dict:
+        """Index, fsyncs, rename into place, then ``latest``. Returns the index as written."""
+        self._flush()
+        index["weight_map"] = dict(self.weight_map)
+        index["metadata"]["wire_bytes"] = self.wire_bytes
+        index["index_checksum"] = index_checksum(index)
+        blob = json.dumps(index, indent=1, sort_keys=True).encode()
+        index["metadata"]["wire_bytes"] = self.wire_bytes = self.wire_bytes + len(blob)
+        write_synced(self.tmp / INDEX_NAME, blob)
+        fsync_dir(self.tmp)
+        final = self.root / version_folder(self.version)
+        if final.exists():  # an earlier attempt at this version number (never pointed to by now)
+            shutil.rmtree(final)
+        os.rename(self.tmp, final)
+        fsync_dir(self.root)
+        publish_file(self.root, POINTER_NAME, json.dumps({"version": self.version,
+                                                           "folder": version_folder(self.version)}).encode())
+        return index
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def publish_abort(root: Path, version: int, reason: str) -> None:
+    """``DIR/abort_v{N}.json``: receivers waiting for version N stop at once instead of timing out."""
+    publish_file(root, abort_marker(version), json.dumps({"version": version, "reason": reason}).encode())
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+def wait_for_version(root: Path, version: int, timeout_s: float) -> Path:
+    """The folder of ``version`` once ``latest`` reaches it; raises on its abort marker or the timeout."""
+    deadline = time.monotonic() + timeout_s
+    marker = root / abort_marker(version)
+    while True:
+        pointer = read_pointer(root)
+        if pointer is not None and int(pointer["version"]) >= version:
+            folder = root / version_folder(version)
+            if not folder.is_dir():
+                raise TransferError(f"version {version} is no longer in {root} (latest is "
+                                    f"{pointer['version']}): this engine fell too far behind")
+            return folder
+        if marker.exists():
+            reason = json.loads(marker.read_text()).get("reason", "")
+            raise UpdateAborted(f"trainer aborted update to version {version}: {reason}")
+        if time.monotonic() > deadline:
+            latest = pointer["version"] if pointer else "none"
+            raise TransferError(f"version {version} was not published in {root} within "
+                                f"{timeout_s:.0f}s (latest: {latest})")
+        time.sleep(POLL_S)
+
+
+def read_index(folder: Path, version: int, served: int) -> dict:
+    """The index of ``folder``, refused unless intact, of ``version``, and in a known checksum kind and
+    encoding. ``served``: the version the engine keeps if it is refused (for the message)."""
+    try:
+        index = json.loads((folder / INDEX_NAME).read_text())
+    except (OSError, ValueError) as exc:
+        raise TransferError(f"{folder / INDEX_NAME} is unreadable or corrupt: {exc}") from exc
+    if index.get("index_checksum") != index_checksum(index):
+        raise TransferError(f"{folder / INDEX_NAME} is corrupt: its content does not match its index_checksum "
+                            f"{index.get('index_checksum')!r}; the engine keeps version {served}")
+    if index.get("version") != version:
+        raise TransferError(f"{folder / INDEX_NAME} holds version {index.get('version')}, expected {version}")
+    if index.get("checksum") != codec.CHECKSUM_KIND:
+        raise TransferError(f"{folder / INDEX_NAME}: checksum kind {index.get('checksum')!r} is not "
+                            f"{codec.CHECKSUM_KIND!r}")
+    if index.get("delta_encoding") not in codec.ENCODINGS:
+        raise TransferError(f"{folder / INDEX_NAME}: unknown delta_encoding {index.get('delta_encoding')!r}")
+    return index
+
+
+def read_payloads(folder: Path, index: dict) -> dict[str, "np.ndarray"]:
+    """Every stored payload, shard by shard; a shard that does not parse is refused naming it."""
+    import numpy as np
+
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in index["weight_map"].items():
+        by_shard.setdefault(shard, []).append(name)
+    out = {}
+    for shard, names in sorted(by_shard.items()):
+        try:
+            tensors = read_safetensors_bytes(folder / shard)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is corruption of this shard
+            raise TransferError(f"{folder / shard} (tensors {', '.join(names[:3])}{'...' if len(names) > 3 else ''})"
+                                f" is corrupt: {type(exc).__name__}: {exc}") from exc
+        for name in names:
+            if name not in tensors:
+                raise TransferError(f"tensor {name!r} is missing from {folder / shard}")
+            out[name] = np.ascontiguousarray(tensors[name][2])
+    missing = [n for n, e in index["tensors"].items() if e["encoding"] != codec.UNCHANGED and n not in out]
+    if missing:
+        raise TransferError(f"{folder / INDEX_NAME}: tensor {missing[0]!r} is stored but not in the weight_map")
+    return out

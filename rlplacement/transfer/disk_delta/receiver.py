@@ -1,0 +1,157 @@
+"""The engine side of disk-delta: wait for version N in the folder (:mod:`.folder_format`), verify
+it, stage base + delta, commit (the staging and version plumbing is :class:`StagingReceiver`'s).
+
+Rules: xor applies only on its base version (anything else is refused before decoding);
+overwrite applies on any held bytes and is accepted when every resulting tensor's checksum
+equals the version's (so re-applying it is harmless). Every payload's checksum is checked before
+decoding and every result's after: corruption is refused naming the tensor, and nothing reaches
+the model before ``commit``. The receiver keeps a host copy of the bytes it serves (vLLM CPU
+repacks its linear layers, so the model's own parameters cannot serve as the base).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from rlplacement.transfer import delta_codec as codec
+from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, ApplyFn, NamedTensor, TransferEndpoint, TransferError,
+                                       WeightMismatchError)
+from rlplacement.transfer.disk_delta import folder_format
+from rlplacement.transfer.disk_delta.folder_format import MODE
+from rlplacement.transfer.staging import StagingReceiver
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+# (folder, rank) -> (version, held bytes, held checksums) of the last commit in this process: a
+# receiver rebuilt on reconnect (the vLLM backend makes a new one per init) adopts it.
+_COMMITTED: dict[tuple[str, int], tuple[int, dict, dict]] = {}
+
+
+class DiskDeltaReceiver(StagingReceiver):
+    """One engine worker: wait for version N in the folder, verify, stage base + delta, commit."""
+
+    mode: ClassVar[str] = MODE
+    not_joined: ClassVar[str] = "the engine has not joined a disk-delta folder"
+
+    def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0,
+                 base_dir: str | os.PathLike | None = None):
+        """``base_dir``: the HF checkpoint this engine started from (version 0); None uses the one the
+        version's index names (``base_checkpoint``), which suits a shared filesystem."""
+        super().__init__(device, version=version)
+        self.base_dir = Path(base_dir) if base_dir is not None else None
+        self.root: Path | None = None
+        self.rank: int | None = None
+        self._group = None  # no process group; kept for callers that print the group's rank
+        self._timeout_s = DEFAULT_TIMEOUT_S
+        self._held: dict[str, tuple[str, tuple[int, ...], "np.ndarray"]] | None = None
+        self._held_sums: dict[str, str] = {}
+        self._staged_held: tuple[dict, dict] | None = None  # what ``commit`` makes the held bytes
+        self.last_index: dict | None = None
+
+    def _joined(self) -> bool:
+        return self.root is not None
+
+    def _where(self) -> str:
+        return f"disk-delta receiver rank {self.rank}"
+
+    def connect(self, endpoint: TransferEndpoint, rank: int) -> None:
+        self._check_endpoint(endpoint, rank)
+        root = Path(endpoint.group_name)
+        if not root.is_dir():
+            raise TransferError(f"--update-weight-disk-dir {root} is not a folder this engine can read "
+                                f"(disk-delta needs a folder shared by the trainer and the engines)")
+        self.root, self.rank, self._timeout_s = root, rank, endpoint.timeout_s
+        cached = _COMMITTED.get((str(root), rank))
+        if self._held is None and cached is not None and cached[0] == self._version:
+            _, self._held, self._held_sums = cached
+
+    def _stage(self) -> tuple[list[NamedTensor], int, int]:
+        folder = folder_format.wait_for_version(self.root, self._pending, self._timeout_s)
+        index = folder_format.read_index(folder, self._pending, self._version)
+        base = index.get("base_version")
+        if index["delta_encoding"] == "xor" and base is not None and base != self._version:
+            raise TransferError(f"{self._where()}: version {self._pending} is an xor delta on version {base}, but this "
+                                f"engine serves version {self._version}; xor applies exactly once, on its base")
+        staged, held, sums, stored_bytes = self._decode(folder, index)
+        self._staged_held, self.last_index = (held, sums), index
+        return staged, len(set(index["weight_map"].values())), stored_bytes
+
+    def commit(self, apply: ApplyFn) -> int:
+        held_and_sums, self._staged_held = self._staged_held, None
+        version = super().commit(apply)
+        self._held, self._held_sums = held_and_sums
+        _COMMITTED[(str(self.root), self.rank)] = (version, *held_and_sums)
+        return version
+
+    def abort(self) -> None:
+        super().abort()
+        self._staged_held = None
+
+    def close(self) -> None:
+        self.root = None
+
+    def _base_for(self, index: dict) -> dict:
+        if self._held is not None or index["base_version"] is None:
+            return self._held or {}
+        if self._version != 0:
+            raise TransferError(f"{self._where()}: serves version {self._version} but holds none of its bytes "
+                                f"(the process restarted?); it cannot apply a delta on version {index['base_version']}")
+        base_dir = self.base_dir or (Path(index["base_checkpoint"]) if index.get("base_checkpoint") else None)
+        if base_dir is None:
+            raise TransferError(f"{self._where()}: version {index['version']} is a delta on the base checkpoint, "
+                                f"but neither the receiver nor the index names it")
+        self._held = folder_format.read_checkpoint_bytes(base_dir)
+        self._held_sums = {}
+        return self._held
+
+    def _held_sum(self, name: str, held: dict) -> str:
+        if name not in self._held_sums:
+            self._held_sums[name] = codec.checksum(held[name][2])
+        return self._held_sums[name]
+
+    def _decode(self, folder: Path, index: dict):
+        """Verify and decode every tensor of ``index`` on the held bytes: (staged, held, sums, stored bytes)."""
+        import torch
+
+        from rlplacement.transfer.bucket import dtype_from_name
+
+        held = self._base_for(index)
+        payloads = folder_format.read_payloads(folder, index)
+        staged, new_held, new_sums = [], {}, {}
+        stored_bytes = 0
+        where = f"{self._where()}, version {index['version']}"
+        for name, e in index["tensors"].items():
+            dtype, shape, want = e["dtype"], tuple(e["shape"]), e["checksum"]
+            base = held.get(name)
+            if e["encoding"] == codec.UNCHANGED:
+                if base is None or self._held_sum(name, held) != want:
+                    raise WeightMismatchError(name, want, "<missing>" if base is None else self._held_sum(name, held),
+                                              f"{where} (unchanged tensor; the engine serves version {self._version})")
+                data = base[2]
+            else:
+                payload = payloads[name]
+                got = codec.checksum(payload)
+                if got != e["payload_checksum"]:
+                    raise TransferError(f"{where}: tensor {name!r} is corrupt in {index['weight_map'][name]} "
+                                        f"(payload checksum {got}, index says {e['payload_checksum']})")
+                stored_bytes += payload.size
+                if e["encoding"] == "xor" and e.get("base_checksum") and (
+                        base is None or self._held_sum(name, held) != e["base_checksum"]):
+                    raise TransferError(f"{where}: tensor {name!r} differs from the xor delta's base "
+                                        f"(version {index['base_version']}); refusing to apply it")
+                try:
+                    data = codec.decode(e["encoding"], payload, base[2] if base is not None else None,
+                                        int(e["nbytes"]), e)
+                except codec.DeltaDecodeError as exc:
+                    raise TransferError(f"{where}: tensor {name!r} does not decode: {exc}") from exc
+                got = codec.checksum(data)
+                if got != want:
+                    raise WeightMismatchError(name, want, got, where)
+            new_held[name], new_sums[name] = (dtype, shape, data), want
+            tensor = torch.from_numpy(data).view(dtype_from_name(dtype)).view(shape)
+            staged.append((name, tensor if self.device.type == "cpu" else tensor.to(self.device)))
+        return staged, new_held, new_sums, stored_bytes

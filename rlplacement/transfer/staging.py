@@ -1,0 +1,106 @@
+"""The engine side every mode shares: a receiver that stages a whole update before anything reaches
+the model, so an engine serves its previous version whole until ``commit``.
+
+:class:`StagingReceiver` owns the version plumbing (``begin`` refuses a version not newer than the
+one served; ``receive`` stages and reports; ``commit`` hands the staged set to the engine's loader
+and only then serves its version; ``abort`` and every failure inside ``receive`` drop the staged
+set) and checksum verification. A mode implements one hook, :meth:`StagingReceiver._stage`: how
+the bytes of one update arrive (broadcast frames, shared buffers, Mooncake writes, a version folder).
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from typing import TYPE_CHECKING, ClassVar
+
+from rlplacement.transfer.base import (ApplyFn, BucketManifest, NamedTensor, TransferEndpoint, TransferError,
+                                       UpdateReport, WeightMismatchError, WeightReceiver, tensor_checksum)
+
+if TYPE_CHECKING:
+    import torch
+
+
+class StagingReceiver(WeightReceiver):
+    """begin -> receive (stage via :meth:`_stage`) -> commit | abort, with the served version."""
+
+    mode: ClassVar[str]
+    # why ``begin`` is refused before ``connect``, in the mode's words
+    not_joined: ClassVar[str] = "the engine has not joined a transfer group"
+
+    def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0):
+        """``version`` is what the engine serves now (a receiver rebuilt after a reconnect keeps it)."""
+        import torch
+
+        self.device = torch.device(device)
+        self._version = version
+        self._pending: int | None = None
+        self._staged: list[NamedTensor] | None = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def staged(self) -> list[NamedTensor] | None:
+        """The complete update received by ``receive`` and not yet committed."""
+        return self._staged
+
+    @abc.abstractmethod
+    def _joined(self) -> bool:
+        """Whether ``connect`` has happened (and ``close`` has not)."""
+
+    @abc.abstractmethod
+    def _stage(self) -> tuple[list[NamedTensor], int, int]:
+        """Receive and validate version ``self._pending`` whole: ``(staged tensors, buckets or shards,
+        bytes received)``. Raise on anything short of a complete, verified update."""
+
+    def _check_endpoint(self, endpoint: TransferEndpoint, rank: int) -> None:
+        if endpoint.mode != self.mode:
+            raise TransferError(f"endpoint is for mode {endpoint.mode!r}, receiver is {self.mode!r}")
+        if not 0 < rank < endpoint.world_size:
+            raise TransferError(f"receiver rank {rank} outside 1..{endpoint.world_size - 1}")
+
+    def begin(self, version: int) -> None:
+        if not self._joined():
+            raise TransferError(f"begin() before connect(): {self.not_joined}")
+        if version <= self._version:
+            raise TransferError(f"update version {version} is not newer than the served version {self._version}")
+        self.abort()
+        self._pending = version
+
+    def receive(self) -> UpdateReport:
+        if self._pending is None:
+            raise TransferError("receive() without begin(version)")
+        start = time.perf_counter()
+        try:
+            staged, num_buckets, nbytes = self._stage()
+        except BaseException:
+            self.abort()
+            raise
+        self._staged = staged
+        return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start)
+
+    def commit(self, apply: ApplyFn) -> int:
+        """Hand the staged update to ``apply`` (the engine's loader); on success serve its version."""
+        if self._staged is None or self._pending is None:
+            raise TransferError("commit() without a fully received update")
+        staged, version = self._staged, self._pending
+        self._staged = self._pending = None
+        apply(staged)
+        self._version = version
+        return version
+
+    def abort(self) -> None:
+        self._staged = self._pending = None
+
+    @staticmethod
+    def first_mismatch(manifest: BucketManifest, tensors: list[NamedTensor], where: str) -> WeightMismatchError | None:
+        """The first tensor whose checksum differs from the one the trainer sent (None: all equal or unchecked)."""
+        for meta, (name, tensor) in zip(manifest.tensors, tensors):
+            if meta.checksum is not None:
+                got = tensor_checksum(tensor)
+                if got != meta.checksum:
+                    return WeightMismatchError(name, meta.checksum, got, where)
+        return None
+
