@@ -260,7 +260,7 @@ def placement_from_args(args: argparse.Namespace) -> PlacementConfig:
                            _get(args, "ray_address"), one_step_off)
 
 
-def transfer_from_args(args: argparse.Namespace) -> TransferConfig:
+def transfer_from_args(args: argparse.Namespace, *, this_host: bool = True) -> TransferConfig:
     _require_positive(args, ("update_weight_buffer_size", "p2p_transfer_timeout"))
     _require_choice(args, ("update_weight_transfer_mode", "update_weight_delta_encoding", "p2p_protocol"))
     mode = _get(args, "update_weight_transfer_mode")
@@ -270,7 +270,7 @@ def transfer_from_args(args: argparse.Namespace) -> TransferConfig:
             f"--update-weight-transfer-mode {mode} cannot be used with --colocate (the engines share the "
             f"trainer's GPUs and get weights by CUDA IPC): use broadcast or broadcast_packed, or drop --colocate.")
     protocol = _get(args, "p2p_protocol")
-    if mode == "p2p":
+    if mode == "p2p" and this_host:
         from rlplacement.transfer.p2p import rdma_device_present
 
         if protocol is None:
@@ -307,7 +307,10 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
     return BackendConfig(name, _get(args, "hf_checkpoint"), _get(args, "load"), tp, pp)
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Validate parsed args and return frozen configs; raise ConfigError before any work starts."""
+def config_from_args(args: argparse.Namespace, *, this_host: bool = True) -> Config:
+    """Validate parsed args and return frozen configs; raise ConfigError before any work starts.
+
+    ``this_host=False`` (``rlplacement plan``, which describes a cluster from anywhere) skips the
+    checks that read this machine: whether it has an RDMA device for ``--p2p-protocol``."""
     placement = placement_from_args(args)
-    return Config(placement, transfer_from_args(args), backend_from_args(args, placement))
+    return Config(placement, transfer_from_args(args, this_host=this_host), backend_from_args(args, placement))

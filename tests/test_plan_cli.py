@@ -109,3 +109,10 @@ def test_emit_miles_flags_load_our_protocol(capsys):
     getattr(miles, attr).validate_args(args)
     protocol = getattr(miles, attr)(args)
     assert protocol.mode == "p2p" and protocol.config.check_equal and protocol.config.p2p_protocol == "tcp"
+
+
+def test_plan_describes_a_cluster_so_it_does_not_check_this_hosts_rdma(capsys):
+    """`--p2p-protocol rdma` is checked where the transfer runs, not on the machine that plans it."""
+    line, _ = emitted(capsys, "--rollout-num-gpus", "4", "--update-weight-transfer-mode", "p2p", "--p2p-protocol", "rdma",
+                      "--emit", "miles")
+    assert line.endswith("--custom-weight-transfer-protocol-path rlplacement.integrations.miles.p2p --p2p-protocol rdma")

@@ -32,7 +32,7 @@ def render_table(layout: Layout) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    config = config_from_args(args, this_host=False)  # plans a cluster, maybe from elsewhere
     if args.emit:
         from rlplacement.placement.emit import EMITTERS
 
