@@ -12,7 +12,7 @@ from rlplacement.backends.base import OptimConfig
 from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
 from rlplacement.cli import main
 from rlplacement.models.tiny import TinySpec, make_tiny_model
-from test_convert import assert_same_tensors
+from tests.test_convert import assert_same_tensors
 
 SPEC = TinySpec(family="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)

@@ -12,7 +12,7 @@ from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, l
 from rlplacement.cli import main
 from rlplacement.models.tiny import TinySpec, make_tiny_model
 from tests.reference_checks import assert_streamed_match_reference
-from test_convert import assert_same_tensors
+from tests.test_convert import assert_same_tensors
 
 SPEC = TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
 SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
