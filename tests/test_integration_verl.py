@@ -63,9 +63,10 @@ def start_workers(ray, backend: str, model_dir: str, kwargs: dict, trainers: int
             [Rollout.remote(backend, BUCKET_SIZE, kwargs) for _ in range(rollouts)])
 
 
-def verl_update(ray, backend_cls, trainers, rollouts, global_steps):
+def verl_update(ray, backend_cls, trainers, rollouts, global_steps, fail_after=None):
     """One ``CheckpointEngineManager.update_weights`` (verl 0.9.1) for a non-naive backend; returns
-    (the prepare() metadata, trainer results, rollout results)."""
+    (the prepare() metadata, trainer results, rollout results). ``fail_after``: trainer rank 0's
+    gather fails after that many tensors; then (results, errors) of that step are returned instead."""
     workers = trainers + rollouts
     metadata = ray.get([w.execute_checkpoint_engine.remote("prepare") for w in workers], timeout=TIMEOUT_S)
     trainer_kwargs, rollout_kwargs = backend_cls.build_topology(len(trainers), len(rollouts), metadata)
@@ -74,7 +75,17 @@ def verl_update(ray, backend_cls, trainers, rollouts, global_steps):
     ray.get([w.execute_checkpoint_engine.remote("init_process_group", **{k: v[i] for k, v in kw.items()})
              for ws, kw in ((trainers, trainer_kwargs), (rollouts, rollout_kwargs)) for i, w in enumerate(ws)],
             timeout=TIMEOUT_S)
-    results = ray.get([w.update_weights.remote(global_steps) for w in workers], timeout=TIMEOUT_S)
+    refs = [w.update_weights.remote(global_steps, *([fail_after] if i == 0 and fail_after is not None else []))
+            for i, w in enumerate(workers)]
+    if fail_after is not None:
+        outcomes = []
+        for ref in refs:
+            try:
+                outcomes.append(ray.get(ref, timeout=TIMEOUT_S))
+            except ray.exceptions.RayTaskError as exc:
+                outcomes.append(exc)
+        return metadata, outcomes
+    results = ray.get(refs, timeout=TIMEOUT_S)
     ray.get([w.execute_checkpoint_engine.remote("finalize") for w in workers], timeout=TIMEOUT_S)
     return metadata, results[:len(trainers)], results[len(trainers):]
 
@@ -125,6 +136,32 @@ def test_every_mode_delivers_verl_updates_bit_exact(ray_local, model_dir, tmp_pa
     for got in received:
         assert_bit_exact(expected, got)
     assert sent[0]["metrics"]["rlplacement/version"] == 4
+    for actor in trainers + rollouts:
+        ray.kill(actor)
+
+
+@pytest.mark.slow
+def test_a_failed_verl_update_yields_nothing_and_the_next_one_rebuilds_the_group(ray_local, model_dir, tmp_path):
+    """Trainer rank 0's gather fails mid-stream: every rollout worker raises before yielding a
+    single tensor (verl's loader sees no part of that version), and the next update builds a fresh
+    group and lands bit-exact."""
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    ray, backend = ray_local, "rlplacement_broadcast_packed"
+    backend_cls = CheckpointEngineRegistry.get(backend)
+    trainers, rollouts = start_workers(ray, backend, model_dir, engine_kwargs(backend, tmp_path))
+    _, _, received = verl_update(ray, backend_cls, trainers, rollouts, global_steps=0)
+    ray.get([t.perturb.remote(5) for t in trainers], timeout=TIMEOUT_S)
+    metadata, outcomes = verl_update(ray, backend_cls, trainers, rollouts, global_steps=1, fail_after=3)
+    assert "gather failed after 3 tensors" in str(outcomes[0])
+    for outcome in outcomes[2:]:  # rollout workers
+        assert isinstance(outcome, Exception) and "UpdateAborted" in str(outcome), outcome
+    metadata, sent, received = verl_update(ray, backend_cls, trainers, rollouts, global_steps=1)
+    assert metadata[0]["group"] is None and all(m["group"] is None for m in metadata[2:])  # everyone left it
+    expected = ray.get(trainers[0].state.remote(), timeout=TIMEOUT_S)
+    for got in received:
+        assert_bit_exact(expected, got)
+    assert sent[0]["metrics"]["rlplacement/version"] == 2  # the failed version is not counted as sent
     for actor in trainers + rollouts:
         ray.kill(actor)
 

@@ -135,7 +135,7 @@ class RlplacementCheckpointEngine(CheckpointEngine):
         try:
             report = self._sender.update(version, weights)
         except BaseException:
-            self._group = None  # the next prepare() asks for a fresh group
+            self._leave_group()  # abort our side now; the next prepare() asks for a fresh group
             raise
         self._version = version
         return self._metrics(report, global_steps)
@@ -150,7 +150,7 @@ class RlplacementCheckpointEngine(CheckpointEngine):
             await asyncio.to_thread(receiver.receive)  # the whole update, staged and verified
         except BaseException:
             receiver.abort()
-            self._group = None
+            self._leave_group()
             raise
         staged: list[NamedTensor] = []
         self._version = receiver.commit(staged.extend)
@@ -196,6 +196,7 @@ class RlplacementCheckpointEngine(CheckpointEngine):
         self._receiver.connect(endpoint, rank)
 
     def _leave_group(self) -> None:
+        """Close (NCCL: abort) this worker's side at once; never waits for a peer."""
         if self._sender is not None and self._group is not None:
             self._sender.close()
         if self._receiver is not None:

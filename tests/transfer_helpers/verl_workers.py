@@ -45,9 +45,12 @@ class VerlTrainerRank:
     def execute_checkpoint_engine(self, method: str, **kwargs):
         return getattr(self.engine, method)(**kwargs)
 
-    async def update_weights(self, global_steps: int | None) -> dict:
+    async def update_weights(self, global_steps: int | None, fail_after: int | None = None) -> dict:
+        """``fail_after``: the trainer's own gather raises after that many tensors (a source failure)."""
         def per_tensor_param():
             for name, tensor in self.weights.items():
+                if fail_after is not None and self.yielded == fail_after:
+                    raise RuntimeError(f"gather failed after {fail_after} tensors")
                 self.yielded += 1
                 yield name, tensor
 
