@@ -87,8 +87,8 @@ def _state(text: str, hunks: list[Hunk]) -> str:
     return "conflict"
 
 
-def check(patch: Patch, site: Path) -> dict[Path, str]:
-    """Each target file's state; raises PatchError for a version this patch was not made for."""
+def check(patch: Patch, site: Path) -> dict[Path, tuple[str, list[Hunk]]]:
+    """Each target file's state and hunks; raises PatchError for a version this patch was not made for."""
     version = installed_version(site, patch.package)
     if version != patch.version:
         raise PatchError(f"{patch.diff} is made for {patch.package} {patch.version}, but {site} has "
@@ -99,21 +99,21 @@ def check(patch: Patch, site: Path) -> dict[Path, str]:
         target = site / rel
         if not target.is_file():
             raise PatchError(f"{patch.diff}: {target} does not exist")
-        states[target] = _state(target.read_text(), hunks)
+        states[target] = (_state(target.read_text(), hunks), hunks)
     return states
 
 
 def apply(patch: Patch, site: Path) -> list[str]:
     states = check(patch, site)
-    conflicts = [str(p) for p, s in states.items() if s == "conflict"]
+    conflicts = [str(p) for p, (s, _) in states.items() if s == "conflict"]
     if conflicts:
         raise PatchError(f"{patch.diff}: the lines it changes differ in {', '.join(conflicts)} (edited by hand, or "
                          f"another patch): restore the file from {patch.package}=={patch.version} and apply again")
-    report, hunks_by_file = [], parse_diff((HERE / patch.diff).read_text())
-    for target, state in states.items():
+    report = []
+    for target, (state, hunks) in states.items():
         if state == "applicable":
             text = target.read_text()
-            for hunk in hunks_by_file[str(target.relative_to(site))]:
+            for hunk in hunks:
                 text = text.replace("".join(hunk.old), "".join(hunk.new), 1)
             target.write_text(text)
         report.append(f"{target}: {'applied now' if state == 'applicable' else 'already applied'}")
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.apply:
                 print("\n".join(apply(patch, site)))
             else:
-                for target, state in check(patch, site).items():
+                for target, (state, _) in check(patch, site).items():
                     print(f"{patch.diff}: {target}: {state}")
                     if state == "conflict":
                         return 1

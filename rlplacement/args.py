@@ -181,14 +181,17 @@ class Config:
     backend: BackendConfig
 
 
-def _get(args: argparse.Namespace, dest: str) -> Any:
-    """Flags another parser owns may be missing from ``args``; fall back to our default."""
-    if hasattr(args, dest):
-        return getattr(args, dest)
+def flag_default(dest: str) -> Any:
+    """The default of our flag whose dest is ``dest``."""
     for f in ALL_FLAGS:
         if f.dest == dest:
             return f.kwargs.get("default")
     raise KeyError(dest)
+
+
+def _get(args: argparse.Namespace, dest: str) -> Any:
+    """Flags another parser owns may be missing from ``args``; fall back to our default."""
+    return getattr(args, dest) if hasattr(args, dest) else flag_default(dest)
 
 
 def _require_positive(args: argparse.Namespace, dests: Iterable[str]) -> None:

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from rlplacement.args import DEFAULT_BUFFER_SIZE
 from rlplacement.errors import ConfigError
 from rlplacement.integrations.options import TRANSFER_OPTION_KEYS, transfer_config
 from rlplacement.transfer import registry
@@ -61,6 +62,12 @@ _END = object()
 
 def validate_args(args) -> None:
     """Refuse Miles flag combinations our protocols cannot serve, naming the flag."""
+    path = getattr(args, "custom_weight_transfer_protocol_path", None) or ""
+    _mode_config(MODES.get(path.rpartition(".")[2], "broadcast"), args)
+
+
+def _mode_config(mode: str, args):
+    """``mode``'s validated TransferConfig from Miles' args, after refusing what no mode of ours serves."""
     if getattr(args, "colocate", False):
         raise ConfigError("--colocate: Miles moves colocated weights with its own CUDA IPC path and never calls an "
                           "external protocol; drop --custom-weight-transfer-protocol-path, or drop --colocate.")
@@ -70,13 +77,9 @@ def validate_args(args) -> None:
     if getattr(args, "lora_rank", 0):
         raise ConfigError("--lora-rank: rlplacement's protocols carry full weights, not LoRA adapters; "
                           "drop --lora-rank or use Miles' own transfer modes.")
-    path = getattr(args, "custom_weight_transfer_protocol_path", None) or ""
-    _mode_config(MODES.get(path.rpartition(".")[2], "broadcast"), args)
-
-
-def _mode_config(mode: str, args):
     options = {k: getattr(args, k) for k in TRANSFER_OPTION_KEYS if getattr(args, k, None) is not None}
-    return transfer_config(mode, getattr(args, "update_weight_buffer_size", 512 << 20), options, where="Miles args")
+    return transfer_config(mode, getattr(args, "update_weight_buffer_size", DEFAULT_BUFFER_SIZE), options,
+                           where="Miles args")
 
 
 class RlplacementProtocol(_Base):
@@ -91,7 +94,6 @@ class RlplacementProtocol(_Base):
 
     def __init__(self, args, mode: str):
         super().__init__(args)
-        validate_args(args)
         self.mode = mode
         self.config = _mode_config(mode, args)
         self.timeout_s = DEFAULT_TIMEOUT_S
@@ -108,8 +110,7 @@ class RlplacementProtocol(_Base):
         self.is_sender = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
         if not self.is_sender:
             return
-        from rlplacement.runtime.waits import get_all
-        from rlplacement.runtime.transfer_driver import wait_all
+        from rlplacement.runtime.transfer_driver import engine_infos, group_size, join_refs, wait_all
         from rlplacement.transfer.options import mode_options
 
         for i, engine in enumerate(self.rollout_engines):
@@ -118,16 +119,11 @@ class RlplacementProtocol(_Base):
                                     f"rlplacement protocols deliver into rlplacement engines (vLLM with our backend)")
         if self._sender is not None:
             self._sender.close()
-        names = [f"engine {i}" for i in range(len(self.rollout_engines))]
-        infos = get_all([e.info.remote() for e in self.rollout_engines], self.timeout_s, "engine info", names)
+        infos = engine_infos(self.rollout_engines, self.timeout_s)
         self._sender = registry.sender_class(self.mode)(
             self.config.buffer_size, check_equal=self.config.check_equal, timeout_s=self.timeout_s,
             **mode_options(self.config, self.mode))
-        endpoint = self._sender.listen(1 + sum(i["num_workers"] for i in infos)).to_dict()
-        refs, offset = {}, 1
-        for name, engine, info in zip(names, self.rollout_engines, infos):
-            refs[name] = engine.init_transfer.remote(endpoint, offset)
-            offset += info["num_workers"]
+        refs = join_refs(self.rollout_engines, infos, self._sender.listen(group_size(infos)).to_dict())
         try:
             self._sender.connect()  # returns once every engine worker has joined
         except Exception as exc:  # name the engines that did not join, not only the sender's timeout
@@ -207,8 +203,7 @@ class _StreamedUpdate:
         self._thread.join(self.timeout_s)
 
     def result(self, engines, check_equal: bool):
-        from rlplacement.runtime.transfer_driver import first_mismatch, wait_all
-        from rlplacement.runtime.waits import get_all
+        from rlplacement.runtime.transfer_driver import check_received, wait_all
 
         failures = {}
         try:
@@ -222,10 +217,7 @@ class _StreamedUpdate:
         if failures:
             raise WeightUpdateError(self.version, failures)
         if check_equal:
-            got = get_all([e.received_checksums.remote() for e in engines], self.timeout_s, "reading engine checksums")
-            mismatch = first_mismatch(self._report.checksums or {}, got)
-            if mismatch is not None:
-                raise WeightUpdateError(self.version, {f"engine {mismatch[0]}": str(mismatch[1])})
+            check_received(engines, self._report.checksums, self.version, self.timeout_s)
         return self._report, [results[f"engine {i}"] for i in range(len(engines))]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
-from rlplacement.args import ALL_FLAGS, TransferConfig, transfer_from_args
+from rlplacement.args import TransferConfig, transfer_from_args
 from rlplacement.errors import ConfigError
 
 # our transfer flags a framework may set per backend; the mode and the bucket size come from the
@@ -34,10 +34,10 @@ def transfer_config(mode: str, buffer_size: int, options: Mapping[str, Any], *, 
         if key not in TRANSFER_OPTION_KEYS:
             raise ConfigError(f"{where}.{key} is not an rlplacement option: use one of "
                               f"{', '.join(TRANSFER_OPTION_KEYS)} (our flags' names with underscores).")
-    values = {f.dest: f.kwargs.get("default") for f in ALL_FLAGS}
-    values.update(options)
-    values.update(update_weight_transfer_mode=mode, update_weight_buffer_size=buffer_size, colocate=False)
+    # flags missing from the namespace take their defaults in transfer_from_args
+    args = argparse.Namespace(**{**options, "update_weight_transfer_mode": mode,
+                                 "update_weight_buffer_size": buffer_size, "colocate": False})
     try:
-        return transfer_from_args(argparse.Namespace(**values))
+        return transfer_from_args(args)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc} (the flag --x-y is the key x_y here)") from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shlex
 
-from rlplacement.args import DEFAULT_BUFFER_SIZE, Config
+from rlplacement.args import DEFAULT_BUFFER_SIZE, Config, flag_default
 from rlplacement.errors import ConfigError
 from rlplacement.placement.layout import compute_layout
 
@@ -24,7 +24,6 @@ MILES_FACTORIES = {"broadcast": "broadcast", "broadcast_packed": "broadcast_pack
 # parse_args(add_custom_arguments=rlplacement.args.add_arguments) in the driver script
 MILES_OWN_FLAGS = {"update_weight_disk_dir", "update_weight_delta_encoding", "check_weight_update_equal",
                    "p2p_transfer_timeout"}
-DEFAULTS = {"update_weight_delta_encoding": "xor", "p2p_transfer_timeout": 30.0, "check_weight_update_equal": False}
 
 
 def _mode_options(config: Config, args) -> dict[str, object]:
@@ -34,7 +33,7 @@ def _mode_options(config: Config, args) -> dict[str, object]:
     values = {"update_weight_disk_dir": t.disk_dir, "update_weight_delta_encoding": t.delta_encoding,
               "check_weight_update_equal": t.check_equal, "p2p_transfer_timeout": t.p2p_timeout,
               "p2p_protocol": getattr(args, "p2p_protocol", None) if t.mode == "p2p" else None}
-    return {k: v for k, v in values.items() if v is not None and DEFAULTS.get(k, object()) != v}
+    return {k: v for k, v in values.items() if v is not None and v != flag_default(k)}
 
 
 def rollout_nodes(config: Config) -> tuple[int, int] | None:

@@ -23,19 +23,32 @@ def wait_all(refs: dict[str, Any], timeout_s: float, version: int = 0) -> dict[s
     return wait_named(refs, timeout_s, error=lambda failures: WeightUpdateError(version, failures))
 
 
-def connect(trainer, engines: Sequence, *, timeout_s: float = 120.0, host: str | None = None) -> dict:
-    """Build the transfer group: trainer rank 0 plus every worker of every engine. Returns the endpoint."""
-    infos = get_all([e.info.remote() for e in engines], timeout_s, "engine info",
-                    [f"engine {i}" for i in range(len(engines))])
-    world_size = 1 + sum(i["num_workers"] for i in infos)
-    endpoint = wait_named({"trainer": trainer.transfer_listen.remote(world_size, host)}, timeout_s,
-                          "opening the transfer group")["trainer"]
-    refs = {"trainer": trainer.transfer_connect.remote()}
-    offset = 1
+def engine_infos(engines: Sequence, timeout_s: float) -> list[dict]:
+    """Each engine's ``info()``; ``group_size`` and ``join_refs`` read their ``num_workers``."""
+    return get_all([e.info.remote() for e in engines], timeout_s, "engine info",
+                   [f"engine {i}" for i in range(len(engines))])
+
+
+def group_size(infos: Sequence[dict]) -> int:
+    """Ranks in a transfer group: the sender (rank 0) plus every worker of every engine."""
+    return 1 + sum(i["num_workers"] for i in infos)
+
+
+def join_refs(engines: Sequence, infos: Sequence[dict], endpoint: dict) -> dict[str, Any]:
+    """Start every engine joining ``endpoint``, its workers on consecutive ranks from 1; refs by engine name."""
+    refs, offset = {}, 1
     for i, (engine, info) in enumerate(zip(engines, infos)):
         refs[f"engine {i}"] = engine.init_transfer.remote(endpoint, offset)
         offset += info["num_workers"]
-    wait_all(refs, timeout_s)
+    return refs
+
+
+def connect(trainer, engines: Sequence, *, timeout_s: float = 120.0, host: str | None = None) -> dict:
+    """Build the transfer group: trainer rank 0 plus every worker of every engine. Returns the endpoint."""
+    infos = engine_infos(engines, timeout_s)
+    endpoint = wait_named({"trainer": trainer.transfer_listen.remote(group_size(infos), host)}, timeout_s,
+                          "opening the transfer group")["trainer"]
+    wait_all({"trainer": trainer.transfer_connect.remote(), **join_refs(engines, infos, endpoint)}, timeout_s)
     return endpoint
 
 
@@ -53,15 +66,20 @@ def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 1
     results = wait_all(refs, timeout_s, version)
     report = results["trainer"]
     if check_equal:
-        expected = report.get("checksums")
-        if not expected:
-            raise WeightUpdateError(version, {"trainer": "check_equal needs the sender set up with check_equal=True"})
-        got_all = get_all([e.received_checksums.remote() for e in engines], timeout_s, "reading engine checksums",
-                          [f"engine {i}" for i in range(len(engines))])
-        mismatch = first_mismatch(expected, got_all)
-        if mismatch is not None:
-            raise WeightUpdateError(version, {f"engine {mismatch[0]}": str(mismatch[1])})
+        check_received(engines, report.get("checksums"), version, timeout_s)
     return {"trainer": report, "engines": [results[f"engine {i}"] for i in range(len(engines))]}
+
+
+def check_received(engines: Sequence, expected: dict[str, str] | None, version: int, timeout_s: float) -> None:
+    """Compare every engine's received checksums with the sender's ``expected``; raise WeightUpdateError
+    naming the first engine and tensor that differ (or the sender, when it recorded none)."""
+    if not expected:
+        raise WeightUpdateError(version, {"trainer": "check_equal needs the sender set up with check_equal=True"})
+    got_all = get_all([e.received_checksums.remote() for e in engines], timeout_s, "reading engine checksums",
+                      [f"engine {i}" for i in range(len(engines))])
+    mismatch = first_mismatch(expected, got_all)
+    if mismatch is not None:
+        raise WeightUpdateError(version, {f"engine {mismatch[0]}": str(mismatch[1])})
 
 
 def first_mismatch(expected: dict[str, str], got_all: Sequence[dict[str, str]]) -> tuple[int, WeightMismatchError] | None:
