@@ -103,11 +103,13 @@ def _worker(conn, port: int, cfg: StubConfig) -> None:
     import torch
     import torch.distributed as dist
 
+    from rlplacement.rendezvous import join_store
+
     torch.set_num_threads(1)
     device = torch.device(cfg.rollout_device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(_backend(cfg.rollout_device), init_method=f"tcp://127.0.0.1:{port}", rank=1,
+    dist.init_process_group(_backend(cfg.rollout_device), store=join_store("127.0.0.1", port, 2, 120.0), rank=1,
                             world_size=2, timeout=datetime.timedelta(seconds=120))
     w = torch.randn(cfg.dim, cfg.dim, device=device)
     weights = torch.empty(cfg.sync_mb << 20, dtype=torch.uint8, device=device)
@@ -141,19 +143,12 @@ def _recv(conn, proc, timeout_s: float = 300.0):
     return conn.recv()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(cfg: StubConfig, telemetry: str | os.PathLike) -> list[dict]:
     """Run ``cfg.steps`` steps, write telemetry rows to ``telemetry`` and return them."""
     import torch
     import torch.distributed as dist
 
+    from rlplacement.rendezvous import host_store
     from rlplacement.telemetry import StepRecorder
 
     torch.set_num_threads(1)
@@ -167,14 +162,14 @@ def run(cfg: StubConfig, telemetry: str | os.PathLike) -> list[dict]:
                        num_gpus_per_node=cfg.num_gpus_per_node, transfer_mode="broadcast", max_response_len=cfg.max_len,
                        gpu_devices=gpu_devices)
     sync_numel = cfg.sync_mb << 20
-    port = _free_port()
+    store, port = host_store("127.0.0.1", 2, 120.0)  # bound before the worker starts: no port race
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_worker, args=(child, port, cfg), daemon=True)
     proc.start()
     rows = []
     try:
-        dist.init_process_group(_backend(cfg.trainer_device), init_method=f"tcp://127.0.0.1:{port}", rank=0,
+        dist.init_process_group(_backend(cfg.trainer_device), store=store, rank=0,
                                 world_size=2, timeout=datetime.timedelta(seconds=120))
         weights = torch.randint(0, 255, (sync_numel,), dtype=torch.uint8, device=device)
         w = torch.randn(cfg.dim, cfg.dim, device=device)

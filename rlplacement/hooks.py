@@ -93,7 +93,7 @@ class RLJob:
         job = cls(config, placement, trainers, engines, hf_dir)
         job.timeout_s = timeout_s
         try:
-            addr, port = get_all([trainers[0].address.remote()], timeout_s, "trainer address", ["trainer rank 0"])[0]
+            addr, port = get_all([trainers[0].address.remote(timeout_s)], timeout_s, "trainer address", ["trainer rank 0"])[0]
             infos = get_all([t.setup.remote(addr, port, backend_cfg, optim or {}, backend_options) for t in trainers],
                             timeout_s, "trainer set-up", job.trainer_names)
             job.dp_ranks = [i["data_parallel_rank"] for i in infos]

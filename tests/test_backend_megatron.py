@@ -24,7 +24,7 @@ SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
 
 @pytest.fixture
 def single_rank():
-    launch.init_distributed(0, 1, "127.0.0.1", launch.free_port(), "gloo")
+    launch.init_single_process("gloo")
     yield
     dist.destroy_process_group()
 

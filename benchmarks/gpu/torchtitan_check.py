@@ -145,7 +145,7 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons mean fp32 GEMMs
     torch.backends.cudnn.allow_tf32 = False
-    launch.init_distributed(0, 1, "127.0.0.1", launch.free_port(), "nccl" if args.device == "cuda" else "gloo")
+    launch.init_single_process("nccl" if args.device == "cuda" else "gloo")
     summary: dict = {"versions": _versions(), "cases": {}}
     t0 = time.perf_counter()
     try:

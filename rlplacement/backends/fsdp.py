@@ -36,7 +36,7 @@ class FSDPBackend(TrainerBackend):
         if not cfg.hf_checkpoint:
             raise ConfigError("--train-backend fsdp needs --hf-checkpoint (an HF model folder)")
         if not dist.is_initialized():
-            launch.init_distributed(0, 1, "127.0.0.1", launch.free_port())
+            launch.init_single_process()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         model = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=dtype).to(device)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))

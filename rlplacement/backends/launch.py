@@ -18,8 +18,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from rlplacement.rendezvous import host_store, join_store
+
 
 def free_port() -> int:
+    """A port free now, for a program that must be given a number; it can be taken before that
+    program binds it, so prefer a ``rendezvous.host_store`` wherever torch.distributed is the user."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -30,8 +34,12 @@ def default_backend() -> str:
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
-                     backend: str | None = None, timeout_s: float = 600.0) -> None:
-    """Initialise the default process group unless it already is (then the sizes must agree)."""
+                     backend: str | None = None, timeout_s: float = 600.0, store: Any = None) -> None:
+    """Initialise the default process group unless it already is (then the sizes must agree).
+
+    With ``store`` (a ``rendezvous`` store this rank hosts or joined) the address is not used:
+    that is how a caller avoids binding a port picked earlier, which another process may have taken.
+    """
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
             raise RuntimeError(f"torch.distributed already initialised as rank {dist.get_rank()} of "
@@ -41,8 +49,19 @@ def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1",
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         torch.cuda.set_device(local)
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world_size, timeout=timeout)
+
+
+def init_single_process(backend: str | None = None) -> None:
+    """A world of one in this process (a CLI or a test with no launcher), on a store it hosts."""
+    if not dist.is_initialized():
+        store, _ = host_store("127.0.0.1", 1, 600.0)
+        init_distributed(0, 1, backend=backend, store=store)
 
 
 def init_from_env(backend: str | None = None) -> tuple[int, int]:
@@ -53,9 +72,9 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     return rank, world
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float) -> None:
     try:
-        init_distributed(rank, world, "127.0.0.1", port, "gloo")
+        init_distributed(rank, world, backend="gloo", store=join_store("127.0.0.1", port, world, timeout_s))
         result = fn(rank, world, *args)
         # plain pickle copies tensor bytes; the queue's own pickler would pass shared-memory handles
         # that die with this process before the parent opens them
@@ -79,8 +98,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     ctx = mp.get_context("spawn")
     results: dict[int, Any] = {}
     q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q), daemon=False)
+    store, port = host_store("127.0.0.1", world_size, timeout_s)  # held here until every rank is done
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, timeout_s), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -63,7 +63,7 @@ class MegatronBackend(TrainerBackend):
             raise ConfigError("--train-backend megatron needs --load (a torch_dist folder from `rlplacement convert`) "
                               "or --hf-checkpoint (an HF folder)")
         if not dist.is_initialized():
-            launch.init_distributed(0, 1, "127.0.0.1", launch.free_port())
+            launch.init_single_process()
         hf_config = mm.load_hf_config(hf_dir)
         family = family_for(hf_config, f"{hf_dir}/config.json")
         padded = padded or mapping.padded_vocab_size(hf_config.vocab_size, tp)

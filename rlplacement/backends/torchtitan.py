@@ -73,7 +73,7 @@ class TorchtitanBackend(FSDPBackend):
             raise ConfigError(f"--train-backend torchtitan: torchtitan does not import here ({reason}); "
                               f"install torchtitan 0.3.0 with tyro, einops and spmd_types, and triton")
         if not dist.is_initialized():
-            launch.init_distributed(0, 1, "127.0.0.1", launch.free_port())
+            launch.init_single_process()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         hf_config = load_hf_config(cfg.hf_checkpoint)
         model = ttm.build(hf_config, device, dtype)

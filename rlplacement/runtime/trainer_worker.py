@@ -26,12 +26,19 @@ class TrainerWorker(TrainerTransferMixin):
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.backend = None
+        self._store = None  # rank 0: the trainer's rendezvous, bound in ``address``
 
-    def address(self) -> tuple[str, int]:
-        """Where rank 0 serves the trainer's process group (called on rank 0 only)."""
-        from rlplacement.backends.launch import free_port
+    def address(self, timeout_s: float = 600.0) -> tuple[str, int]:
+        """Where rank 0 serves the trainer's rendezvous (called on rank 0 only).
 
-        return node_ip(), free_port()
+        Rank 0 binds the store here and keeps it, so no other process can take the port between
+        this call and ``setup`` (a port merely found free was taken by an engine once in CI).
+        """
+        from rlplacement.rendezvous import host_store
+
+        host = node_ip()
+        self._store, port = host_store(host, self.world_size, timeout_s)
+        return host, port
 
     def setup(self, master_addr: str, master_port: int, backend_cfg: Any, optim: dict[str, Any],
               backend_options: dict[str, Any] | None = None) -> dict:
@@ -40,9 +47,12 @@ class TrainerWorker(TrainerTransferMixin):
 
         from rlplacement.backends.base import OptimConfig, make_backend
         from rlplacement.backends.launch import init_distributed
+        from rlplacement.rendezvous import join_store
 
         torch.manual_seed(0)
-        init_distributed(self.rank, self.world_size, master_addr, master_port)
+        store = (self._store if self.rank == 0 else
+                 join_store(master_addr, master_port, self.world_size, timeout_s=600.0))
+        init_distributed(self.rank, self.world_size, store=store)
         self.backend = make_backend(backend_cfg, OptimConfig(**optim), **(backend_options or {}))
         return {"rank": self.rank, "device": str(self.backend.device),
                 "data_parallel_rank": self.backend.data_parallel_rank,

@@ -1,6 +1,6 @@
 """A process group for weight transfer that never touches the trainer's default group.
 
-Rank 0 (the trainer) hosts a fresh ``TCPStore`` on a free port; every engine worker connects
+Rank 0 (the trainer) hosts a fresh ``TCPStore`` (``rendezvous.host_store``); every engine worker connects
 to it and the group is built directly as ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over a
 ``PrefixStore`` (no ``init_process_group``), so the trainer's own torch.distributed world and
 vLLM's internal groups are left alone, and a failed group can be dropped and rebuilt with a
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 from typing import TYPE_CHECKING
+
+from rlplacement.rendezvous import host_store, join_store  # noqa: F401 - the group's rendezvous
 
 if TYPE_CHECKING:
     import torch
@@ -38,21 +40,6 @@ def local_host() -> str:
     except ImportError:
         pass
     return "127.0.0.1"
-
-
-def host_store(host: str, world_size: int, timeout_s: float):
-    """The rendezvous store on rank 0, on a free port; returns (store, port)."""
-    from torch.distributed import TCPStore
-
-    store = TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                     wait_for_workers=False)
-    return store, store.port
-
-
-def join_store(host: str, port: int, world_size: int, timeout_s: float):
-    from torch.distributed import TCPStore
-
-    return TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class TransferGroup:
