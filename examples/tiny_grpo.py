@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             batch_prompts = [p for p in chosen for _ in range(args.group_size)]
             lengths = (long_tail_lengths(len(batch_prompts), args.max_response_len, args.seed + step)
                        if args.long_tail else args.max_response_len)
+            job.prepare_rollout()  # --colocate hand-off, timed apart from the phases (perf/handoff_*)
             return time.time(), job.generate_async(batch_prompts, max_tokens=lengths, temperature=1.0,
                                                    seed=args.seed + 1000 * step, exact_lengths=args.long_tail)
 
@@ -129,12 +130,14 @@ def run(args: argparse.Namespace) -> int:
             staleness = job.version - min(s.weight_version for s in samples)  # versions behind the trainer
             rewards = [sum(t in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
             batch = make_batch(samples, rewards, args.group_size, tok.pad_token_id or 0, behaviour=one_step_off)
+            job.prepare_train()
             with tel.phase("train", role="trainer"):  # trainer work: the forward for the log-prob check
                 trainer_lp = job.log_probs(batch)
             tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)]
                                  for row, s in zip(trainer_lp, samples)], [s.logprobs for s in samples])
             for m in job.train(batch):
                 tel.record_interval("train", m["start"], m["end"])
+            job.prepare_update()
             t_sync = time.time()
             report = job.update_weights()  # engines apply it after their current batch, never inside one
             tel.record_interval("sync", t_sync, time.time())
@@ -146,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
                                      "perf/update_weights_wire_bytes": report["trainer"]["wire_bytes"]})
             if one_step_off:
                 sync_metrics["rollout/staleness"] = staleness
+            sync_metrics.update(job.pop_handoff_metrics())
             row = tel.end_step(step, reward=statistics.fmean(rewards), **sync_metrics)
             line = (f"step {step}: reward {row['reward']:.3f}  rollout {row['perf/rollout_time']:.2f}s  "
                     f"train {row['perf/train_time']:.2f}s  sync {row['perf/update_weights_time']:.2f}s "

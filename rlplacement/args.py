@@ -58,6 +58,12 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
             _flag("--num-gpus-per-node", type=int, default=8, help="GPUs on each node of the cluster."),
             _flag("--ray-address", type=str, default=None,
                   help="Address of an existing Ray cluster (else RAY_ADDRESS, else a local one)."),
+            _flag("--offload-train", action=argparse.BooleanOptionalAction, default=None,
+                  help="--colocate: move the trainer's weights and optimizer state to host memory while the "
+                       "engines generate (on by default under --colocate; --no-offload-train keeps them resident)."),
+            _flag("--offload-rollout", action=argparse.BooleanOptionalAction, default=None,
+                  help="--colocate: the engines release their weights and KV cache (vLLM sleep mode) while the "
+                       "trainer trains (on by default under --colocate; --no-offload-rollout keeps them resident)."),
             _flag("--one-step-off", action="store_true", default=False,
                   help="Split layouts: generate step k+1 while the trainer trains on step k (samples at most "
                        "one weight version stale; the loss corrects with the engine's log-probs)."),
@@ -138,6 +144,8 @@ class PlacementConfig:
     num_gpus_per_node: int
     ray_address: str | None = None
     one_step_off: bool = False
+    offload_train: bool = False  # resolved: on under --colocate unless --no-offload-train
+    offload_rollout: bool = False
 
     @property
     def trainer_num_gpus(self) -> int:
@@ -259,8 +267,25 @@ def placement_from_args(args: argparse.Namespace) -> PlacementConfig:
         raise ConfigError(
             "--one-step-off overlaps generation with training, but under --colocate both run on the same GPUs "
             "and cannot run at once: drop --one-step-off, or drop --colocate for a split layout.")
+    offload_train, offload_rollout = _offload_from_args(args, colocate)
     return PlacementConfig(colocate, nodes, per_node, rollout, per_engine, gpus_per_node,
-                           _get(args, "ray_address"), one_step_off)
+                           _get(args, "ray_address"), one_step_off, offload_train, offload_rollout)
+
+
+def _offload_from_args(args: argparse.Namespace, colocate: bool) -> tuple[bool, bool]:
+    """Hand-off flags: unset means on under --colocate and off in a split layout, where each side has
+    its own GPUs and freeing one side's memory gives the other nothing; asking for it there is refused."""
+    chosen = {dest: _get(args, dest) for dest in ("offload_train", "offload_rollout")}
+    if not colocate:
+        asked = [f"--{d.replace('_', '-')}" for d, v in chosen.items() if v]
+        if asked:
+            raise ConfigError(
+                f"{' and '.join(asked)} {'hands' if len(asked) == 1 else 'hand'} GPU memory between the trainer and "
+                f"the engines, which only share GPUs "
+                f"under --colocate; in a split layout each side keeps its own: drop {' and '.join(asked)}, "
+                f"or add --colocate.")
+        return False, False
+    return tuple(True if v is None else bool(v) for v in chosen.values())  # type: ignore[return-value]
 
 
 def transfer_from_args(args: argparse.Namespace, *, this_host: bool = True) -> TransferConfig:

@@ -13,6 +13,7 @@ direction: backend -> transfer -> engine.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any, Sequence
 
@@ -66,6 +67,7 @@ class RLJob:
         self.dp_size = 1
         self.timeout_s = 600.0  # every wait on an actor is bounded and names who did not answer
         self.trainer_names = [f"trainer rank {r}" for r in range(len(trainers))]
+        self.handoff = None  # runtime.handoff.ColocatedHandOff under --colocate with --offload-* on a GPU
 
     @classmethod
     def start(cls, config: Config, hf_dir: str, *, optim: dict[str, Any] | None = None,
@@ -88,6 +90,7 @@ class RLJob:
         trainers = [worker_cls.options(**placement.trainer_options(r)).remote(r, world) for r in range(world)]
         engines = [create_engine_actor(i, hf_dir, options=placement.engine_options(i),
                                        tensor_parallel_size=layout.gpus_per_engine,
+                                       sleep_mode=config.placement.offload_rollout,
                                        **{**DEFAULT_ENGINE_KWARGS, **(engine_kwargs or {})})
                    for i in range(len(layout.engines))]
         job = cls(config, placement, trainers, engines, hf_dir)
@@ -99,10 +102,38 @@ class RLJob:
             job.dp_ranks = [i["data_parallel_rank"] for i in infos]
             job.dp_size = infos[0]["data_parallel_size"]
             job.set_transfer(mode, check_equal=config.transfer.check_equal, timeout_s=timeout_s)
-        except BaseException:
+            job.handoff = job._make_handoff(infos[0]["device"])
+        except BaseException as exc:
             job.close()
+            job._raise_with_offload_hint(exc)
             raise
         return job
+
+    def _make_handoff(self, trainer_device: str):
+        from rlplacement.runtime.handoff import ColocatedHandOff, skipped_reason
+
+        p = self.config.placement
+        reason = skipped_reason(p.offload_train, p.offload_rollout, trainer_device)
+        if reason:
+            print(reason, file=sys.stderr, flush=True)
+            return None
+        if not (p.offload_train or p.offload_rollout):
+            return None
+        return ColocatedHandOff(self.trainers, self.engines, offload_train=p.offload_train,
+                                offload_rollout=p.offload_rollout, timeout_s=self.timeout_s,
+                                trainer_names=self.trainer_names)
+
+    def pop_handoff_metrics(self) -> dict[str, float]:
+        """``perf/*`` keys of the colocated hand-offs since the last call (``runtime.handoff.KEYS``); {} without."""
+        return self.handoff.pop_metrics() if self.handoff is not None else {}
+
+    def _raise_with_offload_hint(self, exc: BaseException) -> None:
+        """Out of GPU memory under --colocate with a hand-off turned off: say which flag frees it."""
+        from rlplacement.runtime.handoff import GpuMemoryError, offload_hint
+
+        hint = offload_hint(self.config.placement, str(exc))
+        if hint:
+            raise GpuMemoryError(f"{hint}\n(the error: {exc})") from exc
 
     # ---- rollout --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[list[int]], *, max_tokens: int | Sequence[int], temperature: float = 1.0,
@@ -121,6 +152,7 @@ class RLJob:
         Each engine runs one call at a time, so an ``update_weights`` issued while this runs is
         applied after the batch, never inside it: every sample comes from one weight version.
         """
+        self._hand_off("to_rollout")
         shares = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
         lengths = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(prompts)
         refs = {e.generate.remote([prompts[j] for j in idx], max_tokens=[lengths[j] for j in idx],
@@ -168,15 +200,39 @@ class RLJob:
         return [{k: v[r * per:(r + 1) * per] for k, v in batch.items()} for r in self.dp_ranks]
 
     def log_probs(self, batch: dict[str, list]) -> list[list[float]]:
-        parts = get_all([t.log_probs.remote(s) for t, s in zip(self.trainers, self._shards(batch))],
-                        self.timeout_s, "trainer log-probs", self.trainer_names)
+        self._hand_off("to_train")
+        parts = self._with_hint(get_all, [t.log_probs.remote(s) for t, s in zip(self.trainers, self._shards(batch))],
+                                self.timeout_s, "trainer log-probs", self.trainer_names)
         first_of_share = {dp: part for dp, part in zip(self.dp_ranks, parts)}
         return [row for dp in range(self.dp_size) for row in first_of_share[dp]]
 
     def train(self, batch: dict[str, list]) -> list[dict]:
         """One optimizer step on ``batch`` (lists: input_ids [B][T], loss_mask [B][T], advantages [B])."""
-        return get_all([t.train_step.remote(s) for t, s in zip(self.trainers, self._shards(batch))],
-                       self.timeout_s, "train step", self.trainer_names)
+        self._hand_off("to_train")
+        return self._with_hint(get_all, [t.train_step.remote(s) for t, s in zip(self.trainers, self._shards(batch))],
+                               self.timeout_s, "train step", self.trainer_names)
+
+    def prepare_rollout(self) -> None:
+        """Colocated hand-off to generation now (else the next ``generate`` does it): a loop that times
+        its phases calls these first, so the hand-off is reported apart (``pop_handoff_metrics``)."""
+        self._hand_off("to_rollout")
+
+    def prepare_train(self) -> None:
+        self._hand_off("to_train")
+
+    def prepare_update(self) -> None:
+        self._hand_off("before_update")
+
+    def _hand_off(self, transition: str) -> None:
+        if self.handoff is not None:
+            self._with_hint(getattr(self.handoff, transition))
+
+    def _with_hint(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised, with the flag to change when it is GPU memory
+            self._raise_with_offload_hint(exc)
+            raise
 
     # ---- weights --------------------------------------------------------------------------------
     def set_transfer(self, mode: str, *, check_equal: bool, buffer_size: int | None = None,
@@ -201,6 +257,7 @@ class RLJob:
         from rlplacement.runtime import transfer_driver as driver
 
         version = self.version + 1
+        self._hand_off("before_update")
         helpers = [t.gather_for_update.remote() for t in self.trainers[1:]]
         report = driver.run_update(self.trainers[0], self.engines, version, timeout_s=timeout_s,
                                    check_equal=self.check_equal)

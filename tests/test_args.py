@@ -42,6 +42,21 @@ def test_colocate_derives_rollout_without_rewriting_args():
     assert args.rollout_num_gpus is None  # never written back
 
 
+@pytest.mark.parametrize("argv, want", [
+    (["--colocate", "--actor-num-gpus-per-node", "2"], (True, True)),  # on by default under --colocate
+    (["--colocate", "--actor-num-gpus-per-node", "2", "--no-offload-train"], (False, True)),
+    (["--colocate", "--actor-num-gpus-per-node", "2", "--no-offload-rollout"], (True, False)),
+    (["--colocate", "--actor-num-gpus-per-node", "2", "--no-offload-train", "--no-offload-rollout"], (False, False)),
+    (["--rollout-num-gpus", "2"], (False, False)),  # split: each side keeps its own GPUs
+    (["--rollout-num-gpus", "2", "--no-offload-train"], (False, False)),  # saying no to nothing is harmless
+])
+def test_offload_flags_resolve_without_rewriting_args(argv, want):
+    args = parse(*argv)
+    p = config_from_args(args).placement
+    assert (p.offload_train, p.offload_rollout) == want
+    assert args.offload_train is (False if "--no-offload-train" in argv else None)  # never written back
+
+
 def test_config_is_frozen():
     cfg = config_from_args(parse("--rollout-num-gpus", "2"))
     with pytest.raises(Exception):
@@ -72,6 +87,10 @@ def test_config_is_frozen():
      r"6 GPUs are not divisible by --tensor-model-parallel-size 4"),
     (["--rollout-num-gpus", "2", "--train-backend", "fsdp", "--tensor-model-parallel-size", "2"],
      r"apply to --train-backend megatron, not fsdp"),
+    (["--rollout-num-gpus", "2", "--offload-train"],
+     r"--offload-train hands GPU memory .* only share GPUs under --colocate.*drop --offload-train, or add --colocate"),
+    (["--rollout-num-gpus", "2", "--offload-train", "--offload-rollout"],
+     r"--offload-train and --offload-rollout hand GPU memory .*drop --offload-train and --offload-rollout"),
     (["--colocate", "--one-step-off"], r"--one-step-off overlaps generation with training, but under --colocate .*"
                                        r"drop --one-step-off, or drop --colocate"),
 ])

@@ -45,7 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         for f in dataclasses.fields(cls):
             group.add_argument("--" + f.name.replace("_", "-"), dest=f"{cls.__name__}.{f.name}", type=type(f.default),
                                metavar=f.name.split("_")[-1].upper(),
-                               default=f.default, help=f"{field_help(cls)[f.name]} (default {f.default})")
+                               default=f.default,
+                               help=f"{field_help(cls)[f.name]} (default {f.default})".replace("%", "%%"))
     return p
 
 

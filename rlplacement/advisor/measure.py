@@ -69,6 +69,7 @@ class Measurement:
     kv_cache_tokens: int | None = None  # per engine: with prompt + response length, caps sequences in flight
     max_num_seqs: int | None = None
     prompt_len: float | None = None
+    handoff_time: float | None = None  # colocated --offload-*: seconds per step handing the GPU over (both ways)
 
 
 def _median(rows: Sequence[dict], key: str) -> float:
@@ -211,4 +212,14 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         kv_cache_tokens=int(first["kv_cache_tokens"]) if first.get("kv_cache_tokens") else None,
         max_num_seqs=int(first["max_num_seqs"]) if first.get("max_num_seqs") else None,
         prompt_len=float(first["prompt_len"]) if first.get("prompt_len") else None,
+        handoff_time=_handoff_time(used),
     )
+
+
+HANDOFF_KEYS = ("perf/handoff_to_train_time", "perf/handoff_to_rollout_time")
+
+
+def _handoff_time(rows: Sequence[dict]) -> float | None:
+    """Median per step of both hand-offs; None when the run had none (split, or no GPU to hand over)."""
+    per_step = [sum(float(r.get(k) or 0.0) for k in HANDOFF_KEYS) for r in rows if any(k in r for k in HANDOFF_KEYS)]
+    return statistics.median(per_step) if per_step else None

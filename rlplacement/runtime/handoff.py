@@ -1,0 +1,165 @@
+"""Colocated memory hand-off (``--offload-train``, ``--offload-rollout``): who holds the GPU when.
+
+Under ``--colocate`` the trainer and the engines share each GPU, and a model that does not fit
+twice fits only if each side lets go while the other works:
+
+* to train (before ``log_probs``/``train``): the engines sleep (weights to host memory, KV cache
+  dropped), then the trainer's weights and optimizer state come back from host memory;
+* to update (before ``update_weights``): the trainer is resident (it is the source), and the
+  engines' weights come back, so the update writes into them while the KV cache stays released;
+* to rollout (before ``generate``): the trainer moves weights and optimizer state to host memory
+  (gradients dropped), then the engines' KV cache comes back and scheduling resumes.
+
+Each transition happens only when needed (a state machine per side), so a loop that calls the
+job's methods in any order stays correct, and each is timed and followed by a memory reading per
+role, reported as ``perf/*`` keys (see :data:`KEYS`). Where there is no GPU the hand-off is off
+and says so once: there is no GPU memory to give.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from rlplacement.runtime.waits import get_all
+
+TRAIN, ROLLOUT = "train", "rollout"
+KEYS = {
+    "perf/handoff_to_train_time": "seconds per step: engines sleep, trainer state back from host memory",
+    "perf/handoff_to_rollout_time": "seconds per step: engine weights back (before the update), trainer state "
+                                    "to host memory, engine KV cache back",
+    "perf/trainer_gpu_resident_gb_in_{phase}": "GiB the trainer holds on its GPU once the phase starts (largest rank)",
+    "perf/trainer_gpu_peak_gb_in_{phase}": "GiB the trainer held at most during the phase (torch's peak, largest rank)",
+    "perf/rollout_gpu_resident_gb_in_{phase}": "GiB an engine holds once the phase starts (largest engine)",
+    "perf/rollout_gpu_peak_gb_in_rollout": "GiB an engine held at most while generating",
+    "perf/gpu_used_gb_in_{phase}": "GiB used on the trainer rank 0's GPU (every process on it) once the phase starts",
+}
+
+
+class GpuMemoryError(RuntimeError):
+    """Out of GPU memory where a colocated hand-off flag would have freed it."""
+
+
+OOM_MARKERS = ("out of memory", "outofmemoryerror", "no available memory for the cache blocks",
+               "insufficient memory")
+
+
+def offload_hint(placement, message: str) -> str | None:
+    """The flag to turn on when ``message`` is a GPU out-of-memory error in a colocated job that kept a
+    side resident; None otherwise (the error is not about memory, or nothing more can be handed off)."""
+    if not placement.colocate or not any(m in message.lower() for m in OOM_MARKERS):
+        return None
+    off = [f for f, on in (("--offload-train", placement.offload_train),
+                           ("--offload-rollout", placement.offload_rollout)) if not on]
+    if not off:
+        return None
+    return (f"Out of GPU memory under --colocate with {' and '.join('--no-' + f[2:] for f in off)}: the trainer and "
+            f"the engines were resident on the same GPUs at once. Turn on {' and '.join(off)} (drop "
+            f"{' and '.join('--no-' + f[2:] for f in off)}) so each side releases its memory while the other works.")
+
+
+def skipped_reason(offload_train: bool, offload_rollout: bool, trainer_device: str) -> str | None:
+    """Why the hand-off is off for this job, or None when it runs."""
+    if not (offload_train or offload_rollout):
+        return None
+    if not trainer_device.startswith("cuda"):
+        flags = " and ".join(f for f, on in (("--offload-train", offload_train), ("--offload-rollout", offload_rollout))
+                             if on)
+        return (f"rlplacement: {flags}: the trainer runs on {trainer_device}, so there is no GPU memory to hand "
+                f"off; the hand-off is skipped (it runs where trainer and engines share a GPU).")
+    return None
+
+
+class ColocatedHandOff:
+    def __init__(self, trainers: Sequence, engines: Sequence, *, offload_train: bool, offload_rollout: bool,
+                 timeout_s: float, trainer_names: Sequence[str]):
+        self.trainers, self.engines = list(trainers), list(engines)
+        self.offload_train, self.offload_rollout = offload_train, offload_rollout
+        self.timeout_s = timeout_s
+        self.trainer_names = list(trainer_names)
+        self.engine_names = [f"engine {i}" for i in range(len(self.engines))]
+        self.trainer_on_host = False
+        self.engines_hold = "all"  # all | weights | nothing
+        self.phase: str | None = None
+        self._metrics: dict[str, float] = {}
+
+    # ---- transitions -----------------------------------------------------------------------
+    def to_train(self) -> None:
+        if self.phase == TRAIN:
+            return
+        start = time.perf_counter()
+        self._record_peaks(ending=self.phase)
+        if self.offload_rollout and self.engines_hold != "nothing":
+            if self.engines_hold == "weights":  # updated but never generated: whole again, then asleep
+                self._engines("resume_kv_cache", "engine KV cache back")
+            self._record("rollout", TRAIN, self._engines("release_memory", "engine sleep"))
+            self.engines_hold = "nothing"
+        self._trainer_resident(TRAIN)
+        self._add("perf/handoff_to_train_time", time.perf_counter() - start)
+        self.phase = TRAIN
+
+    def before_update(self) -> None:
+        start = time.perf_counter()
+        self._trainer_resident(None)
+        if self.engines_hold == "nothing":
+            self._engines("resume_weights", "engine weights back")
+            self.engines_hold = "weights"
+        self._add("perf/handoff_to_rollout_time", time.perf_counter() - start)
+
+    def to_rollout(self) -> None:
+        if self.phase == ROLLOUT:
+            return
+        start = time.perf_counter()
+        self._record_peaks(ending=self.phase)
+        if self.offload_train and not self.trainer_on_host:
+            self._record("trainer", ROLLOUT, self._trainers("offload_to_host", "trainer offload"))
+            self.trainer_on_host = True
+        if self.engines_hold != "all":
+            method = "resume_kv_cache" if self.engines_hold == "weights" else "resume_all"
+            self._record("rollout", ROLLOUT, self._engines(method, "engine wake-up"))
+            self.engines_hold = "all"
+        self._add("perf/handoff_to_rollout_time", time.perf_counter() - start)
+        self.phase = ROLLOUT
+
+    def pop_metrics(self) -> dict[str, float]:
+        """What the hand-offs since the last call cost and the memory each role held."""
+        out, self._metrics = self._metrics, {}
+        return out
+
+    # ---- parts ------------------------------------------------------------------------------
+    def _trainer_resident(self, phase: str | None) -> None:
+        if self.trainer_on_host:
+            reports = self._trainers("reload_from_host", "trainer reload")
+            self.trainer_on_host = False
+            if phase:
+                self._record("trainer", phase, reports)
+
+    def _trainers(self, method: str, what: str) -> list[dict]:
+        return get_all([getattr(t, method).remote() for t in self.trainers], self.timeout_s, what, self.trainer_names)
+
+    def _engines(self, method: str, what: str) -> list[dict]:
+        return get_all([getattr(e, method).remote() for e in self.engines], self.timeout_s, what, self.engine_names)
+
+    def _record(self, role: str, phase: str, reports: list[dict]) -> None:
+        resident = [r["resident_gb"] for r in reports if "resident_gb" in r]
+        if resident:
+            self._metrics[f"perf/{role}_gpu_resident_gb_in_{phase}"] = max(resident)
+        used = [r["device_used_gb"] for r in reports[:1] if "device_used_gb" in r]
+        if used and role == "trainer":
+            self._metrics[f"perf/gpu_used_gb_in_{phase}"] = used[0]
+
+    def _record_peaks(self, ending: str | None) -> None:
+        """The peak of the phase that ends (torch's peak since the previous reading, then reset)."""
+        if ending is None:
+            return
+        if not self.trainer_on_host:  # offloaded, the trainer allocated nothing during the phase
+            peaks = [r.get("peak_gb") for r in self._trainers("gpu_memory", "trainer memory")]
+            if any(p is not None for p in peaks):
+                self._metrics[f"perf/trainer_gpu_peak_gb_in_{ending}"] = max(p for p in peaks if p is not None)
+        if ending == ROLLOUT and self.engines_hold == "all":
+            peaks = [r.get("peak_gb") for r in self._engines("gpu_memory", "engine memory")]
+            if any(p is not None for p in peaks):
+                self._metrics["perf/rollout_gpu_peak_gb_in_rollout"] = max(p for p in peaks if p is not None)
+
+    def _add(self, key: str, seconds: float) -> None:
+        self._metrics[key] = self._metrics.get(key, 0.0) + seconds

@@ -1,0 +1,42 @@
+"""The advisor counts the colocated hand-off (--offload-*) as part of a colocated step, and only there."""
+
+import pytest
+
+from rlplacement.advisor import ModelAssumptions, Placement, measure
+from rlplacement.advisor.model import fit
+from tests.test_advisor import synth
+
+
+def test_a_measured_hand_off_stays_with_colocated_layouts_and_leaves_split_ones(tmp_path):
+    rows = synth(tmp_path / "c.jsonl", trainer=8, rollout=8, colocate=True, R=4.0, S=0.1, T=4.0, handoff=2.0)
+    m = measure(rows)
+    assert m.handoff_time == pytest.approx(2.0)
+    model = fit(m)
+    assert model.other_time == pytest.approx(0.0, abs=1e-6)  # the hand-off is modelled, not left in "other"
+    same = model.predict(Placement(True, 8, 8))
+    assert same.handoff_time == pytest.approx(2.0) and same.step_time == pytest.approx(m.step_time)
+    split = model.predict(Placement(False, 4, 4))
+    assert split.handoff_time == 0.0
+    assert split.to_json()["handoff_time"] == 0.0
+
+
+def test_a_split_run_estimates_the_hand_off_of_colocating_from_the_weight_bytes(tmp_path):
+    nbytes = 16e9  # an 8B model in bf16
+    rows = synth(tmp_path / "s.jsonl", trainer=4, rollout=4, R=4.0, S=0.5, T=4.0, nbytes=nbytes)
+    assert measure(rows).handoff_time is None
+    a = ModelAssumptions()
+    colocated = fit(measure(rows), a).predict(Placement(True, 8, 8))
+    want = a.handoff_bytes_ratio * nbytes * 8 / (a.host_gbps * 1e9) / 8
+    assert colocated.handoff_time == pytest.approx(want)  # 12 x 16 GB over 50 GB/s, on each of 8 GPUs: 0.48 s
+    slower_host = fit(measure(rows), ModelAssumptions(host_gbps=100.0)).predict(Placement(True, 8, 8))
+    assert slower_host.step_time - colocated.step_time == pytest.approx(3 * want)
+
+
+@pytest.mark.parametrize("command", ["advise", "plan", "bench", "convert", "export-hf"])
+def test_every_subcommand_prints_its_help(command, capsys):
+    from rlplacement.cli import main
+
+    with pytest.raises(SystemExit) as done:  # argparse's help formats every option's text ("~1-3%" broke it once)
+        main([command, "--help"])
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out

@@ -1,0 +1,126 @@
+"""The colocated hand-off's order of moves and its telemetry, and the out-of-memory hint.
+
+vLLM's sleep mode and GPU memory exist only with CUDA, so the trainer ranks and engines here are
+recording stand-ins (Ray actors that log each call and report fixed GiB): the names say so. What
+is real is the state machine RLJob runs on a GPU and the Ray calls it makes."""
+
+import os
+
+import pytest
+
+from rlplacement.args import build_parser, config_from_args
+from rlplacement.runtime.handoff import ColocatedHandOff, offload_hint, skipped_reason
+
+
+class _Log:
+    def __init__(self):
+        self.calls = []
+
+    def add(self, who, method):
+        self.calls.append((who, method))
+
+    def get(self):
+        return list(self.calls)
+
+
+class _RecordingStandIn:
+    def __init__(self, who, log, gib):
+        self.who, self.log, self.gib = who, log, gib
+
+    def _call(self, method):
+        import ray
+
+        ray.get(self.log.add.remote(self.who, method))
+        return {"seconds": 0.0, "resident_gb": self.gib, "peak_gb": self.gib + 1, "device_used_gb": 100.0}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _stand_ins(ray, log, n, role, gib):
+    # every method the hand-off calls, each recording its own name
+    methods = ("offload_to_host", "reload_from_host", "gpu_memory", "release_memory", "resume_weights",
+               "resume_kv_cache", "resume_all")
+    cls = type(f"Recording{role}", (_RecordingStandIn,),
+               {m: (lambda m: lambda self: self._call(m))(m) for m in methods})
+    return [ray.remote(cls).options(num_cpus=0).remote(f"{role}{i}", log, gib) for i in range(n)]
+
+
+def _moves(log_actor, ray):
+    """Calls in order, one entry per move (every rank of a role makes the same move at once)."""
+    out = []
+    for who, method in ray.get(log_actor.get.remote()):
+        move = (who.rstrip("0123456789"), method)
+        if not out or out[-1] != move:
+            out.append(move)
+    return out
+
+
+def test_handoff_order_with_recording_stand_ins_for_gpu_sleep_mode(ray_local):
+    ray = ray_local
+    log = ray.remote(_Log).options(num_cpus=0).remote()
+    trainers = _stand_ins(ray, log, 2, "trainer", 30.0)
+    engines = _stand_ins(ray, log, 2, "engine", 60.0)
+    h = ColocatedHandOff(trainers, engines, offload_train=True, offload_rollout=True, timeout_s=60,
+                         trainer_names=["trainer rank 0", "trainer rank 1"])
+    for _ in range(2):  # the loop: generate, train (twice: log-probs then the step), update
+        h.to_rollout()
+        h.to_train()
+        h.to_train()  # already training: no move
+        h.before_update()
+    assert _moves(log, ray) == [
+        ("trainer", "offload_to_host"),
+        ("engine", "gpu_memory"), ("engine", "release_memory"), ("trainer", "reload_from_host"),
+        ("engine", "resume_weights"),
+        ("trainer", "gpu_memory"), ("trainer", "offload_to_host"), ("engine", "resume_kv_cache"),
+        ("engine", "gpu_memory"), ("engine", "release_memory"), ("trainer", "reload_from_host"),
+        ("engine", "resume_weights"),
+    ]
+    m = h.pop_metrics()
+    assert m["perf/handoff_to_train_time"] > 0 and m["perf/handoff_to_rollout_time"] > 0
+    assert m["perf/trainer_gpu_resident_gb_in_train"] == 30.0 and m["perf/trainer_gpu_resident_gb_in_rollout"] == 30.0
+    assert m["perf/rollout_gpu_resident_gb_in_train"] == 60.0 and m["perf/rollout_gpu_peak_gb_in_rollout"] == 61.0
+    assert m["perf/trainer_gpu_peak_gb_in_train"] == 31.0 and m["perf/gpu_used_gb_in_rollout"] == 100.0
+    assert h.pop_metrics() == {}
+
+
+def test_only_the_side_asked_for_moves_with_recording_stand_ins(ray_local):
+    ray = ray_local
+    log = ray.remote(_Log).options(num_cpus=0).remote()
+    trainers, engines = _stand_ins(ray, log, 1, "trainer", 1.0), _stand_ins(ray, log, 1, "engine", 1.0)
+    h = ColocatedHandOff(trainers, engines, offload_train=False, offload_rollout=True, timeout_s=60,
+                         trainer_names=["trainer rank 0"])
+    h.to_rollout()
+    h.to_train()
+    h.to_rollout()  # no update in between: the engines come back whole
+    assert [m for m in _moves(log, ray) if m[1] != "gpu_memory"] == [
+        ("engine", "release_memory"), ("engine", "resume_all")]
+
+
+def _placement(*argv):
+    return config_from_args(build_parser().parse_args(list(argv))).placement
+
+
+def test_out_of_memory_names_the_offload_flag_to_turn_on_with_a_fake_cuda_oom_message():
+    oom = "train step failed: trainer rank 0: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    hint = offload_hint(_placement("--colocate", "--actor-num-gpus-per-node", "1", "--no-offload-train"), oom)
+    assert "Turn on --offload-train (drop --no-offload-train)" in hint
+    both = offload_hint(_placement("--colocate", "--actor-num-gpus-per-node", "1", "--no-offload-train",
+                                   "--no-offload-rollout"), "ValueError: No available memory for the cache blocks")
+    assert "Turn on --offload-train and --offload-rollout" in both
+    assert offload_hint(_placement("--colocate", "--actor-num-gpus-per-node", "1"), oom) is None  # nothing left to free
+    assert offload_hint(_placement("--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1"), oom) is None
+    assert offload_hint(_placement("--colocate", "--actor-num-gpus-per-node", "1", "--no-offload-train"),
+                        "ValueError: bad shape") is None
+
+
+def test_the_hand_off_is_skipped_on_cpu_and_says_why():
+    assert "the trainer runs on cpu, so there is no GPU memory" in skipped_reason(True, False, "cpu")
+    assert skipped_reason(True, True, "cuda:0") is None and skipped_reason(False, False, "cpu") is None
