@@ -59,3 +59,28 @@ def test_offload_round_trip_frees_storages_and_training_stays_bit_exact(tmp_path
         assert min(res["moved"]) > 0
         assert res["keys"] > 20 and res["differing"] == []
         assert "already in host memory" in res["twice"]
+
+
+def test_a_copy_failing_half_way_frees_nothing_and_the_next_offload_works(monkeypatch):
+    from rlplacement.backends import offload
+
+    tensors = [torch.arange(1000, dtype=torch.float32) + i for i in range(3)]
+    want = [t.clone() for t in tensors]
+    real, calls = offload._bytes_of, []
+
+    def failing_second_copy(storage):
+        calls.append(storage)
+        if len(calls) == 2:
+            raise MemoryError("injected: host copy failed")
+        return real(storage)
+
+    host = offload.HostOffload()
+    monkeypatch.setattr(offload, "_bytes_of", failing_second_copy)
+    with pytest.raises(MemoryError, match="injected"):
+        host.offload(tensors)
+    assert not host.offloaded and all(t.untyped_storage().nbytes() == 4000 for t in tensors)
+    monkeypatch.setattr(offload, "_bytes_of", real)
+    report = host.offload(tensors)
+    assert report["bytes"] == 12000 and all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    host.reload()
+    assert all(torch.equal(t, w) for t, w in zip(tensors, want))

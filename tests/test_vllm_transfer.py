@@ -74,6 +74,22 @@ def test_update_lands_bit_exact(cluster, mode, n_engines):
         assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before[i]]  # the weights really changed
 
 
+@pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed"])
+def test_staging_let_go_before_a_sleep_is_rebuilt_and_the_next_update_is_bit_exact(cluster, mode):
+    """What a sleeping colocated engine frees (--offload-rollout): the kept staging buffers."""
+    from rlplacement.engines.vllm_backend import release_staging
+
+    engines = cluster["engines"]
+    _update(cluster, mode, engines, seed=cluster["version"] + 1)
+    freed = ray.get([e.call_workers.remote(release_staging) for e in engines])
+    assert all(b > 0 for per_worker in freed for b in per_worker), freed
+    assert ray.get([e.call_workers.remote(release_staging) for e in engines]) == [[0], [0]]  # nothing left
+    version = _update(cluster, mode, engines, seed=cluster["version"] + 1, connect=False)
+    want = ray.get(cluster["trainer"].checksums.remote())
+    assert ray.get([e.weight_version.remote() for e in engines]) == [version, version]
+    assert all(got == want for got in ray.get([e.received_checksums.remote() for e in engines]))
+
+
 def test_p2p_five_versions_bit_exact_into_two_engines(cluster):
     engines, trainer = cluster["engines"], cluster["trainer"]
     _connect(cluster, "p2p", engines)

@@ -212,6 +212,7 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
                   f"{row[mode]['commit']}", flush=True)
         if compare_generation:
             prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 250, 120], [7] * 16]  # inside the smoke vocabulary too
+            job.prepare_rollout()  # under --colocate the engine slept for training: its KV cache comes back
             updated = greedy(job.engines[0], prompts)
             updated_sums = ray.get(job.engines[0].model_checksums.remote(), timeout=300)
             saved = ray.get(job.trainers[0].save_hf_folder.remote(str(root / f"{size}_trained"), str(model_dir)),

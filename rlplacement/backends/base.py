@@ -199,6 +199,7 @@ class TrainerBackend(abc.ABC):
             raise FloatingPointError(f"{self.name}: gradient norm is {norm} at step {self.step}; step skipped")
         self._clip(norm)
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # a model's worth of memory free through the update
         self.step += 1
         mask = batch.loss_mask.float()
         return {"loss": loss, "grad_norm": norm, "lr": self.optim_config.lr,

@@ -1,17 +1,22 @@
 """Moving a trainer's GPU state to host memory and back, in place.
 
-Storages, not tensors, are moved: the bytes of each storage go to a host buffer (pinned when the
-storage is on a GPU) and the storage is resized to zero; ``reload`` resizes it back and copies the
-bytes in. Every tensor object stays the one it was (parameters, their views, DTensor shards, the
-optimizer's state and its references to the parameters), so nothing that holds a tensor has to be
-told, and the round trip is bit-exact. Tensors that share a storage are moved once.
+Storages, not tensors, are moved: the bytes of each storage go to a slice of one host buffer and
+the storage is resized to zero; ``reload`` resizes it back and copies the bytes in. Every tensor
+object stays the one it was (parameters, their views, DTensor shards, the optimizer's state and
+its references to the parameters), so nothing that holds a tensor has to be told, and the round
+trip is bit-exact. Tensors that share a storage are moved once.
+
+The host buffer is one allocation of exactly the bytes moved, kept across steps and pinned by
+registering it with CUDA (``cudaHostRegister``): torch's pinned allocator would round each
+buffer up to a power of two and cache it for the life of the process (an 8B trainer's ~33 GB of
+state would hold 56 GiB of host memory). If registering fails the buffer stays pageable: the
+copies are slower, not wrong.
 
 Gradients are not moved: every training step starts by setting them to None, so they are dropped.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Iterable
 
@@ -23,17 +28,18 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-@dataclasses.dataclass
-class _Saved:
-    storage: torch.UntypedStorage
-    host: torch.Tensor  # uint8, the storage's bytes
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class HostOffload:
     """Holds what was offloaded until :meth:`reload`; offloading twice in a row is refused."""
 
     def __init__(self) -> None:
-        self._saved: list[_Saved] = []
+        self._saved: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, offset in host, bytes)
+        self._host: torch.Tensor | None = None
+        self._registered = False
 
     @property
     def offloaded(self) -> bool:
@@ -43,33 +49,59 @@ class HostOffload:
         if self._saved:
             raise RuntimeError("the trainer's state is already in host memory: reload before offloading again")
         start = time.perf_counter()
-        seen: set[int] = set()
+        storages: dict[int, torch.UntypedStorage] = {}
         for t in tensors:
             storage = local_tensor(t).untyped_storage()
-            key = storage.data_ptr()
-            if storage.nbytes() == 0 or key in seen:
-                continue
-            seen.add(key)
-            on_gpu = storage.device.type == "cuda"
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=on_gpu)
-            host.untyped_storage().copy_(storage, non_blocking=on_gpu)
-            self._saved.append(_Saved(storage, host))
-        if any(s.storage.device.type == "cuda" for s in self._saved):
+            if storage.nbytes():
+                storages.setdefault(storage.data_ptr(), storage)
+        on_gpu = any(s.device.type == "cuda" for s in storages.values())
+        host = self._host_buffer(sum(s.nbytes() for s in storages.values()), on_gpu)
+        saved, offset = [], 0
+        for storage in storages.values():  # nothing is freed until every byte is copied: a failure loses nothing
+            n = storage.nbytes()
+            host[offset:offset + n].copy_(_bytes_of(storage), non_blocking=on_gpu)
+            saved.append((storage, offset, n))
+            offset += n
+        if on_gpu:
             torch.cuda.synchronize()
-        for s in self._saved:
-            s.storage.resize_(0)
-        if any(s.storage.device.type == "cuda" for s in self._saved):
+        for storage, _, _ in saved:
+            storage.resize_(0)
+        self._saved = saved
+        if on_gpu:
             torch.cuda.empty_cache()  # give the freed blocks back to the driver, where the engines allocate
-        return {"seconds": time.perf_counter() - start, "bytes": float(sum(s.host.numel() for s in self._saved))}
+        return {"seconds": time.perf_counter() - start, "bytes": float(offset), "host_pinned": float(self._registered)}
 
     def reload(self) -> dict[str, float]:
         start = time.perf_counter()
         moved = 0
-        for s in self._saved:
-            s.storage.resize_(s.host.numel())
-            s.storage.copy_(s.host.untyped_storage(), non_blocking=s.storage.device.type == "cuda")
-            moved += s.host.numel()
-        if any(s.storage.device.type == "cuda" for s in self._saved):
+        on_gpu = any(s.device.type == "cuda" for s, _, _ in self._saved)
+        for storage, offset, n in self._saved:
+            storage.resize_(n)
+            _bytes_of(storage).copy_(self._host[offset:offset + n], non_blocking=on_gpu)
+            moved += n
+        if on_gpu:
             torch.cuda.synchronize()
         self._saved = []
         return {"seconds": time.perf_counter() - start, "bytes": float(moved)}
+
+    def _host_buffer(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """The kept host buffer, reallocated only when the state's size changed."""
+        if self._host is not None and self._host.numel() == nbytes:
+            return self._host
+        self._release_host()
+        self._host = torch.empty(nbytes, dtype=torch.uint8)
+        if pin and nbytes:
+            rc = torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), nbytes, 0)
+            self._registered = int(getattr(rc, "value", rc)) == 0
+        return self._host
+
+    def _release_host(self) -> None:
+        if self._host is not None and self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+        self._host, self._registered = None, False
+
+    def __del__(self) -> None:
+        try:
+            self._release_host()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: CUDA may be gone already
+            pass

@@ -172,6 +172,10 @@ class CopyPlan:
         self._staged_keep = [t for _, t in staged]
         return self._pairs
 
+    def forget_staged(self) -> None:
+        """Drop the views of the staged buffers (the receiver freed them); the next update rebuilds them."""
+        self._staged_ids, self._pairs, self._staged_keep = (), None, []
+
     def replay(self, staged: Sequence[NamedTensor]) -> None:
         import torch
 

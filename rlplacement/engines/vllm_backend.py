@@ -144,6 +144,21 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         """vLLM 0.26 declares the trainer side on the engine class; ours is rlplacement.transfer."""
         raise NotImplementedError("rlplacement's trainer side is rlplacement.runtime.trainer_transfer (TrainerTransferMixin)")
 
+    def release_staging(self) -> int:
+        """Free the kept staging buffers and the copy plan's views of them (rebuilt by the next update):
+        they live outside vLLM's sleep pool, so sleeping alone would keep ~one model's bytes on the GPU.
+        Returns the bytes let go."""
+        freed = 0
+        if self.receiver is not None:
+            freed = self.receiver.release_staging()
+        if self._plan is not None:
+            self._plan.forget_staged()
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        return freed
+
     def shutdown(self) -> None:
         # never wait on peers here: shutdown runs on error paths, and waiting would turn an error into a hang
         if self.receiver is not None:
@@ -185,6 +200,12 @@ def receive_and_commit(worker: Any, version: int) -> dict:
     t1 = time.perf_counter()
     engine.finish_weight_update()
     return {"receive": t1 - t0, "load": time.perf_counter() - t1}
+
+
+def release_staging(worker: Any) -> int:
+    """For ``collective_rpc``: this worker's staging freed before the engine sleeps (bytes let go)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return engine.release_staging() if isinstance(engine, RlplacementWeightTransferEngine) else 0
 
 
 def shutdown_transfer(worker: Any) -> None:

@@ -76,11 +76,18 @@ class VllmRolloutEngine:
 
     # ---- memory hand-off (--offload-rollout) ------------------------------------------------
     def release_memory(self) -> dict:
-        """Before training: sleep at level 1 (weights to host memory, KV cache dropped).
+        """Before training: the update's staging buffers freed (they are outside vLLM's sleep pool), then
+        sleep at level 1 (weights to host memory, KV cache dropped).
 
         Level 1, not 2: a full update rewrites every weight, but a failed one must leave the previous
         version being served, so the previous weights have to survive the sleep."""
-        return self._timed(lambda: self.llm.sleep(level=1))
+        from rlplacement.engines.vllm_backend import release_staging
+
+        def release() -> None:
+            self.llm.collective_rpc(release_staging)
+            self.llm.sleep(level=1)
+
+        return self._timed(release)
 
     def resume_weights(self) -> dict:
         """Before an update: the weights come back (the KV cache stays released while bytes arrive)."""

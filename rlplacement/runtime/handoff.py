@@ -32,7 +32,7 @@ KEYS = {
     "perf/trainer_gpu_peak_gb_in_{phase}": "GiB the trainer held at most during the phase (torch's peak, largest rank)",
     "perf/rollout_gpu_resident_gb_in_{phase}": "GiB an engine holds once the phase starts (largest engine)",
     "perf/rollout_gpu_peak_gb_in_rollout": "GiB an engine held at most while generating",
-    "perf/gpu_used_gb_in_{phase}": "GiB used on the trainer rank 0's GPU (every process on it) once the phase starts",
+    "perf/gpu_used_gb_in_{phase}": "GiB used on trainer rank 0's GPU (every process on it) once both sides moved",
 }
 
 
@@ -73,32 +73,44 @@ def skipped_reason(offload_train: bool, offload_rollout: bool, trainer_device: s
 class ColocatedHandOff:
     def __init__(self, trainers: Sequence, engines: Sequence, *, offload_train: bool, offload_rollout: bool,
                  timeout_s: float, trainer_names: Sequence[str]):
-        self.trainers, self.engines = list(trainers), list(engines)
+        # the job's own lists: an engine it replaces (restarted, or a fresh one in a benchmark) is the one moved
+        self.trainers, self.engines = trainers, engines
         self.offload_train, self.offload_rollout = offload_train, offload_rollout
         self.timeout_s = timeout_s
         self.trainer_names = list(trainer_names)
-        self.engine_names = [f"engine {i}" for i in range(len(self.engines))]
         self.trainer_on_host = False
         self.engines_hold = "all"  # all | weights | nothing
         self.phase: str | None = None
         self._metrics: dict[str, float] = {}
 
     # ---- transitions -----------------------------------------------------------------------
+    # Each decides from where the two sides are (not from the last phase), so an update between
+    # two rollouts, or between log-probs and the step, still ends with the right side resident.
     def to_train(self) -> None:
-        if self.phase == TRAIN:
+        engines_must_sleep = self.offload_rollout and self.engines_hold != "nothing"
+        if not engines_must_sleep and not self.trainer_on_host:
+            self.phase = TRAIN
             return
         start = time.perf_counter()
         self._record_peaks(ending=self.phase)
-        if self.offload_rollout and self.engines_hold != "nothing":
-            if self.engines_hold == "weights":  # updated but never generated: whole again, then asleep
+        if engines_must_sleep:
+            if self.engines_hold == "weights":
+                # updated but never generated: vLLM sleeps only a whole engine, so the KV cache comes
+                # back first, with the trainer's state out of the way while it does
+                self._trainer_to_host(None)
                 self._engines("resume_kv_cache", "engine KV cache back")
             self._record("rollout", TRAIN, self._engines("release_memory", "engine sleep"))
             self.engines_hold = "nothing"
         self._trainer_resident(TRAIN)
+        self._device_reading(TRAIN)
         self._add("perf/handoff_to_train_time", time.perf_counter() - start)
         self.phase = TRAIN
 
     def before_update(self) -> None:
+        """The trainer is the source and the engines' weights the destination: both resident; the
+        KV cache stays released while the bytes arrive."""
+        if not self.trainer_on_host and self.engines_hold != "nothing":
+            return
         start = time.perf_counter()
         self._trainer_resident(None)
         if self.engines_hold == "nothing":
@@ -107,17 +119,18 @@ class ColocatedHandOff:
         self._add("perf/handoff_to_rollout_time", time.perf_counter() - start)
 
     def to_rollout(self) -> None:
-        if self.phase == ROLLOUT:
+        trainer_must_leave = self.offload_train and not self.trainer_on_host
+        if not trainer_must_leave and self.engines_hold == "all":
+            self.phase = ROLLOUT
             return
         start = time.perf_counter()
         self._record_peaks(ending=self.phase)
-        if self.offload_train and not self.trainer_on_host:
-            self._record("trainer", ROLLOUT, self._trainers("offload_to_host", "trainer offload"))
-            self.trainer_on_host = True
+        self._trainer_to_host(ROLLOUT)
         if self.engines_hold != "all":
             method = "resume_kv_cache" if self.engines_hold == "weights" else "resume_all"
             self._record("rollout", ROLLOUT, self._engines(method, "engine wake-up"))
             self.engines_hold = "all"
+        self._device_reading(ROLLOUT)
         self._add("perf/handoff_to_rollout_time", time.perf_counter() - start)
         self.phase = ROLLOUT
 
@@ -127,6 +140,13 @@ class ColocatedHandOff:
         return out
 
     # ---- parts ------------------------------------------------------------------------------
+    def _trainer_to_host(self, phase: str | None) -> None:
+        if self.offload_train and not self.trainer_on_host:
+            reports = self._trainers("offload_to_host", "trainer offload")
+            self.trainer_on_host = True
+            if phase:
+                self._record("trainer", phase, reports)
+
     def _trainer_resident(self, phase: str | None) -> None:
         if self.trainer_on_host:
             reports = self._trainers("reload_from_host", "trainer reload")
@@ -138,15 +158,20 @@ class ColocatedHandOff:
         return get_all([getattr(t, method).remote() for t in self.trainers], self.timeout_s, what, self.trainer_names)
 
     def _engines(self, method: str, what: str) -> list[dict]:
-        return get_all([getattr(e, method).remote() for e in self.engines], self.timeout_s, what, self.engine_names)
+        return get_all([getattr(e, method).remote() for e in self.engines], self.timeout_s, what,
+                       [f"engine {i}" for i in range(len(self.engines))])
 
     def _record(self, role: str, phase: str, reports: list[dict]) -> None:
         resident = [r["resident_gb"] for r in reports if "resident_gb" in r]
         if resident:
             self._metrics[f"perf/{role}_gpu_resident_gb_in_{phase}"] = max(resident)
-        used = [r["device_used_gb"] for r in reports[:1] if "device_used_gb" in r]
-        if used and role == "trainer":
-            self._metrics[f"perf/gpu_used_gb_in_{phase}"] = used[0]
+
+    def _device_reading(self, phase: str) -> None:
+        """The whole device once both sides have moved (trainer rank 0's GPU; its peak restarts here)."""
+        reading = get_all([self.trainers[0].gpu_memory.remote()], self.timeout_s, "trainer memory",
+                          self.trainer_names[:1])[0]
+        if "device_used_gb" in reading:
+            self._metrics[f"perf/gpu_used_gb_in_{phase}"] = reading["device_used_gb"]
 
     def _record_peaks(self, ending: str | None) -> None:
         """The peak of the phase that ends (torch's peak since the previous reading, then reset)."""

@@ -310,6 +310,16 @@ class BroadcastReceiver(StagingReceiver):
         self._end_count = aux
         return kind, version, blob
 
+    def release_staging(self) -> int:
+        """Let the kept staging buffers go (a sleeping colocated engine); the next update allocates
+        them again. Returns the bytes let go. Only between updates: nothing staged may be pending."""
+        if self.buffers is None or self._staged is not None:
+            return 0
+        freed = self.buffers.nbytes
+        self.buffers = FlatBuffers(self.buffers.device)
+        self._views = {}
+        return freed
+
     def _recv_payload(self, buf: "torch.Tensor", manifest: BucketManifest) -> None:
         for meta in manifest.tensors:
             if meta.nbytes:

@@ -230,6 +230,11 @@ class P2PReceiver(BroadcastReceiver):
         self._group._store.set(_session_key(endpoint.group_name, rank), self._engine.session)
         self.buffers = FlatBuffers(self.device)  # staging lives where the model does, registered as it grows
 
+    def release_staging(self) -> int:
+        """Kept: the staging is registered with Mooncake and its addresses were given to the trainer
+        (p2p runs only in split layouts, where nothing sleeps)."""
+        return 0
+
     def _recv_payload(self, buf: "torch.Tensor", manifest: BucketManifest) -> None:
         import torch
 
