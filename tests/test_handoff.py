@@ -63,13 +63,17 @@ def _moves(log_actor, ray):
     return out
 
 
+def _hand_off(ray, *, ranks=1, offload_train=True, offload_rollout=True):
+    """(hand-off, call log) over ``ranks`` recording trainer ranks (30 GiB each) and engines (60 GiB)."""
+    log = ray.remote(_Log).options(num_cpus=0).remote()
+    trainers, engines = _stand_ins(ray, log, ranks, "trainer", 30.0), _stand_ins(ray, log, ranks, "engine", 60.0)
+    return ColocatedHandOff(trainers, engines, offload_train=offload_train, offload_rollout=offload_rollout,
+                            timeout_s=60, trainer_names=[f"trainer rank {r}" for r in range(ranks)]), log
+
+
 def test_handoff_order_with_recording_stand_ins_for_gpu_sleep_mode(ray_local):
     ray = ray_local
-    log = ray.remote(_Log).options(num_cpus=0).remote()
-    trainers = _stand_ins(ray, log, 2, "trainer", 30.0)
-    engines = _stand_ins(ray, log, 2, "engine", 60.0)
-    h = ColocatedHandOff(trainers, engines, offload_train=True, offload_rollout=True, timeout_s=60,
-                         trainer_names=["trainer rank 0", "trainer rank 1"])
+    h, log = _hand_off(ray, ranks=2)
     for _ in range(2):  # the loop: generate, train (twice: log-probs then the step), update
         h.to_rollout()
         h.to_train()
@@ -93,10 +97,7 @@ def test_handoff_order_with_recording_stand_ins_for_gpu_sleep_mode(ray_local):
 
 def test_only_the_side_asked_for_moves_with_recording_stand_ins(ray_local):
     ray = ray_local
-    log = ray.remote(_Log).options(num_cpus=0).remote()
-    trainers, engines = _stand_ins(ray, log, 1, "trainer", 1.0), _stand_ins(ray, log, 1, "engine", 1.0)
-    h = ColocatedHandOff(trainers, engines, offload_train=False, offload_rollout=True, timeout_s=60,
-                         trainer_names=["trainer rank 0"])
+    h, log = _hand_off(ray, offload_train=False)
     h.to_rollout()
     h.to_train()
     h.to_rollout()  # no update in between: the engines come back whole
@@ -106,10 +107,7 @@ def test_only_the_side_asked_for_moves_with_recording_stand_ins(ray_local):
 
 def test_an_update_outside_the_loop_order_still_ends_with_the_right_side_resident_with_recording_stand_ins(ray_local):
     ray = ray_local
-    log = ray.remote(_Log).options(num_cpus=0).remote()
-    trainers, engines = _stand_ins(ray, log, 1, "trainer", 1.0), _stand_ins(ray, log, 1, "engine", 1.0)
-    h = ColocatedHandOff(trainers, engines, offload_train=True, offload_rollout=True, timeout_s=60,
-                         trainer_names=["trainer rank 0"])
+    h, log = _hand_off(ray)
     h.to_rollout()
     h.before_update()  # an update between two rollouts: the trainer comes back as the source ...
     h.to_rollout()  # ... and must leave again before generating
