@@ -4,7 +4,9 @@
 group, builds the backend on every rank and joins rank 0 with every engine worker in the
 transfer group. Then per step: :meth:`generate` (prompts spread over engines),
 :meth:`log_probs` and :meth:`train` (the batch split over data-parallel ranks), and
-:meth:`update_weights` (one version to every engine, all or nothing per engine).
+:meth:`update_weights` (one version to every engine, all or nothing per engine). Under
+``--colocate`` with ``--offload-train``/``--offload-rollout`` on a GPU, each of them first hands the
+GPU to its side (``runtime.handoff``); ``prepare_*`` do that ahead, outside a loop's timed phases.
 
 Nothing here is specific to the example loop; it only wires the layers together in one
 direction: backend -> transfer -> engine.
