@@ -220,9 +220,9 @@ class Bench:
             self._send[key] = lambda _: (dst.copy_(src), torch.cuda.synchronize(src.device))
         self._local.add(key)
 
-    def time_all(self, repeats: int) -> dict[str, float]:
-        """Median seconds per contender (first byte to the receiver's ack) over ``repeats`` rounds,
-        after one warm-up round (allocations, page faults)."""
+    def time_all(self, repeats: int) -> dict[str, list[float]]:
+        """Seconds per contender and round (first byte to the receiver's ack), ``repeats`` rounds after
+        one warm-up round (allocations, page faults); every round runs each contender once, in turn."""
         times: dict[str, list[float]] = {key: [] for key in self._send}
         for version in range(1, repeats + 2):
             for key, send in self._send.items():
@@ -234,7 +234,7 @@ class Bench:
                     send(version)
                     self._ack()
                 times[key].append(time.perf_counter() - start)
-        return {key: statistics.median(t[1:]) for key, t in times.items()}
+        return {key: t[1:] for key, t in times.items()}
 
     def close(self) -> None:
         try:
@@ -291,14 +291,20 @@ def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, devic
              "mooncake_ceiling": bench.add_mooncake_ceiling}[key](key, nbytes)
         for mode in modes:
             bench.add_mode(mode, named, buffer_size)
-        seconds = bench.time_all(repeats)
+        rounds = bench.time_all(repeats)
         rows = {}
         for mode in modes:
-            gbps, ceiling_gbps = nbytes / seconds[mode] / 1e9, nbytes / seconds[CEILING_KEY[mode]] / 1e9
-            rows[mode] = {"mode": mode, "bytes": nbytes, "num_tensors": len(named), "seconds": seconds[mode],
-                          "gbps": gbps, "ceiling": ceiling_name(mode, bench.device), "ceiling_gbps": ceiling_gbps,
-                          "ratio": gbps / ceiling_gbps, "buffer_size": buffer_size,
-                          "transport": transport_of(mode, bench.device)}
+            ceiling = rounds[CEILING_KEY[mode]]
+            seconds, ceiling_seconds = statistics.median(rounds[mode]), statistics.median(ceiling)
+            # each round's run over its own ceiling run, moments apart: the spread says how far one number
+            # can be trusted on a shared machine (the gloo ceiling alone spans 2.0-3.0 GB/s on 2 cores)
+            paired = sorted(c / m for c, m in zip(ceiling, rounds[mode]))
+            rows[mode] = {"mode": mode, "bytes": nbytes, "num_tensors": len(named), "seconds": seconds,
+                          "gbps": nbytes / seconds / 1e9, "ceiling": ceiling_name(mode, bench.device),
+                          "ceiling_gbps": nbytes / ceiling_seconds / 1e9, "ratio": ceiling_seconds / seconds,
+                          "ratio_per_round_quartiles": [paired[len(paired) // 4], statistics.median(paired),
+                                                        paired[(3 * len(paired)) // 4]],
+                          "buffer_size": buffer_size, "transport": transport_of(mode, bench.device)}
         return rows
     finally:
         bench.close()

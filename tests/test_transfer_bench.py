@@ -21,6 +21,8 @@ def test_bench_prints_one_json_row_per_mode(capsys):
         assert r["ceiling"] == {"cuda_ipc": "raw in-memory copy", "p2p": "raw Mooncake write"}.get(r["mode"],
                                                                                                  "flat broadcast")
         assert r["gbps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9) and 0 < r["ratio"]
+        low, mid, high = r["ratio_per_round_quartiles"]
+        assert 0 < low <= mid <= high
         # no GPU here: --device auto measured the CPU transports and says so
         assert r["transport"] == {"cuda_ipc": "shared memory", "p2p": "mooncake tcp"}.get(r["mode"], "gloo")
 
