@@ -30,7 +30,6 @@ import random
 import time
 
 
-
 @dataclasses.dataclass(frozen=True)
 class StubConfig:
     trainer_gpus: int

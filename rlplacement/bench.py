@@ -65,6 +65,7 @@ def _receiver_main(conn, device: str) -> None:
     device has finished it, for CUDA)."""
     import torch
 
+    from rlplacement.rendezvous import join_store
     from rlplacement.transfer import group as groups
     from rlplacement.transfer import registry
     from rlplacement.transfer.base import TransferEndpoint
@@ -93,7 +94,7 @@ def _receiver_main(conn, device: str) -> None:
                 continue
             e = TransferEndpoint.from_dict(endpoint)
             if e.mode == "raw":
-                grp = groups.TransferGroup(groups.join_store(e.host, e.port, 2, e.timeout_s), e.group_name, 1, 2,
+                grp = groups.TransferGroup(join_store(e.host, e.port, 2, e.timeout_s), e.group_name, 1, 2,
                                            e.backend, device, e.timeout_s)
                 buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)  # pre-faulted
                 joined[key] = ("raw", grp, buf)
@@ -166,10 +167,11 @@ class Bench:
 
         import torch
 
+        from rlplacement.rendezvous import host_store
         from rlplacement.transfer import group as groups
 
         backend = groups.backend_for(self.device)
-        store, port = groups.host_store("127.0.0.1", 2, self.timeout_s)
+        store, port = host_store("127.0.0.1", 2, self.timeout_s)
         name = uuid.uuid4().hex[:12]
         self.conn.send(("join", key, {"mode": "raw", "host": "127.0.0.1", "port": port, "world_size": 2,
                                       "backend": backend, "group_name": name, "timeout_s": self.timeout_s}, nbytes))

@@ -163,7 +163,8 @@ class RlplacementCheckpointEngine(CheckpointEngine):
 
     # -- internals
     def _rendezvous_address(self) -> tuple[str, int]:
-        from rlplacement.transfer.group import host_store, local_host
+        from rlplacement.rendezvous import host_store
+        from rlplacement.transfer.group import local_host
 
         if self._rendezvous is None:
             host = local_host()
@@ -182,7 +183,8 @@ class RlplacementCheckpointEngine(CheckpointEngine):
         self._sender.connect()
 
     def _join_as_receiver(self, rank: int, host: str, port: int, group: str) -> None:
-        from rlplacement.transfer.group import default_device, join_store
+        from rlplacement.rendezvous import join_store
+        from rlplacement.transfer.group import default_device
 
         store = join_store(host, port, 2, self.timeout_s)
         try:

@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, ClassVar, Iterable, Iterator
 
+from rlplacement.rendezvous import host_store, join_store
 from rlplacement.transfer import group as groups
 from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferEndpoint, TransferError,
                                        UpdateAborted, UpdateReport, WeightSender)
@@ -88,7 +89,7 @@ class BroadcastSender(WeightSender):
         if world_size < 2:
             raise ValueError(f"world_size {world_size}: need the trainer plus at least one engine worker")
         host = host or groups.local_host()
-        self._store, port = groups.host_store(host, world_size, self.timeout_s)
+        self._store, port = host_store(host, world_size, self.timeout_s)
         self._endpoint = TransferEndpoint(self.mode, host, port, world_size, self.backend,
                                           uuid.uuid4().hex[:12], self.timeout_s, self.check_equal)
         return self._endpoint
@@ -219,7 +220,7 @@ class BroadcastReceiver(StagingReceiver):
     def connect(self, endpoint: TransferEndpoint, rank: int) -> None:
         self._check_endpoint(endpoint, rank)
         self.close()
-        store = groups.join_store(endpoint.host, endpoint.port, endpoint.world_size, endpoint.timeout_s)
+        store = join_store(endpoint.host, endpoint.port, endpoint.world_size, endpoint.timeout_s)
         wire = _wire_device(endpoint.backend, self.device)
         self._group = groups.TransferGroup(store, endpoint.group_name, rank, endpoint.world_size,
                                            endpoint.backend, wire, endpoint.timeout_s)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING
 
-from rlplacement.rendezvous import host_store, join_store  # noqa: F401 - the group's rendezvous
-
 if TYPE_CHECKING:
     import torch
 
