@@ -162,9 +162,7 @@ class ColocatedHandOff:
                        [f"engine {i}" for i in range(len(self.engines))])
 
     def _record(self, role: str, phase: str, reports: list[dict]) -> None:
-        resident = [r["resident_gb"] for r in reports if "resident_gb" in r]
-        if resident:
-            self._metrics[f"perf/{role}_gpu_resident_gb_in_{phase}"] = max(resident)
+        self._put(f"perf/{role}_gpu_resident_gb_in_{phase}", reports, "resident_gb")
 
     def _device_reading(self, phase: str) -> None:
         """The whole device once both sides have moved (trainer rank 0's GPU; its peak restarts here)."""
@@ -178,13 +176,16 @@ class ColocatedHandOff:
         if ending is None:
             return
         if not self.trainer_on_host:  # offloaded, the trainer allocated nothing during the phase
-            peaks = [r.get("peak_gb") for r in self._trainers("gpu_memory", "trainer memory")]
-            if any(p is not None for p in peaks):
-                self._metrics[f"perf/trainer_gpu_peak_gb_in_{ending}"] = max(p for p in peaks if p is not None)
+            readings = self._trainers("gpu_memory", "trainer memory")
+            self._put(f"perf/trainer_gpu_peak_gb_in_{ending}", readings, "peak_gb")
         if ending == ROLLOUT and self.engines_hold == "all":
-            peaks = [r.get("peak_gb") for r in self._engines("gpu_memory", "engine memory")]
-            if any(p is not None for p in peaks):
-                self._metrics["perf/rollout_gpu_peak_gb_in_rollout"] = max(p for p in peaks if p is not None)
+            self._put("perf/rollout_gpu_peak_gb_in_rollout", self._engines("gpu_memory", "engine memory"), "peak_gb")
+
+    def _put(self, key: str, reports: list[dict], field: str) -> None:
+        """``key`` = the largest ``field`` over the ranks or engines that report it (none without CUDA)."""
+        values = [r[field] for r in reports if r.get(field) is not None]
+        if values:
+            self._metrics[key] = max(values)
 
     def _add(self, key: str, seconds: float) -> None:
         self._metrics[key] = self._metrics.get(key, 0.0) + seconds
