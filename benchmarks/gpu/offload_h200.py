@@ -101,7 +101,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--train-len", type=int, default=256)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--skip-without", action="store_true", help="only the run with the hand-off")
     parser.add_argument("--out", type=str, default=None)
     args = parser.parse_args()
