@@ -45,10 +45,30 @@ def _worker(rank, world, hf):
             twice = None
         except RuntimeError as exc:
             twice = str(exc)
+        refused = _weight_reads_refused(rank, world, offloaded)
         offloaded.reload_from_host()
     a, b = _state(offloaded), _state(resident)
     differing = sorted(k for k in b if not torch.equal(a[k], b[k]))
-    return {"freed": freed, "moved": moved, "differing": differing, "keys": len(b), "twice": twice}
+    return {"freed": freed, "moved": moved, "differing": differing, "keys": len(b), "twice": twice, "refused": refused}
+
+
+def _weight_reads_refused(rank, world, backend) -> list[str]:
+    """What the trainer actor answers to each weight read while its state is on the host."""
+    from rlplacement.runtime.trainer_worker import TrainerWorker
+
+    worker = TrainerWorker(rank, world)
+    worker.backend = backend
+    batch = {"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]], "advantages": [1.0]}
+    reads = [worker.hf_checksums, worker.gather_for_update, lambda: worker.log_probs(batch),
+             lambda: worker.train_step(batch), lambda: worker.save_hf_folder("/nonexistent", "/nonexistent")]
+    refused = []
+    for read in reads:
+        try:
+            read()
+            refused.append("answered")
+        except RuntimeError as exc:
+            refused.append(str(exc))
+    return refused
 
 
 @pytest.mark.slow
@@ -59,6 +79,8 @@ def test_offload_round_trip_frees_storages_and_training_stays_bit_exact(tmp_path
         assert min(res["moved"]) > 0
         assert res["keys"] > 20 and res["differing"] == []
         assert "already in host memory" in res["twice"]
+        assert len(res["refused"]) == 5 and all(
+            "in host memory (--offload-train" in r and "RLJob.prepare_update()" in r for r in res["refused"]), res["refused"]
 
 
 def test_a_copy_failing_half_way_frees_nothing_and_the_next_offload_works(monkeypatch):

@@ -215,6 +215,7 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
             job.prepare_rollout()  # under --colocate the engine slept for training: its KV cache comes back
             updated = greedy(job.engines[0], prompts)
             updated_sums = ray.get(job.engines[0].model_checksums.remote(), timeout=300)
+            job.prepare_update()  # the hand-off moved the trainer's weights to the host for rollout
             saved = ray.get(job.trainers[0].save_hf_folder.remote(str(root / f"{size}_trained"), str(model_dir)),
                             timeout=600)
             ray.get(job.engines[0].shutdown.remote(), timeout=120)

@@ -225,6 +225,11 @@ class TrainerBackend(abc.ABC):
             p.grad = None  # the next step starts from None anyway
         return self._host_offload.offload(self._resident_tensors())
 
+    @property
+    def offloaded_to_host(self) -> bool:
+        host = getattr(self, "_host_offload", None)
+        return host is not None and host.offloaded
+
     def reload_from_host(self) -> dict[str, float]:
         host = getattr(self, "_host_offload", None)
         return host.reload() if host is not None else {"seconds": 0.0, "bytes": 0.0}

@@ -70,9 +70,11 @@ class TrainerWorker(TrainerTransferMixin):
                      None if old is None else torch.as_tensor(old, dtype=torch.float32))
 
     def log_probs(self, batch: dict) -> list[list[float]]:
+        self._require_resident("log-probs")
         return self.backend.log_probs(self._batch(batch)).cpu().tolist()
 
     def train_step(self, batch: dict) -> dict:
+        self._require_resident("a train step")
         start = time.time()
         metrics = self.backend.train_step(self._batch(batch))
         return {**metrics, "start": start, "end": time.time()}
@@ -89,17 +91,28 @@ class TrainerWorker(TrainerTransferMixin):
     def gpu_memory(self) -> dict:
         return gpu_memory()
 
+    def _require_resident(self, what: str) -> None:
+        """Offloaded storages have size 0: reading them fails deep in CUDA ("invalid argument") or,
+        worse, reads nothing. Refuse first, saying how a caller outside the job's phases gets them back."""
+        if self.backend.offloaded_to_host:
+            raise RuntimeError(f"trainer rank {self.rank}: {what} needs the trainer's weights, which are in host "
+                               "memory (--offload-train, after a colocated hand-off to rollout): call "
+                               "RLJob.prepare_update() or prepare_train() first")
+
     def hf_named_tensors(self) -> Iterable:
+        self._require_resident("a weight update")
         return self.backend.iter_hf_tensors()
 
     def gather_for_update(self) -> int:
         """Ranks other than 0: take part in the collective gathers of an update; returns tensors seen."""
+        self._require_resident("a weight update")
         return sum(1 for _ in self.backend.iter_hf_tensors())
 
     def hf_checksums(self) -> dict[str, str]:
         """Per-tensor checksums of the weights as the trainer holds them (collective)."""
         from rlplacement.transfer.base import tensor_checksum
 
+        self._require_resident("checksums")
         return {name: tensor_checksum(t) for name, t in self.backend.iter_hf_tensors()}
 
     def save_hf_folder(self, out_dir: str, like_dir: str) -> str | None:
@@ -111,6 +124,7 @@ class TrainerWorker(TrainerTransferMixin):
 
         from safetensors.torch import save_file
 
+        self._require_resident("saving a folder")
         tensors = {name: t.detach().cpu().contiguous() for name, t in self.backend.iter_hf_tensors()}
         if self.rank != 0:
             return None

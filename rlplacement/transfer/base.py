@@ -110,17 +110,57 @@ class UpdateReport:
 def tensor_checksum(tensor: "torch.Tensor") -> str:
     """xxh3-64 of the tensor's raw bytes in C order, as 16 hex digits.
 
-    The same function runs on the trainer and in the engine, over a contiguous host copy, so
-    equal checksums mean equal bytes whatever the device, strides or dtype (bf16, fp8 and bool
-    included: bytes are hashed, not values).
+    The same function runs on the trainer and in the engine, over the same bytes in the same
+    order, so equal checksums mean equal bytes whatever the device, strides or dtype (bf16, fp8
+    and bool included: bytes are hashed, not values). A GPU tensor streams to the hash through a
+    reused pinned double buffer (xxh3's streaming digest equals its one-shot digest): a fresh
+    pageable ``.cpu()`` copy per tensor ran at ~2 GB/s and made a checked 8B update take 33 s.
     """
     import torch
     import xxhash
 
     flat = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+    if flat.device.type == "cuda":
+        return _streamed_checksum(flat)
     if flat.device.type != "cpu":
         flat = flat.cpu()
     return xxhash.xxh3_64_hexdigest(flat.numpy().data)
+
+
+CHECKSUM_CHUNK_BYTES = 64 * 1024 * 1024
+_pinned_chunks: list = []  # two pinned host buffers per process, made on first use
+
+
+def _streamed_checksum(flat: "torch.Tensor") -> str:
+    """Copy chunk k+1 device -> pinned host while chunk k is hashed; a buffer is refilled only
+    after its chunk was hashed (two buffers, strictly alternating)."""
+    import torch
+    import xxhash
+
+    if not _pinned_chunks:
+        _pinned_chunks.extend(torch.empty(CHECKSUM_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+    digest = xxhash.xxh3_64()
+    stream = torch.cuda.current_stream(flat.device)
+    pending = None  # (host buffer, length, event) copied but not hashed yet
+    with torch.cuda.device(flat.device):
+        for k, start in enumerate(range(0, flat.numel(), CHECKSUM_CHUNK_BYTES)):
+            length = min(CHECKSUM_CHUNK_BYTES, flat.numel() - start)
+            host = _pinned_chunks[k % 2]
+            host[:length].copy_(flat[start:start + length], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+            if pending is not None:
+                _hash_pending(digest, pending)
+            pending = (host, length, copied)
+        if pending is not None:
+            _hash_pending(digest, pending)
+    return digest.hexdigest()
+
+
+def _hash_pending(digest, pending) -> None:
+    host, length, copied = pending
+    copied.synchronize()
+    digest.update(host[:length].numpy().data)
 
 
 class WeightSender(abc.ABC):
