@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import threading
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Sequence
 
 from rlplacement.transfer.errors import (  # noqa: F401  (part of this module's contract)
@@ -129,6 +130,7 @@ def tensor_checksum(tensor: "torch.Tensor") -> str:
 
 CHECKSUM_CHUNK_BYTES = 64 * 1024 * 1024
 _pinned_chunks: list = []  # two pinned host buffers per process, made on first use
+_pinned_lock = threading.Lock()  # one checksum at a time uses them (a sender and a receiver may share a process)
 
 
 def _streamed_checksum(flat: "torch.Tensor") -> str:
@@ -137,12 +139,13 @@ def _streamed_checksum(flat: "torch.Tensor") -> str:
     import torch
     import xxhash
 
-    if not _pinned_chunks:
-        _pinned_chunks.extend(torch.empty(CHECKSUM_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2))
     digest = xxhash.xxh3_64()
     stream = torch.cuda.current_stream(flat.device)
     pending = None  # (host buffer, length, event) copied but not hashed yet
-    with torch.cuda.device(flat.device):
+    with _pinned_lock, torch.cuda.device(flat.device):
+        if not _pinned_chunks:
+            _pinned_chunks.extend(torch.empty(CHECKSUM_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+                                  for _ in range(2))
         for k, start in enumerate(range(0, flat.numel(), CHECKSUM_CHUNK_BYTES)):
             length = min(CHECKSUM_CHUNK_BYTES, flat.numel() - start)
             host = _pinned_chunks[k % 2]
