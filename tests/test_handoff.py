@@ -92,6 +92,12 @@ def test_handoff_order_with_recording_stand_ins_for_gpu_sleep_mode(ray_local):
     assert m["perf/trainer_gpu_resident_gb_in_train"] == 30.0 and m["perf/trainer_gpu_resident_gb_in_rollout"] == 30.0
     assert m["perf/rollout_gpu_resident_gb_in_train"] == 60.0 and m["perf/rollout_gpu_peak_gb_in_rollout"] == 61.0
     assert m["perf/trainer_gpu_peak_gb_in_train"] == 31.0 and m["perf/gpu_used_gb_in_rollout"] == 100.0
+    parts = {k: v for k, v in m.items() if k.startswith("perf/handoff_") and k not in (
+        "perf/handoff_to_train_time", "perf/handoff_to_rollout_time")}
+    assert sorted(parts) == [f"perf/handoff_{p}_time" for p in
+                             ("engine_sleep", "engine_wake", "trainer_offload", "trainer_reload")]
+    assert all(v > 0 for v in parts.values())
+    assert sum(parts.values()) <= m["perf/handoff_to_train_time"] + m["perf/handoff_to_rollout_time"]
     assert h.pop_metrics() == {}
 
 

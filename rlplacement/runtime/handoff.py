@@ -28,12 +28,18 @@ KEYS = {
     "perf/handoff_to_train_time": "seconds per step: engines sleep, trainer state back from host memory",
     "perf/handoff_to_rollout_time": "seconds per step: engine weights back (before the update), trainer state "
                                     "to host memory, engine KV cache back",
+    "perf/handoff_{part}_time": "seconds per step of each part of both hand-offs, {part} one of trainer_offload, "
+                                "trainer_reload, engine_sleep, engine_wake (the rest is memory readings)",
     "perf/trainer_gpu_resident_gb_in_{phase}": "GiB the trainer holds on its GPU once the phase starts (largest rank)",
     "perf/trainer_gpu_peak_gb_in_{phase}": "GiB the trainer held at most during the phase (torch's peak, largest rank)",
     "perf/rollout_gpu_resident_gb_in_{phase}": "GiB an engine holds once the phase starts (largest engine)",
     "perf/rollout_gpu_peak_gb_in_rollout": "GiB an engine held at most while generating",
     "perf/gpu_used_gb_in_{phase}": "GiB used on trainer rank 0's GPU (every process on it) once both sides moved",
 }
+
+
+PARTS = {"offload_to_host": "trainer_offload", "reload_from_host": "trainer_reload", "release_memory": "engine_sleep",
+         "resume_weights": "engine_wake", "resume_kv_cache": "engine_wake", "resume_all": "engine_wake"}
 
 
 class GpuMemoryError(RuntimeError):
@@ -155,11 +161,21 @@ class ColocatedHandOff:
                 self._record("trainer", phase, reports)
 
     def _trainers(self, method: str, what: str) -> list[dict]:
-        return get_all([getattr(t, method).remote() for t in self.trainers], self.timeout_s, what, self.trainer_names)
+        return self._timed(method, lambda: get_all([getattr(t, method).remote() for t in self.trainers],
+                                                   self.timeout_s, what, self.trainer_names))
 
     def _engines(self, method: str, what: str) -> list[dict]:
-        return get_all([getattr(e, method).remote() for e in self.engines], self.timeout_s, what,
-                       [f"engine {i}" for i in range(len(self.engines))])
+        return self._timed(method, lambda: get_all([getattr(e, method).remote() for e in self.engines], self.timeout_s,
+                                                   what, [f"engine {i}" for i in range(len(self.engines))]))
+
+    def _timed(self, method: str, call):
+        """Run ``call``; a move (not a memory reading) adds its seconds to its part's key."""
+        start = time.perf_counter()
+        out = call()
+        part = PARTS.get(method)
+        if part is not None:
+            self._add(f"perf/handoff_{part}_time", time.perf_counter() - start)
+        return out
 
     def _record(self, role: str, phase: str, reports: list[dict]) -> None:
         self._put(f"perf/{role}_gpu_resident_gb_in_{phase}", reports, "resident_gb")
