@@ -31,3 +31,14 @@ def test_a_split_run_estimates_the_hand_off_of_colocating_from_the_weight_bytes(
     slower_host = fit(measure(rows), ModelAssumptions(host_gbps=a.host_gbps / 4)).predict(Placement(True, 8, 8))
     assert slower_host.step_time - colocated.step_time == pytest.approx(3 * want)
 
+
+
+def test_a_colocated_run_that_needed_no_hand_off_predicts_none(tmp_path):
+    """--no-offload-* (or a model that fits twice): the run measured colocated steps without a hand-off,
+    so colocated candidates carry none either, whatever the weight bytes."""
+    rows = synth(tmp_path / "c.jsonl", trainer=8, rollout=8, colocate=True, R=4.0, S=0.1, T=4.0, nbytes=16e9)
+    m = measure(rows)
+    assert m.handoff_time is None
+    model = fit(m)
+    assert model.predict(Placement(True, 4, 4)).handoff_time == 0.0
+    assert model.predict(Placement(True, 8, 8)).step_time == pytest.approx(m.step_time)

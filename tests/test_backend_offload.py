@@ -59,7 +59,8 @@ def _weight_reads_refused(rank, world, backend) -> list[str]:
     worker = TrainerWorker(rank, world)
     worker.backend = backend
     batch = {"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]], "advantages": [1.0]}
-    reads = [worker.hf_checksums, worker.gather_for_update, lambda: worker.log_probs(batch),
+    reads = [worker.hf_checksums, worker.gather_for_update, lambda: list(worker.hf_named_tensors()),
+             lambda: worker.log_probs(batch),
              lambda: worker.train_step(batch), lambda: worker.save_hf_folder("/nonexistent", "/nonexistent")]
     refused = []
     for read in reads:
@@ -79,7 +80,7 @@ def test_offload_round_trip_frees_storages_and_training_stays_bit_exact(tmp_path
         assert min(res["moved"]) > 0
         assert res["keys"] > 20 and res["differing"] == []
         assert "already in host memory" in res["twice"]
-        assert len(res["refused"]) == 5 and all(
+        assert len(res["refused"]) == 6 and all(
             "in host memory (--offload-train" in r and "RLJob.prepare_update()" in r for r in res["refused"]), res["refused"]
 
 

@@ -108,7 +108,9 @@ def _disk_delta_run_published_every_version(tmp_path, proc, rows, capsys):
     assert json.loads((weights / "latest").read_text()) == {"version": 100, "folder": "weight_v000100"}
     index = json.loads((weights / "weight_v000100" / "model.safetensors.index.json").read_text())
     assert index["version"] == 100 and index["base_version"] == 99 and index["delta_encoding"] == "xor"
-    assert all(0 < r["perf/update_weights_density"] <= 1 for r in rows)
+    # step 0 may change nothing if every group's rewards tie; from then on AdamW's momentum moves bytes
+    assert all(0 <= r["perf/update_weights_density"] <= 1 for r in rows)
+    assert all(r["perf/update_weights_density"] > 0 for r in rows[1:])
 
 
 def _colocated_run_used_ipc_and_said_the_handoff_is_skipped(tmp_path, proc, rows, capsys):

@@ -126,18 +126,22 @@ def test_updated_engines_match_a_fresh_engine_from_the_same_weights(cluster):
         ray.kill(fresh)
 
 
-def test_trainer_abort_leaves_every_engine_on_the_old_version(cluster):
+@pytest.mark.parametrize("fail_at", [0, 7])  # 0: refused before the first tensor (e.g. weights offloaded)
+def test_trainer_abort_leaves_every_engine_on_the_old_version(cluster, fail_at):
     engines, trainer = cluster["engines"], cluster["trainer"]
-    old = cluster["version"]
+    old = ray.get([e.weight_version.remote() for e in engines])  # a failed update before this one burnt its number
     before = [outputs(e, PROMPTS, 6) for e in engines]
-    ray.get(trainer.set_fail_after.remote(7))
+    ray.get(trainer.set_fail_after.remote(fail_at))
     try:
-        with pytest.raises(WeightUpdateError, match="simulated gather failure at tensor 7") as info:
-            _update(cluster, "broadcast_packed", engines, seed=77)
+        with pytest.raises(WeightUpdateError, match=f"simulated gather failure at tensor {fail_at}") as info:
+            _update(cluster, "broadcast_packed", engines, seed=77 + fail_at)
         assert {"engine 0", "engine 1", "trainer"} == set(info.value.failures)
+        # every engine raised the abort itself: none was still waiting for bytes when the driver gave up
+        assert not any(("no answer" in str(f) or "did not finish" in str(f)) for f in info.value.failures.values()), \
+            info.value.failures
     finally:
         ray.get(trainer.set_fail_after.remote(None))
-    assert ray.get([e.weight_version.remote() for e in engines]) == [old, old]
+    assert ray.get([e.weight_version.remote() for e in engines]) == old
     assert [outputs(e, PROMPTS, 6) for e in engines] == before
 
 

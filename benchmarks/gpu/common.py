@@ -218,6 +218,7 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
             job.prepare_update()  # the hand-off moved the trainer's weights to the host for rollout
             saved = ray.get(job.trainers[0].save_hf_folder.remote(str(root / f"{size}_trained"), str(model_dir)),
                             timeout=600)
+            job.prepare_rollout()  # the trainer's state back on the host: the fresh engine starts beside it
             ray.get(job.engines[0].shutdown.remote(), timeout=120)
             ray.kill(job.engines[0])
             job.engines[0] = fresh_engine = create_engine_actor(0, saved, options=job.placement.engine_options(0),

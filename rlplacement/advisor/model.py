@@ -126,8 +126,8 @@ class StepModel:
         m = self.m
         if not p.colocate:
             return 0.0
-        if m.placement.colocate and m.handoff_time is not None:
-            return m.handoff_time * m.placement.trainer_gpus / p.trainer_gpus
+        if m.placement.colocate:  # a colocated run without a measured hand-off fitted without one
+            return (m.handoff_time or 0.0) * m.placement.trainer_gpus / p.trainer_gpus
         if m.sync_bytes:
             a = self.assumptions
             return a.handoff_bytes_ratio * m.sync_bytes * 8 / (a.host_gbps * 1e9) / p.trainer_gpus

@@ -91,8 +91,9 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             self.receiver.receive()
             staged = self.receiver.staged
             if self.check_equal:
-                verified = getattr(self.receiver, "verified_checksums", {})
-                self.received_checksums = {n: verified.get(n) or tensor_checksum(t) for n, t in staged}
+                # hashed again after the whole update landed (not reused from the per-bucket verify): a
+                # bucket overwritten after its check, e.g. by a stray remote write, is still caught
+                self.received_checksums = {n: tensor_checksum(t) for n, t in staged}
             if self._tied:  # a tied lm_head is the embedding; vLLM has no separate tensor for it
                 staged[:] = [(n, t) for n, t in staged if n != "lm_head.weight"]
             vllm_loader.validate(staged, self._expected, self._where(),

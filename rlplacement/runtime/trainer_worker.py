@@ -94,14 +94,18 @@ class TrainerWorker(TrainerTransferMixin):
     def _require_resident(self, what: str) -> None:
         """Offloaded storages have size 0: reading them fails deep in CUDA ("invalid argument") or,
         worse, reads nothing. Refuse first, saying how a caller outside the job's phases gets them back."""
-        if self.backend.offloaded_to_host:
+        if getattr(self.backend, "offloaded_to_host", False):  # a backend registered from outside may lack it
             raise RuntimeError(f"trainer rank {self.rank}: {what} needs the trainer's weights, which are in host "
                                "memory (--offload-train, after a colocated hand-off to rollout): call "
                                "RLJob.prepare_update() or prepare_train() first")
 
     def hf_named_tensors(self) -> Iterable:
-        self._require_resident("a weight update")
-        return self.backend.iter_hf_tensors()
+        # checked inside the stream: the sender turns a refusal there into an abort every engine sees
+        def stream():
+            self._require_resident("a weight update")
+            yield from self.backend.iter_hf_tensors()
+
+        return stream()
 
     def gather_for_update(self) -> int:
         """Ranks other than 0: take part in the collective gathers of an update; returns tensors seen."""

@@ -68,7 +68,6 @@ class StagingReceiver(WeightReceiver):
             raise TransferError(f"update version {version} is not newer than the served version {self._version}")
         self.abort()
         self._pending = version
-        self.verified_checksums: dict[str, str] = {}
 
     def receive(self) -> UpdateReport:
         if self._pending is None:
@@ -95,14 +94,12 @@ class StagingReceiver(WeightReceiver):
     def abort(self) -> None:
         self._staged = self._pending = None
 
-    def first_mismatch(self, manifest: BucketManifest, tensors: list[NamedTensor], where: str) -> WeightMismatchError | None:
-        """The first tensor whose checksum differs from the one the trainer sent (None: all equal or
-        unchecked). Each checksum computed is kept in ``verified_checksums`` for this update, so the
-        engine reports the received bytes' checksums without hashing them a second time."""
+    @staticmethod
+    def first_mismatch(manifest: BucketManifest, tensors: list[NamedTensor], where: str) -> WeightMismatchError | None:
+        """The first tensor whose checksum differs from the one the trainer sent (None: all equal or unchecked)."""
         for meta, (name, tensor) in zip(manifest.tensors, tensors):
             if meta.checksum is not None:
                 got = tensor_checksum(tensor)
-                self.verified_checksums[name] = got
                 if got != meta.checksum:
                     return WeightMismatchError(name, meta.checksum, got, where)
         return None
