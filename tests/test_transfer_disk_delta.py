@@ -152,6 +152,7 @@ def test_receiver_rebuilt_on_reconnect_keeps_applying_deltas(tmp_path, base):
     _perturb(w, seed=1)
     sender.update(1, list(w.items()))
     _receive(r, 1)
+    assert r.release_staging() == 0  # a sleeping engine asks every mode; disk-delta keeps no staging
     rebuilt = DiskDeltaReceiver("cpu", version=r.version)
     rebuilt.connect(TransferEndpoint.from_dict(sender.listen(2).to_dict()), 1)
     _perturb(w, seed=2)

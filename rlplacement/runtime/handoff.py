@@ -161,17 +161,15 @@ class ColocatedHandOff:
                 self._record("trainer", phase, reports)
 
     def _trainers(self, method: str, what: str) -> list[dict]:
-        return self._timed(method, lambda: get_all([getattr(t, method).remote() for t in self.trainers],
-                                                   self.timeout_s, what, self.trainer_names))
+        return self._call(self.trainers, self.trainer_names, method, what)
 
     def _engines(self, method: str, what: str) -> list[dict]:
-        return self._timed(method, lambda: get_all([getattr(e, method).remote() for e in self.engines], self.timeout_s,
-                                                   what, [f"engine {i}" for i in range(len(self.engines))]))
+        return self._call(self.engines, [f"engine {i}" for i in range(len(self.engines))], method, what)
 
-    def _timed(self, method: str, call):
-        """Run ``call``; a move (not a memory reading) adds its seconds to its part's key."""
+    def _call(self, actors: Sequence, names: Sequence[str], method: str, what: str) -> list[dict]:
+        """``method`` on every actor, bounded; a move (not a memory reading) adds its seconds to its part."""
         start = time.perf_counter()
-        out = call()
+        out = get_all([getattr(a, method).remote() for a in actors], self.timeout_s, what, names)
         part = PARTS.get(method)
         if part is not None:
             self._add(f"perf/handoff_{part}_time", time.perf_counter() - start)
@@ -182,8 +180,7 @@ class ColocatedHandOff:
 
     def _device_reading(self, phase: str) -> None:
         """The whole device once both sides have moved (trainer rank 0's GPU; its peak restarts here)."""
-        reading = get_all([self.trainers[0].gpu_memory.remote()], self.timeout_s, "trainer memory",
-                          self.trainer_names[:1])[0]
+        reading = self._call(self.trainers[:1], self.trainer_names[:1], "gpu_memory", "trainer memory")[0]
         if "device_used_gb" in reading:
             self._metrics[f"perf/gpu_used_gb_in_{phase}"] = reading["device_used_gb"]
 

@@ -94,6 +94,11 @@ class StagingReceiver(WeightReceiver):
     def abort(self) -> None:
         self._staged = self._pending = None
 
+    def release_staging(self) -> int:
+        """Let kept staging buffers go before the engine sleeps (the next update allocates them again);
+        returns the bytes let go. A mode that keeps none between updates has nothing to free."""
+        return 0
+
     @staticmethod
     def first_mismatch(manifest: BucketManifest, tensors: list[NamedTensor], where: str) -> WeightMismatchError | None:
         """The first tensor whose checksum differs from the one the trainer sent (None: all equal or unchecked)."""
