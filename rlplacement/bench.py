@@ -60,6 +60,21 @@ def qwen3_shaped_tensors(size_mb: float, num_tensors: int, *, seed: int = 0):
             for name, p in meta_model.named_parameters()]
 
 
+class _Served:
+    """cuda_ipc's receiver commits into tensors of its own, as an engine loads its parameters: the
+    direct path's one copy happens at commit, so a commit that copies nothing would time no bytes."""
+
+    def __init__(self):
+        self.tensors: list | None = None
+
+    def load(self, staged) -> None:
+        import torch
+
+        if self.tensors is None:
+            self.tensors = [torch.empty_like(t) for _, t in staged]
+        torch._foreach_copy_(self.tensors, [t for _, t in staged])
+
+
 def _receiver_main(conn, device: str) -> None:
     """Child process: join groups on command, then do one transfer per "go" and ack it (after the
     device has finished it, for CUDA)."""
@@ -101,7 +116,7 @@ def _receiver_main(conn, device: str) -> None:
             else:
                 receiver = registry.receiver_class(e.mode)(device)
                 receiver.connect(e, 1)
-                joined[key] = ("mode", receiver, None)
+                joined[key] = ("mode", receiver, _Served() if e.mode == "cuda_ipc" else None)
             conn.send("joined")
         elif cmd[0] == "go":
             _, key, version = cmd
@@ -113,7 +128,7 @@ def _receiver_main(conn, device: str) -> None:
             else:
                 obj.begin(version)
                 obj.receive()
-                obj.commit(lambda staged: None)
+                obj.commit(buf.load if buf is not None else (lambda staged: None))
             sync()
             conn.send("ok")
 
@@ -142,6 +157,8 @@ class Bench:
         self._send: dict[str, Callable[[int], None]] = {}
         self._closers: list[Callable[[], None]] = []
         self._local: set[str] = set()  # contenders timed in this process alone (no receiver involved)
+        self.paths: dict[str, str] = {}  # each mode's last update: "buckets" or "direct"
+        self.refusals: dict[str, Callable[[], str]] = {}
 
     def _ack(self) -> None:
         if not self.conn.poll(self.timeout_s):
@@ -158,7 +175,14 @@ class Bench:
         self.conn.send(("join", mode, endpoint.to_dict(), 0))
         sender.connect()
         self._ack()
-        self._send[mode] = lambda version: sender.update(version, named)
+        # the bench's tensors are its own, unchanged while a transfer runs: resident, as a trainer's parameters
+        resident = mode == "cuda_ipc"
+
+        def send(version: int) -> None:
+            self.paths[mode] = sender.update(version, named, resident=resident).path
+
+        self._send[mode] = send
+        self.refusals[mode] = lambda: getattr(sender, "direct_refusal", "")
         self._closers.append(sender.close)
 
     def add_ceiling(self, key: str, nbytes: int) -> None:
@@ -307,6 +331,8 @@ def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, devic
                           "ratio_per_round_quartiles": [paired[len(paired) // 4], statistics.median(paired),
                                                         paired[(3 * len(paired)) // 4]],
                           "buffer_size": buffer_size, "transport": transport_of(mode, bench.device)}
+            if mode == "cuda_ipc":  # buckets (pack, copy to staging, copy at commit) or direct (one copy)
+                rows[mode].update(path=bench.paths[mode], direct_refusal=bench.refusals[mode]())
         return rows
     finally:
         bench.close()

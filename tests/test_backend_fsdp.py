@@ -37,3 +37,27 @@ def test_fsdp_two_ranks_step_matches_hf_reference(tmp_path):
     ref_metrics = hf_reference_step(ref, batches, SGD)
     assert results[0]["metrics"]["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4)
     assert_streamed_match_reference(tmp_path / "streamed.pt", ref)
+
+
+def _resident(rank, world, hf):
+    from rlplacement.backends import make_backend
+    from rlplacement.backends.offload import local_tensor
+
+    flags = {}
+    for stream_dtype in (None, torch.bfloat16):
+        backend = make_backend(BackendConfig("fsdp", hf, None, 1, 1), SGD, stream_dtype=stream_dtype)
+        owned = {local_tensor(p).untyped_storage().data_ptr() for p in backend.model.parameters()}
+        streamed = list(backend.iter_hf_tensors())
+        flags[str(stream_dtype)] = {"flag": backend.yields_resident_tensors,
+                                    "own_memory": all(t.untyped_storage().data_ptr() in owned for _, t in streamed)}
+    return flags
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_resident_tensors_are_claimed_only_where_the_stream_is_the_parameters_themselves(tmp_path, world):
+    """cuda_ipc reads resident tensors in place while the update runs: the flag must never be set
+    for gathered or cast copies (two ranks, or a stream dtype other than the parameters')."""
+    hf = make_tiny_model(tmp_path / "hf", SPEC)
+    flags = launch.spawn(_resident, world, str(hf), timeout_s=300)[0]
+    assert flags["None"] == {"flag": world == 1, "own_memory": world == 1}
+    assert flags["torch.bfloat16"] == {"flag": False, "own_memory": False}

@@ -74,3 +74,22 @@ def test_a_receiver_that_cannot_open_a_bucket_aborts_the_update_everywhere(monke
     finally:
         s.close()
     assert leftover_shm_files(tag) == []
+
+
+def test_resident_tensors_on_cpu_go_by_buckets_bit_exact():
+    """The direct path maps GPU allocations (tests/test_transfer_ipc_direct_gpu.py); a CPU trainer's
+    memory is not shareable, so ``resident=True`` changes nothing there."""
+    s = Session("cuda_ipc", check_equal=True)
+    try:
+        named = _model(1)
+        (report, send_error), errors = s._threads(
+            [lambda i=i: (s.receivers[i].begin(1), s.receivers[i].receive(),
+                          s.receivers[i].commit(lambda staged, i=i: s.applied.__setitem__(i, staged)))
+             for i in range(2)],
+            lambda: (s.sender.update(1, named, resident=True), None))
+        assert errors == [None, None] and report.path == "buckets"
+        assert all(r.last_path == "buckets" for r in s.receivers)
+        for applied in s.applied:
+            assert all(torch.equal(a, t) for (_, a), (_, t) in zip(applied, named))
+    finally:
+        s.close()

@@ -127,6 +127,10 @@ class TrainerBackend(abc.ABC):
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), **options: Any) -> "TrainerBackend":
         """Build on every rank; torch.distributed must be initialised (see ``launch.init_distributed``)."""
 
+    # True where iter_hf_tensors yields views of this rank's own device parameters (no gather, cast or
+    # un-fusing): they stay allocated and unchanged while an update runs, so cuda_ipc reads them in place
+    yields_resident_tensors: bool = False
+
     @property
     def is_source(self) -> bool:
         """True on the rank where :meth:`iter_hf_tensors` yields (global rank 0)."""

@@ -47,6 +47,13 @@ class FSDPBackend(TrainerBackend):
         backend.optimizer = optim.build(model.parameters())  # over the sharded DTensors, built once
         return backend
 
+    @property
+    def yields_resident_tensors(self) -> bool:
+        """One rank holds every parameter whole (see iter_hf_tensors): the tensors streamed are the
+        parameters themselves, unless they are cast to another dtype on the way."""
+        return dist.get_world_size() == 1 and (self.stream_dtype is None or all(
+            p.dtype == self.stream_dtype for p in self._parameters()))
+
     def set_train(self, training: bool) -> None:
         self.model.train(training)
 

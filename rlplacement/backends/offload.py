@@ -6,6 +6,9 @@ object stays the one it was (parameters, their views, DTensor shards, the optimi
 its references to the parameters), so nothing that holds a tensor has to be told, and the round
 trip is bit-exact. Tensors that share a storage are moved once.
 
+On the GPU the storages come back inside one allocation (:func:`_reserve_one_segment`), so a
+colocated engine maps all of the trainer's weights with one CUDA IPC handle.
+
 The host buffer is one allocation of exactly the bytes moved, kept across steps and pinned by
 registering it with CUDA (``cudaHostRegister``): torch's pinned allocator would round each
 buffer up to a power of two and cache it for the life of the process (an 8B trainer's ~33 GB of
@@ -31,6 +34,27 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole storage (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+_SMALL_POOL_MAX_BYTES = 1 << 20  # the caching allocator serves requests up to this from 2 MiB small segments
+_ROUND_BYTES = 512  # and rounds every request up to a multiple of this
+
+
+def _reserve_one_segment(storages: list[tuple[torch.device, int]]) -> None:
+    """Allocate and free at once one block the size of the large storages about to be re-made: the
+    caching allocator keeps it cached as one segment and carves each of them from it (it splits a
+    cached block on request). A colocated engine then maps the trainer's weights with one IPC handle
+    (``transfer/ipc_direct.py``) instead of one per segment. Without room for one block, nothing
+    changes: the storages get segments of their own, as before."""
+    total: dict[torch.device, int] = {}
+    for device, n in storages:
+        if device.type == "cuda" and n > _SMALL_POOL_MAX_BYTES:
+            total[device] = total.get(device, 0) + -(-n // _ROUND_BYTES) * _ROUND_BYTES
+    for device, nbytes in total.items():
+        try:
+            torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError:
+            pass
 
 
 class HostOffload:
@@ -75,6 +99,8 @@ class HostOffload:
         start = time.perf_counter()
         moved = 0
         on_gpu = any(s.device.type == "cuda" for s, _, _ in self._saved)
+        if on_gpu:
+            _reserve_one_segment([(s.device, n) for s, _, n in self._saved])
         for storage, offset, n in self._saved:
             storage.resize_(n)
             _bytes_of(storage).copy_(self._host[offset:offset + n], non_blocking=on_gpu)

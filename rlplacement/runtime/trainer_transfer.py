@@ -20,6 +20,11 @@ class TrainerTransferMixin:
     def hf_named_tensors(self) -> Iterable[NamedTensor]:
         raise NotImplementedError("the trainer actor must yield (hf_name, tensor) from hf_named_tensors()")
 
+    def hf_tensors_resident(self) -> bool:
+        """Whether ``hf_named_tensors()`` yields views of this process's own device parameters (no gather,
+        cast or un-fusing), which stay put until an update returns: ``cuda_ipc`` then reads them in place."""
+        return False
+
     def transfer_setup(self, mode: str, buffer_size: int, *, check_equal: bool = False,
                        timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **mode_options) -> None:
         """``mode_options`` go to the mode's sender only (disk-delta: disk_dir, delta_encoding, base_dir)."""
@@ -54,7 +59,8 @@ class TrainerTransferMixin:
             raise TransferError("transfer_send before transfer_setup/listen/connect")
         tensors = iter(self.hf_named_tensors())
         try:
-            return dataclasses.asdict(self.transfer_sender.update(version, tensors))
+            return dataclasses.asdict(self.transfer_sender.update(version, tensors,
+                                                                  resident=self.hf_tensors_resident()))
         except BaseException:
             # the other trainer ranks are inside the same per-tensor gathers (gather_for_update):
             # finish the stream with them, or they wait in a collective and the next step runs out of step

@@ -107,6 +107,9 @@ class TrainerWorker(TrainerTransferMixin):
 
         return stream()
 
+    def hf_tensors_resident(self) -> bool:
+        return bool(getattr(self.backend, "yields_resident_tensors", False))
+
     def gather_for_update(self) -> int:
         """Ranks other than 0: take part in the collective gathers of an update; returns tensors seen."""
         self._require_resident("a weight update")

@@ -102,6 +102,7 @@ class UpdateReport:
     bytes: int
     seconds: float
     checksums: dict[str, str] | None = None
+    path: str = ""  # how the bytes went, where a mode has more than one way ("buckets", "direct")
 
     @property
     def gbps(self) -> float:
@@ -183,7 +184,10 @@ class WeightSender(abc.ABC):
     def connect(self) -> None: ...
 
     @abc.abstractmethod
-    def update(self, version: int, named_tensors: Iterable[NamedTensor]) -> UpdateReport: ...
+    def update(self, version: int, named_tensors: Iterable[NamedTensor], *, resident: bool = False) -> UpdateReport:
+        """Send every tensor as version ``version``. ``resident``: the tensors are views of the
+        trainer's own device memory that stays allocated and unchanged until this returns, so a mode
+        may read them in place (``cuda_ipc``) instead of copying them first."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -41,6 +41,10 @@ class _AbortUpdate(Exception):
         return f"{self.what}: {self}"
 
 
+class UpdateRefused(TransferError):
+    """Some receivers refused an update that ran to its end (the others serve it); the group is in step."""
+
+
 class _SourceFailed(_AbortUpdate):
     """The trainer's tensor iterator raised."""
 
@@ -103,33 +107,16 @@ class BroadcastSender(WeightSender):
         self._broken = None
         self._sent_manifests = {}
 
-    def update(self, version: int, named_tensors: Iterable[NamedTensor]) -> UpdateReport:
+    def update(self, version: int, named_tensors: Iterable[NamedTensor], *, resident: bool = False) -> UpdateReport:
         if self._group is None:
             raise TransferError("update() before connect(): call listen() and connect() first")
         if self._broken:
             raise TransferError(f"the transfer group is broken ({self._broken}): listen() and connect() again")
         start = time.perf_counter()
-        num_tensors = num_buckets = nbytes = 0
-        checksums: dict[str, str] | None = {} if self.check_equal else None
         try:
-            for index, bucket in enumerate(iter_buckets(_guard(named_tensors), self.buffer_size, self.group_of)):
-                manifest = plan_manifest(index, bucket, self.check_equal)
-                prepared = self._prepare_payload(bucket, manifest)  # before the header: overlaps the last send
-                self._send_frame(KIND_BUCKET, version, self._manifest_blob(manifest, prepared), manifest.nbytes)
-                self._send_payload(bucket, manifest, prepared)
-                num_buckets += 1
-                num_tensors += len(bucket)
-                nbytes += sum(m.nbytes for m in manifest.tensors)
-                if checksums is not None:
-                    checksums.update((m.name, m.checksum) for m in manifest.tensors)
-            self._drain()
-            self._send_frame(KIND_END, version, b"", num_tensors)
-            if self.wire_device.type == "cuda":
-                import torch
-
-                torch.cuda.current_stream(self.wire_device).synchronize()  # sent means off the wire
+            num_tensors, num_buckets, nbytes, checksums, path = self._send_update(version, named_tensors, resident)
         except _AbortUpdate as exc:
-            self._sent_manifests = {}
+            self._forget_sent()
             try:
                 self._drain_quietly()
                 self._send_frame(KIND_ABORT, version, str(exc).encode(), 0)
@@ -138,11 +125,40 @@ class BroadcastSender(WeightSender):
                 self._in_flight = {}
                 raise
             raise UpdateAborted(f"update to version {version} aborted: {exc.describe()}") from exc.__cause__
+        except UpdateRefused:
+            raise  # the update ran to its end and the group is in step: usable as it is
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             self._in_flight = {}
             raise
-        return UpdateReport(version, num_tensors, num_buckets, nbytes, time.perf_counter() - start, checksums)
+        return UpdateReport(version, num_tensors, num_buckets, nbytes, time.perf_counter() - start, checksums, path)
+
+    def _send_update(self, version: int, named_tensors: Iterable[NamedTensor], resident: bool):
+        """Every bucket, then END: ``(tensors, buckets, bytes, checksums or None, path)``. ``resident``
+        (the tensors are the trainer's own memory) lets a mode read them in place; here it changes nothing."""
+        num_tensors = num_buckets = nbytes = 0
+        checksums: dict[str, str] | None = {} if self.check_equal else None
+        for index, bucket in enumerate(iter_buckets(_guard(named_tensors), self.buffer_size, self.group_of)):
+            manifest = plan_manifest(index, bucket, self.check_equal)
+            prepared = self._prepare_payload(bucket, manifest)  # before the header: overlaps the last send
+            self._send_frame(KIND_BUCKET, version, self._manifest_blob(manifest, prepared), manifest.nbytes)
+            self._send_payload(bucket, manifest, prepared)
+            num_buckets += 1
+            num_tensors += len(bucket)
+            nbytes += sum(m.nbytes for m in manifest.tensors)
+            if checksums is not None:
+                checksums.update((m.name, m.checksum) for m in manifest.tensors)
+        self._drain()
+        self._send_frame(KIND_END, version, b"", num_tensors)
+        if self.wire_device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(self.wire_device).synchronize()  # sent means off the wire
+        return num_tensors, num_buckets, nbytes, checksums, "buckets"
+
+    def _forget_sent(self) -> None:
+        """After an abort, receivers may hold none of the manifests sent: send them whole again."""
+        self._sent_manifests = {}
 
     def _send_frame(self, kind: int, version: int, blob: bytes, aux: int) -> None:
         import torch
@@ -231,11 +247,15 @@ class BroadcastReceiver(StagingReceiver):
         self._endpoint = endpoint
 
     def _stage(self) -> tuple[list[NamedTensor], int, int]:
+        self._failure = None
+        return self._stage_buckets(self._recv_frame())
+
+    def _stage_buckets(self, frame: tuple[int, int, bytes]) -> tuple[list[NamedTensor], int, int]:
+        """Stage buckets until END, starting with ``frame`` (the update's first, already received)."""
         staged: list[NamedTensor] = []
         nbytes = num_buckets = 0
-        self._failure = None
         while True:
-            kind, version, blob = self._recv_frame()
+            kind, version, blob = frame
             if kind == KIND_ABORT:
                 self._on_abort_frame(version, blob)
             if kind == KIND_END:
@@ -247,6 +267,7 @@ class BroadcastReceiver(StagingReceiver):
             staged.extend(self._take_bucket(buf, manifest))
             nbytes += sum(m.nbytes for m in manifest.tensors)
             num_buckets += 1
+            frame = self._recv_frame()
         self._after_end(len(staged))
         self.buffers.trim(num_buckets)
         return staged, num_buckets, nbytes

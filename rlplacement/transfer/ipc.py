@@ -19,6 +19,15 @@ All or nothing across engines: a receiver that fails on a bucket (cannot open th
 fails, checksum differs) keeps acknowledging with its failure flag set; the sender then stops
 and broadcasts ABORT, so every engine keeps its previous version whole and the group stays
 usable. The failing receiver raises its own error, the others ``UpdateAborted`` naming its rank.
+
+Direct path (``ipc_direct``): when the trainer's tensors are resident (``update(..., resident=True)``)
+and exportable, one DIRECT frame carries a manifest of the trainer's own allocations instead of
+buckets. Receivers map them, verify, and acknowledge (all or nothing, as above); after END each
+receiver commits straight from the trainer's memory, unmaps, and acknowledges once more, and only
+then does the sender's ``update`` return: the trainer's weights must not change or be freed while
+an engine reads them. A receiver that drops the staged update instead (``abort``, a refused
+validation) acknowledges with its failure flag; the sender raises ``UpdateRefused`` naming it,
+while the others serve the new version.
 """
 
 from __future__ import annotations
@@ -26,10 +35,15 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, ClassVar
 
-from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferError
-from rlplacement.transfer.broadcast import BroadcastReceiver, BroadcastSender, _AbortUpdate
+from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferError,
+                                       tensor_checksum)
+from rlplacement.transfer.broadcast import (KIND_ABORT, KIND_END, BroadcastReceiver, BroadcastSender, UpdateRefused,
+                                            _AbortUpdate, _guard)
 from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, pack_into
+from rlplacement.transfer.ipc_direct import AllocationExports, MappedAllocations
 from rlplacement.transfer.shared_buffers import OpenedBuffer, SharedSlots
+
+KIND_DIRECT = 4  # a manifest of the trainer's own allocations instead of buckets
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +51,10 @@ if TYPE_CHECKING:
 
 class _ReceiversFailed(_AbortUpdate):
     what = "a receiver could not stage it"
+
+
+def _failed_ranks(status: "torch.Tensor") -> list[int]:
+    return [rank for rank, flag in enumerate(status.tolist()) if flag]
 
 
 @dataclasses.dataclass
@@ -59,6 +77,50 @@ class IpcSender(BroadcastSender):
         super().__init__(buffer_size, check_equal=check_equal, timeout_s=timeout_s, device=device, group_of=group_of)
         self.backend, self.wire_device = "gloo", torch.device("cpu")  # control only; bytes go by handle
         self.buffers = SharedSlots(self.device, min_nbytes=buffer_size)
+        self.exports = AllocationExports(self.device) if self.device.type == "cuda" else None
+        self._direct_sent: bytes | None = None  # the direct manifest every receiver holds
+        self.direct_refusal = ""  # why the last resident update went by buckets ("" when it went direct)
+
+    def connect(self) -> None:
+        super().connect()
+        self._direct_sent = None
+
+    def _forget_sent(self) -> None:
+        super()._forget_sent()
+        self._direct_sent = None
+
+    def _send_update(self, version: int, named_tensors, resident: bool):
+        if not resident or self.exports is None:
+            return super()._send_update(version, named_tensors, resident)
+        tensors = list(_guard(named_tensors))  # resident: listing them holds no extra memory
+        checksums = {n: tensor_checksum(t) for n, t in tensors} if self.check_equal else None
+        blob, self.direct_refusal = self.exports.manifest(tensors, checksums)
+        if blob is None:
+            return super()._send_update(version, tensors, resident)
+        import torch
+
+        torch.cuda.synchronize(self.device)  # the optimizer's last kernels have written what engines read
+        self._send_frame(KIND_DIRECT, version, b"" if blob is self._direct_sent else blob, len(tensors))
+        self._direct_sent = blob
+        failed = _failed_ranks(self._acks())
+        if failed:
+            raise _ReceiversFailed(f"engine worker rank(s) {', '.join(map(str, failed))} could not map the "
+                                   f"trainer's weights")
+        self._send_frame(KIND_END, version, b"", len(tensors))
+        failed = _failed_ranks(self._acks())  # each receiver committed (or dropped) and unmapped
+        if failed:
+            raise UpdateRefused(f"engine worker rank(s) {', '.join(map(str, failed))} did not commit update "
+                                f"{version} from the trainer's memory and keep their previous version; the "
+                                f"other engines serve {version}")
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        return len(tensors), 1, nbytes, checksums, "direct"
+
+    def _acks(self) -> "torch.Tensor":
+        import torch
+
+        status = torch.zeros(self._endpoint.world_size, dtype=torch.int32)
+        self._group.all_reduce_sum(status)
+        return status
 
     def _prepare_payload(self, bucket: list[NamedTensor], manifest: BucketManifest):
         if not manifest.nbytes:
@@ -93,7 +155,7 @@ class IpcSender(BroadcastSender):
         if ack is None:
             return
         ack.work.wait()
-        failed = [rank for rank, flag in enumerate(ack.status.tolist()) if flag]
+        failed = _failed_ranks(ack.status)
         if failed:
             raise _ReceiversFailed(f"engine worker rank(s) {', '.join(map(str, failed))} failed on bucket {ack.index}")
         self.buffers.release(slot)  # every receiver has it open: its name may go
@@ -111,6 +173,8 @@ class IpcSender(BroadcastSender):
         super().close()
         self._in_flight = {}
         self.buffers.close()
+        if self.exports is not None:
+            self.exports.close()
 
 
 class IpcReceiver(BroadcastReceiver):
@@ -122,6 +186,70 @@ class IpcReceiver(BroadcastReceiver):
         super().__init__(device, version=version)
         self._opened: dict[int, OpenedBuffer] = {}
         self.handles_opened = 0
+        self.direct = MappedAllocations(self.device)
+        self._held = False  # a direct update is staged: the sender waits for our commit-or-drop ack
+        self.last_path = ""
+
+    def _stage(self) -> tuple[list[NamedTensor], int, int]:
+        self._failure = None
+        kind, version, blob = frame = self._recv_frame()
+        if kind != KIND_DIRECT:
+            self.last_path = "buckets"
+            return self._stage_buckets(frame)
+        self.last_path = "direct"
+        staged: list[NamedTensor] = []
+        try:
+            self.direct.parse(blob)
+            staged = self.direct.map()
+            mismatch = self.first_mismatch(BucketManifest(0, 0, tuple(self.direct.metas)), staged, self._where())
+            if mismatch is not None:
+                raise mismatch
+        except Exception as exc:  # noqa: BLE001 - reported through the ack, raised at ABORT
+            self._failure = exc
+        self._ack(self._failure is not None)
+        kind, version, blob = self._recv_frame()
+        if kind != KIND_END:
+            self._unmap_quietly()
+            if kind == KIND_ABORT:
+                self._on_abort_frame(version, blob)
+            raise TransferError(f"unexpected frame kind {kind} from the trainer after a direct manifest")
+        self._held = True  # from here on, commit or abort answers the sender exactly once
+        self._after_end(len(staged))
+        return staged, 1, sum(m.nbytes for m in self.direct.metas)
+
+    def commit(self, apply) -> int:
+        if not self._held:
+            return super().commit(apply)
+        committed = False
+        try:
+            version = super().commit(apply)  # copies straight out of the trainer's memory
+            committed = True
+        finally:
+            self._release(failed=not committed)
+        return version
+
+    def abort(self) -> None:
+        super().abort()
+        if self._held:
+            self._release(failed=True)
+
+    def _release(self, failed: bool) -> None:
+        """Unmap the trainer's memory (after every copy out of it finished), then tell the sender."""
+        self._held = False
+        error = None
+        try:
+            self.direct.close()
+        except TransferError as exc:
+            failed, error = True, exc
+        self._ack(failed)
+        if error is not None:
+            raise error
+
+    def _unmap_quietly(self) -> None:
+        try:
+            self.direct.close()
+        except TransferError:
+            pass
 
     def connect(self, endpoint, rank: int) -> None:
         super().connect(endpoint, rank)  # closes the previous group and handles first
@@ -178,7 +306,10 @@ class IpcReceiver(BroadcastReceiver):
         super()._after_end(num_staged)
 
     def close(self) -> None:
-        super().close()
+        super().close()  # never waits on peers: a held direct update is unmapped, not acknowledged
         for opened in self._opened.values():
             opened.close()
         self._opened = {}
+        self._held = False
+        self._unmap_quietly()
+        self.direct.forget()

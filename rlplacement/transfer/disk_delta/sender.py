@@ -110,7 +110,8 @@ class DiskDeltaSender(WeightSender):
             raise TransferError("connect() before listen(): call listen(world_size) first")
         self._load_base()  # read the base checkpoint now, not inside the first timed update
 
-    def update(self, version: int, named_tensors: Iterable[NamedTensor]) -> DeltaUpdateReport:
+    def update(self, version: int, named_tensors: Iterable[NamedTensor], *,
+               resident: bool = False) -> DeltaUpdateReport:
         if self._endpoint is None:
             raise TransferError("update() before listen()/connect()")
         if self._held_version is not None and version <= self._held_version:

@@ -1,0 +1,205 @@
+"""Mode ``cuda_ipc``'s direct path: the engine reads the trainer's own parameter memory, so every
+byte is copied once (trainer parameter -> served parameter) instead of three times (pack into a
+shared slot, copy to staging, commit from staging).
+
+It applies when the trainer says its tensors are *resident* (views of its own device parameters,
+unchanged and allocated until the update returns: an FSDP trainer of one rank streaming in the
+parameters' dtype) and every tensor sits in an allocation that a legacy CUDA IPC handle can export
+(not expandable segments). Otherwise the sender uses the bucket path.
+
+* Sender (:class:`AllocationExports`): the tensors are grouped by allocation (a caching-allocator
+  segment; the trainer's hand-off reloads its state into one, see ``backends/offload.py``), one
+  handle per allocation, and a JSON manifest: allocations (key, handle, size) and per tensor its
+  allocation, byte offset, dtype, shape and strides. Exports are kept while each allocation's
+  driver buffer id is unchanged, and the manifest bytes while no tensor moved.
+* Receiver (:class:`MappedAllocations`): maps each allocation, makes typed views of the tensors,
+  and closes every mapping when the update is committed or dropped, before acknowledging: the
+  trainer may free that memory as soon as its ``update`` returns (the driver leaves freeing a
+  still-mapped allocation undefined). Views are rebuilt only when a mapping lands elsewhere.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import json
+import os
+import socket
+from typing import TYPE_CHECKING
+
+from rlplacement.transfer import cuda_driver
+from rlplacement.transfer.base import NamedTensor, TensorMeta, TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _span_bytes(shape, stride, itemsize: int) -> int:
+    if any(s == 0 for s in shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * itemsize
+
+
+class AllocationExports:
+    """Trainer side: the handles of the allocations holding the tensors, and the manifest naming them."""
+
+    def __init__(self, device: "torch.device"):
+        self.device = device
+        self._allocs: list[tuple[int, int, str, dict]] = []  # sorted (base, end, key, segment entry)
+        self._signature: list | None = None
+        self._blob: bytes | None = None
+        self.handles_exported = 0
+
+    def _refresh(self) -> None:
+        """Forget exports whose allocation was freed (its buffer id at that address changed)."""
+        keep = []
+        for base, end, key, entry in self._allocs:
+            try:
+                alloc = cuda_driver.allocation_of(base)
+            except TransferError:
+                continue
+            if alloc.base == base and alloc.base + alloc.size == end and alloc.buffer_id == entry["buffer_id"]:
+                keep.append((base, end, key, entry))
+        if len(keep) != len(self._allocs):
+            self._allocs, self._blob = keep, None
+
+    def _entry_of(self, ptr: int) -> tuple[int, dict] | None:
+        """(allocation base, segment entry) holding ``ptr``; exports a new allocation on first sight;
+        None when it cannot be exported (expandable segments, a custom pool)."""
+        i = bisect.bisect_right(self._allocs, (ptr, float("inf"))) - 1
+        if i >= 0 and self._allocs[i][0] <= ptr < self._allocs[i][1]:
+            return self._allocs[i][0], self._allocs[i][3]
+        alloc = cuda_driver.allocation_of(ptr)
+        if not alloc.ipc_capable:
+            return None
+        entry = {"key": f"{os.getpid()}-{alloc.buffer_id}", "size": alloc.size, "buffer_id": alloc.buffer_id,
+                 "handle": base64.b64encode(cuda_driver.export_handle(alloc.base)).decode()}
+        self.handles_exported += 1
+        bisect.insort(self._allocs, (alloc.base, alloc.base + alloc.size, entry["key"], entry))
+        return alloc.base, entry
+
+    def manifest(self, tensors: list[NamedTensor], checksums: dict[str, str] | None) -> tuple[bytes | None, str]:
+        """``(manifest JSON, "")``, or ``(None, why)`` when some tensor cannot be read in place. The
+        JSON is the same bytes object as last time when nothing moved (the caller then sends none)."""
+        cuda_driver.bind_context(self.device.index or 0)
+        self._refresh()
+        signature = [(n, t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in tensors]
+        if checksums is None and self._blob is not None and signature == self._signature:
+            return self._blob, ""
+        used: dict[str, int] = {}
+        segments, rows = [], []
+        for (name, t), (_, ptr, dtype, shape, stride) in zip(tensors, signature):
+            if t.device != self.device:
+                return None, f"tensor {name!r} is on {t.device}, not the trainer's {self.device}"
+            found = self._entry_of(ptr)
+            if found is None:
+                return None, (f"tensor {name!r} is in memory a legacy CUDA IPC handle cannot export (expandable "
+                              f"segments or a custom allocator pool)")
+            base, entry = found
+            index = used.get(entry["key"])
+            if index is None:
+                index = used[entry["key"]] = len(segments)
+                segments.append({k: entry[k] for k in ("key", "size", "handle")})
+            rows.append([name, str(dtype).removeprefix("torch."), list(shape), list(stride), index, ptr - base,
+                         checksums[name] if checksums is not None else None])
+        blob = json.dumps({"host": socket.gethostname(), "segments": segments, "tensors": rows}).encode()
+        if blob == self._blob:
+            blob = self._blob
+        self._signature, self._blob = signature, blob
+        return blob, ""
+
+    def close(self) -> None:
+        self._allocs, self._signature, self._blob = [], None, None
+
+
+class MappedAllocations:
+    """Engine side: the trainer's allocations mapped for one update, and typed views of its tensors."""
+
+    def __init__(self, device: "torch.device"):
+        self.device = device
+        self._manifest: dict | None = None
+        self._mapped: dict[str, int] = {}  # key -> address here, while an update holds them
+        self._last_addresses: dict[str, int] = {}
+        self._views: list[NamedTensor] | None = None
+        self.metas: list[TensorMeta] = []
+        self.handles_opened = 0
+
+    def parse(self, blob: bytes) -> None:
+        """A new manifest (``b""``: the one parsed last, unchanged)."""
+        if not blob:
+            if self._manifest is None:
+                raise TransferError("the trainer referred to a direct manifest this receiver never received; "
+                                    "rebuild the transfer group")
+            return
+        import torch
+
+        self._manifest = self._views = None
+        manifest = json.loads(blob)
+        here = socket.gethostname()
+        if manifest["host"] != here:
+            raise TransferError(f"mode cuda_ipc shares memory within one host: the trainer's weights are on host "
+                                f"{manifest['host']!r}, this engine worker runs on {here!r}; place every "
+                                f"engine on trainer rank 0's node, or drop --colocate and use broadcast_packed")
+        self.metas = [TensorMeta(n, d, tuple(s), off, _span_bytes(s, st, getattr(torch, d).itemsize), c)
+                      for n, d, s, st, _, off, c in manifest["tensors"]]
+        self._manifest = manifest
+
+    def map(self) -> list[NamedTensor]:
+        """Open every allocation of the manifest; the tensors as typed views of them (the same view
+        objects as last update when every allocation landed at the same address)."""
+        import torch
+
+        cuda_driver.bind_context(self.device.index if self.device.index is not None else torch.cuda.current_device())
+        for seg in self._manifest["segments"]:
+            self._mapped[seg["key"]] = cuda_driver.open_handle(base64.b64decode(seg["handle"]))
+            self.handles_opened += 1
+        if self._views is None or self._mapped != self._last_addresses:
+            self._views = self._make_views()
+            self._last_addresses = dict(self._mapped)
+        return list(self._views)
+
+    def _make_views(self) -> list[NamedTensor]:
+        import torch
+
+        typed: dict[tuple[int, str], torch.Tensor] = {}
+        segments = self._manifest["segments"]
+        views = []
+        for name, dtype_name, shape, stride, index, offset, _ in self._manifest["tensors"]:
+            dtype = getattr(torch, dtype_name)
+            key = (index, dtype_name)
+            base = typed.get(key)
+            if base is None:
+                seg = segments[index]
+                # on the trainer's GPU as this process numbers it (no device argument: that would copy)
+                raw = torch.as_tensor(cuda_driver.DeviceBytes(self._mapped[seg["key"]], seg["size"]))
+                itemsize = torch.empty(0, dtype=dtype).element_size()
+                base = typed[key] = raw[:seg["size"] - seg["size"] % itemsize].view(dtype)
+            itemsize = base.element_size()
+            if offset % itemsize or offset + _span_bytes(shape, stride, itemsize) > segments[index]["size"]:
+                raise TransferError(f"tensor {name!r} does not lie inside its allocation in the trainer's manifest")
+            views.append((name, base.as_strided(shape, stride, offset // itemsize)))
+        return views
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._mapped)
+
+    def close(self) -> None:
+        """Wait for every copy out of the mappings, then unmap them (views stay, unusable until mapped again)."""
+        if not self._mapped:
+            return
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        mapped, self._mapped = self._mapped, {}
+        failures = []
+        for key, ptr in mapped.items():
+            try:
+                cuda_driver.close_handle(ptr)
+            except TransferError as exc:
+                failures.append(f"{key}: {exc}")
+        if failures:
+            raise TransferError(f"closing the trainer's mapped allocations failed: {'; '.join(failures)}")
+
+    def forget(self) -> None:
+        self._manifest, self._views, self._last_addresses = None, None, {}

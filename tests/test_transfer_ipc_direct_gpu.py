@@ -1,0 +1,165 @@
+"""Mode ``cuda_ipc``'s direct path on a real GPU: the receivers copy straight out of the sender
+process's own tensors (one CUDA IPC handle per allocation), bit for bit, and the sender's
+``update`` returns only once every receiver committed or dropped the update and unmapped it.
+Skipped without a GPU: the trainer's memory cannot be mapped by another process on CPU, where
+``resident=True`` falls back to the bucket path (tests/test_transfer_ipc.py).
+"""
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="the direct path maps another process's GPU memory")]
+
+N_RECEIVERS = 2
+VERSIONS = [1, 2, 3]
+
+
+def _weights() -> list:
+    """Resident tensors as a trainer holds them: parameters in a few allocations, updated in place."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    named = []
+    for layer in range(3):
+        p = f"model.layers.{layer}."
+        named += [(p + "self_attn.q_proj.weight", torch.randn(512, 256, device="cuda", generator=g).bfloat16()),
+                  (p + "input_layernorm.weight", torch.randn(256, device="cuda", generator=g)),
+                  (p + "mlp.up_proj.weight", torch.randn(256, 1024, device="cuda", generator=g).half().t())]
+    named += [("model.embed_tokens.weight", torch.randn(4096, 256, device="cuda", generator=g).bfloat16())]
+    return named
+
+
+def _step(named, version: int) -> None:
+    with torch.no_grad():
+        for _, t in named:
+            t.add_(version)  # in place: the allocations stay, so do the exports
+
+
+def _sender(alloc_conf, endpoint_q, result_q, refuse_version):
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    from rlplacement.transfer import registry
+    from rlplacement.transfer.base import tensor_checksum
+    from rlplacement.transfer.broadcast import UpdateRefused
+
+    try:
+        sender = registry.sender_class("cuda_ipc")(1 << 20, check_equal=True, timeout_s=60, device="cuda:0")
+        endpoint = sender.listen(1 + N_RECEIVERS, host="127.0.0.1")
+        for _ in range(N_RECEIVERS):
+            endpoint_q.put(endpoint.to_dict())
+        sender.connect()
+        named = _weights()
+        out = {"paths": [], "refused": None, "sums": {}}
+        for v in VERSIONS:
+            _step(named, v)
+            try:
+                report = sender.update(v, named, resident=True)
+                assert report.checksums == {n: tensor_checksum(t) for n, t in named}
+                out["paths"].append(report.path)
+            except UpdateRefused as exc:
+                assert v == refuse_version, exc
+                out["refused"] = str(exc)
+            out["sums"][v] = {n: tensor_checksum(t) for n, t in named}
+        from rlplacement.transfer.cuda_driver import allocation_of
+
+        out.update(exported=sender.exports.handles_exported, refusal=sender.direct_refusal,
+                   allocations=len({allocation_of(t.data_ptr()).buffer_id for _, t in named}))
+        result_q.put(("sender", out))
+        sender.close()
+    except BaseException as exc:  # noqa: BLE001
+        result_q.put(("sender", f"{type(exc).__name__}: {exc}"))
+
+
+def _receiver(rank, endpoint_q, result_q, refuse_version):
+    from rlplacement.transfer import registry
+    from rlplacement.transfer.base import TransferEndpoint, tensor_checksum
+
+    try:
+        receiver = registry.receiver_class("cuda_ipc")("cuda:0")
+        receiver.connect(TransferEndpoint.from_dict(endpoint_q.get(timeout=60)), rank)
+        served = {}  # this receiver's own copy of the weights: what an engine would serve
+        sums = {}
+        for v in VERSIONS:
+            receiver.begin(v)
+            receiver.receive()
+            if v == refuse_version and rank == 1:
+                receiver.abort()  # e.g. the engine's validation refused it: keeps the previous version
+            else:
+                receiver.commit(lambda staged: served.update({n: t.clone() for n, t in staged}))
+            sums[v] = {n: tensor_checksum(t) for n, t in served.items()}
+        result_q.put((f"receiver {rank}", {"sums": sums, "version": receiver.version, "path": receiver.last_path,
+                                           "opened": receiver.direct.handles_opened}))
+        receiver.close()
+    except BaseException as exc:  # noqa: BLE001
+        result_q.put((f"receiver {rank}", f"{type(exc).__name__}: {exc}"))
+
+
+def _run(alloc_conf: str, refuse_version: int | None) -> dict:
+    ctx = mp.get_context("spawn")
+    endpoint_q, result_q = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_sender, args=(alloc_conf, endpoint_q, result_q, refuse_version))]
+    procs += [ctx.Process(target=_receiver, args=(r, endpoint_q, result_q, refuse_version))
+              for r in range(1, 1 + N_RECEIVERS)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(result_q.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    errors = {who: r for who, r in results.items() if isinstance(r, str)}
+    assert not errors, errors
+    return results
+
+
+def test_direct_updates_are_bit_exact_with_one_handle_per_allocation():
+    results = _run("", None)
+    sender = results["sender"]
+    assert sender["paths"] == ["direct"] * len(VERSIONS) and sender["refusal"] == ""
+    for rank in range(1, 1 + N_RECEIVERS):
+        got = results[f"receiver {rank}"]
+        assert got["version"] == VERSIONS[-1] and got["path"] == "direct"
+        for v in VERSIONS:
+            assert got["sums"][v] == sender["sums"][v]
+        # every update maps each allocation again (all are unmapped before the sender returns) ...
+        assert got["opened"] == sender["allocations"] * len(VERSIONS)
+    # ... while the sender exports each allocation once, not once per tensor or per update
+    assert sender["exported"] == sender["allocations"] < 10  # 10 tensors
+
+
+def test_a_receiver_that_drops_a_direct_update_keeps_its_version_and_the_group_stays_in_step():
+    results = _run("", 2)
+    sender = results["sender"]
+    assert "engine worker rank(s) 1 did not commit update 2" in sender["refused"]
+    assert sender["paths"] == ["direct", "direct"]  # versions 1 and 3
+    dropped, other = results["receiver 1"], results["receiver 2"]
+    assert dropped["sums"][2] == sender["sums"][1]  # still serves version 1 whole
+    assert other["sums"][2] == sender["sums"][2]
+    assert dropped["sums"][3] == other["sums"][3] == sender["sums"][3]
+
+
+def test_expandable_segments_fall_back_to_buckets_and_say_why():
+    results = _run("expandable_segments:True", None)
+    sender = results["sender"]
+    assert sender["paths"] == ["buckets"] * len(VERSIONS)
+    assert "legacy CUDA IPC handle cannot export" in sender["refusal"]
+    for rank in range(1, 1 + N_RECEIVERS):
+        got = results[f"receiver {rank}"]
+        assert got["path"] == "buckets" and got["sums"][VERSIONS[-1]] == sender["sums"][VERSIONS[-1]]
+
+
+def test_reloaded_trainer_state_lies_in_one_allocation():
+    from rlplacement.backends.offload import HostOffload
+    from rlplacement.transfer.cuda_driver import allocation_of
+
+    tensors = [torch.randn(n, device="cuda") for n in (300_000, 2_000_000, 5_000_000, 700_000, 64)]
+    before = [t.clone() for t in tensors]
+    offload = HostOffload()
+    offload.offload(tensors)
+    offload.reload()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    large = [t for t in tensors if t.numel() * 4 > 1 << 20]
+    assert len({allocation_of(t.data_ptr()).buffer_id for t in large}) == 1
