@@ -171,6 +171,8 @@ class Bench:
         from rlplacement.transfer import registry
 
         sender = registry.sender_class(mode)(buffer_size, timeout_s=self.timeout_s, device=self.device)
+        if getattr(sender, "exports", None) is not None:  # as a trainer actor runs it: engines keep the mappings
+            sender.exports.keep_mapped = True
         endpoint = sender.listen(2, host="127.0.0.1")
         self.conn.send(("join", mode, endpoint.to_dict(), 0))
         sender.connect()

@@ -47,9 +47,9 @@ def ray_local():
 def _stand_ins(ray, log, n, role, gib):
     # every method the hand-off calls, each recording its own name
     methods = ("offload_to_host", "reload_from_host", "gpu_memory", "release_memory", "resume_weights",
-               "resume_kv_cache", "resume_all")
+               "resume_kv_cache", "resume_all", "unmap_trainer_memory")
     cls = type(f"Recording{role}", (_RecordingStandIn,),
-               {m: (lambda m: lambda self: self._call(m))(m) for m in methods})
+               {m: (lambda m: lambda self, **kwargs: self._call(m))(m) for m in methods})
     return [ray.remote(cls).options(num_cpus=0).remote(f"{role}{i}", log, gib) for i in range(n)]
 
 
@@ -80,10 +80,10 @@ def test_handoff_order_with_recording_stand_ins_for_gpu_sleep_mode(ray_local):
         h.to_train()  # already training: no move
         h.before_update()
     assert [m for m in _moves(log, ray) if m[1] != "gpu_memory"] == [
-        ("trainer", "offload_to_host"),
+        ("engine", "unmap_trainer_memory"), ("trainer", "offload_to_host"),
         ("engine", "release_memory"), ("trainer", "reload_from_host"),
         ("engine", "resume_weights"),
-        ("trainer", "offload_to_host"), ("engine", "resume_kv_cache"),
+        ("engine", "unmap_trainer_memory"), ("trainer", "offload_to_host"), ("engine", "resume_kv_cache"),
         ("engine", "release_memory"), ("trainer", "reload_from_host"),
         ("engine", "resume_weights"),
     ]
@@ -121,13 +121,14 @@ def test_an_update_outside_the_loop_order_still_ends_with_the_right_side_residen
     h.before_update()
     h.to_train()  # an update between log-probs and the step: the engine weights woke and must sleep again
     assert [m for m in _moves(log, ray) if m[1] != "gpu_memory"] == [
-        ("trainer", "offload_to_host"),
+        ("engine", "unmap_trainer_memory"), ("trainer", "offload_to_host"),
         ("trainer", "reload_from_host"),
-        ("trainer", "offload_to_host"),
+        ("engine", "unmap_trainer_memory"), ("trainer", "offload_to_host"),
         ("engine", "release_memory"), ("trainer", "reload_from_host"),
         ("engine", "resume_weights"),
         # the engine sleeps whole: its KV cache comes back first, with the trainer out of the way
-        ("trainer", "offload_to_host"), ("engine", "resume_kv_cache"), ("engine", "release_memory"),
+        ("engine", "unmap_trainer_memory"), ("trainer", "offload_to_host"), ("engine", "resume_kv_cache"),
+        ("engine", "release_memory"),
         ("trainer", "reload_from_host"),
     ]
 

@@ -37,7 +37,7 @@ def _step(named, version: int) -> None:
             t.add_(version)  # in place: the allocations stay, so do the exports
 
 
-def _sender(alloc_conf, endpoint_q, result_q, refuse_version):
+def _sender(alloc_conf, endpoint_q, result_q, refuse_version, keep_mapped):
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     from rlplacement.transfer import registry
     from rlplacement.transfer.base import tensor_checksum
@@ -49,6 +49,7 @@ def _sender(alloc_conf, endpoint_q, result_q, refuse_version):
         for _ in range(N_RECEIVERS):
             endpoint_q.put(endpoint.to_dict())
         sender.connect()
+        sender.exports.keep_mapped = keep_mapped
         named = _weights()
         out = {"paths": [], "refused": None, "sums": {}}
         for v in VERSIONS:
@@ -71,7 +72,7 @@ def _sender(alloc_conf, endpoint_q, result_q, refuse_version):
         result_q.put(("sender", f"{type(exc).__name__}: {exc}"))
 
 
-def _receiver(rank, endpoint_q, result_q, refuse_version):
+def _receiver(rank, endpoint_q, result_q, refuse_version, keep_mapped):
     from rlplacement.transfer import registry
     from rlplacement.transfer.base import TransferEndpoint, tensor_checksum
 
@@ -88,18 +89,19 @@ def _receiver(rank, endpoint_q, result_q, refuse_version):
             else:
                 receiver.commit(lambda staged: served.update({n: t.clone() for n, t in staged}))
             sums[v] = {n: tensor_checksum(t) for n, t in served.items()}
+        opened = receiver.direct.handles_opened
         result_q.put((f"receiver {rank}", {"sums": sums, "version": receiver.version, "path": receiver.last_path,
-                                           "opened": receiver.direct.handles_opened}))
+                                           "opened": opened, "unmapped": receiver.unmap()}))
         receiver.close()
     except BaseException as exc:  # noqa: BLE001
         result_q.put((f"receiver {rank}", f"{type(exc).__name__}: {exc}"))
 
 
-def _run(alloc_conf: str, refuse_version: int | None) -> dict:
+def _run(alloc_conf: str, refuse_version: int | None, keep_mapped: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     endpoint_q, result_q = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_sender, args=(alloc_conf, endpoint_q, result_q, refuse_version))]
-    procs += [ctx.Process(target=_receiver, args=(r, endpoint_q, result_q, refuse_version))
+    procs = [ctx.Process(target=_sender, args=(alloc_conf, endpoint_q, result_q, refuse_version, keep_mapped))]
+    procs += [ctx.Process(target=_receiver, args=(r, endpoint_q, result_q, refuse_version, keep_mapped))
               for r in range(1, 1 + N_RECEIVERS)]
     for p in procs:
         p.start()
@@ -115,8 +117,9 @@ def _run(alloc_conf: str, refuse_version: int | None) -> dict:
     return results
 
 
-def test_direct_updates_are_bit_exact_with_one_handle_per_allocation():
-    results = _run("", None)
+@pytest.mark.parametrize("keep_mapped", [False, True])
+def test_direct_updates_are_bit_exact_with_one_handle_per_allocation(keep_mapped):
+    results = _run("", None, keep_mapped)
     sender = results["sender"]
     assert sender["paths"] == ["direct"] * len(VERSIONS) and sender["refusal"] == ""
     for rank in range(1, 1 + N_RECEIVERS):
@@ -124,8 +127,10 @@ def test_direct_updates_are_bit_exact_with_one_handle_per_allocation():
         assert got["version"] == VERSIONS[-1] and got["path"] == "direct"
         for v in VERSIONS:
             assert got["sums"][v] == sender["sums"][v]
-        # every update maps each allocation again (all are unmapped before the sender returns) ...
-        assert got["opened"] == sender["allocations"] * len(VERSIONS)
+        if keep_mapped:  # mapped once, kept between updates until the receiver is told to let go
+            assert got["opened"] == got["unmapped"] == sender["allocations"]
+        else:  # every update maps each allocation again (all are unmapped before the sender returns) ...
+            assert got["opened"] == sender["allocations"] * len(VERSIONS) and got["unmapped"] == 0
     # ... while the sender exports each allocation once, not once per tensor or per update
     assert sender["exported"] == sender["allocations"] < 10  # 10 tensors
 
@@ -156,10 +161,10 @@ def test_reloaded_trainer_state_lies_in_one_allocation():
     from rlplacement.transfer.cuda_driver import allocation_of
 
     tensors = [torch.randn(n, device="cuda") for n in (300_000, 2_000_000, 5_000_000, 700_000, 64)]
-    before = [t.clone() for t in tensors]
+    before = [t.cpu() for t in tensors]  # nothing else on the GPU: every segment is free once offloaded
     offload = HostOffload()
     offload.offload(tensors)
     offload.reload()
-    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(tensors, before))
     large = [t for t in tensors if t.numel() * 4 > 1 << 20]
     assert len({allocation_of(t.data_ptr()).buffer_id for t in large}) == 1

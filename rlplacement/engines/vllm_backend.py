@@ -184,7 +184,11 @@ def load_path(worker: Any) -> dict:
     engine = getattr(worker, "weight_transfer_engine", None)
     if not isinstance(engine, RlplacementWeightTransferEngine):
         return {}
-    return {"path": engine.last_load_path, "plan_failure": engine.plan_failure}
+    out = {"path": engine.last_load_path, "plan_failure": engine.plan_failure}
+    direct = getattr(engine.receiver, "direct", None)
+    if getattr(engine.receiver, "last_path", "") == "direct" and direct is not None:
+        out["mapped_allocations"] = direct.num_allocations  # the trainer's, each mapped once per update
+    return out
 
 
 def receive_and_commit(worker: Any, version: int) -> dict:
@@ -208,6 +212,14 @@ def release_staging(worker: Any) -> int:
     """For ``collective_rpc``: this worker's staging freed before the engine sleeps (bytes let go)."""
     engine = getattr(worker, "weight_transfer_engine", None)
     return engine.release_staging() if isinstance(engine, RlplacementWeightTransferEngine) else 0
+
+
+def unmap_trainer_memory(worker: Any) -> int:
+    """For ``collective_rpc``: let go of the trainer's memory that mode cuda_ipc keeps mapped between
+    updates, before the trainer frees it; returns how many allocations were mapped."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    receiver = getattr(engine, "receiver", None) if isinstance(engine, RlplacementWeightTransferEngine) else None
+    return receiver.unmap() if hasattr(receiver, "unmap") else 0
 
 
 def shutdown_transfer(worker: Any) -> None:

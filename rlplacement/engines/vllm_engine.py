@@ -89,6 +89,12 @@ class VllmRolloutEngine:
 
         return self._timed(release)
 
+    def unmap_trainer_memory(self) -> dict:
+        """Before the trainer frees its weights (a colocated hand-off): cuda_ipc's mappings of them go."""
+        from rlplacement.engines.vllm_backend import unmap_trainer_memory
+
+        return {"mapped_allocations": sum(self.llm.collective_rpc(unmap_trainer_memory))}
+
     def resume_weights(self) -> dict:
         """Before an update: the weights come back (the KV cache stays released while bytes arrive)."""
         return self._timed(lambda: self.llm.wake_up(tags=["weights"]))

@@ -38,7 +38,8 @@ KEYS = {
 }
 
 
-PARTS = {"offload_to_host": "trainer_offload", "reload_from_host": "trainer_reload", "release_memory": "engine_sleep",
+PARTS = {"unmap_trainer_memory": "trainer_offload", "offload_to_host": "trainer_offload",
+         "reload_from_host": "trainer_reload", "release_memory": "engine_sleep",
          "resume_weights": "engine_wake", "resume_kv_cache": "engine_wake", "resume_all": "engine_wake"}
 
 
@@ -148,7 +149,10 @@ class ColocatedHandOff:
     # ---- parts ------------------------------------------------------------------------------
     def _trainer_to_host(self, phase: str | None) -> None:
         if self.offload_train and not self.trainer_on_host:
-            reports = self._trainers("offload_to_host", "trainer offload")
+            # cuda_ipc keeps the trainer's weights mapped in the engines between updates: they let go
+            # first, since freeing memory another process still maps is undefined (the trainer refuses)
+            self._engines("unmap_trainer_memory", "engines unmapping the trainer's memory")
+            reports = self._trainers("offload_to_host", "trainer offload", engines_unmapped=True)
             self.trainer_on_host = True
             if phase:
                 self._record("trainer", phase, reports)
@@ -160,16 +164,16 @@ class ColocatedHandOff:
             if phase:
                 self._record("trainer", phase, reports)
 
-    def _trainers(self, method: str, what: str) -> list[dict]:
-        return self._call(self.trainers, self.trainer_names, method, what)
+    def _trainers(self, method: str, what: str, **kwargs) -> list[dict]:
+        return self._call(self.trainers, self.trainer_names, method, what, **kwargs)
 
     def _engines(self, method: str, what: str) -> list[dict]:
         return self._call(self.engines, [f"engine {i}" for i in range(len(self.engines))], method, what)
 
-    def _call(self, actors: Sequence, names: Sequence[str], method: str, what: str) -> list[dict]:
+    def _call(self, actors: Sequence, names: Sequence[str], method: str, what: str, **kwargs) -> list[dict]:
         """``method`` on every actor, bounded; a move (not a memory reading) adds its seconds to its part."""
         start = time.perf_counter()
-        out = get_all([getattr(a, method).remote() for a in actors], self.timeout_s, what, names)
+        out = get_all([getattr(a, method).remote(**kwargs) for a in actors], self.timeout_s, what, names)
         part = PARTS.get(method)
         if part is not None:
             self._add(f"perf/handoff_{part}_time", time.perf_counter() - start)

@@ -80,9 +80,24 @@ class TrainerWorker(TrainerTransferMixin):
         return {**metrics, "start": start, "end": time.time()}
 
     # ---- memory hand-off (--offload-train) --------------------------------------------------
-    def offload_to_host(self) -> dict:
-        """Before rollout: weights and optimizer state to pinned host memory, gradients dropped."""
+    def offload_to_host(self, engines_unmapped: bool = False) -> dict:
+        """Before rollout: weights and optimizer state to pinned host memory, gradients dropped.
+        ``engines_unmapped``: every engine has let go of this trainer's memory (``unmap_trainer_memory``);
+        while cuda_ipc may still have it mapped there, offloading (which frees it) is refused."""
+        exports = getattr(self.transfer_sender, "exports", None)
+        if exports is not None and exports.mapped_elsewhere:
+            if not engines_unmapped:
+                raise RuntimeError(f"trainer rank {self.rank}: engines may still map this trainer's weights (cuda_ipc "
+                                   "keeps them mapped between updates), and offloading frees them: call every "
+                                   "engine's unmap_trainer_memory() first, then offload_to_host(engines_unmapped=True)")
+            exports.mapped_elsewhere = False
         return {**self.backend.offload_to_host(), **gpu_memory()}
+
+    def transfer_setup(self, *args, **kwargs) -> None:
+        super().transfer_setup(*args, **kwargs)
+        exports = getattr(self.transfer_sender, "exports", None)
+        if exports is not None:  # cuda_ipc on a GPU: engines keep our weights mapped (offload_to_host guards)
+            exports.keep_mapped = True
 
     def reload_from_host(self) -> dict:
         """Before training or an update: everything offloaded comes back, bit-exact."""

@@ -48,6 +48,7 @@ def _cuda():
         opener.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
         lib.rlp_open = opener
         lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+        lib.cuInit.argtypes = [ctypes.c_uint]
         lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
@@ -67,6 +68,7 @@ def bind_context(device_index: int) -> None:
     """Make the device's primary context current on this thread (torch does so lazily, and a thread
     that has not touched CUDA yet, e.g. an RPC handler, may have none)."""
     lib = _cuda()
+    _check(lib.cuInit(0), "cuInit")  # idempotent; a process that has not touched CUDA yet needs it first
     ctx = ctypes.c_void_p()
     _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
     if ctx.value:
@@ -101,7 +103,7 @@ def export_handle(base: int) -> bytes:
     """The legacy IPC handle of the allocation starting at ``base``."""
     handle = _IpcHandle()
     _check(_cuda().cuIpcGetMemHandle(ctypes.byref(handle), int(base)), "cuIpcGetMemHandle")
-    return bytes(handle.reserved)
+    return bytes(handle)  # all 64 bytes (the char array field would stop at the first zero byte)
 
 
 def open_handle(handle: bytes) -> int:
@@ -110,7 +112,7 @@ def open_handle(handle: bytes) -> int:
     if len(handle) != IPC_HANDLE_BYTES:
         raise TransferError(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
     ptr = ctypes.c_uint64()
-    _check(_cuda().rlp_open(ctypes.byref(ptr), _IpcHandle(handle), _IPC_LAZY_ENABLE_PEER_ACCESS),
+    _check(_cuda().rlp_open(ctypes.byref(ptr), _IpcHandle.from_buffer_copy(handle), _IPC_LAZY_ENABLE_PEER_ACCESS),
            "cuIpcOpenMemHandle")
     return ptr.value
 

@@ -100,6 +100,7 @@ class IpcSender(BroadcastSender):
         import torch
 
         torch.cuda.synchronize(self.device)  # the optimizer's last kernels have written what engines read
+        self.exports.mapped_elsewhere = self.exports.mapped_elsewhere or self.exports.keep_mapped
         self._send_frame(KIND_DIRECT, version, b"" if blob is self._direct_sent else blob, len(tensors))
         self._direct_sent = blob
         failed = _failed_ranks(self._acks())
@@ -107,7 +108,7 @@ class IpcSender(BroadcastSender):
             raise _ReceiversFailed(f"engine worker rank(s) {', '.join(map(str, failed))} could not map the "
                                    f"trainer's weights")
         self._send_frame(KIND_END, version, b"", len(tensors))
-        failed = _failed_ranks(self._acks())  # each receiver committed (or dropped) and unmapped
+        failed = _failed_ranks(self._acks())  # each receiver committed (or dropped) and unmapped (or kept)
         if failed:
             raise UpdateRefused(f"engine worker rank(s) {', '.join(map(str, failed))} did not commit update "
                                 f"{version} from the trainer's memory and keep their previous version; the "
@@ -238,12 +239,21 @@ class IpcReceiver(BroadcastReceiver):
         self._held = False
         error = None
         try:
-            self.direct.close()
+            self.direct.finish()
         except TransferError as exc:
             failed, error = True, exc
         self._ack(failed)
         if error is not None:
             raise error
+
+    def unmap(self) -> int:
+        """Unmap the trainer's allocations kept between updates (``keep_mapped``), so the trainer may
+        free them; returns how many were mapped. Only between updates."""
+        if self._held:
+            raise TransferError("unmap() while a direct update is staged: commit or abort it first")
+        mapped = len(self.direct._mapped)
+        self.direct.close()
+        return mapped
 
     def _unmap_quietly(self) -> None:
         try:
