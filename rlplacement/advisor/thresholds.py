@@ -43,8 +43,8 @@ class Thresholds:
 # Achieved share of the path's bandwidth per transfer mode: estimates, kept conservative. Sources:
 # verl's NCCL receive at ~16% of a NIC (shared/ANCHORS.md) for broadcast; for the whole update on
 # 2 H200s benchmarks/gpu/results/split_h200.json measured broadcast 0.49-0.56 and broadcast_packed
-# 0.55-0.64 of a flat NCCL broadcast at 4B-8B, and colocate_h200.json cuda_ipc 0.08 of an in-GPU
-# copy at 4B (fixed costs dominate there); p2p measured 0.82-0.85 of a raw Mooncake TCP write on
+# 0.55-0.64 of a flat NCCL broadcast at 4B-8B, and colocate_h200.json cuda_ipc 0.16-0.27 of an in-GPU
+# copy at 4B-8B (direct path; fixed costs of ~14-20 ms dominate there); p2p measured 0.82-0.85 of a raw Mooncake TCP write on
 # CPU (no RDMA run yet: an estimate); disk-delta's share is
 # taken against disk_gbps.
 MODE_EFFICIENCY = {"broadcast": 0.2, "broadcast_packed": 0.5, "p2p": 0.5, "disk-delta": 1.0, "cuda_ipc": 0.5}
