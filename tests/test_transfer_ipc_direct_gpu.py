@@ -37,10 +37,11 @@ def _step(named, version: int) -> None:
             t.add_(version)  # in place: the allocations stay, so do the exports
 
 
-def _sender(alloc_conf, endpoint_q, result_q, refuse_version, keep_mapped):
+def _sender(alloc_conf, endpoint_q, result_q, fault, keep_mapped):
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     from rlplacement.transfer import registry
     from rlplacement.transfer.base import tensor_checksum
+    from rlplacement.transfer.base import UpdateAborted
     from rlplacement.transfer.broadcast import UpdateRefused
 
     try:
@@ -51,16 +52,15 @@ def _sender(alloc_conf, endpoint_q, result_q, refuse_version, keep_mapped):
         sender.connect()
         sender.exports.keep_mapped = keep_mapped
         named = _weights()
-        out = {"paths": [], "refused": None, "sums": {}}
+        out = {"paths": [], "failed": {}, "sums": {}}
         for v in VERSIONS:
             _step(named, v)
             try:
                 report = sender.update(v, named, resident=True)
                 assert report.checksums == {n: tensor_checksum(t) for n, t in named}
                 out["paths"].append(report.path)
-            except UpdateRefused as exc:
-                assert v == refuse_version, exc
-                out["refused"] = str(exc)
+            except (UpdateRefused, UpdateAborted) as exc:
+                out["failed"][v] = f"{type(exc).__name__}: {exc}"
             out["sums"][v] = {n: tensor_checksum(t) for n, t in named}
         from rlplacement.transfer.cuda_driver import allocation_of
 
@@ -72,7 +72,7 @@ def _sender(alloc_conf, endpoint_q, result_q, refuse_version, keep_mapped):
         result_q.put(("sender", f"{type(exc).__name__}: {exc}"))
 
 
-def _receiver(rank, endpoint_q, result_q, refuse_version, keep_mapped):
+def _receiver(rank, endpoint_q, result_q, fault, keep_mapped):
     from rlplacement.transfer import registry
     from rlplacement.transfer.base import TransferEndpoint, tensor_checksum
 
@@ -80,28 +80,43 @@ def _receiver(rank, endpoint_q, result_q, refuse_version, keep_mapped):
         receiver = registry.receiver_class("cuda_ipc")("cuda:0")
         receiver.connect(TransferEndpoint.from_dict(endpoint_q.get(timeout=60)), rank)
         served = {}  # this receiver's own copy of the weights: what an engine would serve
-        sums = {}
+        sums, errors = {}, {}
+        if fault and fault[0] == "corrupt" and rank == 1:  # this rank reads wrong bytes for one update
+            real_map = receiver.direct.map
+
+            def wrong_map():
+                views = real_map()
+                if receiver._pending == fault[1]:
+                    views[0] = (views[0][0], torch.zeros_like(views[0][1]))
+                return views
+
+            receiver.direct.map = wrong_map
         for v in VERSIONS:
             receiver.begin(v)
-            receiver.receive()
-            if v == refuse_version and rank == 1:
-                receiver.abort()  # e.g. the engine's validation refused it: keeps the previous version
+            try:
+                receiver.receive()
+            except Exception as exc:  # noqa: BLE001 - an aborted update: recorded, the next one goes on
+                errors[v] = f"{type(exc).__name__}: {exc}"
             else:
-                receiver.commit(lambda staged: served.update({n: t.clone() for n, t in staged}))
+                if fault == ("drop", v) and rank == 1:
+                    receiver.abort()  # e.g. the engine's validation refused it: keeps the previous version
+                else:
+                    receiver.commit(lambda staged: served.update({n: t.clone() for n, t in staged}))
             sums[v] = {n: tensor_checksum(t) for n, t in served.items()}
         opened = receiver.direct.handles_opened
-        result_q.put((f"receiver {rank}", {"sums": sums, "version": receiver.version, "path": receiver.last_path,
-                                           "opened": opened, "unmapped": receiver.unmap()}))
+        result_q.put((f"receiver {rank}", {"sums": sums, "errors": errors, "version": receiver.version,
+                                           "path": receiver.last_path, "opened": opened, "unmapped": receiver.unmap(),
+                                           "verified": receiver.verified_checksums}))
         receiver.close()
     except BaseException as exc:  # noqa: BLE001
         result_q.put((f"receiver {rank}", f"{type(exc).__name__}: {exc}"))
 
 
-def _run(alloc_conf: str, refuse_version: int | None, keep_mapped: bool = False) -> dict:
+def _run(alloc_conf: str, fault: tuple[str, int] | None, keep_mapped: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     endpoint_q, result_q = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_sender, args=(alloc_conf, endpoint_q, result_q, refuse_version, keep_mapped))]
-    procs += [ctx.Process(target=_receiver, args=(r, endpoint_q, result_q, refuse_version, keep_mapped))
+    procs = [ctx.Process(target=_sender, args=(alloc_conf, endpoint_q, result_q, fault, keep_mapped))]
+    procs += [ctx.Process(target=_receiver, args=(r, endpoint_q, result_q, fault, keep_mapped))
               for r in range(1, 1 + N_RECEIVERS)]
     for p in procs:
         p.start()
@@ -124,7 +139,8 @@ def test_direct_updates_are_bit_exact_with_one_handle_per_allocation(keep_mapped
     assert sender["paths"] == ["direct"] * len(VERSIONS) and sender["refusal"] == ""
     for rank in range(1, 1 + N_RECEIVERS):
         got = results[f"receiver {rank}"]
-        assert got["version"] == VERSIONS[-1] and got["path"] == "direct"
+        assert got["version"] == VERSIONS[-1] and got["path"] == "direct" and not got["errors"]
+        assert got["verified"] == sender["sums"][VERSIONS[-1]]  # hashed on the receiver, kept for the engine
         for v in VERSIONS:
             assert got["sums"][v] == sender["sums"][v]
         if keep_mapped:  # mapped once, kept between updates until the receiver is told to let go
@@ -136,14 +152,26 @@ def test_direct_updates_are_bit_exact_with_one_handle_per_allocation(keep_mapped
 
 
 def test_a_receiver_that_drops_a_direct_update_keeps_its_version_and_the_group_stays_in_step():
-    results = _run("", 2)
+    results = _run("", ("drop", 2))
     sender = results["sender"]
-    assert "engine worker rank(s) 1 did not commit update 2" in sender["refused"]
+    assert "engine worker rank(s) 1 did not commit update 2" in sender["failed"][2]
     assert sender["paths"] == ["direct", "direct"]  # versions 1 and 3
     dropped, other = results["receiver 1"], results["receiver 2"]
     assert dropped["sums"][2] == sender["sums"][1]  # still serves version 1 whole
     assert other["sums"][2] == sender["sums"][2]
     assert dropped["sums"][3] == other["sums"][3] == sender["sums"][3]
+
+
+def test_a_receiver_reading_other_bytes_aborts_the_direct_update_everywhere():
+    results = _run("", ("corrupt", 2), keep_mapped=True)
+    sender = results["sender"]
+    assert sender["failed"][2].startswith("UpdateAborted") and "rank(s) 1 could not map or verify" in sender["failed"][2]
+    wrong, other = results["receiver 1"], results["receiver 2"]
+    assert wrong["errors"][2].startswith("WeightMismatchError") and "model.layers.0.self_attn.q_proj" in wrong["errors"][2]
+    assert other["errors"][2].startswith("UpdateAborted")
+    for got in (wrong, other):  # nobody serves version 2; version 3 goes through, checked
+        assert got["sums"][2] == sender["sums"][1] and got["sums"][3] == sender["sums"][3]
+        assert got["verified"] == sender["sums"][3]  # the receiver's own hashes, kept for the engine
 
 
 def test_expandable_segments_fall_back_to_buckets_and_say_why():

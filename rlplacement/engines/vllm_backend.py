@@ -91,9 +91,12 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             self.receiver.receive()
             staged = self.receiver.staged
             if self.check_equal:
-                # hashed again after the whole update landed (not reused from the per-bucket verify): a
-                # bucket overwritten after its check, e.g. by a stray remote write, is still caught
-                self.received_checksums = {n: tensor_checksum(t) for n, t in staged}
+                direct = getattr(self.receiver, "last_path", "") == "direct"
+                own = getattr(self.receiver, "verified_checksums", None) if direct else None
+                # a direct update's tensors are the trainer's memory, which cannot change before it is
+                # released: the receiver's own hashes of them stand. Anything staged is hashed again after
+                # the whole update landed: a bucket overwritten after its check (a stray remote write) is caught
+                self.received_checksums = dict(own) if own else {n: tensor_checksum(t) for n, t in staged}
             if self._tied:  # a tied lm_head is the embedding; vLLM has no separate tensor for it
                 staged[:] = [(n, t) for n, t in staged if n != "lm_head.weight"]
             vllm_loader.validate(staged, self._expected, self._where(),

@@ -22,7 +22,8 @@ usable. The failing receiver raises its own error, the others ``UpdateAborted`` 
 
 Direct path (``ipc_direct``): when the trainer's tensors are resident (``update(..., resident=True)``)
 and exportable, one DIRECT frame carries a manifest of the trainer's own allocations instead of
-buckets. Receivers map them, verify, and acknowledge (all or nothing, as above); after END each
+buckets. Receivers map them, verify (with check_equal the trainer sends its checksums in a frame of
+their own after the manifest, so both sides hash at once), and acknowledge (all or nothing, as above); after END each
 receiver commits straight from the trainer's memory, unmaps, and acknowledges once more, and only
 then does the sender's ``update`` return: the trainer's weights must not change or be freed while
 an engine reads them. A receiver that drops the staged update instead (``abort``, a refused
@@ -33,10 +34,11 @@ while the others serve the new version.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import TYPE_CHECKING, ClassVar
 
 from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferError,
-                                       tensor_checksum)
+                                       WeightMismatchError, tensor_checksum)
 from rlplacement.transfer.broadcast import (KIND_ABORT, KIND_END, BroadcastReceiver, BroadcastSender, UpdateRefused,
                                             _AbortUpdate, _guard)
 from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, pack_into
@@ -44,6 +46,7 @@ from rlplacement.transfer.ipc_direct import AllocationExports, MappedAllocations
 from rlplacement.transfer.shared_buffers import OpenedBuffer, SharedSlots
 
 KIND_DIRECT = 4  # a manifest of the trainer's own allocations instead of buckets
+KIND_CHECKSUMS = 5  # after a direct manifest, with check_equal: the trainer's per-tensor checksums
 
 if TYPE_CHECKING:
     import torch
@@ -93,8 +96,7 @@ class IpcSender(BroadcastSender):
         if not resident or self.exports is None:
             return super()._send_update(version, named_tensors, resident)
         tensors = list(_guard(named_tensors))  # resident: listing them holds no extra memory
-        checksums = {n: tensor_checksum(t) for n, t in tensors} if self.check_equal else None
-        blob, self.direct_refusal = self.exports.manifest(tensors, checksums)
+        blob, self.direct_refusal = self.exports.manifest(tensors)
         if blob is None:
             return super()._send_update(version, tensors, resident)
         import torch
@@ -103,10 +105,14 @@ class IpcSender(BroadcastSender):
         self.exports.mapped_elsewhere = self.exports.mapped_elsewhere or self.exports.keep_mapped
         self._send_frame(KIND_DIRECT, version, b"" if blob is self._direct_sent else blob, len(tensors))
         self._direct_sent = blob
+        checksums = None
+        if self.check_equal:  # hashed here while every receiver hashes what it mapped: one pass of wall time
+            checksums = {n: tensor_checksum(t) for n, t in tensors}
+            self._send_frame(KIND_CHECKSUMS, version, json.dumps(checksums).encode(), len(tensors))
         failed = _failed_ranks(self._acks())
         if failed:
-            raise _ReceiversFailed(f"engine worker rank(s) {', '.join(map(str, failed))} could not map the "
-                                   f"trainer's weights")
+            raise _ReceiversFailed(f"engine worker rank(s) {', '.join(map(str, failed))} could not map or "
+                                   f"verify the trainer's weights")
         self._send_frame(KIND_END, version, b"", len(tensors))
         failed = _failed_ranks(self._acks())  # each receiver committed (or dropped) and unmapped (or kept)
         if failed:
@@ -190,6 +196,7 @@ class IpcReceiver(BroadcastReceiver):
         self.direct = MappedAllocations(self.device)
         self._held = False  # a direct update is staged: the sender waits for our commit-or-drop ack
         self.last_path = ""
+        self.verified_checksums: dict[str, str] | None = None  # this receiver's own hashes of a checked direct update
 
     def _stage(self) -> tuple[list[NamedTensor], int, int]:
         self._failure = None
@@ -199,14 +206,14 @@ class IpcReceiver(BroadcastReceiver):
             return self._stage_buckets(frame)
         self.last_path = "direct"
         staged: list[NamedTensor] = []
+        self.verified_checksums = None
         try:
             self.direct.parse(blob)
             staged = self.direct.map()
-            mismatch = self.first_mismatch(BucketManifest(0, 0, tuple(self.direct.metas)), staged, self._where())
-            if mismatch is not None:
-                raise mismatch
         except Exception as exc:  # noqa: BLE001 - reported through the ack, raised at ABORT
             self._failure = exc
+        if self._endpoint.check_equal:
+            self._verify_direct(staged)
         self._ack(self._failure is not None)
         kind, version, blob = self._recv_frame()
         if kind != KIND_END:
@@ -217,6 +224,29 @@ class IpcReceiver(BroadcastReceiver):
         self._held = True  # from here on, commit or abort answers the sender exactly once
         self._after_end(len(staged))
         return staged, 1, sum(m.nbytes for m in self.direct.metas)
+
+    def _verify_direct(self, staged: list[NamedTensor]) -> None:
+        """Hash what this receiver mapped (while the trainer hashes its tensors), then compare with the
+        trainer's checksums frame; the first difference fails this receiver's ack. The hashes are kept
+        (``verified_checksums``): the trainer cannot change those bytes before this update is released."""
+        got = None
+        if self._failure is None:
+            try:
+                got = {n: tensor_checksum(t) for n, t in staged}
+            except Exception as exc:  # noqa: BLE001 - reported through the ack
+                self._failure = exc
+        kind, version, blob = self._recv_frame()  # always read: the frame is on the wire for every rank
+        if kind != KIND_CHECKSUMS:
+            self._unmap_quietly()
+            raise TransferError(f"expected the trainer's checksums after a direct manifest, got frame kind {kind}")
+        if got is None:
+            return
+        want = json.loads(blob)
+        for name, checksum in got.items():
+            if want.get(name) != checksum:
+                self._failure = WeightMismatchError(name, want.get(name, "<missing>"), checksum, self._where())
+                return
+        self.verified_checksums = got
 
     def commit(self, apply) -> int:
         if not self._held:

@@ -85,13 +85,13 @@ class AllocationExports:
         bisect.insort(self._allocs, (alloc.base, alloc.base + alloc.size, entry["key"], entry))
         return alloc.base, entry
 
-    def manifest(self, tensors: list[NamedTensor], checksums: dict[str, str] | None) -> tuple[bytes | None, str]:
+    def manifest(self, tensors: list[NamedTensor]) -> tuple[bytes | None, str]:
         """``(manifest JSON, "")``, or ``(None, why)`` when some tensor cannot be read in place. The
         JSON is the same bytes object as last time when nothing moved (the caller then sends none)."""
         cuda_driver.bind_context(self.device.index or 0)
         self._refresh()
         signature = [(n, t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in tensors]
-        if checksums is None and self._blob is not None and signature == self._signature and \
+        if self._blob is not None and signature == self._signature and \
                 json.loads(self._blob)["keep_mapped"] == self.keep_mapped:
             return self._blob, ""
         used: dict[str, int] = {}
@@ -108,8 +108,7 @@ class AllocationExports:
             if index is None:
                 index = used[entry["key"]] = len(segments)
                 segments.append({k: entry[k] for k in ("key", "size", "handle")})
-            rows.append([name, str(dtype).removeprefix("torch."), list(shape), list(stride), index, ptr - base,
-                         checksums[name] if checksums is not None else None])
+            rows.append([name, str(dtype).removeprefix("torch."), list(shape), list(stride), index, ptr - base])
         blob = json.dumps({"host": socket.gethostname(), "keep_mapped": self.keep_mapped, "segments": segments,
                            "tensors": rows}).encode()
         if blob == self._blob:
@@ -149,8 +148,8 @@ class MappedAllocations:
             raise TransferError(f"mode cuda_ipc shares memory within one host: the trainer's weights are on host "
                                 f"{manifest['host']!r}, this engine worker runs on {here!r}; place every "
                                 f"engine on trainer rank 0's node, or drop --colocate and use broadcast_packed")
-        self.metas = [TensorMeta(n, d, tuple(s), off, _span_bytes(s, st, getattr(torch, d).itemsize), c)
-                      for n, d, s, st, _, off, c in manifest["tensors"]]
+        self.metas = [TensorMeta(n, d, tuple(s), off, _span_bytes(s, st, getattr(torch, d).itemsize))
+                      for n, d, s, st, _, off in manifest["tensors"]]
         self._manifest = manifest
 
     def map(self) -> list[NamedTensor]:
@@ -176,7 +175,7 @@ class MappedAllocations:
         typed: dict[tuple[int, str], torch.Tensor] = {}
         segments = self._manifest["segments"]
         views = []
-        for name, dtype_name, shape, stride, index, offset, _ in self._manifest["tensors"]:
+        for name, dtype_name, shape, stride, index, offset in self._manifest["tensors"]:
             dtype = getattr(torch, dtype_name)
             key = (index, dtype_name)
             base = typed.get(key)
