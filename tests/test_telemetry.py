@@ -171,7 +171,10 @@ def test_gpu_util_sampled_inside_the_phase_on_a_gpu():
         time.sleep(1.0)
     row = tel.end_step(0)
     assert row["perf/trainer_gpu_util"] > 50, row["perf/trainer_gpu_util"]
-    assert row["perf/rollout_gpu_util"] < 20, row["perf/rollout_gpu_util"]
+    # NVML's reading covers the driver's last sample period, so the idle phase's first samples still see
+    # the busy phase's tail: 20-22% on an H200 (twice), never near the busy phase's
+    assert row["perf/rollout_gpu_util"] < 35, row["perf/rollout_gpu_util"]
+    assert row["perf/trainer_gpu_util"] - row["perf/rollout_gpu_util"] > 40, row
 
 
 def test_bad_input_is_refused_with_clear_messages():

@@ -28,8 +28,9 @@ KEYS = {
     "perf/handoff_to_train_time": "seconds per step: engines sleep, trainer state back from host memory",
     "perf/handoff_to_rollout_time": "seconds per step: engine weights back (before the update), trainer state "
                                     "to host memory, engine KV cache back",
-    "perf/handoff_{part}_time": "seconds per step of each part of both hand-offs, {part} one of trainer_offload, "
-                                "trainer_reload, engine_sleep, engine_wake (the rest is memory readings)",
+    "perf/handoff_{part}_time": "seconds per step of each part of both hand-offs, {part} one of trainer_offload "
+                                "(the engines unmapping the trainer's memory, then its offload), trainer_reload, "
+                                "engine_sleep, engine_wake (the rest is memory readings)",
     "perf/trainer_gpu_resident_gb_in_{phase}": "GiB the trainer holds on its GPU once the phase starts (largest rank)",
     "perf/trainer_gpu_peak_gb_in_{phase}": "GiB the trainer held at most during the phase (torch's peak, largest rank)",
     "perf/rollout_gpu_resident_gb_in_{phase}": "GiB an engine holds once the phase starts (largest engine)",
