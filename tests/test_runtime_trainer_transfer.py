@@ -2,6 +2,8 @@
 
 import argparse
 
+import pytest
+
 from rlplacement.args import add_arguments, config_from_args
 from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
 
@@ -46,7 +48,6 @@ def test_a_failed_send_finishes_the_gathers_with_the_other_ranks():
     import datetime
     import threading
 
-    import pytest
     import torch
     import torch.distributed as dist
 
@@ -104,3 +105,28 @@ def test_the_driver_finds_the_engine_and_tensor_that_differ():
     assert engine == 1 and "tensor 'b' has checksum ff but the trainer sent 02" in str(error)
     engine, error = first_mismatch(want, [{"a": "01"}])
     assert engine == 0 and "tensor 'b' has checksum <missing>" in str(error)
+
+
+def test_the_trainer_refuses_to_free_weights_engines_may_map_until_told_they_let_go_gpu_state_stand_in():
+    """cuda_ipc's engines keep the trainer's allocations mapped between updates, and freeing mapped
+    memory is undefined; the mapped state only arises on a GPU, so it is set by hand here."""
+    import types
+
+    import torch
+
+    from rlplacement.runtime.trainer_worker import TrainerWorker
+    from rlplacement.transfer.ipc_direct import AllocationExports
+
+    offloads = []
+    worker = TrainerWorker(0, 1)
+    worker.backend = types.SimpleNamespace(offload_to_host=lambda: offloads.append(1) or {"seconds": 0.0})
+    exports = AllocationExports(torch.device("cuda", 0))
+    worker.transfer_sender = types.SimpleNamespace(exports=exports, close=lambda: None)
+    exports.mapped_elsewhere = True
+    with pytest.raises(RuntimeError, match=r"engines may still map this trainer's weights.*unmap_trainer_memory\(\)"):
+        worker.offload_to_host()
+    assert offloads == [] and exports.mapped_elsewhere
+    worker.offload_to_host(engines_unmapped=True)
+    assert offloads == [1] and not exports.mapped_elsewhere
+    worker.offload_to_host()  # nothing mapped since: no unmap needed
+    assert offloads == [1, 1]
