@@ -5,11 +5,12 @@ Skipped without a GPU: the trainer's memory cannot be mapped by another process 
 ``resident=True`` falls back to the bucket path (tests/test_transfer_ipc.py).
 """
 
-import multiprocessing as mp
 import os
 
 import pytest
 import torch
+
+from tests.transfer_helpers.spawned import run_sender_and_receivers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="the direct path maps another process's GPU memory")]
@@ -113,23 +114,8 @@ def _receiver(rank, endpoint_q, result_q, fault, keep_mapped):
 
 
 def _run(alloc_conf: str, fault: tuple[str, int] | None, keep_mapped: bool = False) -> dict:
-    ctx = mp.get_context("spawn")
-    endpoint_q, result_q = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_sender, args=(alloc_conf, endpoint_q, result_q, fault, keep_mapped))]
-    procs += [ctx.Process(target=_receiver, args=(r, endpoint_q, result_q, fault, keep_mapped))
-              for r in range(1, 1 + N_RECEIVERS)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(result_q.get(timeout=180) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    errors = {who: r for who, r in results.items() if isinstance(r, str)}
-    assert not errors, errors
-    return results
+    return run_sender_and_receivers(_sender, _receiver, N_RECEIVERS, sender_args=(alloc_conf,),
+                                    extra=(fault, keep_mapped))
 
 
 @pytest.mark.parametrize("keep_mapped", [False, True])

@@ -5,11 +5,12 @@ buffers are allocated outside them). Skipped where there is no GPU; the same pro
 over /dev/shm in tests/test_transfer_broadcast.py and tests/test_vllm_transfer_ipc.py.
 """
 
-import multiprocessing as mp
 import os
 
 import pytest
 import torch
+
+from tests.transfer_helpers.spawned import run_sender_and_receivers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA IPC needs a GPU; the CPU variant of cuda_ipc (/dev/shm) runs elsewhere")
@@ -79,21 +80,7 @@ def test_cuda_ipc_between_processes_on_one_gpu_is_bit_exact(alloc_conf):
     from rlplacement.transfer.base import tensor_checksum
 
     versions = [1, 2, 3]
-    ctx = mp.get_context("spawn")
-    endpoint_q, result_q = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_sender, args=(alloc_conf, endpoint_q, result_q, versions))]
-    procs += [ctx.Process(target=_receiver, args=(r, endpoint_q, result_q, versions)) for r in range(1, 1 + N_RECEIVERS)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(result_q.get(timeout=180) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    errors = {who: r for who, r in results.items() if isinstance(r, str)}
-    assert not errors, errors
+    results = run_sender_and_receivers(_sender, _receiver, N_RECEIVERS, sender_args=(alloc_conf,), extra=(versions,))
     want = {n: tensor_checksum(t) for n, t in _model(versions[-1])}
     assert results["sender"]["kinds"] == ["cuda"]
     for rank in range(1, 1 + N_RECEIVERS):
