@@ -158,7 +158,7 @@ class Bench:
         self._closers: list[Callable[[], None]] = []
         self._local: set[str] = set()  # contenders timed in this process alone (no receiver involved)
         self.paths: dict[str, str] = {}  # each mode's last update: "buckets" or "direct"
-        self.refusals: dict[str, Callable[[], str]] = {}
+        self.senders: dict = {}
 
     def _ack(self) -> None:
         if not self.conn.poll(self.timeout_s):
@@ -184,7 +184,7 @@ class Bench:
             self.paths[mode] = sender.update(version, named, resident=resident).path
 
         self._send[mode] = send
-        self.refusals[mode] = lambda: getattr(sender, "direct_refusal", "")
+        self.senders[mode] = sender
         self._closers.append(sender.close)
 
     def add_ceiling(self, key: str, nbytes: int) -> None:
@@ -334,7 +334,8 @@ def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, devic
                                                         paired[(3 * len(paired)) // 4]],
                           "buffer_size": buffer_size, "transport": transport_of(mode, bench.device)}
             if mode == "cuda_ipc":  # buckets (pack, copy to staging, copy at commit) or direct (one copy)
-                rows[mode].update(path=bench.paths[mode], direct_refusal=bench.refusals[mode]())
+                rows[mode].update(path=bench.paths[mode],
+                                  direct_refusal=getattr(bench.senders[mode], "direct_refusal", ""))
         return rows
     finally:
         bench.close()

@@ -281,7 +281,7 @@ class IpcReceiver(BroadcastReceiver):
         free them; returns how many were mapped. Only between updates."""
         if self._held:
             raise TransferError("unmap() while a direct update is staged: commit or abort it first")
-        mapped = len(self.direct._mapped)
+        mapped = self.direct.num_mapped
         self.direct.close()
         return mapped
 

@@ -51,7 +51,7 @@ class AllocationExports:
     def __init__(self, device: "torch.device"):
         self.device = device
         self._allocs: list[tuple[int, int, str, dict]] = []  # sorted (base, end, key, segment entry)
-        self._signature: list | None = None
+        self._signature: tuple | None = None  # (keep_mapped, per-tensor layout) the manifest bytes were made from
         self._blob: bytes | None = None
         self.handles_exported = 0
         self.keep_mapped = False
@@ -91,8 +91,7 @@ class AllocationExports:
         cuda_driver.bind_context(self.device.index or 0)
         self._refresh()
         signature = [(n, t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in tensors]
-        if self._blob is not None and signature == self._signature and \
-                json.loads(self._blob)["keep_mapped"] == self.keep_mapped:
+        if self._blob is not None and (self.keep_mapped, signature) == self._signature:
             return self._blob, ""
         used: dict[str, int] = {}
         segments, rows = [], []
@@ -113,7 +112,7 @@ class AllocationExports:
                            "tensors": rows}).encode()
         if blob == self._blob:
             blob = self._blob
-        self._signature, self._blob = signature, blob
+        self._signature, self._blob = (self.keep_mapped, signature), blob
         return blob, ""
 
     def close(self) -> None:
@@ -183,8 +182,7 @@ class MappedAllocations:
                 seg = segments[index]
                 # on the trainer's GPU as this process numbers it (no device argument: that would copy)
                 raw = torch.as_tensor(cuda_driver.DeviceBytes(self._mapped[seg["key"]], seg["size"]))
-                itemsize = torch.empty(0, dtype=dtype).element_size()
-                base = typed[key] = raw[:seg["size"] - seg["size"] % itemsize].view(dtype)
+                base = typed[key] = raw[:seg["size"] - seg["size"] % dtype.itemsize].view(dtype)
             itemsize = base.element_size()
             if offset % itemsize or offset + _span_bytes(shape, stride, itemsize) > segments[index]["size"]:
                 raise TransferError(f"tensor {name!r} does not lie inside its allocation in the trainer's manifest")
@@ -200,24 +198,24 @@ class MappedAllocations:
     def keep_mapped(self) -> bool:
         return bool(self._manifest and self._manifest.get("keep_mapped"))
 
+    @property
+    def num_mapped(self) -> int:
+        return len(self._mapped)
+
     def finish(self) -> None:
         """The update is committed or dropped: wait for every copy out of the mappings, then unmap
         them unless the sender asked to keep them."""
-        if not self._mapped:
-            return
-        import torch
+        self.close(keep=self.keep_mapped)
 
-        torch.cuda.synchronize(self.device)
-        if not self.keep_mapped:
-            self._unmap(list(self._mapped))
-
-    def close(self) -> None:
-        """Unmap everything now (after waiting for copies out of it); views stay, unusable until mapped again."""
+    def close(self, keep: bool = False) -> None:
+        """Wait for every copy out of the mappings, then unmap them (``keep``: leave them mapped); views
+        stay, unusable until mapped again."""
         if self._mapped:
             import torch
 
             torch.cuda.synchronize(self.device)
-            self._unmap(list(self._mapped))
+            if not keep:
+                self._unmap(list(self._mapped))
 
     def _unmap(self, keys: list[str]) -> None:
         failures = []
