@@ -230,3 +230,19 @@ def test_p2p_write_failure_aborts_naming_the_engine_and_bucket():
         assert send_error is None and errors == [None, None] and [r.version for r in s.receivers] == [3, 3]
     finally:
         s.close()
+
+
+def test_each_side_marks_its_phases_on_one_clock(mode):
+    """Instants (time.monotonic) line the sides up: nothing is staged before the sender started, and
+    each side's marks are in the order its phases run."""
+    s = Session(mode)
+    try:
+        report, send_error, errors = s.run(1, _model(1))
+        assert send_error is None and errors == [None, None]
+        assert list(report.instants) == ["start", "end"] and report.instants["start"] < report.instants["end"]
+        for r in s.receivers:
+            assert list(r.instants) == ["begin", *(["first_frame"] if mode == "cuda_ipc" else []), "staged", "applied"]
+            assert r.instants["staged"] > report.instants["start"]
+            assert sorted(r.instants.values()) == list(r.instants.values())
+    finally:
+        s.close()

@@ -70,7 +70,8 @@ def run_size(size: str, root: Path, args, compare_generation: bool) -> dict:
     common.run_ours(job_config(args.buffer_size), ("cuda_ipc",), size, model_dir, root, args, row, compare_generation,
                     gpu_memory_utilization=args.gpu_memory_utilization)
     try:
-        per_tensor_ipc(model_dir, args, row)
+        if not args.skip_baseline:
+            per_tensor_ipc(model_dir, args, row)
     except Exception as exc:  # noqa: BLE001 - the baseline failing must not lose our numbers
         row["per_tensor_ipc_error"] = f"{type(exc).__name__}: {exc}"[:2000]
         print(f"[{size}] per_tensor_ipc failed: {row['per_tensor_ipc_error']}", flush=True)
@@ -85,6 +86,8 @@ def main() -> int:
     parser.add_argument("--buffer-size", type=int, default=512 * 1024 * 1024)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--out", type=str, default=None)
+    parser.add_argument("--skip-baseline", action="store_true",
+                        help="leave out the per-tensor-handle baseline (a profiling run of our path only)")
     args = parser.parse_args()
     import torch
 

@@ -166,16 +166,35 @@ def greedy(engine, prompts: list[list[int]]) -> list[dict]:
     return ray.get(engine.generate.remote(prompts, max_tokens=32, temperature=0.0), timeout=600)
 
 
-def timed_updates(job, repeats: int) -> tuple[list, list, list]:
-    whole, wire, load = [], [], []
+def timed_updates(job, repeats: int) -> tuple[list, list, list, list]:
+    whole, wire, load, timelines = [], [], [], []
     for i in range(repeats + 1):
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), time.monotonic()
         report = job.update_weights()
         if i:  # the first is a warm-up
             whole.append(time.perf_counter() - t0)
             wire.append(report["trainer"]["seconds"])
             load.append(report["engines"][0].get("load"))
-    return whole, wire, load
+            timelines.append(update_timeline(report, m0, time.monotonic()))
+    return whole, wire, load, timelines
+
+
+def update_timeline(report: dict, start: float, returned: float) -> dict[str, float]:
+    """Every side's instants of one update (``transfer.base.Instants``: one monotonic clock per host) in
+    ms from the driver's call: trainer, engine 0's actor, and its worker 0."""
+    engine = report["engines"][0]
+    sides = {"trainer": report["trainer"].get("instants", {}), "engine": engine.get("instants", {}),
+             "worker": (engine.get("worker_instants") or [{}])[0]}
+    out = {f"{side}.{name}": (t - start) * 1e3 for side, marks in sides.items() for name, t in marks.items()}
+    out["driver.returned"] = (returned - start) * 1e3
+    return out
+
+
+def median_timeline(timelines: list[dict[str, float]]) -> dict[str, float]:
+    """Per instant, the median over updates (ms), in time order."""
+    keys = set().union(*timelines) if timelines else set()
+    med = {k: round(statistics.median(t[k] for t in timelines if k in t), 3) for k in keys}
+    return dict(sorted(med.items(), key=lambda kv: kv[1]))
 
 
 def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: dict, compare_generation: bool,
@@ -203,13 +222,16 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
             job.set_transfer(mode, check_equal=True)
             checked = job.update_weights()  # raises WeightUpdateError naming the tensor on any mismatch
             job.set_transfer(mode, check_equal=False)
-            whole, wire, load = timed_updates(job, args.repeats)
+            whole, wire, load, timelines = timed_updates(job, args.repeats)
             row["bytes"], row["num_tensors"] = checked["trainer"]["bytes"], checked["trainer"]["num_tensors"]
             row[mode] = {"whole": whole, "wire": wire, "load": load, "bit_exact": True,
+                         "timeline_ms": median_timeline(timelines),
                          "commit": ray.get(job.engines[0].call_workers.remote(load_path), timeout=60)}
             print(f"[{size}] {mode}: whole {statistics.median(whole) * 1e3:.1f} ms, wire "
                   f"{statistics.median(wire) * 1e3:.1f} ms, load {statistics.median(load) * 1e3:.1f} ms "
                   f"{row[mode]['commit']}", flush=True)
+            print(f"[{size}] {mode} timeline (ms from the driver's call): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in row[mode]["timeline_ms"].items()), flush=True)
         if compare_generation:
             prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 250, 120], [7] * 16]  # inside the smoke vocabulary too
             job.prepare_rollout()  # under --colocate the engine slept for training: its KV cache comes back

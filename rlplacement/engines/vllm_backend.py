@@ -101,6 +101,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
                 staged[:] = [(n, t) for n, t in staged if n != "lm_head.weight"]
             vllm_loader.validate(staged, self._expected, self._where(),
                                  frozenset({"lm_head.weight"}) if self._tied else frozenset())
+            self.receiver.instants.mark("validated")
         except BaseException:
             self.receiver.abort()
             raise
@@ -118,7 +119,9 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
 
         plan = self._plan
         if plan is not None and plan.matches(staged) and plan.still_live(self.model):
+            self.receiver.instants.mark("plan_checked")
             plan.replay(staged)
+            self.receiver.instants.mark("copies_queued")
             self.last_load_path = "copy-plan"
             if self.check_equal:  # the bytes the model serves, not only the staged ones
                 bad = plan.mismatches(staged)
@@ -143,6 +146,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             self.last_load_path = "generic"
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # served means on the GPU, not queued
+            self.receiver.instants.mark("copies_done")
 
     @staticmethod
     def trainer_send_weights(*args: Any, **kwargs: Any) -> None:
@@ -208,7 +212,7 @@ def receive_and_commit(worker: Any, version: int) -> dict:
     engine.receive_weights(RlplacementUpdateInfo(version=int(version)))
     t1 = time.perf_counter()
     engine.finish_weight_update()
-    return {"receive": t1 - t0, "load": time.perf_counter() - t1}
+    return {"receive": t1 - t0, "load": time.perf_counter() - t1, "instants": dict(engine.receiver.instants)}
 
 
 def release_staging(worker: Any) -> int:

@@ -17,7 +17,7 @@ import os
 import time
 from typing import Any
 
-from rlplacement.transfer.base import TransferError, tensor_checksum
+from rlplacement.transfer.base import Instants, TransferError, tensor_checksum
 
 BACKEND = "rlplacement"
 
@@ -135,16 +135,21 @@ class VllmRolloutEngine:
         """
         from rlplacement.engines.vllm_backend import receive_and_commit
 
+        instants = Instants()
+        instants.mark("start")
         self._updating = True
         try:
             per_worker = self.llm.collective_rpc(receive_and_commit, args=(int(version),))
+            instants.mark("workers_returned")
         finally:
             self.llm.reset_prefix_cache()
             self._updating = False
+        instants.mark("prefix_cache_reset")
         # every worker committed (a failure raised above): the version is the one asked for, with no
         # extra round trip to the workers (generate() reads it from them)
         return {"engine_index": self.engine_index, "version": int(version),
-                "receive": max(t["receive"] for t in per_worker), "load": max(t["load"] for t in per_worker)}
+                "receive": max(t["receive"] for t in per_worker), "load": max(t["load"] for t in per_worker),
+                "instants": dict(instants), "worker_instants": [t.get("instants", {}) for t in per_worker]}
 
     def weight_version(self) -> int:
         """The version every worker serves; raises if workers disagree (never expected)."""

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, ClassVar, Iterable, Iterator
 
 from rlplacement.rendezvous import host_store, join_store
 from rlplacement.transfer import group as groups
-from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferEndpoint, TransferError,
-                                       UpdateAborted, UpdateReport, WeightSender)
+from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, Instants, NamedTensor, TransferEndpoint,
+                                       TransferError, UpdateAborted, UpdateReport, WeightSender)
 from rlplacement.transfer.bucket import (FlatBuffers, GroupFn, as_bytes, fused_group_of, iter_buckets,
                                          plan_manifest, unpack)
 from rlplacement.transfer.staging import StagingReceiver
@@ -88,6 +88,7 @@ class BroadcastSender(WeightSender):
         self._broken: str | None = None
         self._in_flight: dict = {}  # slot -> work of a payload still on the wire (overlapping modes)
         self._sent_manifests: dict[int, bytes] = {}  # bucket index -> manifest the group already has
+        self.instants = Instants()  # of the last update
 
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint:
         if world_size < 2:
@@ -113,6 +114,8 @@ class BroadcastSender(WeightSender):
         if self._broken:
             raise TransferError(f"the transfer group is broken ({self._broken}): listen() and connect() again")
         start = time.perf_counter()
+        self.instants = Instants()
+        self.instants.mark("start")
         try:
             num_tensors, num_buckets, nbytes, checksums, path = self._send_update(version, named_tensors, resident)
         except _AbortUpdate as exc:
@@ -131,7 +134,9 @@ class BroadcastSender(WeightSender):
             self._broken = f"{type(exc).__name__}: {exc}"
             self._in_flight = {}
             raise
-        return UpdateReport(version, num_tensors, num_buckets, nbytes, time.perf_counter() - start, checksums, path)
+        self.instants.mark("end")
+        return UpdateReport(version, num_tensors, num_buckets, nbytes, time.perf_counter() - start, checksums, path,
+                            dict(self.instants))
 
     def _send_update(self, version: int, named_tensors: Iterable[NamedTensor], resident: bool):
         """Every bucket, then END: ``(tensors, buckets, bytes, checksums or None, path)``. ``resident``

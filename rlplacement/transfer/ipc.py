@@ -96,25 +96,31 @@ class IpcSender(BroadcastSender):
         if not resident or self.exports is None:
             return super()._send_update(version, named_tensors, resident)
         tensors = list(_guard(named_tensors))  # resident: listing them holds no extra memory
+        self.instants.mark("listed")
         blob, self.direct_refusal = self.exports.manifest(tensors)
         if blob is None:
             return super()._send_update(version, tensors, resident)
         import torch
 
+        self.instants.mark("manifest")
         torch.cuda.synchronize(self.device)  # the optimizer's last kernels have written what engines read
+        self.instants.mark("synced")
         self.exports.mapped_elsewhere = self.exports.mapped_elsewhere or self.exports.keep_mapped
         self._send_frame(KIND_DIRECT, version, b"" if blob is self._direct_sent else blob, len(tensors))
         self._direct_sent = blob
+        self.instants.mark("direct_sent")
         checksums = None
         if self.check_equal:  # hashed here while every receiver hashes what it mapped: one pass of wall time
             checksums = {n: tensor_checksum(t) for n, t in tensors}
             self._send_frame(KIND_CHECKSUMS, version, json.dumps(checksums).encode(), len(tensors))
         failed = _failed_ranks(self._acks())
+        self.instants.mark("mapped_acked")
         if failed:
             raise _ReceiversFailed(f"engine worker rank(s) {', '.join(map(str, failed))} could not map or "
                                    f"verify the trainer's weights")
         self._send_frame(KIND_END, version, b"", len(tensors))
         failed = _failed_ranks(self._acks())  # each receiver committed (or dropped) and unmapped (or kept)
+        self.instants.mark("committed_acked")
         if failed:
             raise UpdateRefused(f"engine worker rank(s) {', '.join(map(str, failed))} did not commit update "
                                 f"{version} from the trainer's memory and keep their previous version; the "
@@ -201,6 +207,7 @@ class IpcReceiver(BroadcastReceiver):
     def _stage(self) -> tuple[list[NamedTensor], int, int]:
         self._failure = None
         kind, version, blob = frame = self._recv_frame()
+        self.instants.mark("first_frame")
         if kind != KIND_DIRECT:
             self.last_path = "buckets"
             return self._stage_buckets(frame)
@@ -212,10 +219,12 @@ class IpcReceiver(BroadcastReceiver):
             staged = self.direct.map()
         except Exception as exc:  # noqa: BLE001 - reported through the ack, raised at ABORT
             self._failure = exc
+        self.instants.mark("mapped")
         if self._endpoint.check_equal:
             self._verify_direct(staged)
         self._ack(self._failure is not None)
         kind, version, blob = self._recv_frame()
+        self.instants.mark("end_frame")
         if kind != KIND_END:
             self._unmap_quietly()
             if kind == KIND_ABORT:
@@ -272,7 +281,9 @@ class IpcReceiver(BroadcastReceiver):
             self.direct.finish()
         except TransferError as exc:
             failed, error = True, exc
+        self.instants.mark("released")
         self._ack(failed)
+        self.instants.mark("release_acked")
         if error is not None:
             raise error
 

@@ -14,7 +14,7 @@ import abc
 import time
 from typing import TYPE_CHECKING, ClassVar
 
-from rlplacement.transfer.base import (ApplyFn, BucketManifest, NamedTensor, TransferEndpoint, TransferError,
+from rlplacement.transfer.base import (ApplyFn, BucketManifest, Instants, NamedTensor, TransferEndpoint, TransferError,
                                        UpdateReport, WeightMismatchError, WeightReceiver, tensor_checksum)
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ class StagingReceiver(WeightReceiver):
         self._version = version
         self._pending: int | None = None
         self._staged: list[NamedTensor] | None = None
+        self.instants = Instants()  # of the update begun last (``begin`` .. ``applied``)
 
     @property
     def version(self) -> int:
@@ -68,6 +69,8 @@ class StagingReceiver(WeightReceiver):
             raise TransferError(f"update version {version} is not newer than the served version {self._version}")
         self.abort()
         self._pending = version
+        self.instants = Instants()
+        self.instants.mark("begin")
 
     def receive(self) -> UpdateReport:
         if self._pending is None:
@@ -79,7 +82,9 @@ class StagingReceiver(WeightReceiver):
             self.abort()
             raise
         self._staged = staged
-        return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start)
+        self.instants.mark("staged")
+        return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start,
+                            instants=dict(self.instants))
 
     def commit(self, apply: ApplyFn) -> int:
         """Hand the staged update to ``apply`` (the engine's loader); on success serve its version."""
@@ -88,6 +93,7 @@ class StagingReceiver(WeightReceiver):
         staged, version = self._staged, self._pending
         self._staged = self._pending = None
         apply(staged)
+        self.instants.mark("applied")
         self._version = version
         return version
 
