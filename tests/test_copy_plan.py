@@ -42,7 +42,9 @@ def _staged(buf):
             ("norm", buf[96:100])]
 
 
-def test_replay_writes_exactly_what_the_loader_writes():
+@pytest.mark.parametrize("large_bytes", [1 << 20, 40, 0])  # all in one foreach, mixed, all one by one
+def test_replay_writes_exactly_what_the_loader_writes(monkeypatch, large_bytes):
+    monkeypatch.setattr(copy_plan, "LARGE_COPY_BYTES", large_bytes)
     buf = torch.randn(100)
     model = FusedStandInForVllm()
     plan = copy_plan.record_load(model.load_weights, _staged(buf))
@@ -67,6 +69,20 @@ def test_a_plan_is_refused_for_another_layout_or_replaced_parameters():
     assert not plan.matches(_staged(buf)[:-1])
     assert not plan.matches([(n, t.double()) for n, t in _staged(buf)])
     model.qkv = torch.nn.Parameter(torch.zeros(12, 4), requires_grad=False)  # a reload that moved a parameter
+    assert not plan.still_live(model)
+
+
+@pytest.mark.parametrize("change", ["replaced", "new storage"])
+def test_after_a_passing_check_a_parameter_replaced_or_moved_still_refuses_the_plan(change):
+    """The check after the first keeps only the destinations' owners: those must still catch both."""
+    buf = torch.randn(100)
+    model = FusedStandInForVllm()
+    plan = copy_plan.record_load(model.load_weights, _staged(buf), model)
+    assert plan.still_live(model) and plan._owners  # the owners are kept from here on
+    if change == "replaced":
+        model.gate_up = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+    else:
+        model.gate_up.data = torch.zeros(8, 4)
     assert not plan.still_live(model)
 
 
