@@ -31,3 +31,21 @@ def test_a_whole_update_passes_and_a_tied_head_may_be_left_out():
 def test_bad_updates_are_refused_naming_the_tensor(staged, message):
     with pytest.raises(TransferError, match=message):
         validate(staged, EXPECTED, "engine 0")
+
+
+def test_the_engine_validates_again_unless_it_is_handed_the_very_pairs_that_passed():
+    """The backend skips validation only for the same (name, tensor) objects as last time (receivers
+    hand over the same views while nothing moved); any other list is checked whole."""
+    pytest.importorskip("vllm")
+    from rlplacement.engines.vllm_backend import RlplacementWeightTransferEngine
+
+    engine = RlplacementWeightTransferEngine.__new__(RlplacementWeightTransferEngine)  # only what _validate reads
+    engine._expected, engine._tied, engine._validated, engine.receiver = EXPECTED, False, [], None
+    staged = _staged(*EXPECTED)
+    engine._validate(staged)
+    engine._validate(list(staged))  # the same pairs in a new list: nothing to check again
+    reshaped = [(n, torch.zeros(3)) if n == "model.norm.weight" else pair for n, pair in zip(EXPECTED, staged)]
+    with pytest.raises(TransferError, match=r"'model.norm.weight' has shape \(3,\)"):
+        engine._validate(reshaped)
+    with pytest.raises(TransferError, match="no tensor 'lm_head.weight'"):
+        engine._validate(staged[:2])  # a prefix of the pairs that passed is not a pass

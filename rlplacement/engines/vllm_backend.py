@@ -62,6 +62,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self._expected = vllm_loader.checkpoint_shapes(self.model_config.model)
         self._tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
         self._plan: copy_plan.CopyPlan | None = None
+        self._validated: list = []  # the staged (name, tensor) pairs of the last update that passed validation
         self.plan_failure: str | None = None  # why this engine commits through the generic loader
         self.last_load_path = ""
 
@@ -99,12 +100,22 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
                 self.received_checksums = dict(own) if own else {n: tensor_checksum(t) for n, t in staged}
             if self._tied:  # a tied lm_head is the embedding; vLLM has no separate tensor for it
                 staged[:] = [(n, t) for n, t in staged if n != "lm_head.weight"]
-            vllm_loader.validate(staged, self._expected, self._where(),
-                                 frozenset({"lm_head.weight"}) if self._tied else frozenset())
+            self._validate(staged)
             self.receiver.instants.mark("validated")
         except BaseException:
             self.receiver.abort()
             raise
+
+    def _validate(self, staged: list) -> None:
+        """Names and shapes against the checkpoint's; skipped when every staged pair is the very object
+        that passed last time (receivers hand over the same views while nothing moved): a pair is an
+        immutable (name, tensor) tuple, and a staged view is never resized."""
+        if len(staged) == len(self._validated) and all(a is b for a, b in zip(staged, self._validated)):
+            return
+        self._validated = []
+        vllm_loader.validate(staged, self._expected, self._where(),
+                             frozenset({"lm_head.weight"}) if self._tied else frozenset())
+        self._validated = list(staged)
 
     def finish_weight_update(self) -> None:
         if self.receiver is None or self.receiver.staged is None:
@@ -154,7 +165,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         raise NotImplementedError("rlplacement's trainer side is rlplacement.runtime.trainer_transfer (TrainerTransferMixin)")
 
     def release_staging(self) -> int:
-        """Free the kept staging buffers and the copy plan's views of them (rebuilt by the next update):
+        """Free the kept staging buffers and the views of them kept here (rebuilt by the next update):
         they live outside vLLM's sleep pool, so sleeping alone would keep ~one model's bytes on the GPU.
         Returns the bytes let go."""
         freed = 0
@@ -162,6 +173,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             freed = self.receiver.release_staging()
         if self._plan is not None:
             self._plan.forget_staged()
+        self._validated = []
         if self.device.type == "cuda":
             import torch
 
