@@ -101,8 +101,12 @@ def test_p2p_five_versions_bit_exact_into_two_engines(cluster):
 
 
 def test_updated_engines_match_a_fresh_engine_from_the_same_weights(cluster):
+    """Also through the prefix cache: a long prompt generated before the update must not reuse the KV
+    computed with the old weights afterwards."""
     e0, e1 = cluster["engines"]
     trainer = cluster["trainer"]
+    long_prompt = [(7 * i) % 250 + 3 for i in range(200)]  # whole cache blocks of it are kept
+    ray.get([e.generate.remote([long_prompt], max_tokens=2) for e in (e0, e1)])
     ray.get(trainer.perturb.remote(1234))
     version = cluster["version"] + 1
     # same weights, one mode each; then both take them again over p2p as the next version
@@ -115,10 +119,10 @@ def test_updated_engines_match_a_fresh_engine_from_the_same_weights(cluster):
     saved = ray.get(trainer.save_hf.remote(str(cluster["tmp"] / "step")))
     fresh = create_engine_actor(9, saved)
     try:
-        ref = ray.get(fresh.generate.remote(PROMPTS, max_tokens=8))
+        ref = ray.get(fresh.generate.remote(PROMPTS + [long_prompt], max_tokens=8))
         ref_sums = ray.get(fresh.model_checksums.remote())
         for engine in (e0, e1):
-            got = ray.get(engine.generate.remote(PROMPTS, max_tokens=8))
+            got = ray.get(engine.generate.remote(PROMPTS + [long_prompt], max_tokens=8))
             assert [r["token_ids"] for r in got] == [r["token_ids"] for r in ref]
             assert [r["logprobs"] for r in got] == [r["logprobs"] for r in ref]  # exactly, not approximately
             assert ray.get(engine.model_checksums.remote()) == ref_sums
