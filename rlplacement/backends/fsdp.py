@@ -24,6 +24,7 @@ class FSDPBackend(TrainerBackend):
     def __init__(self, model: torch.nn.Module, optim: OptimConfig, stream_dtype: torch.dtype | None):
         super().__init__(optim)
         self.model, self.stream_dtype = model, stream_dtype
+        self._whole_cache: tuple[list, list] | None = None  # see _whole_parameters
         self.hf_config = model.config
 
     @classmethod
@@ -54,6 +55,27 @@ class FSDPBackend(TrainerBackend):
         return dist.get_world_size() == 1 and (self.stream_dtype is None or all(
             p.dtype == self.stream_dtype for p in self._parameters()))
 
+    def _whole_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """One rank: (name, detached local tensor) of every parameter, the same objects every update while
+        each module still holds the same parameter with the same local tensor. Walking the model and
+        making ~400 views cost ~3.5 ms per update, on the colocated update's critical path; checking the
+        kept owners costs ~0.1 ms. The views share their parameters' storages, so they follow an offload
+        and reload (storages resized in place) as the parameters do."""
+        kept = self._whole_cache
+        if kept is not None and all(module._parameters.get(key) is param and getattr(param, "_local_tensor", param) is local
+                                    for module, key, param, local in kept[0]):
+            return kept[1]
+        owners, stream = [], []
+        for name, param in self.model.named_parameters():
+            module_name, _, key = name.rpartition(".")
+            local = getattr(param, "_local_tensor", None)
+            if local is None:
+                local = param.to_local() if hasattr(param, "to_local") else param
+            owners.append((self.model.get_submodule(module_name), key, param, local))
+            stream.append((name, local.detach()))
+        self._whole_cache = (owners, stream)
+        return stream
+
     def set_train(self, training: bool) -> None:
         self.model.train(training)
 
@@ -82,6 +104,11 @@ class FSDPBackend(TrainerBackend):
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.model.reshard()  # see log_probs: stream the sharded parameters, never a stale gathered copy
+        if dist.get_world_size() == 1:
+            cast = self.stream_dtype
+            for name, t in self._whole_parameters():
+                yield name, t if cast is None else t.to(cast)
+            return
         for name, param in self.model.named_parameters():
             if not hasattr(param, "full_tensor"):
                 full = param.detach()
