@@ -182,3 +182,29 @@ def test_reloaded_trainer_state_lies_in_one_allocation():
     assert all(torch.equal(a.cpu(), b) for a, b in zip(tensors, before))
     large = [t for t in tensors if t.numel() * 4 > 1 << 20]
     assert len({allocation_of(t.data_ptr()).buffer_id for t in large}) == 1
+
+
+def test_the_driver_is_asked_again_only_after_the_allocator_freed_or_made_a_segment(monkeypatch):
+    """Exports are re-checked with the driver only when torch's allocator changed its segments; a
+    tensor re-made in a new allocation (even at the same address) is then exported afresh."""
+    from rlplacement.transfer import cuda_driver
+    from rlplacement.transfer.ipc_direct import AllocationExports
+
+    asked = []
+    real = cuda_driver.allocation_of
+    monkeypatch.setattr(cuda_driver, "allocation_of", lambda ptr: asked.append(ptr) or real(ptr))
+    # the last one alone in its segment (over 10 MiB), so freeing it frees the segment
+    named = _weights() + [("lm_head.weight", torch.empty(8192, 1024, dtype=torch.bfloat16, device="cuda").normal_())]
+    torch.cuda.synchronize()
+    exports = AllocationExports(torch.device("cuda", 0))
+    first, _ = exports.manifest(named)
+    exported, asked[:] = exports.handles_exported, []
+    assert exports.manifest(named)[0] is first and asked == []  # nothing changed: no driver call at all
+    name, old = named[-1]
+    size, dtype = old.shape, old.dtype
+    named[-1] = (name, None)
+    del old
+    torch.cuda.empty_cache()  # its segment is freed
+    named[-1] = (name, torch.zeros(size, dtype=dtype, device="cuda"))
+    again, _ = exports.manifest(named)
+    assert asked and exports.handles_exported == exported + 1 and again != first

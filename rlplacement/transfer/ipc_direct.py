@@ -11,7 +11,11 @@ parameters' dtype) and every tensor sits in an allocation that a legacy CUDA IPC
   segment; the trainer's hand-off reloads its state into one, see ``backends/offload.py``), one
   handle per allocation, and a JSON manifest: allocations (key, handle, size) and per tensor its
   allocation, byte offset, dtype, shape and strides. Exports are kept while each allocation's
-  driver buffer id is unchanged, and the manifest bytes while no tensor moved.
+  driver buffer id is unchanged, and the manifest bytes while no tensor moved. Asking the driver
+  about every allocation costs ~2 ms per update (~200 of them), so it is asked only when torch's
+  caching allocator has allocated or freed a segment on the device since it last was: the trainer's
+  tensors live in that allocator's segments (the backends that claim resident tensors use it), and a
+  segment that was neither freed nor replaced is the allocation that was exported.
 * Receiver (:class:`MappedAllocations`): maps each allocation, makes typed views of the tensors,
   and by default unmaps everything when the update is committed or dropped, before acknowledging:
   the trainer may free that memory as soon as its ``update`` returns (the driver leaves freeing a
@@ -51,14 +55,26 @@ class AllocationExports:
     def __init__(self, device: "torch.device"):
         self.device = device
         self._allocs: list[tuple[int, int, str, dict]] = []  # sorted (base, end, key, segment entry)
+        self._segments_checked_at: tuple | None = None  # the allocator's segment counts at the last driver check
         self._signature: tuple | None = None  # (keep_mapped, per-tensor layout) the manifest bytes were made from
         self._blob: bytes | None = None
         self.handles_exported = 0
         self.keep_mapped = False
         self.mapped_elsewhere = False  # receivers may hold mappings of our allocations (keep_mapped)
 
+    def _segment_counts(self) -> tuple | None:
+        """(segments allocated, segments freed) by torch's caching allocator on this device so far."""
+        import torch
+
+        counts = torch.cuda.memory.memory_stats_as_nested_dict(self.device).get("segment", {}).get("all", {})
+        return (counts["allocated"], counts["freed"]) if "freed" in counts else None
+
     def _refresh(self) -> None:
         """Forget exports whose allocation was freed (its buffer id at that address changed)."""
+        counts = self._segment_counts()
+        if counts is not None and counts == self._segments_checked_at:
+            return
+        self._segments_checked_at = counts
         keep = []
         for base, end, key, entry in self._allocs:
             try:
@@ -117,6 +133,7 @@ class AllocationExports:
 
     def close(self) -> None:
         self._allocs, self._signature, self._blob = [], None, None
+        self._segments_checked_at = None
 
 
 class MappedAllocations:
