@@ -53,7 +53,7 @@ class FSDPBackend(TrainerBackend):
         """One rank holds every parameter whole (see iter_hf_tensors): the tensors streamed are the
         parameters themselves, unless they are cast to another dtype on the way."""
         return dist.get_world_size() == 1 and (self.stream_dtype is None or all(
-            p.dtype == self.stream_dtype for p in self._parameters()))
+            t.dtype == self.stream_dtype for _, t in self._whole_parameters()))
 
     def _whole_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """One rank: (name, detached local tensor) of every parameter, the same objects every update while
