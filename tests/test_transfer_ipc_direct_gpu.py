@@ -193,8 +193,9 @@ def test_the_driver_is_asked_again_only_after_the_allocator_freed_or_made_a_segm
     asked = []
     real = cuda_driver.allocation_of
     monkeypatch.setattr(cuda_driver, "allocation_of", lambda ptr: asked.append(ptr) or real(ptr))
-    # the last one alone in its segment (over 10 MiB), so freeing it frees the segment
-    named = _weights() + [("lm_head.weight", torch.empty(8192, 1024, dtype=torch.bfloat16, device="cuda").normal_())]
+    named = _weights()
+    torch.cuda.empty_cache()  # no cached block is left to carve the next one from: it gets a segment of its own
+    named.append(("lm_head.weight", torch.empty(64 << 20, dtype=torch.bfloat16, device="cuda").normal_()))
     torch.cuda.synchronize()
     exports = AllocationExports(torch.device("cuda", 0))
     first, _ = exports.manifest(named)
@@ -202,9 +203,12 @@ def test_the_driver_is_asked_again_only_after_the_allocator_freed_or_made_a_segm
     assert exports.manifest(named)[0] is first and asked == []  # nothing changed: no driver call at all
     name, old = named[-1]
     size, dtype = old.shape, old.dtype
+    freed_buffer = cuda_driver.allocation_of(old.data_ptr()).buffer_id
     named[-1] = (name, None)
     del old
     torch.cuda.empty_cache()  # its segment is freed
     named[-1] = (name, torch.zeros(size, dtype=dtype, device="cuda"))
+    assert cuda_driver.allocation_of(named[-1][1].data_ptr()).buffer_id != freed_buffer  # a new allocation
+    asked[:] = []
     again, _ = exports.manifest(named)
     assert asked and exports.handles_exported == exported + 1 and again != first
