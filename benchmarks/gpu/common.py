@@ -255,6 +255,13 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
             row["generation_tokens_equal"] = all(a["token_ids"] == b["token_ids"] for a, b in zip(updated, fresh))
             row["generation_logprob_max_abs_diff"] = max(abs(x - y) for a, b in zip(updated, fresh)
                                                          for x, y in zip(a["logprobs"], b["logprobs"]))
+            # up to each prompt's first differing token: 0.0 there means the same numbers until a near-tie
+            # flipped; anything else means the two engines computed differently from the start
+            row["generation_logprob_max_abs_diff_before_divergence"] = max(
+                (abs(x - y) for a, b, first in zip(updated, fresh, row["generation_first_divergence"])
+                 for x, y in list(zip(a["logprobs"], b["logprobs"]))[:first]), default=0.0)
+            row["generation_logprobs"] = {"updated": [a["logprobs"] for a in updated],
+                                          "fresh": [b["logprobs"] for b in fresh]}
     finally:
         job.close()
 
