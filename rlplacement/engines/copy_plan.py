@@ -8,7 +8,7 @@ vocabulary padding) and ends in ``dst.copy_(src)`` between two views. That Pytho
 ms. :func:`record_load` runs the loader once on tensors wrapped in :class:`_Probe`, which
 notes each ``copy_`` whose source is a view of a staged tensor (byte offset, shape, strides
 relative to it) and whose destination is a view of a model parameter; :class:`CopyPlan`
-replays the list with ``torch._foreach_copy_``.
+replays the list: on a GPU in one chunk-kernel launch (``copy_kernel``), else copy by copy.
 
 A plan is only used when it is provably what the loader did:
 
@@ -137,17 +137,20 @@ def _probe(t: "torch.Tensor") -> "torch.Tensor":
 class CopyPlan:
     """The recorded copies of one staged layout into one model.
 
-    Steady state costs one ``_foreach_copy_``: the receiver hands over the same staged tensor
-    objects every update (views of its kept buffers), so the source views are built once and
-    reused while those objects stay the same; anything else is checked by layout.
+    Steady state costs one kernel launch on a GPU: the receiver hands over the same staged tensor
+    objects every update (views of its kept buffers, or of the trainer's mapped memory), so the
+    source views and the chunk table are built once and reused while those objects stay the same;
+    anything else is checked by layout.
     """
 
     layout: tuple[tuple[str, str, tuple[int, ...]], ...]
     copies: list[_Copy]
     _staged_ids: tuple[int, ...] = ()
     _pairs: tuple[list, list] | None = None
-    _owners: tuple = ()  # (module, is a buffer, key, tensor, data_ptr) of every destination
+    _owners: tuple = ()  # (the owner's parameter or buffer table, key, tensor, data_ptr) of every destination
     _by_size: tuple[list[int], list[int]] = ([], [])  # indices of the copies of at least / under LARGE_COPY_BYTES
+    _fused: object = None  # copy_kernel.FusedCopies of the current pairs, once built
+    fused_failure: str | None = None  # why the commit does not run through one chunk kernel (None: it does, or untried)
 
 
     def __post_init__(self) -> None:
@@ -163,18 +166,17 @@ class CopyPlan:
         return len(staged) == len(self._staged_ids) and all(id(t) == i for (_, t), i in zip(staged, self._staged_ids))
 
     def still_live(self, model: "torch.nn.Module") -> bool:
-        if self._owners and all((m._buffers if buffer else m._parameters).get(key) is t and t.data_ptr() == ptr
-                                for m, buffer, key, t, ptr in self._owners):
+        if self._owners and all(table.get(key) is t and t.data_ptr() == ptr for table, key, t, ptr in self._owners):
             return True
         self._owners = ()
         wanted = {c.dst_storage for c in self.copies}
         owners = []
         for module in model.modules():
-            for buffer, table in ((False, module._parameters), (True, module._buffers)):
+            for table in (module._parameters, module._buffers):  # the module's own dicts: replacing an entry shows
                 for key, t in table.items():
                     if t is not None and t.untyped_storage().data_ptr() in wanted:
-                        owners.append((module, buffer, key, t, t.data_ptr()))
-        if {t.untyped_storage().data_ptr() for *_, t, _ in owners} != wanted:
+                        owners.append((table, key, t, t.data_ptr()))
+        if {t.untyped_storage().data_ptr() for _, _, t, _ in owners} != wanted:
             return False
         self._owners = tuple(owners)
         return True
@@ -191,21 +193,56 @@ class CopyPlan:
         # keep the staged objects alive with the views, so their ids cannot be reused by others
         self._staged_ids, self._pairs = tuple(id(t) for _, t in staged), (dsts, srcs)
         self._staged_keep = [t for _, t in staged]
+        self._fused = None  # its chunk table holds the old sources' addresses
         return self._pairs
 
     def forget_staged(self) -> None:
         """Drop the views of the staged buffers (the receiver freed them); the next update rebuilds them."""
-        self._staged_ids, self._pairs, self._staged_keep = (), None, []
+        self._staged_ids, self._pairs, self._staged_keep, self._fused = (), None, [], None
 
     def replay(self, staged: Sequence[NamedTensor]) -> None:
+        """On a GPU, every eligible copy in one chunk-kernel launch (``copy_kernel``); the others, and
+        every copy where the kernel cannot run, as below."""
+        dsts, srcs = self.pairs(staged)
+        fused = self._fused_copies(dsts, srcs)
+        if fused is None:
+            self._replay_each(dsts, srcs, range(len(dsts)))
+            return
+        try:
+            fused.launch()
+        except Exception as exc:  # noqa: BLE001 - compiling or launching failed: every copy goes the other way
+            self.fused_failure, self._fused = f"the chunk kernel failed: {type(exc).__name__}: {exc}", None
+            self._replay_each(dsts, srcs, range(len(dsts)))
+            return
+        self._replay_each(dsts, srcs, fused.rest)
+
+    def _fused_copies(self, dsts: list, srcs: list):
+        from rlplacement.engines import copy_kernel
+
+        if self._fused is None and self.fused_failure is None and dsts and dsts[0].is_cuda:
+            result = copy_kernel.fuse(dsts, srcs)
+            if isinstance(result, str):
+                self.fused_failure = result
+            else:
+                self._fused = result
+        return self._fused
+
+    def chunk_kernel_summary(self) -> str:
+        """How the last replay ran: the chunk kernel's share, or why it was not used."""
+        if self._fused is not None:
+            return (f"{len(self._fused.fused)} of {len(self.copies)} copies in one launch of "
+                    f"{self._fused.num_chunks} chunks ({self._fused.nbytes} bytes)")
+        return self.fused_failure or "not replayed on a GPU yet"
+
+    def _replay_each(self, dsts: list, srcs: list, indices) -> None:
         """Large copies one by one, the rest in one ``_foreach_copy_``. Same-dtype contiguous copies run
-        as device memcpys at the copy ceiling; ``_foreach_copy_`` runs every pair through chunked
+        as device memcpys near the copy ceiling; ``_foreach_copy_`` runs every pair through chunked
         multi-tensor kernels, which moved a 4B model's ~7 GB at ~65% of that on an H200, while for the
         ~150 small tensors (norms) one launch beats one each."""
         import torch
 
-        dsts, srcs = self.pairs(staged)
-        large, small = self._by_size
+        wanted = set(indices)
+        large, small = ([i for i in part if i in wanted] for part in self._by_size)
         for i in large:
             dsts[i].copy_(srcs[i])
         if small:
