@@ -12,8 +12,8 @@ import torch
 
 from tests.transfer_helpers.spawned import run_sender_and_receivers
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="CUDA IPC needs a GPU; the CPU variant of cuda_ipc (/dev/shm) runs elsewhere")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA IPC needs a GPU; the CPU variant of cuda_ipc (/dev/shm) runs elsewhere")]
 
 BUCKET = 1 << 20
 N_RECEIVERS = 2

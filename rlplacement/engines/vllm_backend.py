@@ -99,7 +99,8 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
                 # the whole update landed: a bucket overwritten after its check (a stray remote write) is caught
                 self.received_checksums = dict(own) if own else {n: tensor_checksum(t) for n, t in staged}
             if self._tied:  # a tied lm_head is the embedding; vLLM has no separate tensor for it
-                staged[:] = [(n, t) for n, t in staged if n != "lm_head.weight"]
+                # the same pair objects stay, so an unchanged update is recognised below and in the copy plan
+                staged[:] = [pair for pair in staged if pair[0] != "lm_head.weight"]
             self._validate(staged)
             self.receiver.instants.mark("validated")
         except BaseException:
@@ -204,6 +205,8 @@ def load_path(worker: Any) -> dict:
     if not isinstance(engine, RlplacementWeightTransferEngine):
         return {}
     out = {"path": engine.last_load_path, "plan_failure": engine.plan_failure}
+    if engine._plan is not None:
+        out["chunk_kernel"] = engine._plan.chunk_kernel_summary()
     direct = getattr(engine.receiver, "direct", None)
     if getattr(engine.receiver, "last_path", "") == "direct" and direct is not None:
         out["mapped_allocations"] = direct.num_allocations  # the trainer's, each mapped once per update

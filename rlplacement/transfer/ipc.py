@@ -29,6 +29,12 @@ then does the sender's ``update`` return: the trainer's weights must not change 
 an engine reads them. A receiver that drops the staged update instead (``abort``, a refused
 validation) acknowledges with its failure flag; the sender raises ``UpdateRefused`` naming it,
 while the others serve the new version.
+
+Steady state (``KIND_DIRECT_COMMIT``): when the manifest is the one every receiver mapped and kept
+at the last update (``keep_mapped``, nothing moved, no checksums to compare), there is nothing left
+that could fail for one receiver and not another before the commit, so the first round (map,
+acknowledge, END) is skipped: receivers commit at once and acknowledge once. A receiver that still
+cannot commit keeps its version and says so in that acknowledgement (``UpdateRefused``, as above).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from rlplacement.transfer.shared_buffers import OpenedBuffer, SharedSlots
 
 KIND_DIRECT = 4  # a manifest of the trainer's own allocations instead of buckets
 KIND_CHECKSUMS = 5  # after a direct manifest, with check_equal: the trainer's per-tensor checksums
+KIND_DIRECT_COMMIT = 6  # the manifest every receiver holds mapped: commit at once, acknowledge once
 
 if TYPE_CHECKING:
     import torch
@@ -82,15 +89,17 @@ class IpcSender(BroadcastSender):
         self.buffers = SharedSlots(self.device, min_nbytes=buffer_size)
         self.exports = AllocationExports(self.device) if self.device.type == "cuda" else None
         self._direct_sent: bytes | None = None  # the direct manifest every receiver holds
+        self._direct_kept: bytes | None = None  # the direct manifest every receiver mapped and kept mapped
         self.direct_refusal = ""  # why the last resident update went by buckets ("" when it went direct)
+        self.last_direct_rounds = 0  # acknowledgement rounds of the last direct update (2, or 1 when kept)
 
     def connect(self) -> None:
         super().connect()
-        self._direct_sent = None
+        self._direct_sent = self._direct_kept = None
 
     def _forget_sent(self) -> None:
         super()._forget_sent()
-        self._direct_sent = None
+        self._direct_sent = self._direct_kept = None
 
     def _send_update(self, version: int, named_tensors, resident: bool):
         if not resident or self.exports is None:
@@ -105,7 +114,12 @@ class IpcSender(BroadcastSender):
         self.instants.mark("manifest")
         torch.cuda.synchronize(self.device)  # the optimizer's last kernels have written what engines read
         self.instants.mark("synced")
+        # the receivers still hold every mapping of this manifest unless the trainer was told they let go
+        kept = blob is self._direct_kept and self.exports.mapped_elsewhere
         self.exports.mapped_elsewhere = self.exports.mapped_elsewhere or self.exports.keep_mapped
+        if kept and not self.check_equal:
+            return self._commit_at_once(version, tensors)
+        self._direct_kept, self.last_direct_rounds = None, 2
         self._send_frame(KIND_DIRECT, version, b"" if blob is self._direct_sent else blob, len(tensors))
         self._direct_sent = blob
         self.instants.mark("direct_sent")
@@ -119,9 +133,21 @@ class IpcSender(BroadcastSender):
             raise _ReceiversFailed(f"engine worker rank(s) {', '.join(map(str, failed))} could not map or "
                                    f"verify the trainer's weights")
         self._send_frame(KIND_END, version, b"", len(tensors))
+        self._direct_kept = blob if self.exports.keep_mapped else None
+        return self._committed(version, tensors, checksums)
+
+    def _commit_at_once(self, version: int, tensors: list[NamedTensor]):
+        """The steady-state direct update: one frame, one acknowledgement (see the module docstring)."""
+        self.last_direct_rounds = 1
+        self._send_frame(KIND_DIRECT_COMMIT, version, b"", len(tensors))
+        self.instants.mark("direct_sent")
+        return self._committed(version, tensors, None)
+
+    def _committed(self, version: int, tensors: list[NamedTensor], checksums):
         failed = _failed_ranks(self._acks())  # each receiver committed (or dropped) and unmapped (or kept)
         self.instants.mark("committed_acked")
         if failed:
+            self._direct_kept = None  # a receiver that failed may not hold every mapping any more
             raise UpdateRefused(f"engine worker rank(s) {', '.join(map(str, failed))} did not commit update "
                                 f"{version} from the trainer's memory and keep their previous version; the "
                                 f"other engines serve {version}")
@@ -208,6 +234,8 @@ class IpcReceiver(BroadcastReceiver):
         self._failure = None
         kind, version, blob = frame = self._recv_frame()
         self.instants.mark("first_frame")
+        if kind == KIND_DIRECT_COMMIT:
+            return self._stage_kept()
         if kind != KIND_DIRECT:
             self.last_path = "buckets"
             return self._stage_buckets(frame)
@@ -231,6 +259,18 @@ class IpcReceiver(BroadcastReceiver):
                 self._on_abort_frame(version, blob)
             raise TransferError(f"unexpected frame kind {kind} from the trainer after a direct manifest")
         self._held = True  # from here on, commit or abort answers the sender exactly once
+        self._after_end(len(staged))
+        return staged, 1, sum(m.nbytes for m in self.direct.metas)
+
+    def _stage_kept(self) -> tuple[list[NamedTensor], int, int]:
+        """The manifest held and mapped since the last update, committed at once: from here on, commit or
+        abort answers the sender exactly once (a failure below aborts, which acknowledges it)."""
+        self.last_path = "direct"
+        self.verified_checksums = None
+        self._held = True
+        self.direct.parse(b"")
+        staged = self.direct.map()  # kept mappings: the same views, nothing opened
+        self.instants.mark("mapped")
         self._after_end(len(staged))
         return staged, 1, sum(m.nbytes for m in self.direct.metas)
 
