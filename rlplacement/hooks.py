@@ -70,11 +70,16 @@ class RLJob:
         self.timeout_s = 600.0  # every wait on an actor is bounded and names who did not answer
         self.trainer_names = [f"trainer rank {r}" for r in range(len(trainers))]
         self.handoff = None  # runtime.handoff.ColocatedHandOff under --colocate with --offload-* on a GPU
+        self.compiled_update = False  # updates through a Ray Compiled Graph (runtime.update_graph)
+        self._update_graph = None
 
     @classmethod
     def start(cls, config: Config, hf_dir: str, *, optim: dict[str, Any] | None = None,
               engine_kwargs: dict[str, Any] | None = None, backend_options: dict[str, Any] | None = None,
-              timeout_s: float = 600.0) -> "RLJob":
+              timeout_s: float = 600.0, compiled_update: bool | None = None) -> "RLJob":
+        """``compiled_update``: dispatch each update through a Ray Compiled Graph (~0.1 ms instead of
+        ~2 ms of Ray per update, see ``runtime.update_graph``); None: where the trainer is on a GPU,
+        the only place an update is short enough for that to show (compiling takes ~1 s, once)."""
         import ray
 
         from rlplacement.backends import preflight
@@ -105,6 +110,7 @@ class RLJob:
             job.dp_size = infos[0]["data_parallel_size"]
             job.set_transfer(mode, check_equal=config.transfer.check_equal, timeout_s=timeout_s)
             job.handoff = job._make_handoff(infos[0]["device"])
+            job.compiled_update = infos[0]["device"].startswith("cuda") if compiled_update is None else compiled_update
         except BaseException as exc:
             job.close()
             job._raise_with_offload_hint(exc)
@@ -262,14 +268,37 @@ class RLJob:
         self._hand_off("before_update")
         helpers = [t.gather_for_update.remote() for t in self.trainers[1:]]
         report = driver.run_update(self.trainers[0], self.engines, version, timeout_s=timeout_s,
-                                   check_equal=self.check_equal)
+                                   check_equal=self.check_equal, graph=self._graph_for_update(timeout_s))
         get_all(helpers, timeout_s, "trainer gathers", self.trainer_names[1:])
         self.version = version
         return report
 
+    def _graph_for_update(self, timeout_s: float):
+        """The compiled update graph of the current trainer and engines (built on first use, and again
+        after it broke or an engine was replaced), or None for plain calls."""
+        if not self.compiled_update:
+            return None
+        graph = self._update_graph
+        if graph is None or not graph.serves(self.trainers[0], self.engines):
+            from rlplacement.runtime.update_graph import CompiledUpdate
+
+            if graph is not None:
+                graph.close()
+            self._update_graph = graph = None
+            try:
+                self._update_graph = graph = CompiledUpdate(self.trainers[0], self.engines, timeout_s=timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the same calls go plainly, ~2 ms slower per update
+                self.compiled_update = False
+                print(f"rlplacement: updates go through plain Ray calls: compiling the update graph failed "
+                      f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        return graph
+
     def close(self) -> None:
         import ray
 
+        graph, self._update_graph = self._update_graph, None
+        if graph is not None:  # before its actors go: a graph's loops run on them
+            graph.close()
         for actor in self.engines:
             try:
                 ray.get(actor.shutdown.remote(), timeout=60)

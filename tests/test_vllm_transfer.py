@@ -211,6 +211,72 @@ def test_an_engine_that_stops_answering_is_named_within_the_timeout(cluster):
     assert ray.get([e.weight_version.remote() for e in (e0, e1)]) == [version, version]
 
 
+def test_updates_through_a_compiled_graph_land_bit_exact_and_a_failure_leaves_it_usable(cluster):
+    """The dispatch RLJob uses on GPUs (a Ray Compiled Graph of the same calls): versions bit for bit,
+    a trainer failing mid-stream named with every engine still on one whole version, then the same
+    graph carries the next update."""
+    from rlplacement.runtime.update_graph import CompiledUpdate
+
+    engines, trainer = cluster["engines"], cluster["trainer"]
+    _connect(cluster, "broadcast_packed", engines)
+    graph = CompiledUpdate(trainer, engines, timeout_s=TIMEOUT_S)
+    try:
+        def update(seed):
+            if seed is not None:
+                ray.get(trainer.perturb.remote(seed))
+            cluster["version"] += 1
+            return driver.run_update(trainer, engines, cluster["version"], timeout_s=TIMEOUT_S, check_equal=True,
+                                     graph=graph)
+
+        for seed in (301, 302):
+            report = update(seed)
+            assert report["trainer"]["version"] == cluster["version"] and len(report["engines"]) == 2
+            assert ray.get([e.weight_version.remote() for e in engines]) == [cluster["version"]] * 2
+            want = ray.get(trainer.checksums.remote())
+            assert ray.get([e.received_checksums.remote() for e in engines]) == [want, want]
+        old = cluster["version"]
+        ray.get(trainer.set_fail_after.remote(5))
+        try:
+            with pytest.raises(WeightUpdateError, match="simulated gather failure at tensor 5") as info:
+                update(303)
+        finally:
+            ray.get(trainer.set_fail_after.remote(None))
+        assert list(info.value.failures) == ["engine 0", "engine 1", "trainer"]  # engines first, as plain calls
+        assert graph.broken is None and ray.get([e.weight_version.remote() for e in engines]) == [old, old]
+        update(None)
+        assert ray.get([e.weight_version.remote() for e in engines]) == [cluster["version"]] * 2
+    finally:
+        graph.close()
+
+
+def test_an_engine_that_stops_answering_a_compiled_graph_is_named_with_what_it_is_doing(cluster):
+    """Every outcome of a graph's execution arrives at once, so who did not answer is asked apart:
+    the stalled engine is named as still inside its update, the graph is torn down, and plain calls
+    carry the next update."""
+    import time
+
+    from rlplacement.runtime.update_graph import CompiledUpdate
+    from tests.transfer_helpers.faults import stall_next_receive
+
+    e0, e1 = cluster["engines"]
+    old = ray.get([e.weight_version.remote() for e in (e0, e1)])
+    _connect(cluster, "broadcast_packed", [e0, e1], check_equal=False, timeout_s=6.0)
+    graph = CompiledUpdate(cluster["trainer"], [e0, e1], timeout_s=4.0)
+    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(stall_next_receive, args=(10.0,))))
+    cluster["version"] += 1
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightUpdateError, match=r"engine 1: no answer within 4s \(still in update_weights for"):
+            driver.run_update(cluster["trainer"], [e0, e1], cluster["version"], timeout_s=4.0, graph=graph)
+        assert time.monotonic() - start < 4.0 + 10
+        assert graph.broken == "no answer within 4s"
+    finally:
+        graph.close()  # waits for the teardown, which waits for engine 1's stall to end
+    assert ray.get([e.weight_version.remote() for e in (e0, e1)], timeout=60) == old
+    version = _update(cluster, "broadcast_packed", [e0, e1], seed=402)
+    assert ray.get([e.weight_version.remote() for e in (e0, e1)]) == [version, version]
+
+
 @pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed", "p2p", "disk-delta"])
 def test_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluster, mode):
     """The fault matrix's "engine killed mid-update", per mode: the driver names the dead engine within

@@ -225,8 +225,16 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
             whole, wire, load, timelines = timed_updates(job, args.repeats)
             row["bytes"], row["num_tensors"] = checked["trainer"]["bytes"], checked["trainer"]["num_tensors"]
             row[mode] = {"whole": whole, "wire": wire, "load": load, "bit_exact": True,
-                         "timeline_ms": median_timeline(timelines),
+                         "timeline_ms": median_timeline(timelines), "compiled_update": job.compiled_update,
                          "commit": ray.get(job.engines[0].call_workers.remote(load_path), timeout=60)}
+            if job.compiled_update:  # the same updates through plain Ray calls, in the same run: what the graph saves
+                job.compiled_update = False
+                plain, _, _, plain_timelines = timed_updates(job, args.repeats)
+                job.compiled_update = True
+                row[mode]["plain_calls"] = {"whole_seconds": statistics.median(plain), "whole_all": plain,
+                                            "timeline_ms": median_timeline(plain_timelines)}
+                print(f"[{size}] {mode} through plain Ray calls: whole {statistics.median(plain) * 1e3:.1f} ms",
+                      flush=True)
             print(f"[{size}] {mode}: whole {statistics.median(whole) * 1e3:.1f} ms, wire "
                   f"{statistics.median(wire) * 1e3:.1f} ms, load {statistics.median(load) * 1e3:.1f} ms "
                   f"{row[mode]['commit']}", flush=True)

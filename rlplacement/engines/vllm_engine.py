@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+from rlplacement.runtime.one_at_a_time import one_call_at_a_time
 from rlplacement.transfer.base import Instants, TransferError, tensor_checksum
 
 BACKEND = "rlplacement"
@@ -26,6 +27,7 @@ class EngineBusy(RuntimeError):
     """generate() was called while a weight update is in progress."""
 
 
+@one_call_at_a_time  # a compiled update graph calls update_weights from another thread than generate
 class VllmRolloutEngine:
     def __init__(self, model_dir: str, *, engine_index: int = 0, dtype: str = "float32",
                  max_model_len: int = 256, seed: int = 0, tensor_parallel_size: int = 1,
@@ -49,6 +51,7 @@ class VllmRolloutEngine:
             # the per-worker queries below (served_version, checksums) are functions sent to the engine
             # core's process; vLLM pickles callables only with this set
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+            _keep_update_graph_channels_off_the_gpu()
         from vllm import LLM
 
         self.engine_index = engine_index
@@ -251,6 +254,18 @@ class VllmRolloutEngine:
             except Exception:  # noqa: BLE001 - shutting down must not hide the error that led here
                 pass
             del llm
+
+
+def _keep_update_graph_channels_off_the_gpu() -> None:
+    """This process never touches CUDA (vLLM's engine core, in its own process, holds the GPU); a Ray
+    Compiled Graph's channel would otherwise enter a CUDA device context here on every read and write,
+    creating a CUDA context (~0.5 GB of the shared GPU) for arguments that are plain Python objects."""
+    try:
+        import torch
+        from ray.experimental.channel.common import ChannelContext
+    except ImportError:  # not under Ray: no graph
+        return
+    ChannelContext.get_current().set_torch_device(torch.device("cpu"))
 
 
 def workers_disagree(first: dict[str, str], other: dict[str, str]) -> str:

@@ -13,6 +13,7 @@ import socket
 import time
 from typing import Any, Iterable
 
+from rlplacement.runtime.one_at_a_time import one_call_at_a_time
 from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
 
 
@@ -22,6 +23,7 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostbyname(socket.gethostname())
 
 
+@one_call_at_a_time  # a compiled update graph calls transfer_send from another thread
 class TrainerWorker(TrainerTransferMixin):
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size

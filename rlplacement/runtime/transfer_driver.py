@@ -53,17 +53,22 @@ def connect(trainer, engines: Sequence, *, timeout_s: float = 120.0, host: str |
 
 
 def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 120.0,
-               check_equal: bool = False) -> dict:
+               check_equal: bool = False, graph=None) -> dict:
     """Send version ``version`` from the trainer to every engine at once; wait at most ``timeout_s``.
 
     With ``check_equal`` each engine's received per-tensor checksums are compared with the
     trainer's; a difference raises WeightUpdateError naming the engine and the tensor (engines
     also refuse a mismatching update themselves when the group was built with check_equal).
-    Returns ``{"trainer": UpdateReport dict, "engines": [per-engine timings]}``.
+    ``graph``: a :class:`rlplacement.runtime.update_graph.CompiledUpdate` of these actors, which makes
+    the same calls through a Ray Compiled Graph. Returns ``{"trainer": UpdateReport dict, "engines":
+    [per-engine timings]}``.
     """
-    refs = {"trainer": trainer.transfer_send.remote(version)}
-    refs.update({f"engine {i}": e.update_weights.remote(version) for i, e in enumerate(engines)})
-    results = wait_all(refs, timeout_s, version)
+    if graph is not None:
+        results = graph.run(version, timeout_s)
+    else:
+        refs = {"trainer": trainer.transfer_send.remote(version)}
+        refs.update({f"engine {i}": e.update_weights.remote(version) for i, e in enumerate(engines)})
+        results = wait_all(refs, timeout_s, version)
     report = results["trainer"]
     if check_equal:
         check_received(engines, report.get("checksums"), version, timeout_s)

@@ -7,10 +7,12 @@ import shutil
 import time
 from pathlib import Path
 
+from rlplacement.runtime.one_at_a_time import one_call_at_a_time
 from rlplacement.transfer.base import tensor_checksum
 from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
 
 
+@one_call_at_a_time  # as the real trainer actor: a compiled update graph sends from another thread
 class HFTrainer(TrainerTransferMixin):
     def __init__(self, model_dir: str):
         import torch
