@@ -63,6 +63,24 @@ def start_workers(ray, backend: str, model_dir: str, kwargs: dict, trainers: int
             [Rollout.remote(backend, BUCKET_SIZE, kwargs) for _ in range(rollouts)])
 
 
+@pytest.fixture(scope="module")
+def workers(ray_local, model_dir):
+    """Two trainer ranks and two rollout workers for the whole module: each test gives them fresh
+    engines of its backend and the saved weights (``use_backend``), as new processes would have; a
+    test that restarts a worker leaves the new one in the lists."""
+    ray = ray_local
+    lists = start_workers(ray, "rlplacement_broadcast", model_dir, {"timeout_s": 60})
+
+    def fresh(backend: str, kwargs: dict):
+        trainers, rollouts = lists
+        ray.get([w.use_backend.remote(backend, BUCKET_SIZE, kwargs) for w in trainers + rollouts], timeout=TIMEOUT_S)
+        return trainers, rollouts
+
+    yield fresh
+    for actor in lists[0] + lists[1]:
+        ray.kill(actor)
+
+
 def verl_update(ray, backend_cls, trainers, rollouts, global_steps, fail_after=None):
     """One ``CheckpointEngineManager.update_weights`` (verl 0.9.1) for a non-naive backend; returns
     (the prepare() metadata, trainer results, rollout results). ``fail_after``: trainer rank 0's
@@ -101,7 +119,7 @@ def assert_bit_exact(expected: dict, got: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_every_mode_delivers_verl_updates_bit_exact(ray_local, model_dir, tmp_path, backend):
+def test_every_mode_delivers_verl_updates_bit_exact(ray_local, workers, tmp_path, backend):
     """Three versions through two rollout workers, then a restarted rollout worker rejoins."""
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
@@ -110,7 +128,7 @@ def test_every_mode_delivers_verl_updates_bit_exact(ray_local, model_dir, tmp_pa
     import_external_libs("rlplacement.integrations.verl")  # what the manager does on the driver
     backend_cls = CheckpointEngineRegistry.get(backend)
     kwargs = engine_kwargs(backend, tmp_path)
-    trainers, rollouts = start_workers(ray, backend, model_dir, kwargs)
+    trainers, rollouts = workers(backend, kwargs)
     groups = []
     for step in range(3):
         ray.get([t.perturb.remote(step + 1) for t in trainers], timeout=TIMEOUT_S)
@@ -136,12 +154,10 @@ def test_every_mode_delivers_verl_updates_bit_exact(ray_local, model_dir, tmp_pa
     for got in received:
         assert_bit_exact(expected, got)
     assert sent[0]["metrics"]["rlplacement/version"] == 4
-    for actor in trainers + rollouts:
-        ray.kill(actor)
 
 
 @pytest.mark.slow
-def test_a_failed_verl_update_yields_nothing_and_the_next_one_rebuilds_the_group(ray_local, model_dir, tmp_path):
+def test_a_failed_verl_update_yields_nothing_and_the_next_one_rebuilds_the_group(ray_local, workers, tmp_path):
     """Trainer rank 0's gather fails mid-stream: every rollout worker raises before yielding a
     single tensor (verl's loader sees no part of that version), and the next update builds a fresh
     group and lands bit-exact."""
@@ -149,7 +165,7 @@ def test_a_failed_verl_update_yields_nothing_and_the_next_one_rebuilds_the_group
 
     ray, backend = ray_local, "rlplacement_broadcast_packed"
     backend_cls = CheckpointEngineRegistry.get(backend)
-    trainers, rollouts = start_workers(ray, backend, model_dir, engine_kwargs(backend, tmp_path))
+    trainers, rollouts = workers(backend, engine_kwargs(backend, tmp_path))
     _, _, received = verl_update(ray, backend_cls, trainers, rollouts, global_steps=0)
     ray.get([t.perturb.remote(5) for t in trainers], timeout=TIMEOUT_S)
     metadata, outcomes = verl_update(ray, backend_cls, trainers, rollouts, global_steps=1, fail_after=3)
@@ -162,8 +178,6 @@ def test_a_failed_verl_update_yields_nothing_and_the_next_one_rebuilds_the_group
     for got in received:
         assert_bit_exact(expected, got)
     assert sent[0]["metrics"]["rlplacement/version"] == 2  # the failed version is not counted as sent
-    for actor in trainers + rollouts:
-        ray.kill(actor)
 
 
 @pytest.mark.parametrize("backend,kwargs,message", [

@@ -22,11 +22,18 @@ class VerlTrainerRank:
 
     def __init__(self, rank: int, model_dir: str, backend: str, bucket_size: int, engine_kwargs: dict):
         import torch
-        from safetensors.torch import load_file
 
         torch.set_num_threads(1)
-        self.weights = load_file(f"{model_dir}/model.safetensors")
-        self.engine = _new_engine(backend, bucket_size, engine_kwargs, is_master=(rank == 0))
+        self.rank, self.model_dir = rank, model_dir
+        self.use_backend(backend, bucket_size, engine_kwargs)
+
+    def use_backend(self, backend: str, bucket_size: int, engine_kwargs: dict) -> None:
+        """A new engine of ``backend`` on the weights as saved: the worker as freshly started, without
+        a process start (each costs seconds of CI)."""
+        from safetensors.torch import load_file
+
+        self.weights = load_file(f"{self.model_dir}/model.safetensors")
+        self.engine = _new_engine(backend, bucket_size, engine_kwargs, is_master=(self.rank == 0))
         self.yielded = 0
 
     def perturb(self, seed: int) -> None:
@@ -66,6 +73,10 @@ class VerlRolloutWorker:
         import torch
 
         torch.set_num_threads(1)
+        self.use_backend(backend, bucket_size, engine_kwargs)
+
+    def use_backend(self, backend: str, bucket_size: int, engine_kwargs: dict) -> None:
+        """A new engine of ``backend``, in no group: the worker as freshly started."""
         self.engine = _new_engine(backend, bucket_size, engine_kwargs)
 
     def execute_checkpoint_engine(self, method: str, **kwargs):
