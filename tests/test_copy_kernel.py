@@ -92,13 +92,28 @@ def test_overlapping_destinations_fall_back_to_copies_one_by_one():
     buf = torch.zeros(4096, dtype=torch.bfloat16, device="cuda")
     srcs = [torch.randn(2048, device="cuda").bfloat16() for _ in range(2)]
     fused = copy_kernel.FusedCopies([buf[:2048], buf[1024:3072]], srcs)
-    assert fused.fused == [] and fused.rest == [0, 1] and fused.table is None
+    assert fused.fused == [] and fused.rest == [0, 1] and fused.num_chunks == 0
 
 
 @gpu
-@pytest.mark.parametrize("chunk_bytes", [copy_kernel.CHUNK_BYTES, 4096])  # many chunks per copy, and ragged ends
-def test_a_plan_replayed_through_the_kernel_equals_copies_one_by_one(monkeypatch, chunk_bytes):
-    monkeypatch.setattr(copy_kernel, "CHUNK_BYTES", chunk_bytes)
+@pytest.mark.parametrize("variant", copy_kernel.VARIANTS + (copy_kernel.Variant("small", 4096, True, False),),
+                         ids=lambda v: v.name)  # small: many chunks per copy, and ragged ends
+def test_every_variant_copies_exactly_the_eligible_bytes(variant):
+    dsts, srcs = _pairs("cuda")
+    fused = copy_kernel.FusedCopies(dsts, srcs, variants=(variant,))
+    before = [d.clone() for d in dsts]
+    for _ in range(2):  # the first launch captures the graph, the second replays it
+        fused.launch()
+        torch.cuda.synchronize()
+        assert all(torch.equal(dsts[i], srcs[i]) for i in fused.fused)
+        assert all(torch.equal(dsts[i], before[i]) for i in fused.rest)
+        for s in srcs:
+            s.copy_(torch.randn(s.shape, device="cuda").to(s.dtype))
+    assert fused.graph is not None and fused.summary().startswith(f"{variant.name} by graph replay")
+
+
+@gpu
+def test_a_plan_replayed_through_the_kernel_equals_copies_one_by_one():
     dsts, srcs = _pairs("cuda")
     copies = [copy_plan._Copy(f"t{i}", 0, tuple(s.shape), tuple(s.stride()), d, d.untyped_storage().data_ptr())
               for i, (d, s) in enumerate(zip(dsts, srcs))]
@@ -111,3 +126,12 @@ def test_a_plan_replayed_through_the_kernel_equals_copies_one_by_one(monkeypatch
         torch.cuda.synchronize()
         assert plan.fused_failure is None and "5 of 8 copies in one launch" in plan.chunk_kernel_summary()
         assert plan.mismatches(staged) == [], step
+    assert "by graph replay; first launch timed" in plan.chunk_kernel_summary()  # every variant, the fastest kept
+    chosen = plan._fused.variant
+    for s in srcs:  # the trainer's memory moved (a hand-off): new sources, new table, the same variant untimed
+        s.data = s.clone()
+    plan.forget_staged()
+    staged = [(f"t{i}", s) for i, s in enumerate(srcs)]
+    plan.replay(staged)
+    torch.cuda.synchronize()
+    assert plan._fused.variant == chosen and plan._fused.timings_ms == {} and plan.mismatches(staged) == []

@@ -1,8 +1,8 @@
 """How fast the engine's commit can copy a Qwen3 shape's tensors on one GPU, by strategy: one flat
 copy of all the bytes (the ceiling), ``_foreach_copy_`` over every pair, one ``copy_`` per pair,
 the copy plan's split (pairs of at least ``copy_plan.LARGE_COPY_BYTES`` one by one, the rest in one
-``_foreach_copy_``), and the chunk kernel the engine's commit runs (``copy_kernel``, shipped settings
-and a few variants of chunk, block and warps). Wall time per replay (launches included, then a
+``_foreach_copy_``), and the chunk kernel the engine's commit runs (``copy_kernel``: each variant, and
+the shipped choice among them, replayed from a CUDA graph). Wall time per replay (launches included, then a
 synchronize), median.
 
     python3 benchmarks/gpu/replay_copies.py --sizes 4B 8B --out $OUT   # -> replay_copies_h200.json
@@ -71,26 +71,29 @@ def run(size: str, repeats: int) -> dict:
            "foreach_s": timed(lambda: torch._foreach_copy_(dsts, srcs), repeats),
            "one_by_one_s": timed(one_by_one, repeats), "split_s": timed(split, repeats)}
     keys = ["foreach_s", "one_by_one_s", "split_s"]
-    # the chunk kernel (copy_kernel: what the engine's commit runs), with the shipped settings and variants
+    # the chunk kernel (copy_kernel: what the engine's commit runs): each variant on its own, then the
+    # shipped one, which times every variant on its first launch, keeps the fastest and replays a CUDA graph
     from rlplacement.engines import copy_kernel
 
-    shipped = (copy_kernel.CHUNK_BYTES, copy_kernel.BLOCK_WORDS, copy_kernel.NUM_WARPS)
-    for chunk, block, warps in [shipped, (4 << 20, 4096, 8), (256 << 10, 4096, 8), (1 << 20, 2048, 4),
-                                (1 << 20, 8192, 8)]:
-        copy_kernel.BLOCK_WORDS, copy_kernel.NUM_WARPS = block, warps
-        fused = copy_kernel.FusedCopies(dsts, srcs, chunk_bytes=chunk)
-        key = "kernel_s" if (chunk, block, warps) == shipped else f"kernel_{chunk >> 10}k_{block}_{warps}w_s"
-        if key in row:
-            continue
-        row[key] = timed(fused.launch, repeats)
-        for d, s_ in zip(dsts, srcs):
+    def check(fused, key):
+        for d in dsts:
             d.zero_()
         fused.launch()
         torch.cuda.synchronize()
         row[key.replace("_s", "_bit_exact")] = all(torch.equal(d, s_) for d, s_ in zip(dsts, srcs))
-        row[key.replace("_s", "_fused")] = len(fused.fused)
+
+    for variant in copy_kernel.VARIANTS:
+        fused = copy_kernel.FusedCopies(dsts, srcs, variants=(variant,))
+        key = f"kernel_{variant.name}_s"
+        row[key] = timed(fused.launch, repeats)
+        check(fused, key)
         keys.append(key)
-    copy_kernel.CHUNK_BYTES, copy_kernel.BLOCK_WORDS, copy_kernel.NUM_WARPS = shipped
+    fused = copy_kernel.FusedCopies(dsts, srcs)
+    fused.launch()  # chooses and captures
+    row["kernel_s"] = timed(fused.launch, repeats)
+    check(fused, "kernel_s")
+    row["kernel_chosen"], row["kernel_fused"] = fused.summary(), len(fused.fused)
+    keys.append("kernel_s")
     for key in keys:
         row[key.replace("_s", "_ratio")] = round(row["flat_copy_s"] / row[key], 3)
     print({k: (round(v * 1e3, 2) if k.endswith("_s") else v) for k, v in row.items()}, flush=True)
