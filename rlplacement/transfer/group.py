@@ -95,6 +95,16 @@ class TransferGroup:
         work.wait()
         return None
 
+    def send(self, tensor: "torch.Tensor", dst: int, tag: int) -> None:
+        """Send ``tensor`` to rank ``dst`` (blocking; messages of one ``tag`` between two ranks keep
+        their order). One message: for a small acknowledgement, half the latency of an all-reduce."""
+        self._pg.send([tensor], dst, tag).wait()
+
+    def recv(self, tensor: "torch.Tensor", src: int, tag: int):
+        """Start receiving ``tensor`` from rank ``src``; returns the work to ``wait()`` on (bounded by
+        the group's timeout)."""
+        return self._pg.recv([tensor], src, tag)
+
     def close(self) -> None:
         """Drop the group without waiting for any peer.
 

@@ -11,7 +11,7 @@ copying bucket i.
 
 Control channel: the private gloo group of ``group.py`` (manifests as broadcasts from rank 0,
 acknowledgements as one small all-reduce per bucket: an int32 per rank, non-zero where that
-rank failed). It is CPU-side, so it works on both devices; NCCL is not an option here anyway,
+rank failed; a direct update's as one int32 message from each receiver, half an all-reduce's latency). It is CPU-side, so it works on both devices; NCCL is not an option here anyway,
 since it refuses two ranks on one GPU, and a Ray round-trip per bucket would cost ~ms. Every wait
 is bounded by the group's timeout, and a dead peer breaks the group at once.
 
@@ -54,6 +54,7 @@ from rlplacement.transfer.shared_buffers import OpenedBuffer, SharedSlots
 KIND_DIRECT = 4  # a manifest of the trainer's own allocations instead of buckets
 KIND_CHECKSUMS = 5  # after a direct manifest, with check_equal: the trainer's per-tensor checksums
 KIND_DIRECT_COMMIT = 6  # the manifest every receiver holds mapped: commit at once, acknowledge once
+DIRECT_ACK_TAG = 6  # a direct update's acknowledgements: one int32 from each receiver to the sender
 
 if TYPE_CHECKING:
     import torch
@@ -127,7 +128,7 @@ class IpcSender(BroadcastSender):
         if self.check_equal:  # hashed here while every receiver hashes what it mapped: one pass of wall time
             checksums = {n: tensor_checksum(t) for n, t in tensors}
             self._send_frame(KIND_CHECKSUMS, version, json.dumps(checksums).encode(), len(tensors))
-        failed = _failed_ranks(self._acks())
+        failed = _failed_ranks(self._direct_acks())
         self.instants.mark("mapped_acked")
         if failed:
             raise _ReceiversFailed(f"engine worker rank(s) {', '.join(map(str, failed))} could not map or "
@@ -144,7 +145,7 @@ class IpcSender(BroadcastSender):
         return self._committed(version, tensors, None)
 
     def _committed(self, version: int, tensors: list[NamedTensor], checksums):
-        failed = _failed_ranks(self._acks())  # each receiver committed (or dropped) and unmapped (or kept)
+        failed = _failed_ranks(self._direct_acks())  # each receiver committed (or dropped) and unmapped (or kept)
         self.instants.mark("committed_acked")
         if failed:
             self._direct_kept = None  # a receiver that failed may not hold every mapping any more
@@ -154,11 +155,15 @@ class IpcSender(BroadcastSender):
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         return len(tensors), 1, nbytes, checksums, "direct"
 
-    def _acks(self) -> "torch.Tensor":
+    def _direct_acks(self) -> "torch.Tensor":
+        """Every receiver's flag (non-zero: failed), one message each (the bucket path's per-bucket
+        acknowledgements are all-reduces, overlapped with packing; here nothing overlaps them)."""
         import torch
 
         status = torch.zeros(self._endpoint.world_size, dtype=torch.int32)
-        self._group.all_reduce_sum(status)
+        works = [self._group.recv(status[rank:rank + 1], rank, DIRECT_ACK_TAG) for rank in range(1, status.numel())]
+        for work in works:
+            work.wait()
         return status
 
     def _prepare_payload(self, bucket: list[NamedTensor], manifest: BucketManifest):
@@ -250,7 +255,7 @@ class IpcReceiver(BroadcastReceiver):
         self.instants.mark("mapped")
         if self._endpoint.check_equal:
             self._verify_direct(staged)
-        self._ack(self._failure is not None)
+        self._ack_direct(self._failure is not None)
         kind, version, blob = self._recv_frame()
         self.instants.mark("end_frame")
         if kind != KIND_END:
@@ -322,7 +327,7 @@ class IpcReceiver(BroadcastReceiver):
         except TransferError as exc:
             failed, error = True, exc
         self.instants.mark("released")
-        self._ack(failed)
+        self._ack_direct(failed)
         self.instants.mark("release_acked")
         if error is not None:
             raise error
@@ -362,6 +367,11 @@ class IpcReceiver(BroadcastReceiver):
         if self._payload_info is None:
             raise TransferError(f"bucket {manifest.index} came without a shared-buffer handle")
         self._open(self._payload_info).copy_to(buf, manifest.nbytes)
+
+    def _ack_direct(self, failed: bool) -> None:
+        import torch
+
+        self._group.send(torch.tensor([int(failed)], dtype=torch.int32), 0, DIRECT_ACK_TAG)
 
     def _ack(self, failed: bool) -> None:
         import torch
