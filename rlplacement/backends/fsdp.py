@@ -62,8 +62,8 @@ class FSDPBackend(TrainerBackend):
         kept owners costs ~0.1 ms. The views share their parameters' storages, so they follow an offload
         and reload (storages resized in place) as the parameters do."""
         kept = self._whole_cache
-        if kept is not None and all(module._parameters.get(key) is param and getattr(param, "_local_tensor", param) is local
-                                    for module, key, param, local in kept[0]):
+        if kept is not None and all(table.get(key) is param and getattr(param, "_local_tensor", param) is local
+                                    for table, key, param, local in kept[0]):
             return kept[1]
         owners, stream = [], []
         for name, param in self.model.named_parameters():
@@ -71,7 +71,8 @@ class FSDPBackend(TrainerBackend):
             local = getattr(param, "_local_tensor", None)
             if local is None:
                 local = param.to_local() if hasattr(param, "to_local") else param
-            owners.append((self.model.get_submodule(module_name), key, param, local))
+            # the module's own dict: replacing its parameter replaces this entry
+            owners.append((self.model.get_submodule(module_name)._parameters, key, param, local))
             stream.append((name, local.detach()))
         self._whole_cache = (owners, stream)
         return stream
@@ -106,8 +107,11 @@ class FSDPBackend(TrainerBackend):
         self.model.reshard()  # see log_probs: stream the sharded parameters, never a stale gathered copy
         if dist.get_world_size() == 1:
             cast = self.stream_dtype
+            if cast is None:
+                yield from self._whole_parameters()  # the same pairs every update: receivers see nothing moved
+                return
             for name, t in self._whole_parameters():
-                yield name, t if cast is None else t.to(cast)
+                yield name, t.to(cast)
             return
         for name, param in self.model.named_parameters():
             if not hasattr(param, "full_tensor"):
