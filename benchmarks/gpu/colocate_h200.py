@@ -88,6 +88,8 @@ def main() -> int:
     parser.add_argument("--out", type=str, default=None)
     parser.add_argument("--skip-baseline", action="store_true",
                         help="leave out the per-tensor-handle baseline (a profiling run of our path only)")
+    parser.add_argument("--skip-generation", action="store_true",
+                        help="leave out greedy generation against a fresh engine (another call ran it)")
     args = parser.parse_args()
     import torch
 

@@ -299,7 +299,8 @@ def run_sizes(args, results: dict, file_name: str, run_size, modes) -> None:
     root = Path(tempfile.mkdtemp(prefix=file_name.removesuffix(".json") + "_"))
     try:
         for i, size in enumerate(args.sizes):
-            results["sizes"].append(run_size(size, root, args, compare_generation=(i == 0)))
+            first = i == 0 and not getattr(args, "skip_generation", False)
+            results["sizes"].append(run_size(size, root, args, compare_generation=first))
             write(args.out, file_name, results)
     finally:
         if ray.is_initialized():

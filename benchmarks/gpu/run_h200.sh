@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu/run_h200.sh colocate [--sizes ...]  -> $OUT/colocate_h200.json  (1 GPU)
 #   bash benchmarks/gpu/run_h200.sh offload [--size 8B]     -> $OUT/offload_h200.json   (1 GPU, hand-off)
 #   bash benchmarks/gpu/run_h200.sh replay [--sizes ...]    -> $OUT/replay_copies_h200.json (1 GPU, commit copies)
+#   bash benchmarks/gpu/run_h200.sh loop [--steps N]        -> $OUT/loop_h200.json      (1 GPU, tiny loop colocated)
 #   bash benchmarks/gpu/run_h200.sh tests                   -> the GPU-marked tests (pytest -m gpu)
 # Installs this checkout into /tmp/site first, so vLLM's processes find the `vllm.general_plugins`
 # entry point that registers rlplacement's weight-transfer backend.
@@ -18,6 +19,7 @@ case "$what" in
   colocate) python3 benchmarks/gpu/colocate_h200.py --out "$out" "$@" ;;
   offload) python3 benchmarks/gpu/offload_h200.py --out "$out" "$@" ;;
   replay) python3 benchmarks/gpu/replay_copies.py --out "$out" "$@" ;;
+  loop) python3 benchmarks/gpu/loop_h200.py --out "$out" "$@" ;;
   tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests "$@" ;;
-  *) echo "unknown experiment $what (split | colocate | offload | replay | tests)" >&2; exit 2 ;;
+  *) echo "unknown experiment $what (split | colocate | offload | replay | loop | tests)" >&2; exit 2 ;;
 esac
