@@ -80,7 +80,7 @@ def run(size: str, repeats: int) -> dict:
             d.zero_()
         fused.launch()
         torch.cuda.synchronize()
-        row[key.replace("_s", "_bit_exact")] = all(torch.equal(d, s_) for d, s_ in zip(dsts, srcs))
+        row[key.removesuffix("_s") + "_bit_exact"] = all(torch.equal(d, s_) for d, s_ in zip(dsts, srcs))
 
     for variant in copy_kernel.VARIANTS:
         fused = copy_kernel.FusedCopies(dsts, srcs, variants=(variant,))
@@ -95,7 +95,7 @@ def run(size: str, repeats: int) -> dict:
     row["kernel_chosen"], row["kernel_fused"] = fused.summary(), len(fused.fused)
     keys.append("kernel_s")
     for key in keys:
-        row[key.replace("_s", "_ratio")] = round(row["flat_copy_s"] / row[key], 3)
+        row[key.removesuffix("_s") + "_ratio"] = round(row["flat_copy_s"] / row[key], 3)
     print({k: (round(v * 1e3, 2) if k.endswith("_s") else v) for k, v in row.items()}, flush=True)
     del dsts, srcs, flat_src, flat_dst
     torch.cuda.empty_cache()
