@@ -1,5 +1,5 @@
 """A commit's copies in one kernel launch on a GPU: every eligible copy of a copy plan is cut into
-chunks of equal size, and one Triton program copies one chunk with 16-byte loads and stores.
+chunks of equal size, which Triton programs copy with 16-byte loads and stores.
 
 Why one launch: replaying ~400 copies with one ``copy_`` each costs ~10 µs of Python and driver
 work per copy (3.6 ms for a 4B model, more than the 3.4 ms the bytes take), and every memcpy ends
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20  # one program's share; ~7,000 programs for a 4B model, many waves over 132 SMs
 ALIGN = 16  # bytes per vector load and store
 WORD = 4  # the kernels move int32 words, four per 16-byte vector
 BLOCK_WORDS = 4096  # words per loop step of one program (16 KiB)
@@ -47,14 +46,16 @@ class Variant:
     evict_first: bool
 
 
-# measured on the first launch, the fastest kept: on an H200 the per-chunk kernel moved a Qwen3 model's
-# weights at ~89% of one flat copy, and which of these does best depends on the GPU and the tensors
+# measured on the first launch, the fastest kept: on an H200 all four moved a Qwen3 model's weights at
+# 85-90% of one flat copy (1 MiB chunks, ~7,000 of them for a 4B model, did best), and which does best
+# depends on the GPU and the tensors
 VARIANTS = (Variant("chunks-1M-evict-first", 1 << 20, False, True),
             Variant("chunks-1M", 1 << 20, False, False),
             Variant("strided-64K", 64 << 10, True, False),
             Variant("strided-256K-evict-first", 256 << 10, True, True))
 
 _kernels: dict = {}
+
 
 def eligible(dst: "torch.Tensor", src: "torch.Tensor") -> bool:
     """Whether the copy ``dst <- src`` is a plain, aligned byte copy the chunk kernel can do."""
@@ -70,7 +71,7 @@ def overlapping(ranges: Sequence[tuple[int, int]]) -> bool:
     return any(b[0] < a[1] for a, b in zip(ordered, ordered[1:]))
 
 
-def chunk_table(copies: Sequence[tuple[int, int, int]], chunk_bytes: int = CHUNK_BYTES):
+def chunk_table(copies: Sequence[tuple[int, int, int]], chunk_bytes: int):
     """Rows ``(source address, destination address, words)`` for ``copies`` of ``(source, destination,
     bytes)``: each copy cut into chunks of ``chunk_bytes`` (the last one shorter), as an int64 array."""
     import numpy as np

@@ -213,13 +213,13 @@ class CopyPlan:
         dsts, srcs = self.pairs(staged)
         fused = self._fused_copies(dsts, srcs)
         if fused is None:
-            self._replay_each(dsts, srcs, range(len(dsts)))
+            self._replay_each(dsts, srcs)
             return
         try:
             fused.launch()
         except Exception as exc:  # noqa: BLE001 - compiling or launching failed: every copy goes the other way
             self.fused_failure, self._fused = f"the chunk kernel failed: {type(exc).__name__}: {exc}", None
-            self._replay_each(dsts, srcs, range(len(dsts)))
+            self._replay_each(dsts, srcs)
             return
         self._variant = fused.variant
         self._replay_each(dsts, srcs, fused.rest)
@@ -244,15 +244,17 @@ class CopyPlan:
                     f"{self._fused.num_chunks} chunks ({self._fused.nbytes} bytes): {self._fused.summary()}")
         return self.fused_failure or "not replayed on a GPU yet"
 
-    def _replay_each(self, dsts: list, srcs: list, indices) -> None:
+    def _replay_each(self, dsts: list, srcs: list, indices=None) -> None:
         """Large copies one by one, the rest in one ``_foreach_copy_``. Same-dtype contiguous copies run
         as device memcpys near the copy ceiling; ``_foreach_copy_`` runs every pair through chunked
         multi-tensor kernels, which moved a 4B model's ~7 GB at ~65% of that on an H200, while for the
         ~150 small tensors (norms) one launch beats one each."""
         import torch
 
-        wanted = set(indices)
-        large, small = ([i for i in part if i in wanted] for part in self._by_size)
+        large, small = self._by_size
+        if indices is not None:  # only these (the chunk kernel took the others)
+            wanted = set(indices)
+            large, small = [i for i in large if i in wanted], [i for i in small if i in wanted]
         for i in large:
             dsts[i].copy_(srcs[i])
         if small:

@@ -11,9 +11,10 @@ copying bucket i.
 
 Control channel: the private gloo group of ``group.py`` (manifests as broadcasts from rank 0,
 acknowledgements as one small all-reduce per bucket: an int32 per rank, non-zero where that
-rank failed; a direct update's as one int32 message from each receiver, half an all-reduce's latency). It is CPU-side, so it works on both devices; NCCL is not an option here anyway,
-since it refuses two ranks on one GPU, and a Ray round-trip per bucket would cost ~ms. Every wait
-is bounded by the group's timeout, and a dead peer breaks the group at once.
+rank failed; a direct update's as one int32 message from each receiver, half an all-reduce's
+latency). It is CPU-side, so it works on both devices; NCCL is not an option here anyway, since
+it refuses two ranks on one GPU, and a Ray round-trip per bucket would cost ~ms. Every wait is
+bounded by the group's timeout, and a dead peer breaks the group at once.
 
 All or nothing across engines: a receiver that fails on a bucket (cannot open the handle, copy
 fails, checksum differs) keeps acknowledging with its failure flag set; the sender then stops
