@@ -1,9 +1,9 @@
 """A rollout engine: one in-process ``vllm.LLM`` with rlplacement's weight-transfer backend.
 
 The class is plain Python (tests and scripts may use it directly); ``ray_engines`` runs it as a
-Ray actor. An actor runs one method at a time, so generation is paused for the whole of an
-update by construction; ``update_weights`` still marks the pause explicitly so that an actor
-given more concurrency refuses to generate mid-update instead of mixing versions.
+Ray actor. Its public methods take turns (``runtime.one_at_a_time``), also across the thread a
+compiled update graph runs ``update_weights`` on and Ray's own, so generation is paused for the
+whole of an update by construction: a generate issued during an update runs after it.
 
 Lifecycle of ``update_weights(v)``: pause -> (one round trip to every worker) start_weight_update
 -> receive_weights (receive and stage everything, validate) -> finish_weight_update (load, serve
@@ -21,10 +21,6 @@ from rlplacement.runtime.one_at_a_time import one_call_at_a_time
 from rlplacement.transfer.base import Instants, TransferError, tensor_checksum
 
 BACKEND = "rlplacement"
-
-
-class EngineBusy(RuntimeError):
-    """generate() was called while a weight update is in progress."""
 
 
 @one_call_at_a_time  # a compiled update graph calls update_weights from another thread than generate
@@ -56,7 +52,6 @@ class VllmRolloutEngine:
 
         self.engine_index = engine_index
         self.model_dir = str(model_dir)
-        self._updating = False
         # whether the prefix cache may hold KV computed with weights older than those served: only
         # generate() fills it, and a reset or a sleep (level >= 1 clears it in vLLM's engine core) empties
         # it. The reset is a round trip into the engine core (~2 ms on an H200), paid only when needed.
@@ -145,7 +140,6 @@ class VllmRolloutEngine:
 
         instants = Instants()
         instants.mark("start")
-        self._updating = True
         try:
             per_worker = self.llm.collective_rpc(receive_and_commit, args=(int(version),))
             instants.mark("workers_returned")
@@ -153,7 +147,6 @@ class VllmRolloutEngine:
             if self._prefix_cache_filled:  # also after a failure: a worker may have loaded part of it
                 self.llm.reset_prefix_cache()
                 self._prefix_cache_filled = False
-            self._updating = False
         instants.mark("prefix_cache_reset")
         # every worker committed (a failure raised above): the version is the one asked for, with no
         # extra round trip to the workers (generate() reads it from them)
@@ -212,8 +205,6 @@ class VllmRolloutEngine:
         ``finished_at`` / ``first_token_at`` are each request's own times (vLLM's per-request stats,
         on the engine core's monotonic clock, turned into wall time here); without them, the batch end.
         """
-        if self._updating:
-            raise EngineBusy(f"engine {self.engine_index} is updating its weights; generate after the update")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
