@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import rlplacement
-from rlplacement.args import ConfigError
+from rlplacement.errors import ConfigError
 
 # The embedded default: 1 trainer rank and 1 one-GPU engine on a 4-GPU logical node; the FSDP
 # backend loads the HF folder as it is. Any flag given on the command line wins.
@@ -62,7 +62,7 @@ def long_tail_lengths(n: int, max_len: int, seed: int, alpha: float = 1.5, minim
     return lengths
 
 
-def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, behaviour: bool = False) -> dict[str, list]:
+def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, behaviour: bool = False) -> rlplacement.Batch:
     """Right-padded input_ids, a loss mask on response tokens, group-normalised advantages; with
     ``behaviour`` also the engine's log-probs at the sampled tokens' positions (``old_logprobs``),
     which the loss uses for stale samples' importance ratio."""
@@ -78,16 +78,16 @@ def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, beha
         input_ids.append(ids + [pad_id] * pad)
         loss_mask.append([0] * len(s.prompt_ids) + [1] * len(s.token_ids) + [0] * pad)
         old_logprobs.append([0.0] * len(s.prompt_ids) + list(s.logprobs) + [0.0] * pad)
-    batch = {"input_ids": input_ids, "loss_mask": loss_mask, "advantages": advantages}
-    if behaviour:
-        batch["old_logprobs"] = old_logprobs
-    return batch
+    import torch
+
+    return rlplacement.Batch(torch.tensor(input_ids, dtype=torch.int64), torch.tensor(loss_mask, dtype=torch.float32),
+                             torch.tensor(advantages, dtype=torch.float32),
+                             torch.tensor(old_logprobs, dtype=torch.float32) if behaviour else None)
 
 
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from rlplacement.hooks import RLJob
     from rlplacement.models.tiny import TinySpec, make_tiny_model
     from rlplacement.telemetry.recorder import RunLayout, StepRecorder
 
@@ -103,10 +103,9 @@ def run(args: argparse.Namespace) -> int:
     targets = {tok.convert_tokens_to_ids(d) for d in DIGITS}
     prompts = [tok.encode(p) for p in PROMPTS]
 
-    job = RLJob.start(config, hf_dir, optim={"lr": args.lr, "name": "adamw"})
-    try:
+    with rlplacement.RLJob.start(config, hf_dir, optim=rlplacement.OptimConfig(name="adamw", lr=args.lr)) as job:
         tel = StepRecorder(args.telemetry, RunLayout.from_placement(
-            config.placement, transfer_mode=config.transfer.effective_mode,
+            config.placement, transfer_mode=config.transfer.mode,
             max_response_len=args.max_response_len, group_size=args.group_size,
             prompt_len=round(statistics.fmean(len(p) for p in prompts)), **job.engine_capacity()))
         one_step_off = config.placement.one_step_off
@@ -133,35 +132,30 @@ def run(args: argparse.Namespace) -> int:
             job.prepare_train()
             with tel.phase("train", role="trainer"):  # trainer work: the forward for the log-prob check
                 trainer_lp = job.log_probs(batch)
-            tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)]
+            tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)].tolist()
                                  for row, s in zip(trainer_lp, samples)], [s.logprobs for s in samples])
-            for m in job.train(batch):
-                tel.record_interval("train", m["start"], m["end"])
+            for rank_report in job.train(batch):
+                tel.record_interval("train", rank_report.start, rank_report.end)
             job.prepare_update()
             t_sync = time.time()
             report = job.update_weights()  # engines apply it after their current batch, never inside one
             tel.record_interval("sync", t_sync, time.time())
             if not one_step_off and step + 1 < args.steps:
                 t0, pending = start_rollout(step + 1)
-            sync_metrics = {"perf/update_weights_bytes": report["trainer"]["bytes"]}
-            if "density" in report["trainer"]:  # disk-delta: only the changed bytes travel
-                sync_metrics.update({"perf/update_weights_density": report["trainer"]["density"],
-                                     "perf/update_weights_wire_bytes": report["trainer"]["wire_bytes"]})
+            sync_metrics = dict(report.trainer.metrics)  # disk-delta adds its density and wire bytes
             if one_step_off:
                 sync_metrics["rollout/staleness"] = staleness
             sync_metrics.update(job.pop_handoff_metrics())
             row = tel.end_step(step, reward=statistics.fmean(rewards), **sync_metrics)
             line = (f"step {step}: reward {row['reward']:.3f}  rollout {row['perf/rollout_time']:.2f}s  "
                     f"train {row['perf/train_time']:.2f}s  sync {row['perf/update_weights_time']:.2f}s "
-                    f"({report['trainer']['bytes'] / 1e6:.1f} MB, v{job.version})  "
+                    f"({report.trainer.bytes / 1e6:.1f} MB, v{job.version})  "
                     f"logprob diff {row['rollout/logprob_abs_diff']:.2e}"
                     + (f"  staleness {staleness}" if one_step_off else ""))
             # One write with its newline: Ray's log thread shares this stdout, and print's two
             # writes (text, then "\n") let a worker's line land between them.
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
-    finally:
-        job.close()
     return 0
 
 
@@ -173,9 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tiny_grpo: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a weight mismatch or a failed update: say which, exit non-zero
-        from rlplacement.transfer.base import TransferError
-
-        if isinstance(exc, TransferError):
+        if isinstance(exc, rlplacement.TransferError):
             print(f"tiny_grpo: weight update failed: {exc}", file=sys.stderr)
             return 1
         raise

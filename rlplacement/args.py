@@ -3,7 +3,10 @@
 ``add_arguments(parser)`` adds the flags to any argparse parser (a Megatron or Miles
 ``extra_args_provider`` included) and skips flags the parser already has, so an RL codebase that
 already defines ``--colocate`` keeps its own definition. ``config_from_args(args)`` turns parsed
-args into frozen dataclasses and raises :class:`ConfigError` naming the flag and what to change.
+args into the frozen configs of :mod:`rlplacement.config` and raises :class:`ConfigError` naming the
+flag and what to change. Defaults are the configs' own (read from their fields), and the names a
+choice flag accepts are read from its registry when asked, so a backend or transfer mode registered
+after import is offered and accepted like the built-in ones.
 
 Invariant: validation never rewrites a value the user set. Values the user left unset are derived
 (``--rollout-num-gpus`` under ``--colocate`` is the trainer's GPU count) and the derivation is
@@ -14,16 +17,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
+from rlplacement.backends import registry as backend_registry
+from rlplacement.config import BackendConfig, Config, PlacementConfig, TransferConfig, default_of
 from rlplacement.errors import ConfigError
-from rlplacement.transfer import registry
+from rlplacement.transfer import registry as transfer_registry
 from rlplacement.transfer.options import DELTA_ENCODINGS, P2P_PROTOCOLS
 
-# Registered modes only, so a mode this build lacks is never offered (--colocate picks cuda_ipc).
-TRANSFER_MODES = registry.selectable_modes()
-TRAIN_BACKENDS = ("megatron", "fsdp", "torchtitan")
-DEFAULT_BUFFER_SIZE = 512 * 1024 * 1024
+
+class RegistryChoices:
+    """A choice flag's accepted names, read from a registry each time argparse (or validation) asks."""
+
+    def __init__(self, names: Callable[[], Iterable[str]]):
+        self._names = names
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __contains__(self, value: object) -> bool:
+        return value in tuple(self._names())
+
+
+# registered modes a user may name (all but the colocated one, which --colocate picks)
+TRANSFER_MODES = RegistryChoices(transfer_registry.selectable_modes)
+TRAIN_BACKENDS = RegistryChoices(backend_registry.known_backends)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,18 +63,18 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
     (
         "rlplacement: placement",
         (
-            _flag("--colocate", action="store_true", default=False,
+            _flag("--colocate", action="store_true", default=default_of(PlacementConfig, "colocate"),
                   help="Trainer and rollout engines time-share the same GPUs."),
-            _flag("--actor-num-nodes", type=int, default=1, help="Nodes for the trainer."),
-            _flag("--actor-num-gpus-per-node", type=int, default=8,
+            _flag("--actor-num-nodes", type=int, default=default_of(PlacementConfig, "actor_num_nodes"), help="Nodes for the trainer."),
+            _flag("--actor-num-gpus-per-node", type=int, default=default_of(PlacementConfig, "actor_num_gpus_per_node"),
                   help="Trainer GPUs on each trainer node."),
             _flag("--rollout-num-gpus", type=int, default=None,
                   help="GPUs for rollout engines (required in a split layout; under --colocate "
                        "it defaults to, and must equal, the trainer's GPU count)."),
-            _flag("--rollout-num-gpus-per-engine", type=int, default=1,
+            _flag("--rollout-num-gpus-per-engine", type=int, default=default_of(PlacementConfig, "rollout_num_gpus_per_engine"),
                   help="GPUs per rollout engine (its tensor-parallel size)."),
-            _flag("--num-gpus-per-node", type=int, default=8, help="GPUs on each node of the cluster."),
-            _flag("--ray-address", type=str, default=None,
+            _flag("--num-gpus-per-node", type=int, default=default_of(PlacementConfig, "num_gpus_per_node"), help="GPUs on each node of the cluster."),
+            _flag("--ray-address", type=str, default=default_of(PlacementConfig, "ray_address"),
                   help="Address of an existing Ray cluster (else RAY_ADDRESS, else a local one)."),
             _flag("--offload-train", action=argparse.BooleanOptionalAction, default=None,
                   help="--colocate: move the trainer's weights and optimizer state to host memory while the "
@@ -64,7 +82,7 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
             _flag("--offload-rollout", action=argparse.BooleanOptionalAction, default=None,
                   help="--colocate: the engines release their weights and KV cache (vLLM sleep mode) while the "
                        "trainer trains (on by default under --colocate; --no-offload-rollout keeps them resident)."),
-            _flag("--one-step-off", action="store_true", default=False,
+            _flag("--one-step-off", action="store_true", default=default_of(PlacementConfig, "one_step_off"),
                   help="Split layouts: generate step k+1 while the trainer trains on step k (samples at most "
                        "one weight version stale; the loss corrects with the engine's log-probs)."),
         ),
@@ -72,32 +90,36 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
     (
         "rlplacement: weight transfer",
         (
-            _flag("--update-weight-transfer-mode", type=str, default="broadcast", choices=TRANSFER_MODES,
+            _flag("--update-weight-transfer-mode", type=str, default=default_of(TransferConfig, "requested_mode"),
+                  choices=TRANSFER_MODES,
                   help="How weights reach the engines in a split layout. Under --colocate the "
                        "in-GPU CUDA IPC path is used (broadcast modes only)."),
-            _flag("--update-weight-buffer-size", type=int, default=DEFAULT_BUFFER_SIZE,
+            _flag("--update-weight-buffer-size", type=int, default=default_of(TransferConfig, "buffer_size"),
                   help="Bucket size in bytes for packing tensors."),
-            _flag("--update-weight-disk-dir", type=str, default=None,
+            _flag("--update-weight-disk-dir", type=str, default=default_of(TransferConfig, "disk_dir"),
                   help="Shared folder for disk-delta versions."),
-            _flag("--update-weight-delta-encoding", type=str, default="xor", choices=DELTA_ENCODINGS,
+            _flag("--update-weight-delta-encoding", type=str, default=default_of(TransferConfig, "delta_encoding"),
+                  choices=DELTA_ENCODINGS,
                   help="disk-delta encoding: xor (apply exactly once) or overwrite (idempotent)."),
             _flag("--p2p-protocol", type=str, default=None, choices=P2P_PROTOCOLS,
                   help="Mooncake transport for p2p: rdma where this host has an RDMA device, else tcp "
                        "(the default picks so; a value you set is kept, and rdma without a device is refused)."),
-            _flag("--p2p-transfer-timeout", type=float, default=30.0,
+            _flag("--p2p-transfer-timeout", type=float, default=default_of(TransferConfig, "p2p_timeout_s"),
                   help="Seconds a p2p update may take before it is failed."),
-            _flag("--check-weight-update-equal", action="store_true", default=False,
+            _flag("--check-weight-update-equal", action="store_true", default=default_of(TransferConfig, "check_equal"),
                   help="After each update compare engine and trainer weights; raise on mismatch."),
         ),
     ),
     (
         "rlplacement: trainer backend",
         (
-            _flag("--train-backend", type=str, default="megatron", choices=TRAIN_BACKENDS),
-            _flag("--hf-checkpoint", type=str, default=None, help="Hugging Face model folder."),
-            _flag("--load", type=str, default=None, help="Megatron torch_dist checkpoint folder."),
-            _flag("--tensor-model-parallel-size", type=int, default=1),
-            _flag("--pipeline-model-parallel-size", type=int, default=1),
+            _flag("--train-backend", type=str, default=default_of(BackendConfig, "name"), choices=TRAIN_BACKENDS,
+                  help="Trainer backend, any registered one (rlplacement.backends.registry.register_backend)."),
+            _flag("--hf-checkpoint", type=str, default=default_of(BackendConfig, "hf_checkpoint"), help="Hugging Face model folder."),
+            _flag("--load", type=str, default=default_of(BackendConfig, "load"), help="Megatron torch_dist checkpoint folder."),
+            _flag("--tensor-model-parallel-size", type=int, default=default_of(BackendConfig, "tensor_model_parallel_size")),
+            _flag("--pipeline-model-parallel-size", type=int,
+                  default=default_of(BackendConfig, "pipeline_model_parallel_size")),
         ),
     ),
 )
@@ -132,61 +154,6 @@ def add_flag(parser: argparse.ArgumentParser, name: str, **overrides: Any) -> No
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return add_arguments(argparse.ArgumentParser(prog=prog))
-
-
-@dataclasses.dataclass(frozen=True)
-class PlacementConfig:
-    colocate: bool
-    actor_num_nodes: int
-    actor_num_gpus_per_node: int
-    rollout_num_gpus: int
-    rollout_num_gpus_per_engine: int
-    num_gpus_per_node: int
-    ray_address: str | None = None
-    one_step_off: bool = False
-    offload_train: bool = False  # resolved: on under --colocate unless --no-offload-train
-    offload_rollout: bool = False
-
-    @property
-    def trainer_num_gpus(self) -> int:
-        return self.actor_num_nodes * self.actor_num_gpus_per_node
-
-    @property
-    def num_engines(self) -> int:
-        return self.rollout_num_gpus // self.rollout_num_gpus_per_engine
-
-
-@dataclasses.dataclass(frozen=True)
-class TransferConfig:
-    mode: str
-    buffer_size: int
-    disk_dir: str | None
-    delta_encoding: str
-    p2p_protocol: str
-    p2p_timeout: float
-    check_equal: bool
-    colocate: bool
-
-    @property
-    def effective_mode(self) -> str:
-        """The path weights really take: CUDA IPC under --colocate, else the chosen mode."""
-        return "cuda_ipc" if self.colocate else self.mode
-
-
-@dataclasses.dataclass(frozen=True)
-class BackendConfig:
-    name: str
-    hf_checkpoint: str | None
-    load: str | None
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    placement: PlacementConfig
-    transfer: TransferConfig
-    backend: BackendConfig
 
 
 def flag_default(dest: str) -> Any:
@@ -268,8 +235,10 @@ def placement_from_args(args: argparse.Namespace) -> PlacementConfig:
             "--one-step-off overlaps generation with training, but under --colocate both run on the same GPUs "
             "and cannot run at once: drop --one-step-off, or drop --colocate for a split layout.")
     offload_train, offload_rollout = _offload_from_args(args, colocate)
-    return PlacementConfig(colocate, nodes, per_node, rollout, per_engine, gpus_per_node,
-                           _get(args, "ray_address"), one_step_off, offload_train, offload_rollout)
+    return PlacementConfig(colocate=colocate, actor_num_nodes=nodes, actor_num_gpus_per_node=per_node,
+                           rollout_num_gpus=rollout, rollout_num_gpus_per_engine=per_engine,
+                           num_gpus_per_node=gpus_per_node, ray_address=_get(args, "ray_address"),
+                           one_step_off=one_step_off, offload_train=offload_train, offload_rollout=offload_rollout)
 
 
 def _offload_from_args(args: argparse.Namespace, colocate: bool) -> tuple[bool, bool]:
@@ -311,17 +280,18 @@ def transfer_from_args(args: argparse.Namespace, *, this_host: bool = True) -> T
         raise ConfigError(
             "--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir: set it to a folder "
             "every engine can read.")
-    return TransferConfig(mode, _get(args, "update_weight_buffer_size"), disk_dir,
-                          _get(args, "update_weight_delta_encoding"), protocol or "tcp",
-                          float(_get(args, "p2p_transfer_timeout")), bool(_get(args, "check_weight_update_equal")),
-                          colocate)
+    return TransferConfig(mode=transfer_registry.COLOCATE_MODE if colocate else mode, requested_mode=mode,
+                          buffer_size=_get(args, "update_weight_buffer_size"), disk_dir=disk_dir,
+                          delta_encoding=_get(args, "update_weight_delta_encoding"),
+                          p2p_protocol=protocol or default_of(TransferConfig, "p2p_protocol"),
+                          p2p_timeout_s=float(_get(args, "p2p_transfer_timeout")),
+                          check_equal=bool(_get(args, "check_weight_update_equal")))
 
 
 def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> BackendConfig:
     _require_positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    _require_choice(args, ("train_backend",))
     name = _get(args, "train_backend")
-    if name not in TRAIN_BACKENDS:
-        raise ConfigError(f"--train-backend {name!r} is unknown: use one of {', '.join(TRAIN_BACKENDS)}.")
     tp, pp = _get(args, "tensor_model_parallel_size"), _get(args, "pipeline_model_parallel_size")
     if placement.trainer_num_gpus % (tp * pp):
         raise ConfigError(
@@ -332,7 +302,8 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
         raise ConfigError(
             f"--tensor-model-parallel-size/--pipeline-model-parallel-size apply to --train-backend megatron, "
             f"not {name}: drop them or use --train-backend megatron.")
-    return BackendConfig(name, _get(args, "hf_checkpoint"), _get(args, "load"), tp, pp)
+    return BackendConfig(name=name, hf_checkpoint=_get(args, "hf_checkpoint"), load=_get(args, "load"),
+                         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
 def config_from_args(args: argparse.Namespace, *, this_host: bool = True) -> Config:
@@ -341,4 +312,16 @@ def config_from_args(args: argparse.Namespace, *, this_host: bool = True) -> Con
     ``this_host=False`` (``rlplacement plan``, which describes a cluster from anywhere) skips the
     checks that read this machine: whether it has an RDMA device for ``--p2p-protocol``."""
     placement = placement_from_args(args)
-    return Config(placement, transfer_from_args(args, this_host=this_host), backend_from_args(args, placement))
+    return Config(placement=placement, transfer=transfer_from_args(args, this_host=this_host),
+                  backend=backend_from_args(args, placement))
+
+
+def require_available(config: Config) -> None:
+    """Refuse, before any process starts, a config whose transfer mode this build does not register (a
+    config built by hand, or before a mode was unregistered); flags parsed here were checked already."""
+    mode, colocate = config.transfer.mode, config.placement.colocate
+    if mode not in transfer_registry.MODES:
+        raise ConfigError(
+            f"weight transfer {mode!r} (from --update-weight-transfer-mode{' and --colocate' if colocate else ''}) "
+            f"is not available in this build: use one of {', '.join(sorted(transfer_registry.MODES))}"
+            f"{' in a split layout (drop --colocate)' if colocate else ''}.")

@@ -1,8 +1,21 @@
-"""User-facing errors every layer may raise; a leaf module (imports nothing) so no subcommand,
-backend or library module has to import the CLI root or the flag table to raise one.
+"""Every error the library raises on purpose, in one leaf module (it imports nothing), so any layer,
+process or framework plug-in can raise or catch them without importing a transfer mode, Ray or torch.
 
-Both are printed by ``rlplacement`` without a traceback, exit status 2.
+Three families:
+- :class:`ConfigError`, :class:`CliError`: bad input, found before any work starts; the message names
+  the flag (or file) and what to change. The CLI prints them without a traceback, exit status 2.
+- :class:`PeerError`: one shape for every failure gathered from other processes (trainer ranks,
+  engines): ``what`` failed and ``failures``, who -> why, engines first. :class:`WeightUpdateError` is
+  the same shape for a weight update.
+- :class:`TransferError` and its kinds: a weight update that did not complete; the receiver keeps
+  its previous version.
+
+Every error here survives pickling (those with fields of their own define ``__reduce__``): they
+cross Ray and vLLM's engine-core RPC, and one that cannot be rebuilt reaches the user as "Failed to
+deserialize exception" with the tensor's name lost.
 """
+
+from __future__ import annotations
 
 
 class ConfigError(ValueError):
@@ -11,3 +24,59 @@ class ConfigError(ValueError):
 
 class CliError(Exception):
     """A user-facing error of a subcommand (bad subcommand-only input)."""
+
+
+class PeerError(RuntimeError):
+    """One or more peers failed or did not answer in time; ``failures`` maps each to why."""
+
+    def __init__(self, what: str, failures: dict[str, str]):
+        self.what, self.failures = what, dict(failures)
+        detail = "; ".join(f"{who}: {why}" for who, why in self.failures.items())
+        super().__init__(f"{what} failed: {detail}")
+
+    def __reduce__(self):  # rebuilt from its fields on the other side of Ray
+        return type(self), (self.what, self.failures)
+
+
+class GpuMemoryError(RuntimeError):
+    """Out of GPU memory where a colocated hand-off flag would have freed it; names the flag."""
+
+
+class TransferError(RuntimeError):
+    """A weight update that did not complete; the receiver keeps its previous version."""
+
+
+class UpdateAborted(TransferError):
+    """The trainer stopped an update on purpose (its weight source failed) and told the engines."""
+
+
+class UpdateRefused(TransferError):
+    """Some receivers refused an update that ran to its end (the others serve it); the group is in step."""
+
+
+class WeightMismatchError(TransferError):
+    """--check-weight-update-equal found a tensor whose checksum differs between the two sides."""
+
+    def __init__(self, name: str, expected: str, got: str, where: str = ""):
+        self.name, self.expected, self.got = name, expected, got
+        self.where = where
+        super().__init__(f"weight mismatch{(' on ' + where) if where else ''}: tensor {name!r} has "
+                         f"checksum {got} but the trainer sent {expected}")
+
+    def __reduce__(self):
+        return type(self), (self.name, self.expected, self.got, self.where)
+
+
+class WeightUpdateError(PeerError, TransferError):
+    """An update across trainer + engines failed: a :class:`PeerError` whose ``what`` is the version."""
+
+    def __init__(self, version: int, failures: dict[str, str]):
+        self.version = version
+        super().__init__(f"weight update to version {version}", failures)
+
+    def __reduce__(self):
+        return type(self), (self.version, self.failures)
+
+
+class DeltaDecodeError(ValueError):
+    """A disk-delta payload that does not decode into the tensor its index entry describes."""

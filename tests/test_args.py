@@ -4,7 +4,8 @@ import argparse
 
 import pytest
 
-from rlplacement.args import ConfigError, add_arguments, build_parser, config_from_args
+from rlplacement.args import add_arguments, build_parser, config_from_args
+from rlplacement.errors import ConfigError
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -17,7 +18,7 @@ def test_defaults_follow_miles():
     assert cfg.placement.actor_num_nodes == 1 and cfg.placement.actor_num_gpus_per_node == 8
     assert cfg.placement.rollout_num_gpus_per_engine == 1 and cfg.placement.num_gpus_per_node == 8
     assert cfg.transfer.mode == "broadcast" and cfg.transfer.buffer_size == 512 * 1024 * 1024
-    assert cfg.transfer.p2p_timeout == 30.0 and cfg.backend.name == "megatron"
+    assert cfg.transfer.p2p_timeout_s == 30.0 and cfg.backend.name == "megatron"
 
 
 def test_add_arguments_skips_flags_the_parser_has():
@@ -32,7 +33,7 @@ def test_add_arguments_skips_flags_the_parser_has():
 
 def test_config_from_a_foreign_namespace_uses_defaults_for_missing_flags():
     cfg = config_from_args(argparse.Namespace(colocate=True, actor_num_gpus_per_node=4))
-    assert cfg.placement.rollout_num_gpus == 4 and cfg.transfer.effective_mode == "cuda_ipc"
+    assert cfg.placement.rollout_num_gpus == 4 and cfg.transfer.mode == "cuda_ipc" and cfg.transfer.requested_mode == "broadcast"
 
 
 def test_colocate_derives_rollout_without_rewriting_args():
@@ -116,14 +117,13 @@ def test_unknown_mode_from_a_foreign_parser_is_rejected():
 def test_rljob_refuses_a_mode_not_built_before_any_process_starts(tmp_path, monkeypatch):
     import ray
 
-    from rlplacement.args import ConfigError, build_parser, config_from_args
-    from rlplacement.hooks import RLJob
+    from rlplacement import RLJob
+    from rlplacement.args import build_parser, config_from_args
     from rlplacement.transfer import registry
-
-    monkeypatch.delitem(registry.MODES, "p2p")  # a build without the mode (e.g. no Mooncake for it)
 
     config = config_from_args(build_parser().parse_args(
         ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--update-weight-transfer-mode", "p2p"]))
+    monkeypatch.delitem(registry.MODES, "p2p")  # a config made before the mode left this build
     was_up = ray.is_initialized()
     with pytest.raises(ConfigError, match=r"weight transfer 'p2p' \(from --update-weight-transfer-mode\) is not "
                                           r"available in this build: use one of broadcast, broadcast_packed, cuda_ipc, "
@@ -156,3 +156,39 @@ def test_every_flag_works_on_a_base_install():
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
     requires = next(ast.literal_eval(k.value) for k in call.keywords if k.arg == "install_requires")
     assert "xxhash" in requires
+
+
+def test_choice_flags_follow_their_registries(monkeypatch, capsys):
+    """--train-backend accepts a backend registered after import; a mode no longer registered is refused."""
+    from rlplacement.backends import registry as backends
+    from rlplacement.transfer import registry as modes
+
+    monkeypatch.setitem(backends._REGISTRY, "my_backend", ("my_pkg.backend", "MyBackend"))
+    cfg = config_from_args(parse("--rollout-num-gpus", "8", "--train-backend", "my_backend"))
+    assert cfg.backend.name == "my_backend"
+    assert "my_backend" in build_parser().format_help()
+    monkeypatch.delitem(modes.MODES, "p2p")
+    with pytest.raises(SystemExit):
+        parse("--update-weight-transfer-mode", "p2p")
+    assert "invalid choice: 'p2p'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"--update-weight-transfer-mode 'p2p' is unknown: use one of broadcast, "
+                                          r"broadcast_packed, disk-delta\."):
+        config_from_args(argparse.Namespace(rollout_num_gpus=2, update_weight_transfer_mode="p2p"))
+
+
+def test_each_flag_default_is_its_config_field_default():
+    """Defaults are written once, on the configs; the flags read them."""
+    from rlplacement.args import flag_default
+    from rlplacement.config import BackendConfig, PlacementConfig, TransferConfig, default_of
+
+    pairs = {("actor_num_gpus_per_node", PlacementConfig, "actor_num_gpus_per_node"),
+             ("update_weight_transfer_mode", TransferConfig, "requested_mode"),
+             ("update_weight_buffer_size", TransferConfig, "buffer_size"),
+             ("p2p_transfer_timeout", TransferConfig, "p2p_timeout_s"),
+             ("train_backend", BackendConfig, "name")}
+    for dest, cls, field in pairs:
+        assert flag_default(dest) == default_of(cls, field), dest
+    cfg = config_from_args(parse("--rollout-num-gpus", "8"))
+    assert cfg.transfer == TransferConfig(mode="broadcast")  # every other field at its default
+    with pytest.raises(TypeError):
+        PlacementConfig(False, 1, 8, 8)  # keyword-only

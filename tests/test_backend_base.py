@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from rlplacement.args import ConfigError
-from rlplacement.backends.base import Batch, OptimConfig, policy_gradient_loss, token_log_probs
+from rlplacement.errors import ConfigError
+from rlplacement.backends.base import policy_gradient_loss, token_log_probs
+from rlplacement.config import OptimConfig
+from rlplacement.train_io import Batch
 
 
 def test_batch_shapes_are_checked_with_the_field_named():

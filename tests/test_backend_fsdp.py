@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from rlplacement.args import BackendConfig
+from rlplacement.config import BackendConfig, OptimConfig
 from rlplacement.backends import launch
-from rlplacement.backends.base import OptimConfig
 from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
 from rlplacement.models.tiny import TinySpec, make_tiny_model
 from tests.reference_checks import assert_streamed_match_reference, step_and_share_stream
@@ -17,7 +16,7 @@ SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
 def _worker(rank, world, hf, streamed_path):
     from rlplacement.backends import make_backend
 
-    backend = make_backend(BackendConfig("fsdp", hf, None, 1, 1), SGD)
+    backend = make_backend(BackendConfig(name="fsdp", hf_checkpoint=hf), SGD)
     batch = random_batch(SPEC.vocab_size, seed=10 + rank)  # each rank its own data-parallel share
     logp, metrics, streamed = step_and_share_stream(backend, batch, streamed_path, rank)
     mismatched = [n for n, p in backend.model.named_parameters()
@@ -45,7 +44,7 @@ def _resident(rank, world, hf):
 
     flags = {}
     for stream_dtype in (None, torch.bfloat16):
-        backend = make_backend(BackendConfig("fsdp", hf, None, 1, 1), SGD, stream_dtype=stream_dtype)
+        backend = make_backend(BackendConfig(name="fsdp", hf_checkpoint=hf), SGD, stream_dtype=stream_dtype)
         owned = {local_tensor(p).untyped_storage().data_ptr() for p in backend.model.parameters()}
         streamed = list(backend.iter_hf_tensors())
         flags[str(stream_dtype)] = {"flag": backend.yields_resident_tensors,
@@ -66,7 +65,7 @@ def test_resident_tensors_are_claimed_only_where_the_stream_is_the_parameters_th
 def _stream_after_replacing(rank, world, hf):
     from rlplacement.backends import make_backend
 
-    backend = make_backend(BackendConfig("fsdp", hf, None, 1, 1), SGD)
+    backend = make_backend(BackendConfig(name="fsdp", hf_checkpoint=hf), SGD)
     first = list(backend.iter_hf_tensors())
     batch = random_batch(SPEC.vocab_size, seed=3)
     backend.train_step(batch)  # the weights change in place

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.config import BackendConfig, OptimConfig
+from rlplacement.errors import ConfigError
 from rlplacement.backends import launch, make_backend
 from rlplacement.families import megatron_mapping as mapping
-from rlplacement.backends.base import OptimConfig
 from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
 from rlplacement.models.tiny import TinySpec, make_tiny_model
 
@@ -70,7 +70,7 @@ def test_unknown_backend_lists_known_names():
 
 def test_megatron_without_a_checkpoint_says_which_flag():
     with pytest.raises(ConfigError, match="needs --load .* or --hf-checkpoint"):
-        make_backend(BackendConfig("megatron", None, None, 1, 1))
+        make_backend(BackendConfig(name="megatron"))
 
 
 def test_cpu_shims_are_undone_after_close(tmp_path, single_rank):

@@ -7,12 +7,12 @@ the GPU path runs, with host buffers that are not pinned."""
 import pytest
 import torch
 
-from rlplacement.args import BackendConfig
+from rlplacement.config import BackendConfig, OptimConfig
 from rlplacement.backends import launch
-from rlplacement.backends.base import OptimConfig
 from rlplacement.backends.hf_reference import random_batch
 from rlplacement.backends.offload import local_tensor
 from rlplacement.models.tiny import TinySpec, make_tiny_model
+from rlplacement.train_io import Batch
 
 SPEC = TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 ADAMW = OptimConfig(name="adamw", lr=1e-2)
@@ -30,7 +30,7 @@ def _state(backend) -> dict[str, torch.Tensor]:
 def _worker(rank, world, hf):
     from rlplacement.backends import make_backend
 
-    cfg = BackendConfig("fsdp", hf, None, 1, 1)
+    cfg = BackendConfig(name="fsdp", hf_checkpoint=hf)
     batches = [random_batch(SPEC.vocab_size, seed=10 * step + rank) for step in range(3)]
     offloaded, resident = make_backend(cfg, ADAMW), make_backend(cfg, ADAMW)
     freed, moved = [], []
@@ -58,7 +58,7 @@ def _weight_reads_refused(rank, world, backend) -> list[str]:
 
     worker = TrainerWorker(rank, world)
     worker.backend = backend
-    batch = {"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]], "advantages": [1.0]}
+    batch = Batch(torch.tensor([[1, 2, 3]]), torch.tensor([[0.0, 1.0, 1.0]]), torch.tensor([1.0]))
     reads = [worker.hf_checksums, worker.gather_for_update, lambda: list(worker.hf_named_tensors()),
              lambda: worker.log_probs(batch),
              lambda: worker.train_step(batch), lambda: worker.save_hf_folder("/nonexistent", "/nonexistent")]

@@ -6,9 +6,11 @@ import time
 
 import pytest
 
-from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.config import BackendConfig
+from rlplacement.errors import ConfigError
 from rlplacement.backends import preflight
 from rlplacement.backends import megatron_checkpoint as layout
+from rlplacement.hf_folder import copy_side_files
 from rlplacement.models.tiny import TinySpec, make_tiny_model
 
 
@@ -29,7 +31,8 @@ def _variant(hf, tmp_path, **changes):
 
 
 def cfg(name="megatron", hf=None, load=None, tp=1, pp=1):
-    return BackendConfig(name, None if hf is None else str(hf), load, tp, pp)
+    return BackendConfig(name=name, hf_checkpoint=None if hf is None else str(hf), load=load,
+                         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
 def test_valid_configs_pass_quickly(hf):
@@ -95,7 +98,7 @@ def test_load_must_be_a_finished_conversion(hf, tmp_path):
                                           r"\(no latest_checkpointed_iteration.txt\): rerun `rlplacement convert"):
         preflight(cfg("megatron", load=str(half)))
     done = tmp_path / "done"
-    layout.copy_hf_config(hf, done / layout.HF_CONFIG_DIR)
+    copy_side_files(hf, done / layout.HF_CONFIG_DIR)
     (done / layout.META).write_text(json.dumps({"padded_vocab_size": 384}))
     (done / layout.MARKER).write_text("release")
     preflight(cfg("megatron", load=str(done), tp=2))
@@ -123,15 +126,16 @@ def test_preflight_imports_no_torch(hf, tmp_path):
 
     code = f"""
 import sys
-from rlplacement.args import BackendConfig
 from rlplacement.backends.preflight import preflight
+from rlplacement.config import BackendConfig
 from rlplacement.errors import ConfigError
 hf = {str(hf)!r}
-preflight(BackendConfig("megatron", hf, None, 2, 2))
-preflight(BackendConfig("fsdp", hf, None, 1, 1))
-preflight(BackendConfig("torchtitan", hf, None, 1, 1), cuda_available=True)
+preflight(BackendConfig(name="megatron", hf_checkpoint=hf, tensor_model_parallel_size=2,
+                        pipeline_model_parallel_size=2))
+preflight(BackendConfig(name="fsdp", hf_checkpoint=hf))
+preflight(BackendConfig(name="torchtitan", hf_checkpoint=hf), cuda_available=True)
 try:
-    preflight(BackendConfig("megatron", hf, None, 3, 1))
+    preflight(BackendConfig(name="megatron", hf_checkpoint=hf, tensor_model_parallel_size=3))
 except ConfigError:
     pass
 else:

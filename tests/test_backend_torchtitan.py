@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlplacement.args import BackendConfig, ConfigError
+from rlplacement.config import BackendConfig, OptimConfig
+from rlplacement.errors import ConfigError
 from rlplacement.backends import make_backend
-from rlplacement.backends.base import OptimConfig
 from rlplacement.backends import torchtitan as tt
 from rlplacement.families import torchtitan_mapping as names
 from rlplacement.models.tiny import TinySpec, make_tiny_model
@@ -53,10 +53,10 @@ def test_backend_refuses_without_cuda_naming_the_reason(tmp_path):
     hf = make_tiny_model(tmp_path / "hf", TinySpec("qwen3"))
     with pytest.raises(ConfigError, match=r"--train-backend torchtitan needs CUDA on the trainer ranks: torchtitan "
                                           r"0.3.0 cannot train without CUDA: importing any of its models imports triton"):
-        make_backend(BackendConfig("torchtitan", str(hf), None, 1, 1))
+        make_backend(BackendConfig(name="torchtitan", hf_checkpoint=str(hf)))
     qwen2 = make_tiny_model(tmp_path / "qwen2", TinySpec("qwen2", hidden_size=64, num_attention_heads=2, head_dim=32))
     with pytest.raises(ConfigError, match=r"--train-backend torchtitan has no qwen2 model"):
-        make_backend(BackendConfig("torchtitan", str(qwen2), None, 1, 1), allow_cpu=True)
+        make_backend(BackendConfig(name="torchtitan", hf_checkpoint=str(qwen2)), allow_cpu=True)
 
 
 def test_allow_cpu_without_triton_says_torchtitan_does_not_import(tmp_path):
@@ -65,7 +65,7 @@ def test_allow_cpu_without_triton_says_torchtitan_does_not_import(tmp_path):
     hf = make_tiny_model(tmp_path / "hf", TinySpec("qwen3"))
     with pytest.raises(ConfigError, match=r"--train-backend torchtitan: torchtitan does not import here "
                                           r"\(ModuleNotFoundError: No module named 'triton'\)"):
-        make_backend(BackendConfig("torchtitan", str(hf), None, 1, 1), allow_cpu=True)
+        make_backend(BackendConfig(name="torchtitan", hf_checkpoint=str(hf)), allow_cpu=True)
 
 
 SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
@@ -74,7 +74,7 @@ SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
 def _worker(rank, world, hf, family, streamed_path):
     from rlplacement.backends.hf_reference import random_batch
 
-    backend = make_backend(BackendConfig("torchtitan", hf, None, 1, 1), SGD, allow_cpu=True)
+    backend = make_backend(BackendConfig(name="torchtitan", hf_checkpoint=hf), SGD, allow_cpu=True)
     batch = random_batch(300, seed=20 + rank)
     logp, metrics, streamed = step_and_share_stream(backend, batch, streamed_path, rank)
 

@@ -19,7 +19,7 @@ import importlib
 
 import pytest
 
-from rlplacement.args import ConfigError
+from rlplacement.errors import ConfigError
 from rlplacement.integrations import miles
 
 ray = pytest.importorskip("ray")

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("verl.checkpoint_engine", reason="verl==0.9.1 is installed by `make venv`")
 
-from rlplacement.args import ConfigError  # noqa: E402
+from rlplacement.errors import ConfigError  # noqa: E402
 from rlplacement.integrations.verl import BACKENDS  # noqa: E402
 from tests.transfer_helpers.verl_workers import VerlRolloutWorker, VerlTrainerRank  # noqa: E402
 

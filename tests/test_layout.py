@@ -4,14 +4,17 @@ import itertools
 
 import pytest
 
-from rlplacement.args import ConfigError, PlacementConfig
+from rlplacement.config import PlacementConfig
+from rlplacement.errors import ConfigError
 from rlplacement.placement.layout import ClusterShape, Split, compute_layout, feasible_splits
 
 
 def cfg(colocate=False, nodes=1, per_node=8, rollout=None, per_engine=1, gpus_per_node=8):
     if colocate:
         rollout = nodes * per_node
-    return PlacementConfig(colocate, nodes, per_node, rollout, per_engine, gpus_per_node)
+    return PlacementConfig(colocate=colocate, actor_num_nodes=nodes, actor_num_gpus_per_node=per_node,
+                           rollout_num_gpus=rollout, rollout_num_gpus_per_engine=per_engine,
+                           num_gpus_per_node=gpus_per_node)
 
 
 def check_split_invariants(c: PlacementConfig, layout):

@@ -5,10 +5,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlplacement.args import BackendConfig
+from rlplacement.config import BackendConfig, OptimConfig
 from rlplacement.backends import launch
 from rlplacement.families import megatron_mapping as mapping
-from rlplacement.backends.base import OptimConfig
 from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
 from rlplacement.cli import main
 from rlplacement.models.tiny import TinySpec, make_tiny_model
@@ -23,7 +22,7 @@ def _pp2_worker(rank, world, hf, td, streamed_path):
     from rlplacement.convert.hf_to_megatron import convert
 
     assert convert(hf, td, tp=1, pp=2, progress=False) == "converted"
-    backend = MegatronBackend.from_config(BackendConfig("megatron", None, td, 1, 2), SGD)
+    backend = MegatronBackend.from_config(BackendConfig(name="megatron", load=td, pipeline_model_parallel_size=2), SGD)
     batch = random_batch(SPEC.vocab_size, seed=7)
     logp = backend.log_probs(batch)
     metrics = backend.train_step(batch)

@@ -4,10 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlplacement.args import BackendConfig
+from rlplacement.config import BackendConfig, OptimConfig
 from rlplacement.backends import launch
 from rlplacement.families import megatron_mapping as mapping
-from rlplacement.backends.base import OptimConfig
 from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
 from rlplacement.cli import main
 from rlplacement.models.tiny import TinySpec, make_tiny_model
@@ -25,7 +24,7 @@ def _tp2_worker(rank, world, hf, td2, td1, out_from_td1, streamed_path):
 
     assert convert(hf, td2, tp=2, progress=False) == "converted"
     export(td1, out_from_td1, tp=2)  # a TP=1 checkpoint read at TP=2
-    backend = MegatronBackend.from_config(BackendConfig("megatron", None, td2, 2, 1), SGD)
+    backend = MegatronBackend.from_config(BackendConfig(name="megatron", load=td2, tensor_model_parallel_size=2), SGD)
     batch = random_batch(SPEC.vocab_size, seed=3)
     logp = backend.log_probs(batch)
     metrics = backend.train_step(batch)

@@ -11,7 +11,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rlplacement.args import ConfigError, build_parser, config_from_args  # noqa: E402
+from rlplacement.args import build_parser, config_from_args  # noqa: E402
+from rlplacement.errors import ConfigError  # noqa: E402
 from rlplacement.placement import ray_groups  # noqa: E402
 
 

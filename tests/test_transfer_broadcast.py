@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from rlplacement.errors import PeerError
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import (TransferError, UpdateAborted, WeightMismatchError, WeightUpdateError,
                                        tensor_checksum)
@@ -201,13 +202,18 @@ def test_unchanged_manifests_are_sent_once_and_a_new_layout_is_sent_again(mode):
     WeightMismatchError("model.norm.weight", "00ff", "0a0b", "receiver rank 2"),
     WeightUpdateError(7, {"engine 1": "TransferError: x", "trainer": "y"}),
     UpdateAborted("trainer aborted update to version 3: gather failed"),
+    PeerError("trainer set-up", {"trainer rank 1": "actor died (process killed or crashed)"}),
 ])
 def test_transfer_errors_survive_pickling_with_their_message(error):
+    """Errors that cross processes keep their type, message and fields; a weight update's failure
+    has the same shape as any peer's (``what``, ``failures``), so one handler reads both."""
     import pickle
 
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error) and str(back) == str(error)
     assert vars(back) == vars(error)
+    if isinstance(error, PeerError):
+        assert back.failures == error.failures and str(back).startswith(f"{back.what} failed: ")
 
 
 def test_p2p_write_failure_aborts_naming_the_engine_and_bucket():

@@ -439,7 +439,7 @@ def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
         for version in (1, 2):
             ray.get(trainer.perturb.remote(version))
             report = driver.run_update(trainer, [engine], version, timeout_s=60, check_equal=True)
-            assert report["trainer"]["base_version"] == version - 1 and report["trainer"]["density"] > 0
+            assert report.trainer.base_version == version - 1 and report.trainer.density > 0
             assert ray.get(engine.weight_version.remote()) == version
             assert ray.get(engine.received_checksums.remote()) == ray.get(trainer.checksums.remote())
         after = ray.get(engine.generate.remote(prompts, max_tokens=6))

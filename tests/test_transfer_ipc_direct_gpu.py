@@ -43,7 +43,7 @@ def _sender(alloc_conf, endpoint_q, result_q, fault, keep_mapped, check_equal):
     from rlplacement.transfer import registry
     from rlplacement.transfer.base import tensor_checksum
     from rlplacement.transfer.base import UpdateAborted
-    from rlplacement.transfer.broadcast import UpdateRefused
+    from rlplacement.errors import UpdateRefused
 
     try:
         sender = registry.sender_class("cuda_ipc")(1 << 20, check_equal=check_equal, timeout_s=60, device="cuda:0")

@@ -230,7 +230,8 @@ def test_updates_through_a_compiled_graph_land_bit_exact_and_a_failure_leaves_it
 
         for seed in (301, 302):
             report = update(seed)
-            assert report["trainer"]["version"] == cluster["version"] and len(report["engines"]) == 2
+            assert report.trainer.version == cluster["version"] and len(report.engines) == 2
+            assert [e.version for e in report.engines] == [cluster["version"]] * 2
             assert ray.get([e.weight_version.remote() for e in engines]) == [cluster["version"]] * 2
             want = ray.get(trainer.checksums.remote())
             assert ray.get([e.received_checksums.remote() for e in engines]) == [want, want]

@@ -71,9 +71,9 @@ def test_colocated_update_is_bit_exact_and_matches_a_fresh_engine(cluster):
     engines, trainer = cluster["engines"], cluster["trainer"]
     before = ray.get(engines[0].generate.remote(PROMPTS, max_tokens=8))
     version, report = _update(cluster, seed=1)
-    assert report["trainer"]["num_buckets"] > 3
+    assert report.trainer.num_buckets > 3
     want = ray.get(trainer.checksums.remote())
-    assert set(report["trainer"]["checksums"]) == set(want)
+    assert set(report.trainer.checksums) == set(want)
     for i, engine in enumerate(engines):
         assert ray.get(engine.weight_version.remote()) == version
         assert ray.get(engine.received_checksums.remote()) == want, f"engine {i}: tensors differ from the trainer's"

@@ -150,14 +150,16 @@ def mode_row(nbytes: int, ceiling_gbps: float, whole: list[float], wire: list[fl
             "bit_exact": bool(bit_exact), "whole_all": whole}
 
 
-def random_batch(vocab: int, batch: int = 4, length: int = 64) -> dict:
+def random_batch(vocab: int, batch: int = 4, length: int = 64):
     import torch
+
+    from rlplacement import Batch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, length), generator=g)
     mask = torch.zeros(batch, length)
     mask[:, length // 2:] = 1
-    return {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "advantages": [1.0, -1.0, 0.5, -0.5][:batch]}
+    return Batch(ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5][:batch]))
 
 
 def greedy(engine, prompts: list[list[int]]) -> list[dict]:
@@ -173,8 +175,8 @@ def timed_updates(job, repeats: int) -> tuple[list, list, list, list]:
         report = job.update_weights()
         if i:  # the first is a warm-up
             whole.append(time.perf_counter() - t0)
-            wire.append(report["trainer"]["seconds"])
-            load.append(report["engines"][0].get("load"))
+            wire.append(report.trainer.seconds)
+            load.append(report.engines[0].load)
             timelines.append(update_timeline(report, m0, time.monotonic()))
     return whole, wire, load, timelines
 
@@ -182,9 +184,9 @@ def timed_updates(job, repeats: int) -> tuple[list, list, list, list]:
 def update_timeline(report: dict, start: float, returned: float) -> dict[str, float]:
     """Every side's instants of one update (``transfer.base.Instants``: one monotonic clock per host) in
     ms from the driver's call: trainer, engine 0's actor, and its worker 0."""
-    engine = report["engines"][0]
-    sides = {"trainer": report["trainer"].get("instants", {}), "engine": engine.get("instants", {}),
-             "worker": (engine.get("worker_instants") or [{}])[0]}
+    engine = report.engines[0]
+    sides = {"trainer": report.trainer.instants, "engine": engine.instants,
+             "worker": (engine.worker_instants or ({},))[0]}
     out = {f"{side}.{name}": (t - start) * 1e3 for side, marks in sides.items() for name, t in marks.items()}
     out["driver.returned"] = (returned - start) * 1e3
     return out
@@ -206,14 +208,14 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
 
     from rlplacement.engines.ray_engines import create_engine_actor
     from rlplacement.engines.vllm_backend import load_path
-    from rlplacement.hooks import RLJob
+    from rlplacement import OptimConfig, RLJob
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     engine_kwargs = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 512}
     if torch.cuda.is_available():
         engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     t0 = time.time()
-    job = RLJob.start(config, str(model_dir), optim={"lr": 1e-4},
+    job = RLJob.start(config, str(model_dir), optim=OptimConfig(lr=1e-4),
                       engine_kwargs=engine_kwargs, backend_options={"dtype": dtype})
     row["startup_s"] = round(time.time() - t0, 1)
     try:
@@ -223,14 +225,14 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
             checked = job.update_weights()  # raises WeightUpdateError naming the tensor on any mismatch
             job.set_transfer(mode, check_equal=False)
             whole, wire, load, timelines = timed_updates(job, args.repeats)
-            row["bytes"], row["num_tensors"] = checked["trainer"]["bytes"], checked["trainer"]["num_tensors"]
+            row["bytes"], row["num_tensors"] = checked.trainer.bytes, checked.trainer.num_tensors
             row[mode] = {"whole": whole, "wire": wire, "load": load, "bit_exact": True,
-                         "timeline_ms": median_timeline(timelines), "compiled_update": job.compiled_update,
+                         "timeline_ms": median_timeline(timelines), "compiled_update": job.updates.compiled,
                          "commit": ray.get(job.engines[0].call_workers.remote(load_path), timeout=60)}
-            if job.compiled_update:  # the same updates through plain Ray calls, in the same run: what the graph saves
-                job.compiled_update = False
+            if job.updates.compiled:  # the same updates through plain Ray calls, in the same run: what the graph saves
+                job.updates.compiled = False
                 plain, _, _, plain_timelines = timed_updates(job, args.repeats)
-                job.compiled_update = True
+                job.updates.compiled = True
                 row[mode]["plain_calls"] = {"whole_seconds": statistics.median(plain), "whole_all": plain,
                                             "timeline_ms": median_timeline(plain_timelines)}
                 print(f"[{size}] {mode} through plain Ray calls: whole {statistics.median(plain) * 1e3:.1f} ms",

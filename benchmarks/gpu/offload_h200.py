@@ -38,7 +38,7 @@ def job_config(offload: bool):
 def run(model_dir: Path, args, offload: bool) -> dict:
     import torch
 
-    from rlplacement.hooks import RLJob
+    from rlplacement import OptimConfig, RLJob
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -50,7 +50,7 @@ def run(model_dir: Path, args, offload: bool) -> dict:
     t0 = time.time()
     job = None
     try:
-        job = RLJob.start(job_config(offload), str(model_dir), optim={"lr": 1e-4, "name": "adamw"},
+        job = RLJob.start(job_config(offload), str(model_dir), optim=OptimConfig(name="adamw", lr=1e-4),
                           engine_kwargs=engine_kwargs, backend_options={"dtype": dtype})
         out["startup_s"] = round(time.time() - t0, 1)
         prompts = [[(7 * i + j) % vocab for j in range(16)] for i in range(args.prompts)]
@@ -70,8 +70,8 @@ def run(model_dir: Path, args, offload: bool) -> dict:
             u0 = time.perf_counter()
             report = job.update_weights()  # checked: raises naming the tensor on any mismatch
             times["update_s"] = time.perf_counter() - u0
-            row = {"step": step, **times, "loss": metrics[0]["loss"], "tokens": sum(len(s.token_ids) for s in samples),
-                   "bytes": report["trainer"]["bytes"], "version": job.version, "bit_exact": True,
+            row = {"step": step, **times, "loss": metrics[0].loss, "tokens": sum(len(s.token_ids) for s in samples),
+                   "bytes": report.trainer.bytes, "version": job.version, "bit_exact": True,
                    **job.pop_handoff_metrics()}
             out["steps"].append(row)
             print(f"[offload={offload}] step {step}: " + " ".join(

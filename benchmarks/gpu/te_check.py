@@ -45,9 +45,8 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
 
-    from rlplacement.args import BackendConfig
+    from rlplacement.config import BackendConfig, OptimConfig
     from rlplacement.backends import launch
-    from rlplacement.backends.base import OptimConfig
     from rlplacement.backends.hf_reference import hf_reference_step, load_hf, random_batch
     from rlplacement.models.tiny import TinySpec, make_tiny_model
 
@@ -107,7 +106,7 @@ def main() -> int:
         from rlplacement.backends.megatron import MegatronBackend
 
         sgd = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
-        backend = MegatronBackend.from_config(BackendConfig("megatron", None, str(out / f"td_tp{tp}"), tp, 1), sgd,
+        backend = MegatronBackend.from_config(BackendConfig(name="megatron", load=str(out / f"td_tp{tp}"), tensor_model_parallel_size=tp), sgd,
                                               spec=args.spec, dtype=dtype)
         holder["backend"] = backend
         streamed = {k: v.cpu() for k, v in backend.iter_hf_tensors()}

@@ -50,10 +50,9 @@ def _versions() -> dict:
 
 
 def run_case(out: Path, family: str, tied: bool, dtype: torch.dtype, allow_cpu: bool) -> dict:
-    from rlplacement.args import BackendConfig
+    from rlplacement.config import BackendConfig, OptimConfig
     from rlplacement.backends import make_backend
     from rlplacement.families import torchtitan_mapping
-    from rlplacement.backends.base import OptimConfig
     from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
     from rlplacement.models.tiny import TinySpec, make_tiny_model
 
@@ -64,7 +63,7 @@ def run_case(out: Path, family: str, tied: bool, dtype: torch.dtype, allow_cpu: 
     result: dict = {"family": family, "tied": tied, "dtype": str(dtype).replace("torch.", "")}
 
     t0 = time.perf_counter()
-    backend = make_backend(BackendConfig("torchtitan", str(hf), None, 1, 1), sgd, dtype=dtype, allow_cpu=allow_cpu)
+    backend = make_backend(BackendConfig(name="torchtitan", hf_checkpoint=str(hf)), sgd, dtype=dtype, allow_cpu=allow_cpu)
     result["build_s"] = round(time.perf_counter() - t0, 3)
     device = backend.device
     batch = random_batch(spec.vocab_size, batch=4, seq=24, prompt=6, seed=3)

@@ -18,69 +18,14 @@ Contracts every backend keeps:
 from __future__ import annotations
 
 import abc
-import dataclasses
 import math
 from typing import Any, ClassVar, Iterator
 
 import torch
 
-from rlplacement.args import BackendConfig
 from rlplacement.backends.registry import backend_class
-from rlplacement.errors import ConfigError
-
-
-@dataclasses.dataclass
-class Batch:
-    """One rank's share of a training batch. ``advantages`` is per sample (GRPO: group-normalised reward)."""
-
-    input_ids: torch.Tensor  # [B, T] int64
-    loss_mask: torch.Tensor  # [B, T] 1 on response tokens whose log-prob counts
-    advantages: torch.Tensor  # [B]
-    # [B, T] the behaviour policy's log-probs (the engine's, at the positions of the tokens it sampled):
-    # given when samples may be stale (one-step-off), so the loss weighs them by a clipped importance ratio
-    old_logprobs: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.input_ids.dim() != 2 or self.input_ids.dtype != torch.int64:
-            raise ValueError(f"Batch.input_ids must be [B, T] int64, got {tuple(self.input_ids.shape)} "
-                             f"{self.input_ids.dtype}")
-        if tuple(self.loss_mask.shape) != tuple(self.input_ids.shape):
-            raise ValueError(f"Batch.loss_mask shape {tuple(self.loss_mask.shape)} must equal input_ids "
-                             f"shape {tuple(self.input_ids.shape)}")
-        if tuple(self.advantages.shape) != (self.input_ids.shape[0],):
-            raise ValueError(f"Batch.advantages must be [B] = [{self.input_ids.shape[0]}], got "
-                             f"{tuple(self.advantages.shape)}")
-        if self.old_logprobs is not None and tuple(self.old_logprobs.shape) != tuple(self.input_ids.shape):
-            raise ValueError(f"Batch.old_logprobs shape {tuple(self.old_logprobs.shape)} must equal input_ids "
-                             f"shape {tuple(self.input_ids.shape)}")
-
-    def to(self, device: torch.device | str) -> "Batch":
-        old = None if self.old_logprobs is None else self.old_logprobs.to(device)
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.advantages.to(device), old)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class OptimConfig:
-    """``name`` adamw or sgd; ``max_grad_norm`` None or 0 disables clipping."""
-
-    name: str = "adamw"
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-
-    def __post_init__(self) -> None:
-        if self.name not in ("adamw", "sgd"):
-            raise ConfigError(f"optimizer {self.name!r} is unknown: use adamw or sgd")
-        if self.lr <= 0:
-            raise ConfigError(f"learning rate must be positive, got {self.lr}")
-
-    def build(self, params) -> torch.optim.Optimizer:
-        params = [p for p in params if p.requires_grad]
-        if self.name == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
-        return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+from rlplacement.config import BackendConfig, OptimConfig
+from rlplacement.train_io import Batch
 
 
 def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,10 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rlplacement.args import BackendConfig
+from rlplacement.config import BackendConfig, OptimConfig
 from rlplacement.errors import ConfigError
 from rlplacement.backends import launch
-from rlplacement.backends.base import OptimConfig, TrainerBackend, token_log_probs
+from rlplacement.backends.base import TrainerBackend, token_log_probs
 
 
 class FSDPBackend(TrainerBackend):

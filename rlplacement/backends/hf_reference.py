@@ -12,7 +12,9 @@ import os
 
 import torch
 
-from rlplacement.backends.base import Batch, OptimConfig, policy_gradient_loss, token_log_probs
+from rlplacement.backends.base import policy_gradient_loss, token_log_probs
+from rlplacement.config import OptimConfig
+from rlplacement.train_io import Batch
 
 
 def load_hf(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32):

@@ -19,12 +19,12 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rlplacement.args import BackendConfig
+from rlplacement.config import BackendConfig, OptimConfig
 from rlplacement.errors import ConfigError
 from rlplacement.backends import launch
 from rlplacement.families import megatron_mapping as mapping
 from rlplacement.backends import megatron_model as mm
-from rlplacement.backends.base import OptimConfig, TrainerBackend
+from rlplacement.backends.base import TrainerBackend
 from rlplacement.families import family_for
 
 

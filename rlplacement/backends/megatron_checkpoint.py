@@ -21,7 +21,6 @@ RELEASE = "release"
 MARKER = "latest_checkpointed_iteration.txt"
 META = "rlplacement_convert.json"
 HF_CONFIG_DIR = "hf_config"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def state(save_dir: str | os.PathLike) -> str:
@@ -43,29 +42,6 @@ def clear_partial(save_dir: str | os.PathLike) -> None:
             shutil.rmtree(target)
         elif target.exists():
             target.unlink()
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def copy_hf_config(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Copy an HF folder's non-weight files (config, tokenizer, generation config)."""
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for item in Path(src).iterdir():
-        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "model.safetensors.index.json":
-            shutil.copy2(item, dst / item.name)
 
 
 def read_meta(load_dir: str | os.PathLike) -> dict:

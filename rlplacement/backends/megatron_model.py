@@ -11,7 +11,6 @@ is used when TE imports and CUDA is present, else the local spec (with the CPU s
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from rlplacement.families import megatron_mapping as mapping
 from rlplacement.families import DenseFamily, family_for, rope_parameters
 from rlplacement.backends.megatron_cpu import apply_cpu_shims, cuda_absent
+from rlplacement.hf_folder import HFTensors
 
 SPECS = ("auto", "local", "te")
 
@@ -175,20 +175,9 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, shape: mapping.ModelShape,
                     progress: bool = False) -> int:
     """Copy HF safetensors into this rank's shards (reads one tensor at a time); return tensors copied."""
     from megatron.core import parallel_state as ps
-    from safetensors import safe_open
     from tqdm import tqdm
 
-    index = hf_weight_index(hf_dir)
-    handles: dict[str, Any] = {}
-
-    def read(name: str) -> torch.Tensor:
-        if name not in index:
-            raise KeyError(f"{hf_dir}: tensor {name!r} not found in the safetensors files")
-        fname = index[name]
-        if fname not in handles:
-            handles[fname] = safe_open(str(Path(hf_dir) / fname), framework="pt")
-        return handles[fname].get_tensor(name)
-
+    read = HFTensors(hf_dir).get
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     params = list(global_named_parameters(model))
     bar = tqdm(params, desc="convert", unit="tensor", disable=not progress)
@@ -201,21 +190,6 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, shape: mapping.ModelShape,
                                  f"{tuple(param.shape)}")
             param.copy_(shard.to(param.dtype))
     return len(params)
-
-
-def hf_weight_index(hf_dir: str | os.PathLike) -> dict[str, str]:
-    """HF tensor name -> safetensors file name, for single-file and sharded folders."""
-    path = Path(hf_dir)
-    index_file = path / "model.safetensors.index.json"
-    if index_file.is_file():
-        return dict(json.loads(index_file.read_text())["weight_map"])
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as f:
-        return {k: "model.safetensors" for k in f.keys()}
 
 
 def _tp_gather(mname: str, param: torch.Tensor) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from rlplacement.args import BackendConfig
+from rlplacement.config import BackendConfig
 from rlplacement.backends import megatron_checkpoint
 from rlplacement.backends.registry import known_backends
 from rlplacement.errors import ConfigError

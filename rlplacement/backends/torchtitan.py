@@ -27,9 +27,9 @@ from typing import Any, Iterator
 
 import torch
 
-from rlplacement.args import BackendConfig
+from rlplacement.config import BackendConfig, OptimConfig
 from rlplacement.errors import ConfigError
-from rlplacement.backends.base import OptimConfig, TrainerBackend, token_log_probs
+from rlplacement.backends.base import TrainerBackend, token_log_probs
 from rlplacement.backends.fsdp import FSDPBackend
 
 def torchtitan_import_error() -> str | None:

@@ -17,7 +17,6 @@ here imports torchtitan inside functions.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -25,6 +24,7 @@ import torch
 from rlplacement.families import family_for, head_dim, rope_parameters
 from rlplacement.families import torchtitan_mapping as names
 from rlplacement.families.torchtitan_mapping import hf_to_torchtitan_tensor, torchtitan_to_hf_tensor
+from rlplacement.hf_folder import HFTensors
 
 
 def model_config(hf_config: Any):
@@ -98,23 +98,15 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, hf_config
 
     Runs before sharding, on plain parameters. Returns the number of parameters filled.
     """
-    from safetensors import safe_open
-
-    from rlplacement.backends.megatron_model import hf_weight_index
-
-    index = hf_weight_index(hf_dir)
-    handles: dict[str, Any] = {}
+    weights = HFTensors(hf_dir)
     used: set[str] = set()
     count = 0
     with torch.no_grad():
         for tt_name, param in model.named_parameters():  # tied lm_head is yielded once, as tok_embeddings
             hf_name = names.torchtitan_to_hf_name(tt_name)
-            if hf_name not in index:
+            if hf_name not in weights:
                 raise KeyError(f"{hf_dir}: tensor {hf_name!r} (for torchtitan {tt_name}) not in the safetensors files")
-            fname = index[hf_name]
-            if fname not in handles:
-                handles[fname] = safe_open(str(Path(hf_dir) / fname), framework="pt")
-            tensor = hf_to_torchtitan_tensor(tt_name, handles[fname].get_tensor(hf_name), hf_config)
+            tensor = hf_to_torchtitan_tensor(tt_name, weights.get(hf_name), hf_config)
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} does not fit torchtitan {tt_name} "
                                  f"{tuple(param.shape)}")
@@ -122,7 +114,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, hf_config
             used.add(hf_name)
             count += 1
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    unused = sorted(n for n in index if n not in used and not (tied and n == "lm_head.weight")
+    unused = sorted(n for n in weights.names if n not in used and not (tied and n == "lm_head.weight")
                     and "rotary_emb" not in n)
     if unused:
         raise ValueError(f"{hf_dir}: HF tensors with no torchtitan parameter: {', '.join(unused[:5])}"

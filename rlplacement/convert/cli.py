@@ -52,7 +52,7 @@ def _convert_rank(rank: int, world: int, hf: str, save: str, tp: int, pp: int, s
 
 def validate(args: argparse.Namespace) -> None:
     """Refuse bad input from config.json alone (no torch.distributed, no megatron import)."""
-    from rlplacement.args import BackendConfig
+    from rlplacement.config import BackendConfig
     from rlplacement.backends.preflight import preflight
 
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
@@ -61,8 +61,9 @@ def validate(args: argparse.Namespace) -> None:
     save = Path(args.save)
     if save.exists() and not save.is_dir():
         raise ConfigError(f"--save {save} is a file; pass a folder")
-    preflight(BackendConfig("megatron", args.hf_checkpoint, None, args.tensor_model_parallel_size,
-                            args.pipeline_model_parallel_size))
+    preflight(BackendConfig(name="megatron", hf_checkpoint=args.hf_checkpoint,
+                            tensor_model_parallel_size=args.tensor_model_parallel_size,
+                            pipeline_model_parallel_size=args.pipeline_model_parallel_size))
 
 
 def main(args: argparse.Namespace) -> int:

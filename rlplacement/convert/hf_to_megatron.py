@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from rlplacement.atomic_files import write_atomic
 from rlplacement.families import megatron_mapping as mapping
+from rlplacement.hf_folder import copy_side_files
 from rlplacement.backends import megatron_model as mm
 from rlplacement.families import family_for
 from rlplacement.backends import megatron_checkpoint as layout
@@ -48,13 +50,13 @@ def convert(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tp: int = 1,
     mm.save_torch_dist(model, save / layout.RELEASE)
     dist.barrier()
     if rank == 0:
-        layout.copy_hf_config(hf_dir, save / layout.HF_CONFIG_DIR)
+        copy_side_files(hf_dir, save / layout.HF_CONFIG_DIR)
         meta = {"family": family.name, "hf_vocab_size": hf_config.vocab_size, "padded_vocab_size": padded,
                 "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                 "layer_spec": model.rlplacement_spec, "dtype": str(mm.hf_dtype(hf_config)).removeprefix("torch."),
                 "megatron_core": _mcore_version(), "source": str(Path(hf_dir).resolve())}
-        layout.write_atomic(save / layout.META, json.dumps(meta, indent=2))
-        layout.write_atomic(save / layout.MARKER, "release")  # last: marks the folder complete
+        write_atomic(save / layout.META, json.dumps(meta, indent=2))
+        write_atomic(save / layout.MARKER, "release")  # last: marks the folder complete
         print(f"rlplacement convert: wrote {save} (TP={tp}, PP={pp}, {model.rlplacement_spec} spec)", flush=True)
     dist.barrier()
     return "converted"

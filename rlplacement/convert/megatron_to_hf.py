@@ -17,6 +17,7 @@ import torch.distributed as dist
 from rlplacement.families import megatron_mapping as mapping
 from rlplacement.backends import megatron_model as mm
 from rlplacement.families import family_for
+from rlplacement.hf_folder import copy_side_files
 from rlplacement.backends import megatron_checkpoint as layout
 
 
@@ -48,7 +49,7 @@ def export(load_dir: str | os.PathLike, save_dir: str | os.PathLike, hf_config_d
     if writer is None:
         return []
     names = writer.finish()
-    layout.copy_hf_config(cfg_dir, save_dir)
+    copy_side_files(cfg_dir, save_dir)
     return names
 
 

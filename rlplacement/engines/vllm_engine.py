@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from rlplacement.runtime.one_at_a_time import one_call_at_a_time
-from rlplacement.transfer.base import Instants, TransferError, tensor_checksum
+from rlplacement.transfer.base import EngineUpdateReport, Instants, TransferError, tensor_checksum
 
 BACKEND = "rlplacement"
 
@@ -130,7 +130,7 @@ class VllmRolloutEngine:
         init_info = {**endpoint, "rank_offset": rank_offset}
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
-    def update_weights(self, version: int) -> dict:
+    def update_weights(self, version: int) -> EngineUpdateReport:
         """Receive version ``version`` from the trainer and serve it; returns phase timings (s).
 
         One worker round trip (``vllm_backend.receive_and_commit``: start, receive and stage, load)
@@ -150,9 +150,10 @@ class VllmRolloutEngine:
         instants.mark("prefix_cache_reset")
         # every worker committed (a failure raised above): the version is the one asked for, with no
         # extra round trip to the workers (generate() reads it from them)
-        return {"engine_index": self.engine_index, "version": int(version),
-                "receive": max(t["receive"] for t in per_worker), "load": max(t["load"] for t in per_worker),
-                "instants": dict(instants), "worker_instants": [t.get("instants", {}) for t in per_worker]}
+        return EngineUpdateReport(engine_index=self.engine_index, version=int(version),
+                                  receive=max(t["receive"] for t in per_worker), load=max(t["load"] for t in per_worker),
+                                  instants=dict(instants),
+                                  worker_instants=tuple(t.get("instants", {}) for t in per_worker))
 
     def weight_version(self) -> int:
         """The version every worker serves; raises if workers disagree (never expected)."""

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from rlplacement.args import DEFAULT_BUFFER_SIZE
+from rlplacement.config import DEFAULT_BUFFER_SIZE
 from rlplacement.errors import ConfigError
 from rlplacement.integrations.options import TRANSFER_OPTION_KEYS, transfer_config
 from rlplacement.transfer import registry
@@ -157,7 +157,7 @@ class RlplacementProtocol(_Base):
         self.update_weight_metrics = {
             "rlplacement/bytes": float(report.bytes), "rlplacement/seconds": float(report.seconds),
             "rlplacement/gbps": float(report.gbps), "rlplacement/num_buckets": float(report.num_buckets),
-            "rlplacement/engine_load_s": max((e.get("load", 0.0) for e in engines), default=0.0)}
+            "rlplacement/engine_load_s": max((e.load for e in engines), default=0.0)}
 
     def after_engines_resumed(self) -> None:
         pass

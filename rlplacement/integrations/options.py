@@ -1,5 +1,5 @@
 """A framework's per-backend options (verl's ``engine_kwargs.<backend>``, Miles' args) turned
-into our validated :class:`~rlplacement.args.TransferConfig`.
+into our validated :class:`~rlplacement.config.TransferConfig`.
 
 The keys are our flags' names with underscores (``update_weight_disk_dir`` for
 ``--update-weight-disk-dir``), so every option is defined once, in ``rlplacement.args``, and
@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
-from rlplacement.args import TransferConfig, transfer_from_args
+from rlplacement.args import transfer_from_args
+from rlplacement.config import TransferConfig
 from rlplacement.errors import ConfigError
 
 # our transfer flags a framework may set per backend; the mode and the bucket size come from the

@@ -1,5 +1,5 @@
 """The same layout and transfer mode in another framework's settings: ``rlplacement plan ...
---emit verl|miles``. Pure functions of a validated :class:`~rlplacement.args.Config`; no framework
+--emit verl|miles``. Pure functions of a validated :class:`~rlplacement.config.Config`; no framework
 is imported.
 
 Each emitter returns the line to copy and notes (``# ...``) for whatever that framework's config
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import shlex
 
-from rlplacement.args import DEFAULT_BUFFER_SIZE, Config, flag_default
+from rlplacement.args import flag_default
+from rlplacement.config import DEFAULT_BUFFER_SIZE, Config
 from rlplacement.errors import ConfigError
 from rlplacement.placement.layout import compute_layout
 
@@ -31,7 +32,7 @@ def _mode_options(config: Config, args) -> dict[str, object]:
     as the user set it: the default is picked on each host (rdma where a device is), not here."""
     t = config.transfer
     values = {"update_weight_disk_dir": t.disk_dir, "update_weight_delta_encoding": t.delta_encoding,
-              "check_weight_update_equal": t.check_equal, "p2p_transfer_timeout": t.p2p_timeout,
+              "check_weight_update_equal": t.check_equal, "p2p_transfer_timeout": t.p2p_timeout_s,
               "p2p_protocol": getattr(args, "p2p_protocol", None) if t.mode == "p2p" else None}
     return {k: v for k, v in values.items() if v is not None and v != flag_default(k)}
 

@@ -12,7 +12,7 @@ No Ray here, so every shape is testable in microseconds. Invariants of a :class:
 from __future__ import annotations
 
 import dataclasses
-from rlplacement.args import PlacementConfig
+from rlplacement.config import PlacementConfig
 from rlplacement.errors import ConfigError
 
 Gpu = tuple[int, int]  # (node index, gpu index within the node), both in the cluster's sorted order
@@ -191,7 +191,9 @@ def feasible_splits(total_gpus: int, num_gpus_per_node: int, gpus_per_engine: in
         rollout = total_gpus - trainer
         if trainer < trainer_min_gpus or trainer % trainer_multiple or rollout % gpus_per_engine:
             continue
-        if any(_places(PlacementConfig(False, n, k, rollout, gpus_per_engine, num_gpus_per_node), cluster)
+        if any(_places(PlacementConfig(
+                actor_num_nodes=n, actor_num_gpus_per_node=k, rollout_num_gpus=rollout,
+                rollout_num_gpus_per_engine=gpus_per_engine, num_gpus_per_node=num_gpus_per_node), cluster)
                for n, k in _trainer_shapes(trainer, num_gpus_per_node, nodes)):
             out.append(Split(trainer, rollout))
     return out

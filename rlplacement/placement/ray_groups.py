@@ -18,7 +18,7 @@ import dataclasses
 import os
 from typing import Any
 
-from rlplacement.args import PlacementConfig
+from rlplacement.config import PlacementConfig
 from rlplacement.errors import ConfigError
 from rlplacement.placement.layout import ClusterShape, Gpu, Layout, compute_layout
 

@@ -44,10 +44,6 @@ PARTS = {"unmap_trainer_memory": "trainer_offload", "offload_to_host": "trainer_
          "resume_weights": "engine_wake", "resume_kv_cache": "engine_wake", "resume_all": "engine_wake"}
 
 
-class GpuMemoryError(RuntimeError):
-    """Out of GPU memory where a colocated hand-off flag would have freed it."""
-
-
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "no available memory for the cache blocks",
                "insufficient memory")
 

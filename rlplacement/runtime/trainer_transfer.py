@@ -6,11 +6,10 @@ Which options reach the sender is :func:`rlplacement.transfer.options.mode_optio
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable
 
 from rlplacement.transfer import registry
-from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, NamedTensor, TransferError
+from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, NamedTensor, TransferError, UpdateReport
 from rlplacement.transfer.options import mode_options
 
 
@@ -36,11 +35,11 @@ class TrainerTransferMixin:
     def transfer_setup_from_config(self, transfer_config, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                                    device: str | None = None, base_dir: str | None = None, mode: str | None = None,
                                    check_equal: bool | None = None) -> None:
-        """Set up from ``rlplacement.args.TransferConfig``: its effective mode (``cuda_ipc`` under
+        """Set up from ``rlplacement.config.TransferConfig``: the mode that runs (``cuda_ipc`` under
         --colocate) unless ``mode`` overrides it, with every option of that mode from the config
         (:func:`mode_options`), so none is dropped on the way. ``base_dir``: the checkpoint the
         engines started from (disk-delta's version 0)."""
-        mode = mode or transfer_config.effective_mode
+        mode = mode or transfer_config.mode
         check = transfer_config.check_equal if check_equal is None else check_equal
         self.transfer_setup(mode, transfer_config.buffer_size, check_equal=check, timeout_s=timeout_s, device=device,
                             **mode_options(transfer_config, mode, base_dir))
@@ -53,14 +52,13 @@ class TrainerTransferMixin:
     def transfer_connect(self) -> None:
         self.transfer_sender.connect()
 
-    def transfer_send(self, version: int) -> dict:
-        """One update of every tensor ``hf_named_tensors()`` yields; returns the UpdateReport as a dict."""
+    def transfer_send(self, version: int) -> UpdateReport:
+        """One update of every tensor ``hf_named_tensors()`` yields."""
         if self.transfer_sender is None:
             raise TransferError("transfer_send before transfer_setup/listen/connect")
         tensors = iter(self.hf_named_tensors())
         try:
-            return dataclasses.asdict(self.transfer_sender.update(version, tensors,
-                                                                  resident=self.hf_tensors_resident()))
+            return self.transfer_sender.update(version, tensors, resident=self.hf_tensors_resident())
         except BaseException:
             # the other trainer ranks are inside the same per-tensor gathers (gather_for_update):
             # finish the stream with them, or they wait in a collective and the next step runs out of step

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from rlplacement.runtime.one_at_a_time import one_call_at_a_time
 from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlplacement.config import BackendConfig, OptimConfig
+    from rlplacement.train_io import Batch, TrainStepReport
 
 
 def node_ip() -> str:
@@ -42,44 +48,36 @@ class TrainerWorker(TrainerTransferMixin):
         self._store, port = host_store(host, self.world_size, timeout_s)
         return host, port
 
-    def setup(self, master_addr: str, master_port: int, backend_cfg: Any, optim: dict[str, Any],
-              backend_options: dict[str, Any] | None = None) -> dict:
+    def setup(self, master_addr: str, master_port: int, backend_cfg: BackendConfig, optim: OptimConfig,
+              backend_options: dict[str, Any] | None = None, timeout_s: float = 600.0) -> dict:
         """Join the trainer's default process group and build the backend (collective)."""
         import torch
 
-        from rlplacement.backends.base import OptimConfig, make_backend
+        from rlplacement.backends.base import make_backend
         from rlplacement.backends.launch import init_distributed
         from rlplacement.rendezvous import join_store
 
         torch.manual_seed(0)
         store = (self._store if self.rank == 0 else
-                 join_store(master_addr, master_port, self.world_size, timeout_s=600.0))
+                 join_store(master_addr, master_port, self.world_size, timeout_s=timeout_s))
         init_distributed(self.rank, self.world_size, store=store)
-        self.backend = make_backend(backend_cfg, OptimConfig(**optim), **(backend_options or {}))
+        self.backend = make_backend(backend_cfg, optim, **(backend_options or {}))
         return {"rank": self.rank, "device": str(self.backend.device),
                 "data_parallel_rank": self.backend.data_parallel_rank,
                 "data_parallel_size": self.backend.data_parallel_size}
 
-    def _batch(self, batch: dict):
-        import torch
-
-        from rlplacement.backends.base import Batch
-
-        old = batch.get("old_logprobs")
-        return Batch(torch.as_tensor(batch["input_ids"], dtype=torch.int64),
-                     torch.as_tensor(batch["loss_mask"], dtype=torch.float32),
-                     torch.as_tensor(batch["advantages"], dtype=torch.float32),
-                     None if old is None else torch.as_tensor(old, dtype=torch.float32))
-
-    def log_probs(self, batch: dict) -> list[list[float]]:
+    def log_probs(self, batch: Batch) -> "torch.Tensor":
+        """``[B, T]`` float32 log-probs of this rank's share, on the host."""
         self._require_resident("log-probs")
-        return self.backend.log_probs(self._batch(batch)).cpu().tolist()
+        return self.backend.log_probs(batch).cpu()
 
-    def train_step(self, batch: dict) -> dict:
+    def train_step(self, batch: Batch) -> TrainStepReport:
+        from rlplacement.train_io import TrainStepReport
+
         self._require_resident("a train step")
         start = time.time()
-        metrics = self.backend.train_step(self._batch(batch))
-        return {**metrics, "start": start, "end": time.time()}
+        metrics = self.backend.train_step(batch)
+        return TrainStepReport(rank=self.rank, start=start, end=time.time(), **metrics)
 
     # ---- memory hand-off (--offload-train) --------------------------------------------------
     def offload_to_host(self, engines_unmapped: bool = False) -> dict:
@@ -143,21 +141,19 @@ class TrainerWorker(TrainerTransferMixin):
         """Write the current weights as a Hugging Face folder (collective; rank 0 writes), with the
         config and tokenizer files of ``like_dir``: a fresh engine started from it must behave
         exactly like an engine that received the same weights by transfer."""
-        import shutil
         from pathlib import Path
 
         from safetensors.torch import save_file
+
+        from rlplacement.hf_folder import SINGLE_NAME, copy_side_files
 
         self._require_resident("saving a folder")
         tensors = {name: t.detach().cpu().contiguous() for name, t in self.backend.iter_hf_tensors()}
         if self.rank != 0:
             return None
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for f in Path(like_dir).iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                shutil.copy(f, out / f.name)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        copy_side_files(like_dir, out)
+        save_file(tensors, str(out / SINGLE_NAME), metadata={"format": "pt"})
         return str(out)
 
     def close(self) -> None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from rlplacement.runtime.waits import get_all, wait_named
-from rlplacement.transfer.base import WeightMismatchError, WeightUpdateError
+from rlplacement.transfer.base import UpdateResult, WeightMismatchError, WeightUpdateError
+
 
 def wait_all(refs: dict[str, Any], timeout_s: float, version: int = 0) -> dict[str, Any]:
     """ray.get every ref by name within ``timeout_s``; raise WeightUpdateError naming the failures."""
@@ -53,15 +54,14 @@ def connect(trainer, engines: Sequence, *, timeout_s: float = 120.0, host: str |
 
 
 def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 120.0,
-               check_equal: bool = False, graph=None) -> dict:
+               check_equal: bool = False, graph=None) -> UpdateResult:
     """Send version ``version`` from the trainer to every engine at once; wait at most ``timeout_s``.
 
     With ``check_equal`` each engine's received per-tensor checksums are compared with the
     trainer's; a difference raises WeightUpdateError naming the engine and the tensor (engines
     also refuse a mismatching update themselves when the group was built with check_equal).
     ``graph``: a :class:`rlplacement.runtime.update_graph.CompiledUpdate` of these actors, which makes
-    the same calls through a Ray Compiled Graph. Returns ``{"trainer": UpdateReport dict, "engines":
-    [per-engine timings]}``.
+    the same calls through a Ray Compiled Graph.
     """
     if graph is not None:
         results = graph.run(version, timeout_s)
@@ -71,8 +71,9 @@ def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 1
         results = wait_all(refs, timeout_s, version)
     report = results["trainer"]
     if check_equal:
-        check_received(engines, report.get("checksums"), version, timeout_s)
-    return {"trainer": report, "engines": [results[f"engine {i}"] for i in range(len(engines))]}
+        check_received(engines, report.checksums, version, timeout_s)
+    return UpdateResult(version=version, trainer=report,
+                        engines=tuple(results[f"engine {i}"] for i in range(len(engines))))
 
 
 def check_received(engines: Sequence, expected: dict[str, str] | None, version: int, timeout_s: float) -> None:

@@ -11,19 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from rlplacement.errors import PeerError
+
 FAILURE_GRACE_S = 5.0
-
-
-class PeerError(RuntimeError):
-    """One or more actors failed or did not answer in time; ``failures`` maps each to why."""
-
-    def __init__(self, what: str, failures: dict[str, str]):
-        self.what, self.failures = what, dict(failures)
-        detail = "; ".join(f"{who}: {why}" for who, why in failures.items())
-        super().__init__(f"{what} failed: {detail}")
-
-    def __reduce__(self):  # crosses Ray intact
-        return type(self), (self.what, self.failures)
 
 
 def cause_of(exc: BaseException) -> str:

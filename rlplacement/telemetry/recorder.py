@@ -89,7 +89,7 @@ class RunLayout:
 
     @classmethod
     def from_placement(cls, placement, transfer_mode: str | None = None, **workload) -> "RunLayout":
-        """From :class:`rlplacement.args.PlacementConfig` (and the transfer mode actually used)."""
+        """From :class:`rlplacement.config.PlacementConfig` (and the transfer mode actually used)."""
         return cls(placement.trainer_num_gpus, placement.rollout_num_gpus, placement.rollout_num_gpus_per_engine,
                    placement.colocate, placement.num_gpus_per_node, transfer_mode, **workload)
 

@@ -18,8 +18,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Sequence
 
-from rlplacement.transfer.errors import (  # noqa: F401  (part of this module's contract)
-    TransferError, UpdateAborted, WeightMismatchError, WeightUpdateError)
+from rlplacement.errors import (  # noqa: F401  (part of this module's contract)
+    TransferError, UpdateAborted, UpdateRefused, WeightMismatchError, WeightUpdateError)
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +109,36 @@ class UpdateReport:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The telemetry keys this update contributes to a step's row (a mode may add its own)."""
+        return {"perf/update_weights_bytes": self.bytes}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineUpdateReport:
+    """One engine's side of one update: it serves ``version`` now (a failed update raises instead)."""
+
+    engine_index: int
+    version: int
+    receive: float
+    """Seconds its slowest worker spent receiving and staging."""
+    load: float
+    """Seconds its slowest worker spent loading the staged tensors into the served model."""
+    instants: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The engine actor's :class:`Instants`."""
+    worker_instants: tuple[dict[str, float], ...] = ()
+    """Each worker's :class:`Instants`, in worker rank order."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UpdateResult:
+    """One version delivered to every engine: the trainer's report and each engine's, in engine order."""
+
+    version: int
+    trainer: UpdateReport
+    engines: tuple[EngineUpdateReport, ...]
 
 
 class Instants(dict):

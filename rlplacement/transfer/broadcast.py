@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, ClassVar, Iterable, Iterator
 from rlplacement.rendezvous import host_store, join_store
 from rlplacement.transfer import group as groups
 from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, Instants, NamedTensor, TransferEndpoint,
-                                       TransferError, UpdateAborted, UpdateReport, WeightSender)
+                                       TransferError, UpdateAborted, UpdateRefused, UpdateReport,
+                                       WeightSender)
 from rlplacement.transfer.bucket import (FlatBuffers, GroupFn, as_bytes, fused_group_of, iter_buckets,
                                          plan_manifest, unpack)
 from rlplacement.transfer.staging import StagingReceiver
@@ -39,10 +40,6 @@ class _AbortUpdate(Exception):
 
     def describe(self) -> str:
         return f"{self.what}: {self}"
-
-
-class UpdateRefused(TransferError):
-    """Some receivers refused an update that ran to its end (the others serve it); the group is in step."""
 
 
 class _SourceFailed(_AbortUpdate):

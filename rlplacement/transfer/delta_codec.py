@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from rlplacement.errors import DeltaDecodeError
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -30,10 +32,6 @@ COMPRESSION = "zstd-1"
 ZSTD_LEVEL = 1
 
 FULL, UNCHANGED = "full", "unchanged"
-
-
-class DeltaDecodeError(ValueError):
-    """A payload that does not decode into the tensor its index entry describes."""
 
 
 @dataclasses.dataclass(frozen=True)

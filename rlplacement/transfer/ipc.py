@@ -45,8 +45,8 @@ import json
 from typing import TYPE_CHECKING, ClassVar
 
 from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferError,
-                                       WeightMismatchError, tensor_checksum)
-from rlplacement.transfer.broadcast import (KIND_ABORT, KIND_END, BroadcastReceiver, BroadcastSender, UpdateRefused,
+                                       UpdateRefused, WeightMismatchError, tensor_checksum)
+from rlplacement.transfer.broadcast import (KIND_ABORT, KIND_END, BroadcastReceiver, BroadcastSender,
                                             _AbortUpdate, _guard)
 from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, pack_into
 from rlplacement.transfer.ipc_direct import AllocationExports, MappedAllocations

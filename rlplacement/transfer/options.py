@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from rlplacement.config import DEFAULT_P2P_TRANSFER_TIMEOUT_S
 from rlplacement.transfer.delta_codec import ENCODINGS as DELTA_ENCODINGS
 
 P2P_PROTOCOLS = ("tcp", "rdma")
@@ -34,7 +35,7 @@ class P2POptions:
     """``protocol``: the Mooncake transport; ``transfer_timeout_s``: how long one bucket's writes may take."""
 
     protocol: str = "tcp"
-    transfer_timeout_s: float = 30.0
+    transfer_timeout_s: float = DEFAULT_P2P_TRANSFER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.protocol not in P2P_PROTOCOLS:
@@ -44,12 +45,12 @@ class P2POptions:
 
 
 def mode_options(transfer_config, mode: str, base_dir: str | None = None) -> dict:
-    """The sender options ``mode`` takes from the flags (a ``rlplacement.args.TransferConfig``), as the
+    """The sender options ``mode`` takes from the flags (a ``rlplacement.config.TransferConfig``), as the
     keyword arguments of its sender, which validates them once by building its options dataclass.
     ``base_dir``: the checkpoint the engines started from (disk-delta's version 0)."""
     if mode == "disk-delta":
         return {"disk_dir": transfer_config.disk_dir, "delta_encoding": transfer_config.delta_encoding,
                 "base_dir": base_dir}
     if mode == "p2p":
-        return {"protocol": transfer_config.p2p_protocol, "transfer_timeout_s": transfer_config.p2p_timeout}
+        return {"protocol": transfer_config.p2p_protocol, "transfer_timeout_s": transfer_config.p2p_timeout_s}
     return {}

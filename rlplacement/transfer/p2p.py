@@ -31,7 +31,7 @@ from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedT
                                        TransferError)
 from rlplacement.transfer.broadcast import BroadcastReceiver, BroadcastSender, _AbortUpdate
 from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, pack_into
-from rlplacement.transfer.options import P2P_PROTOCOLS, P2POptions
+from rlplacement.transfer.options import DEFAULT_P2P_TRANSFER_TIMEOUT_S, P2P_PROTOCOLS, P2POptions
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +108,7 @@ class P2PSender(BroadcastSender):
 
     def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: "torch.device | str | None" = None, group_of: GroupFn = fused_group_of,
-                 protocol: str = "tcp", transfer_timeout_s: float = 30.0):
+                 protocol: str = "tcp", transfer_timeout_s: float = DEFAULT_P2P_TRANSFER_TIMEOUT_S):
         import torch
 
         super().__init__(buffer_size, check_equal=check_equal, timeout_s=timeout_s, device=device, group_of=group_of)

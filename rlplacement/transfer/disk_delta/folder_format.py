@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlplacement.atomic_files import fsync_dir, write_atomic, write_synced
 from rlplacement.transfer import delta_codec as codec
 from rlplacement.transfer.base import TransferError, UpdateAborted
 
@@ -69,28 +70,9 @@ def index_checksum(index: dict) -> str:
 
 # ---- writing ----------------------------------------------------------------------------------
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_synced(path: Path, data: bytes) -> int:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return len(data)
-
-
 def publish_file(root: Path, name: str, data: bytes) -> None:
-    """``root/name`` replaced atomically: tmp + fsync + rename + fsync of the folder."""
-    tmp = root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
-    write_synced(tmp, data)
-    os.replace(tmp, root / name)
-    fsync_dir(root)
+    """``root/name`` replaced atomically, through a temporary name the folder's clean-up knows."""
+    write_atomic(root / name, data, tmp=root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
 
 
 def read_pointer(root: Path) -> dict | None:

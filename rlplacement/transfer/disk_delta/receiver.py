@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from rlplacement.errors import DeltaDecodeError
 from rlplacement.transfer import delta_codec as codec
 from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, ApplyFn, NamedTensor, TransferEndpoint, TransferError,
                                        WeightMismatchError)
@@ -146,7 +147,7 @@ class DiskDeltaReceiver(StagingReceiver):
                 try:
                     data = codec.decode(e["encoding"], payload, base[2] if base is not None else None,
                                         int(e["nbytes"]), e)
-                except codec.DeltaDecodeError as exc:
+                except DeltaDecodeError as exc:
                     raise TransferError(f"{where}: tensor {name!r} does not decode: {exc}") from exc
                 got = codec.checksum(data)
                 if got != want:

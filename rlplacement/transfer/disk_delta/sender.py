@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable
 
+from rlplacement.atomic_files import write_synced
 from rlplacement.transfer import delta_codec as codec
 from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, NamedTensor, TransferEndpoint, TransferError, UpdateAborted,
                                        UpdateReport, WeightSender)
@@ -43,8 +44,7 @@ def host_bytes(tensor: "torch.Tensor") -> "np.ndarray":
 
 @dataclasses.dataclass(frozen=True)
 class DeltaUpdateReport(UpdateReport):
-    """UpdateReport plus the delta's own numbers; ``dataclasses.asdict`` carries them to the driver
-    (``TrainerTransferMixin.transfer_send`` returns it as a dict). ``density`` (changed bytes / total bytes) is
+    """UpdateReport plus the delta's own numbers. ``density`` (changed bytes / total bytes) is
     ``perf/update_weights_density``; ``wire_bytes`` is what was written (compressed shards + index)."""
 
     changed_bytes: int = 0
@@ -56,7 +56,8 @@ class DeltaUpdateReport(UpdateReport):
 
     @property
     def metrics(self) -> dict[str, float]:
-        return {"perf/update_weights_density": self.density, "perf/update_weights_wire_bytes": self.wire_bytes}
+        return {**super().metrics, "perf/update_weights_density": self.density,
+                "perf/update_weights_wire_bytes": self.wire_bytes}
 
 
 class DiskDeltaSender(WeightSender):
@@ -95,7 +96,7 @@ class DiskDeltaSender(WeightSender):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             probe = self.root / f"{folder_format.TMP_PREFIX}probe-{uuid.uuid4().hex[:8]}"
-            folder_format.write_synced(probe, b"")
+            write_synced(probe, b"")
             probe.unlink()
         except OSError as exc:
             raise TransferError(f"--update-weight-disk-dir {self.root} is not a writable folder: {exc}") from exc

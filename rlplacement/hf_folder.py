@@ -1,0 +1,72 @@
+"""The one reader of a Hugging Face model folder's weights, and the copy of its other files.
+
+A folder holds either ``model.safetensors`` or shards listed by ``model.safetensors.index.json``.
+:class:`HFTensors` opens each shard once, on first use, and reads one tensor at a time, so a loader
+holds a single tensor beside the model it fills, never the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def weight_index(hf_dir: str | os.PathLike) -> dict[str, str]:
+    """HF tensor name -> safetensors file name, for single-file and sharded folders."""
+    path = Path(hf_dir)
+    index_file = path / INDEX_NAME
+    if index_file.is_file():
+        return dict(json.loads(index_file.read_text())["weight_map"])
+    single = path / SINGLE_NAME
+    if not single.is_file():
+        raise FileNotFoundError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME}")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {k: SINGLE_NAME for k in f.keys()}
+
+
+class HFTensors:
+    """Read tensors of an HF folder by name; ``names`` lists every tensor the folder holds."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        self.hf_dir = Path(hf_dir)
+        self.index = weight_index(hf_dir)
+        self._handles: dict[str, Any] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.index)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def get(self, name: str) -> "torch.Tensor":
+        """The tensor ``name`` as stored (dtype and shape of the file); KeyError naming the folder if absent."""
+        from safetensors import safe_open
+
+        if name not in self.index:
+            raise KeyError(f"{self.hf_dir}: tensor {name!r} not found in the safetensors files")
+        fname = self.index[name]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(str(self.hf_dir / fname), framework="pt")
+        return self._handles[fname].get_tensor(name)
+
+
+def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy an HF folder's non-weight files (config, tokenizer, generation config) into ``dst``."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in Path(src).iterdir():
+        if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name != INDEX_NAME:
+            shutil.copy2(item, dst / item.name)
