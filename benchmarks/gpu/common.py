@@ -40,7 +40,7 @@ def export_path() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([here, str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 
 
-def make_model(root: Path, size: str, dtype: str) -> Path:
+def make_model(root: Path, size: str, dtype: str, max_position_embeddings: int = 1024) -> Path:
     """An HF folder with random weights, generated on the GPU when there is one (an 8B model made
     by transformers' CPU init takes minutes); the tokenizer keeps a small vocabulary (vLLM accepts
     a tokenizer smaller than the model's embedding)."""
@@ -51,7 +51,7 @@ def make_model(root: Path, size: str, dtype: str) -> Path:
     from rlplacement.models.tiny import TinySpec, build_config, build_tokenizer
 
     shape = {"head_dim": 128, **SIZES[size]}
-    spec = TinySpec(family="qwen3", max_position_embeddings=1024, dtype=dtype, **shape)
+    spec = TinySpec(family="qwen3", max_position_embeddings=max_position_embeddings, dtype=dtype, **shape)
     out = root / size
     out.mkdir(parents=True, exist_ok=True)
     cfg = build_config(spec)
@@ -165,7 +165,8 @@ def random_batch(vocab: int, batch: int = 4, length: int = 64):
 def greedy(engine, prompts: list[list[int]]) -> list[dict]:
     import ray
 
-    return ray.get(engine.generate.remote(prompts, max_tokens=32, temperature=0.0), timeout=600)
+    out = ray.get(engine.generate.remote(prompts, max_tokens=32, temperature=0.0), timeout=600)
+    return [{**r, "token_ids": r["token_ids"].tolist(), "logprobs": r["logprobs"].tolist()} for r in out]
 
 
 def timed_updates(job, repeats: int) -> tuple[list, list, list, list]:
