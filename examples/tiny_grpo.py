@@ -24,9 +24,10 @@ import rlplacement
 from rlplacement.errors import ConfigError
 
 # The embedded default: 1 trainer rank and 1 one-GPU engine on a 4-GPU logical node; the FSDP
-# backend loads the HF folder as it is. Any flag given on the command line wins.
+# backend loads the HF folder as it is; the tiny model learns at lr 3e-3 (RL runs of real models use
+# ~1e-6, the library's default). Any flag given on the command line wins.
 EXAMPLE_DEFAULTS = dict(actor_num_gpus_per_node=1, rollout_num_gpus=1, num_gpus_per_node=4,
-                        train_backend="fsdp")
+                        train_backend="fsdp", lr=3e-3)
 PROMPTS = ["what is two plus three ?", "count : 1 2 3", "the quick brown fox", "one two three four"]
 TINY_MODEL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # 2 KV heads: TP=2 works
 DIGITS = "0123456789"  # reward: fraction of response tokens that are digits
@@ -45,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--long-tail", action="store_true",
                    help="response lengths drawn from a long-tailed (Pareto) distribution, each step's longest at "
                         "--max-response-len, generated exactly that long: the tail gates the rollout")
-    g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--work-dir", type=str, default=None, help="where the tiny model is made (default: a temp dir)")
     return parser
@@ -63,26 +63,28 @@ def long_tail_lengths(n: int, max_len: int, seed: int, alpha: float = 1.5, minim
 
 
 def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, behaviour: bool = False) -> rlplacement.Batch:
-    """Right-padded input_ids, a loss mask on response tokens, group-normalised advantages; with
-    ``behaviour`` also the engine's log-probs at the sampled tokens' positions (``old_logprobs``),
-    which the loss uses for stale samples' importance ratio."""
+    """Right-padded input_ids, a loss mask on response tokens, group-normalised advantages and each
+    sample's length; with ``behaviour`` also the engine's log-probs at the sampled tokens' positions
+    (``old_logprobs``), which the loss uses for stale samples' importance ratio."""
+    import torch
+
     advantages = []
     for g in range(0, len(rewards), group_size):
         group = rewards[g:g + group_size]
         mean, std = statistics.fmean(group), statistics.pstdev(group)
         advantages += [(r - mean) / (std + 1e-6) for r in group]
-    width = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
-    input_ids, loss_mask, old_logprobs = [], [], []
-    for s in samples:
-        ids, pad = s.prompt_ids + s.token_ids, width - len(s.prompt_ids) - len(s.token_ids)
-        input_ids.append(ids + [pad_id] * pad)
-        loss_mask.append([0] * len(s.prompt_ids) + [1] * len(s.token_ids) + [0] * pad)
-        old_logprobs.append([0.0] * len(s.prompt_ids) + list(s.logprobs) + [0.0] * pad)
-    import torch
-
-    return rlplacement.Batch(torch.tensor(input_ids, dtype=torch.int64), torch.tensor(loss_mask, dtype=torch.float32),
-                             torch.tensor(advantages, dtype=torch.float32),
-                             torch.tensor(old_logprobs, dtype=torch.float32) if behaviour else None)
+    lengths = [len(s.prompt_ids) + len(s.token_ids) for s in samples]
+    input_ids = torch.full((len(samples), max(lengths)), pad_id, dtype=torch.int64)
+    loss_mask = torch.zeros(input_ids.shape)
+    old_logprobs = torch.zeros(input_ids.shape)
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids)
+        input_ids[i, :p] = torch.tensor(s.prompt_ids)
+        input_ids[i, p:lengths[i]] = torch.from_numpy(s.token_ids)
+        loss_mask[i, p:lengths[i]] = 1.0
+        old_logprobs[i, p:lengths[i]] = torch.from_numpy(s.logprobs)
+    return rlplacement.Batch(input_ids, loss_mask, torch.tensor(advantages, dtype=torch.float32),
+                             old_logprobs if behaviour else None, torch.tensor(lengths))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     targets = {tok.convert_tokens_to_ids(d) for d in DIGITS}
     prompts = [tok.encode(p) for p in PROMPTS]
 
-    with rlplacement.RLJob.start(config, hf_dir, optim=rlplacement.OptimConfig(name="adamw", lr=args.lr)) as job:
+    with rlplacement.RLJob.start(config, hf_dir) as job:
         tel = StepRecorder(args.telemetry, RunLayout.from_placement(
             config.placement, transfer_mode=config.transfer.mode,
             max_response_len=args.max_response_len, group_size=args.group_size,
@@ -116,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             lengths = (long_tail_lengths(len(batch_prompts), args.max_response_len, args.seed + step)
                        if args.long_tail else args.max_response_len)
             job.prepare_rollout()  # --colocate hand-off, timed apart from the phases (perf/handoff_*)
-            return time.time(), job.generate_async(batch_prompts, max_tokens=lengths, temperature=1.0,
+            return time.time(), job.generate_async(batch_prompts, max_tokens=lengths,
+                                                   temperature=config.train.rollout_temperature,
                                                    seed=args.seed + 1000 * step, exact_lengths=args.long_tail)
 
         t0, pending = start_rollout(0)
@@ -127,14 +130,15 @@ def run(args: argparse.Namespace) -> int:
             if one_step_off and step + 1 < args.steps:  # step k+1 generates (on the current weights) while k trains
                 t0, pending = start_rollout(step + 1)
             staleness = job.version - min(s.weight_version for s in samples)  # versions behind the trainer
-            rewards = [sum(t in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
+            rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
             batch = make_batch(samples, rewards, args.group_size, tok.pad_token_id or 0, behaviour=one_step_off)
             job.prepare_train()
             with tel.phase("train", role="trainer"):  # trainer work: the forward for the log-prob check
                 trainer_lp = job.log_probs(batch)
-            tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)].tolist()
+            tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)]
                                  for row, s in zip(trainer_lp, samples)], [s.logprobs for s in samples])
-            for rank_report in job.train(batch):
+            reports = job.train(batch)
+            for rank_report in reports:
                 tel.record_interval("train", rank_report.start, rank_report.end)
             job.prepare_update()
             t_sync = time.time()
@@ -143,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
             if not one_step_off and step + 1 < args.steps:
                 t0, pending = start_rollout(step + 1)
             sync_metrics = dict(report.trainer.metrics)  # disk-delta adds its density and wire bytes
+            sync_metrics.update({"train/loss": reports[0].loss, "train/grad_norm": reports[0].grad_norm,
+                                 "train/lr": reports[0].lr, "train/skipped_steps": reports[0].skipped_steps})
             if one_step_off:
                 sync_metrics["rollout/staleness"] = staleness
             sync_metrics.update(job.pop_handoff_metrics())

@@ -20,7 +20,8 @@ import dataclasses
 from typing import Any, Callable, Iterable
 
 from rlplacement.backends import registry as backend_registry
-from rlplacement.config import BackendConfig, Config, PlacementConfig, TransferConfig, default_of
+from rlplacement.config import (KL_LOSS_TYPES, LR_DECAY_STYLES, BackendConfig, Config, OptimConfig, PlacementConfig,
+                                TrainConfig, TransferConfig, default_of)
 from rlplacement.errors import ConfigError
 from rlplacement.transfer import registry as transfer_registry
 from rlplacement.transfer.options import DELTA_ENCODINGS, P2P_PROTOCOLS
@@ -115,11 +116,72 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
         (
             _flag("--train-backend", type=str, default=default_of(BackendConfig, "name"), choices=TRAIN_BACKENDS,
                   help="Trainer backend, any registered one (rlplacement.backends.registry.register_backend)."),
-            _flag("--hf-checkpoint", type=str, default=default_of(BackendConfig, "hf_checkpoint"), help="Hugging Face model folder."),
-            _flag("--load", type=str, default=default_of(BackendConfig, "load"), help="Megatron torch_dist checkpoint folder."),
-            _flag("--tensor-model-parallel-size", type=int, default=default_of(BackendConfig, "tensor_model_parallel_size")),
+            _flag("--hf-checkpoint", type=str, default=default_of(BackendConfig, "hf_checkpoint"),
+                  help="Hugging Face model folder."),
+            _flag("--load", type=str, default=default_of(BackendConfig, "load"),
+                  help="A training checkpoint to start from: a --save folder, or for megatron a torch_dist folder "
+                       "(`rlplacement convert`'s output is iteration 0)."),
+            _flag("--tensor-model-parallel-size", type=int,
+                  default=default_of(BackendConfig, "tensor_model_parallel_size")),
             _flag("--pipeline-model-parallel-size", type=int,
                   default=default_of(BackendConfig, "pipeline_model_parallel_size")),
+        ),
+    ),
+    (
+        "rlplacement: train step",
+        (
+            _flag("--bf16", action=argparse.BooleanOptionalAction, default=default_of(TrainConfig, "bf16"),
+                  help="Mixed precision: fp32 master weights and AdamW state, bf16 compute, fp32 gradient "
+                       "reduction (on by default where the trainer is on a GPU; --no-bf16 keeps fp32)."),
+            _flag("--global-batch-size", type=int, default=default_of(TrainConfig, "global_batch_size"),
+                  help="Samples per optimizer step over all data-parallel ranks (default: the whole rollout batch)."),
+            _flag("--micro-batch-size", type=int, default=default_of(TrainConfig, "micro_batch_size"),
+                  help="Samples per forward/backward on one rank; gradients accumulate into one step."),
+            _flag("--use-dynamic-batch-size", action="store_true",
+                  default=default_of(TrainConfig, "use_dynamic_batch_size"),
+                  help="Pack samples into micro-batches by token count (--max-tokens-per-gpu)."),
+            _flag("--max-tokens-per-gpu", type=int, default=default_of(TrainConfig, "max_tokens_per_gpu"),
+                  help="With --use-dynamic-batch-size: most tokens (samples x padded length) per micro-batch."),
+            _flag("--gradient-checkpointing", action="store_true",
+                  default=default_of(TrainConfig, "gradient_checkpointing"),
+                  help="Recompute each decoder layer's activations in the backward pass."),
+            _flag("--log-probs-chunk-size", type=int, default=default_of(TrainConfig, "log_probs_chunk_size"),
+                  help="Tokens per chunk of the output layer (fp32 logits exist for one chunk at a time)."),
+            _flag("--eps-clip", type=float, default=default_of(TrainConfig, "eps_clip"),
+                  help="PPO clip range of the importance ratio (lower side, and upper unless --eps-clip-high)."),
+            _flag("--eps-clip-high", type=float, default=default_of(TrainConfig, "eps_clip_high"),
+                  help="Upper clip range (clip-higher)."),
+            _flag("--use-kl-loss", action="store_true", default=default_of(TrainConfig, "use_kl_loss"),
+                  help="Add a KL penalty to a frozen reference model (the starting weights)."),
+            _flag("--kl-loss-coef", type=float, default=default_of(TrainConfig, "kl_loss_coef")),
+            _flag("--kl-loss-type", type=str, default=None, choices=KL_LOSS_TYPES,
+                  help=f"Per-token KL estimator (with --use-kl-loss; default "
+                       f"{default_of(TrainConfig, 'kl_loss_type')})."),
+            _flag("--entropy-coef", type=float, default=default_of(TrainConfig, "entropy_coef")),
+            _flag("--rollout-temperature", type=float, default=default_of(TrainConfig, "rollout_temperature"),
+                  help="Sampling temperature; the trainer's logits are divided by it too."),
+            _flag("--save", type=str, default=default_of(TrainConfig, "save"),
+                  help="Folder for training checkpoints (model, optimizer, schedule, step, RNG, weight version)."),
+            _flag("--save-interval", type=int, default=default_of(TrainConfig, "save_interval"),
+                  help="Save every N train steps (with --save)."),
+        ),
+    ),
+    (
+        "rlplacement: optimizer",
+        (
+            _flag("--lr", type=float, default=default_of(OptimConfig, "lr")),
+            _flag("--min-lr", type=float, default=default_of(OptimConfig, "min_lr")),
+            _flag("--lr-decay-style", type=str, default=default_of(OptimConfig, "lr_decay_style"),
+                  choices=LR_DECAY_STYLES),
+            _flag("--lr-decay-iters", type=int, default=default_of(OptimConfig, "lr_decay_iters"),
+                  help="Optimizer steps the decay lasts (needed unless --lr-decay-style constant)."),
+            _flag("--lr-warmup-iters", type=int, default=default_of(OptimConfig, "lr_warmup_iters")),
+            _flag("--clip-grad", type=float, default=default_of(OptimConfig, "max_grad_norm"),
+                  help="Clip the global gradient norm to this (0 disables)."),
+            _flag("--weight-decay", type=float, default=default_of(OptimConfig, "weight_decay")),
+            _flag("--adam-beta1", type=float, default=default_of(OptimConfig, "betas")[0]),
+            _flag("--adam-beta2", type=float, default=default_of(OptimConfig, "betas")[1]),
+            _flag("--adam-eps", type=float, default=default_of(OptimConfig, "eps")),
         ),
     ),
 )
@@ -306,14 +368,94 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
                          tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
+def _set(args: argparse.Namespace, dest: str) -> Any:
+    """A value the run cannot do without: a foreign parser may define the flag with no default (Megatron's
+    ``--lr`` is None); say what to set instead of failing later."""
+    value = _get(args, dest)
+    if value is None:
+        flag = "--" + dest.replace("_", "-")
+        raise ConfigError(f"{flag} is unset (the parser that defines it gives it no default): set {flag}.")
+    return value
+
+
+def optim_from_args(args: argparse.Namespace) -> OptimConfig:
+    _require_positive(args, ("lr", "adam_eps"))
+    _require_choice(args, ("lr_decay_style",))
+    clip = _get(args, "clip_grad")
+    return OptimConfig(lr=float(_set(args, "lr")), min_lr=float(_set(args, "min_lr")),
+                       lr_decay_style=_set(args, "lr_decay_style"), lr_decay_iters=_get(args, "lr_decay_iters"),
+                       lr_warmup_iters=int(_get(args, "lr_warmup_iters") or 0),
+                       weight_decay=float(_set(args, "weight_decay")),
+                       betas=(float(_set(args, "adam_beta1")), float(_set(args, "adam_beta2"))),
+                       eps=float(_set(args, "adam_eps")), max_grad_norm=None if clip is None else float(clip))
+
+
+def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backend: BackendConfig) -> TrainConfig:
+    _require_positive(args, ("global_batch_size", "micro_batch_size", "max_tokens_per_gpu", "log_probs_chunk_size",
+                             "rollout_temperature", "save_interval"))
+    _require_choice(args, ("kl_loss_type",))
+    dynamic, max_tokens = bool(_get(args, "use_dynamic_batch_size")), _get(args, "max_tokens_per_gpu")
+    micro, global_batch = _get(args, "micro_batch_size"), _get(args, "global_batch_size")
+    if dynamic and max_tokens is None:
+        raise ConfigError("--use-dynamic-batch-size packs micro-batches by token count: set --max-tokens-per-gpu "
+                          "(the most tokens one micro-batch may hold).")
+    if max_tokens is not None and not dynamic:
+        raise ConfigError("--max-tokens-per-gpu applies to --use-dynamic-batch-size: add it, or drop "
+                          "--max-tokens-per-gpu and set --micro-batch-size.")
+    if dynamic and micro is not None:
+        raise ConfigError("--micro-batch-size and --use-dynamic-batch-size both size micro-batches: keep one.")
+    dp = placement.trainer_num_gpus // (backend.tensor_model_parallel_size * backend.pipeline_model_parallel_size)
+    if global_batch is not None and global_batch % dp:
+        raise ConfigError(f"--global-batch-size {global_batch} does not split over the trainer's {dp} data-parallel "
+                          f"ranks: use a multiple of {dp}.")
+    if global_batch is not None and micro is not None and micro > global_batch // dp:
+        raise ConfigError(f"--micro-batch-size {micro} is larger than a rank's share of an optimizer step "
+                          f"(--global-batch-size {global_batch} over {dp} data-parallel ranks = {global_batch // dp}): "
+                          f"lower --micro-batch-size to {global_batch // dp} or less.")
+    use_kl, kl_type = bool(_get(args, "use_kl_loss")), _get(args, "kl_loss_type")
+    if kl_type is not None and not use_kl:
+        raise ConfigError(f"--kl-loss-type {kl_type} chooses the KL estimator of --use-kl-loss: add --use-kl-loss, "
+                          f"or drop --kl-loss-type.")
+    coefs = {d: float(_get(args, d)) for d in ("kl_loss_coef", "entropy_coef", "eps_clip")}
+    high = _get(args, "eps_clip_high")
+    if any(v < 0 for v in coefs.values()) or (high is not None and high < 0):
+        raise ConfigError(f"--kl-loss-coef, --entropy-coef, --eps-clip and --eps-clip-high must be 0 or more, got "
+                          f"{coefs} and {high}.")
+    if coefs["kl_loss_coef"] and not use_kl:
+        raise ConfigError("--kl-loss-coef weighs the KL term of --use-kl-loss: add --use-kl-loss, or drop "
+                          "--kl-loss-coef.")
+    save, interval, bf16 = _get(args, "save"), _get(args, "save_interval"), _get(args, "bf16")
+    if backend.name == "megatron":
+        missing = [flag for flag, on in (("--bf16", bf16), ("--gradient-checkpointing", _get(args, "gradient_checkpointing")),
+                                         ("--use-kl-loss", use_kl), ("--entropy-coef", coefs["entropy_coef"]),
+                                         ("--save", save)) if on]
+        if missing:
+            raise ConfigError(f"{', '.join(missing)}: the megatron backend does not train with "
+                              f"{'this' if len(missing) == 1 else 'these'} yet (its mixed precision, recompute and "
+                              f"checkpoints come with megatron's own DDP and optimizer): use --train-backend fsdp, "
+                              f"or drop {', '.join(missing)}.")
+    if interval is not None and not save:
+        raise ConfigError("--save-interval says how often to write a checkpoint: set --save to a folder, or drop "
+                          "--save-interval.")
+    return TrainConfig(bf16=bf16, global_batch_size=global_batch, micro_batch_size=micro,
+                       use_dynamic_batch_size=dynamic, max_tokens_per_gpu=max_tokens,
+                       gradient_checkpointing=bool(_get(args, "gradient_checkpointing")),
+                       log_probs_chunk_size=int(_get(args, "log_probs_chunk_size")), eps_clip=coefs["eps_clip"],
+                       eps_clip_high=None if high is None else float(high), use_kl_loss=use_kl,
+                       kl_loss_coef=coefs["kl_loss_coef"], kl_loss_type=kl_type or default_of(TrainConfig, "kl_loss_type"),
+                       entropy_coef=coefs["entropy_coef"],
+                       rollout_temperature=float(_get(args, "rollout_temperature")), save=save, save_interval=interval)
+
+
 def config_from_args(args: argparse.Namespace, *, this_host: bool = True) -> Config:
     """Validate parsed args and return frozen configs; raise ConfigError before any work starts.
 
     ``this_host=False`` (``rlplacement plan``, which describes a cluster from anywhere) skips the
     checks that read this machine: whether it has an RDMA device for ``--p2p-protocol``."""
     placement = placement_from_args(args)
-    return Config(placement=placement, transfer=transfer_from_args(args, this_host=this_host),
-                  backend=backend_from_args(args, placement))
+    backend = backend_from_args(args, placement)
+    return Config(placement=placement, transfer=transfer_from_args(args, this_host=this_host), backend=backend,
+                  train=train_from_args(args, placement, backend), optim=optim_from_args(args))
 
 
 def require_available(config: Config) -> None:

@@ -27,6 +27,7 @@ from rlplacement.errors import ConfigError, GpuMemoryError
 from rlplacement.runtime.waits import get_all
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from rlplacement.runtime.handoff import ColocatedHandOff
@@ -45,9 +46,10 @@ class RolloutSample:
     """One generated sample and where it came from."""
 
     prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    """The engine's log-prob of each generated token."""
+    token_ids: "np.ndarray"
+    """int64 generated token ids."""
+    logprobs: "np.ndarray"
+    """float32 log-prob of each generated token under the sampling distribution (after temperature)."""
     finish_reason: str
     weight_version: int
     """The weight version that generated every token of it."""
@@ -92,6 +94,8 @@ class RLJob:
         """The weight version every engine serves."""
         self.check_equal = config.transfer.check_equal
         self.trainer_names = [f"trainer rank {r}" for r in range(len(trainers))]
+        self.train_calls = 0
+        """Train calls so far in this job (``--save-interval`` counts them)."""
         self._closed = False
 
     @classmethod
@@ -100,12 +104,13 @@ class RLJob:
               timeout_s: float = DEFAULT_TIMEOUT_S, compiled_update: bool | None = None) -> "RLJob":
         """Start every process of the job and return it ready for the first step.
 
-        ``optim``: the trainer's optimizer (default :class:`OptimConfig`'s); ``engine_kwargs``: vLLM
+        ``optim``: the trainer's optimizer (default ``config.optim``, from the flags); ``engine_kwargs``: vLLM
         engine arguments over :data:`DEFAULT_ENGINE_KWARGS`; ``backend_options``: keyword arguments of
         the backend's ``from_config``; ``timeout_s``: bound of every wait on an actor, for the job's
         life; ``compiled_update``: dispatch each update through a Ray Compiled Graph (~0.1 ms instead
         of ~2 ms of Ray per update, ``runtime.update_dispatch``), None: where the trainer is on a GPU,
-        the only place an update is short enough for that to show.
+        the only place an update is short enough for that to show. With ``--load`` of a training
+        checkpoint the engines are sent its weights before this returns, as the version it recorded.
         """
         import ray
 
@@ -132,8 +137,9 @@ class RLJob:
         try:
             addr, port = get_all([trainers[0].address.remote(timeout_s)], timeout_s, "trainer address",
                                  trainer_names[:1])[0]
-            infos = get_all([t.setup.remote(addr, port, backend_cfg, optim or OptimConfig(), backend_options,
-                                            timeout_s) for t in trainers], timeout_s, "trainer set-up", trainer_names)
+            infos = get_all([t.setup.remote(addr, port, backend_cfg, optim or config.optim, config.train,
+                                            backend_options, timeout_s) for t in trainers],
+                            timeout_s, "trainer set-up", trainer_names)
             device = infos[0]["device"]
             job = cls(config=config, placement=placement, trainers=trainers, engines=engines, hf_dir=hf_dir,
                       timeout_s=timeout_s, data_parallel_ranks=[i["data_parallel_rank"] for i in infos],
@@ -142,6 +148,10 @@ class RLJob:
                       updates=UpdateDispatch(compiled=device.startswith("cuda") if compiled_update is None
                                              else compiled_update, timeout_s=timeout_s))
             job.set_transfer(config.transfer.mode, check_equal=config.transfer.check_equal)
+            resumed = infos[0]["resumed"]
+            if resumed is not None:  # the engines serve the checkpoint's weights, as the version it recorded
+                job.version, job.train_calls = resumed["weight_version"] - 1, resumed["train_calls"]
+                job.update_weights()
         except BaseException as exc:
             _release(None, trainers, engines, placement)
             _raise_with_offload_hint(config, exc)
@@ -214,13 +224,33 @@ class RLJob:
 
     # ---- training -------------------------------------------------------------------------------
     def _shards(self, batch: "Batch") -> list["Batch"]:
-        """Each trainer rank's share: ranks of one tensor/pipeline-parallel group get the same one."""
+        """Each trainer rank's share: ranks of one tensor/pipeline-parallel group get the same one. With
+        ``--global-batch-size`` G, optimizer step j trains on samples ``j*G .. (j+1)*G - 1`` of ``batch``
+        whatever the number of ranks: a rank's share is its slice of each step's samples, in step order."""
+        cfg = self.config.train
         n, dp = len(batch), self.data_parallel_size
+        per_step = cfg.global_batch_size or n
         if n % dp:
             raise ConfigError(f"a batch of {n} samples does not split over {dp} data-parallel trainer "
                               f"ranks: use a multiple of {dp} samples per step")
-        per = n // dp
-        return [batch.rows(r * per, (r + 1) * per) for r in self.data_parallel_ranks]
+        if n % per_step:
+            raise ConfigError(f"a batch of {n} samples is not a whole number of optimizer steps of "
+                              f"--global-batch-size {per_step}: send a multiple of {per_step} samples per step")
+        share = per_step // dp
+        if cfg.micro_batch_size and cfg.micro_batch_size > share:
+            raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} is larger than a rank's share of an "
+                              f"optimizer step ({per_step} samples over {dp} data-parallel ranks = {share}): lower "
+                              f"--micro-batch-size to {share} or less, or send more samples per step")
+        if cfg.use_dynamic_batch_size:
+            longest = max(batch.sample_lengths(), default=0)
+            if longest > cfg.max_tokens_per_gpu:
+                raise ConfigError(f"--max-tokens-per-gpu {cfg.max_tokens_per_gpu} is below one sample's length "
+                                  f"({longest} tokens): raise --max-tokens-per-gpu to {longest} or more")
+        batch.check_lengths()
+        steps = range(0, n, per_step)
+        return [batch.rows([i for start in steps for i in range(start + r * share, start + (r + 1) * share)])
+                if len(steps) > 1 else batch.rows(slice(r * share, (r + 1) * share))
+                for r in self.data_parallel_ranks]
 
     def log_probs(self, batch: "Batch") -> "torch.Tensor":
         """``[B, T]`` float32 log-probs of ``batch`` under the trainer's current weights (see
@@ -234,10 +264,26 @@ class RLJob:
         return torch.cat([first_of_share[dp] for dp in range(self.data_parallel_size)])
 
     def train(self, batch: "Batch") -> list["TrainStepReport"]:
-        """One optimizer step on ``batch``; each trainer rank's report, in rank order."""
+        """Optimizer steps on ``batch`` (one, or one per ``--global-batch-size`` samples); each trainer rank's
+        report, in rank order. Every ``--save-interval`` calls the training state is saved (``--save``)."""
+        shards = self._shards(batch)  # bad sizes refused before any rank starts
         self._hand_off("to_train")
-        return self._with_hint(get_all, [t.train_step.remote(s) for t, s in zip(self.trainers, self._shards(batch))],
-                               self.timeout_s, "train step", self.trainer_names)
+        reports = self._with_hint(get_all, [t.train_step.remote(s) for t, s in zip(self.trainers, shards)],
+                                  self.timeout_s, "train step", self.trainer_names)
+        self.train_calls += 1
+        cfg = self.config.train
+        if cfg.save and cfg.save_interval and self.train_calls % cfg.save_interval == 0:
+            self.save_checkpoint()
+        return reports
+
+    def save_checkpoint(self) -> str:
+        """Save the training state under ``--save`` now (collective over the trainer ranks); the weights are
+        recorded as the version the next update serves them as. Returns the published folder."""
+        if not self.config.train.save:
+            raise ConfigError("RLJob.save_checkpoint: no --save folder was given: set --save")
+        self._hand_off("to_train")
+        return get_all([t.save_checkpoint.remote(self.config.train.save, self.version + 1) for t in self.trainers],
+                       self.timeout_s, "saving a checkpoint", self.trainer_names)[0]
 
     def prepare_rollout(self) -> None:
         """Colocated hand-off to generation now (else the next ``generate`` does it): a loop that times

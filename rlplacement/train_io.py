@@ -26,6 +26,9 @@ class Batch:
     old_logprobs: torch.Tensor | None = None
     """``[B, T]`` the behaviour policy's log-probs (the engine's, at the positions of the tokens it sampled):
     given when samples may be stale (one-step-off), so the loss weighs them by a clipped importance ratio."""
+    lengths: torch.Tensor | None = None
+    """``[B]`` int64 tokens of each sample before its padding (prompt + response); None: all ``T``. Micro-batches
+    are trimmed to their longest sample, so padding costs no compute."""
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2 or self.input_ids.dtype != torch.int64:
@@ -40,37 +43,78 @@ class Batch:
         if self.old_logprobs is not None and tuple(self.old_logprobs.shape) != tuple(self.input_ids.shape):
             raise ValueError(f"Batch.old_logprobs shape {tuple(self.old_logprobs.shape)} must equal input_ids "
                              f"shape {tuple(self.input_ids.shape)}")
+        if self.lengths is not None and tuple(self.lengths.shape) != (self.input_ids.shape[0],):
+            raise ValueError(f"Batch.lengths must be [B] = [{self.input_ids.shape[0]}], got "
+                             f"{tuple(self.lengths.shape)}")
+
+    def check_lengths(self) -> None:
+        """Every length in ``1..T`` and no loss-mask token past it (reads the tensors: call it once, on the host)."""
+        if self.lengths is None:
+            return
+        t = self.input_ids.shape[1]
+        if len(self) and not 1 <= int(self.lengths.min()) <= int(self.lengths.max()) <= t:
+            raise ValueError(f"Batch.lengths must lie in 1..{t} (the padded width), got {self.lengths.tolist()}")
+        beyond = torch.arange(t)[None, :] >= self.lengths.cpu()[:, None]
+        if bool((self.loss_mask.cpu().bool() & beyond).any()):
+            raise ValueError("Batch.loss_mask counts a token past its sample's length (Batch.lengths)")
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def rows(self, start: int, stop: int) -> "Batch":
-        """Samples ``start .. stop - 1`` (views, no copy)."""
-        old = None if self.old_logprobs is None else self.old_logprobs[start:stop]
-        return Batch(self.input_ids[start:stop], self.loss_mask[start:stop], self.advantages[start:stop], old)
+    def sample_lengths(self) -> list[int]:
+        return [self.input_ids.shape[1]] * len(self) if self.lengths is None else self.lengths.tolist()
+
+    def rows(self, index: slice | list[int] | torch.Tensor) -> "Batch":
+        """The samples at ``index`` (a slice gives views)."""
+        return Batch(*(None if t is None else t[index] for t in self._fields()))
+
+    def trimmed(self) -> "Batch":
+        """The same samples with the columns past the longest one dropped (views)."""
+        width = max(self.sample_lengths(), default=0)
+        if width in (0, self.input_ids.shape[1]):
+            return self
+
+        def cut(t):
+            return None if t is None else t[:, :width]
+
+        return Batch(cut(self.input_ids), cut(self.loss_mask), self.advantages, cut(self.old_logprobs), self.lengths)
 
     def to(self, device: torch.device | str) -> "Batch":
-        old = None if self.old_logprobs is None else self.old_logprobs.to(device)
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.advantages.to(device), old)
+        return Batch(*(None if t is None else t.to(device) for t in self._fields()))
+
+    def _fields(self) -> tuple:
+        return (self.input_ids, self.loss_mask, self.advantages, self.old_logprobs, self.lengths)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainStepReport:
-    """One trainer rank's account of one optimizer step."""
+    """One trainer rank's account of one train call (one or more optimizer steps). The loss and its parts
+    are global token means over every data-parallel rank (the same on every rank), averaged over the
+    call's optimizer steps."""
 
     rank: int
     """Global trainer rank."""
     loss: float
-    """The policy-gradient loss of this rank's share (token mean over its response tokens)."""
+    """The objective: policy loss + KL term - entropy bonus."""
     grad_norm: float
-    """Global L2 norm of the gradient before clipping (the same on every rank)."""
+    """Global L2 norm of the last step's gradient before clipping (the same on every rank)."""
     lr: float
-    """Learning rate of this step."""
+    """Learning rate of the last optimizer step (0 if it was skipped)."""
     num_tokens: float
     """Response tokens in this rank's share (the loss mask's sum)."""
     mean_logprob: float
-    """Mean log-prob of those tokens under the weights before the step."""
+    """Mean log-prob of every rank's response tokens under the weights each step started from."""
+    optimizer_steps: int = 1
+    """Optimizer steps applied in this call."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped so far in the run for a non-finite gradient norm (``train/skipped_steps``)."""
+    kl: float = 0.0
+    """The KL term's token mean (``--use-kl-loss``)."""
+    entropy: float = 0.0
+    """The policy's entropy, token mean (computed with ``--entropy-coef``)."""
+    clip_fraction: float = 0.0
+    """Fraction of response tokens whose importance ratio was clipped (stale samples only)."""
     start: float
-    """Wall-clock time the step started on this rank (``time.time()``)."""
+    """Wall-clock time the call started on this rank (``time.time()``)."""
     end: float
     """Wall-clock time it ended; telemetry records the trainer's own busy time from these, not the driver's wait."""

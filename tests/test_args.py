@@ -192,3 +192,62 @@ def test_each_flag_default_is_its_config_field_default():
     assert cfg.transfer == TransferConfig(mode="broadcast")  # every other field at its default
     with pytest.raises(TypeError):
         PlacementConfig(False, 1, 8, 8)  # keyword-only
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--global-batch-size", "4", "--micro-batch-size", "4", "--actor-num-gpus-per-node", "2"],
+     r"--micro-batch-size 4 is larger than a rank's share of an optimizer step \(--global-batch-size 4 over 2 "
+     r"data-parallel ranks = 2\): lower --micro-batch-size to 2 or less"),
+    (["--global-batch-size", "3", "--actor-num-gpus-per-node", "2"],
+     r"--global-batch-size 3 does not split over the trainer's 2 data-parallel ranks: use a multiple of 2"),
+    (["--use-dynamic-batch-size"], r"--use-dynamic-batch-size packs micro-batches by token count: set --max-tokens"),
+    (["--max-tokens-per-gpu", "4096"], r"--max-tokens-per-gpu applies to --use-dynamic-batch-size"),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "9", "--micro-batch-size", "2"],
+     r"--micro-batch-size and --use-dynamic-batch-size both size micro-batches: keep one"),
+    (["--kl-loss-type", "k2"], r"--kl-loss-type k2 chooses the KL estimator of --use-kl-loss: add --use-kl-loss"),
+    (["--kl-loss-coef", "0.1"], r"--kl-loss-coef weighs the KL term of --use-kl-loss"),
+    (["--lr-decay-style", "cosine"], r"--lr-decay-style cosine needs --lr-decay-iters"),
+    (["--lr-decay-style", "linear", "--lr-decay-iters", "5", "--lr-warmup-iters", "5"],
+     r"--lr-decay-iters 5 must exceed --lr-warmup-iters 5"),
+    (["--min-lr", "1e-3"], r"--min-lr 0.001 must be between 0 and --lr 1e-06"),
+    (["--save-interval", "10"], r"--save-interval says how often to write a checkpoint: set --save"),
+    (["--micro-batch-size", "0"], r"--micro-batch-size must be positive, got 0"),
+    (["--train-backend", "megatron", "--use-kl-loss", "--entropy-coef", "0.01"],
+     r"--use-kl-loss, --entropy-coef: the megatron backend does not train with these yet"),
+])
+def test_train_step_flags_are_refused_naming_the_fix(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_args(parse("--rollout-num-gpus", "8", *argv))
+
+
+def test_train_step_flags_reach_the_configs():
+    cfg = config_from_args(parse("--rollout-num-gpus", "8", "--actor-num-gpus-per-node", "4", "--train-backend", "fsdp",
+                                 "--global-batch-size",
+                                 "64", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
+                                 "--gradient-checkpointing", "--use-kl-loss", "--kl-loss-coef", "0.01", "--eps-clip-high",
+                                 "0.28", "--rollout-temperature", "0.7", "--lr", "2e-6", "--lr-decay-style", "cosine",
+                                 "--lr-decay-iters", "100", "--lr-warmup-iters", "10", "--clip-grad", "0",
+                                 "--adam-beta2", "0.95", "--no-bf16", "--save", "/ckpt", "--save-interval", "5"))
+    t, o = cfg.train, cfg.optim
+    assert (t.global_batch_size, t.max_tokens_per_gpu, t.gradient_checkpointing, t.kl_loss_type) == (
+        64, 16384, True, "low_var_kl")
+    assert (t.eps_clip, t.eps_clip_upper, t.rollout_temperature, t.bf16, t.save, t.save_interval) == (
+        0.2, 0.28, 0.7, False, "/ckpt", 5)
+    assert (o.lr, o.lr_decay_style, o.lr_decay_iters, o.lr_warmup_iters, o.max_grad_norm, o.betas) == (
+        2e-6, "cosine", 100, 10, 0.0, (0.9, 0.95))
+    assert config_from_args(parse("--rollout-num-gpus", "8")).train.bf16 is None  # on where the trainer has a GPU
+
+
+def test_a_framework_parser_that_defines_lr_and_bf16_first_keeps_working():
+    """Megatron's parser (Miles builds on it) defines --lr with no default and --bf16 as store_true before
+    ours are added."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--bf16", action="store_true")
+    add_arguments(parser)
+    fsdp = ["--rollout-num-gpus", "8", "--train-backend", "fsdp"]
+    cfg = config_from_args(parser.parse_args([*fsdp, "--lr", "1e-5", "--bf16"]))
+    assert cfg.optim.lr == 1e-5 and cfg.train.bf16 is True
+    assert config_from_args(parser.parse_args([*fsdp, "--lr", "1e-5"])).train.bf16 is False
+    with pytest.raises(ConfigError, match=r"--lr is unset \(the parser that defines it gives it no default\): set --lr"):
+        config_from_args(parser.parse_args(fsdp))

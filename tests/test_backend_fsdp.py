@@ -47,19 +47,26 @@ def _resident(rank, world, hf):
         backend = make_backend(BackendConfig(name="fsdp", hf_checkpoint=hf), SGD, stream_dtype=stream_dtype)
         owned = {local_tensor(p).untyped_storage().data_ptr() for p in backend.model.parameters()}
         streamed = list(backend.iter_hf_tensors())
-        flags[str(stream_dtype)] = {"flag": backend.yields_resident_tensors,
-                                    "own_memory": all(t.untyped_storage().data_ptr() in owned for _, t in streamed)}
+        again = list(backend.iter_hf_tensors())
+        params = {n: local_tensor(p) for n, p in backend.model.named_parameters()}
+        flags[str(stream_dtype)] = {
+            "flag": backend.yields_resident_tensors,
+            "own_memory": all(t.untyped_storage().data_ptr() in owned for _, t in streamed),
+            "kept": world == 1 and all(a[1] is b[1] for a, b in zip(streamed, again)),
+            "values": rank != 0 or all(torch.equal(t.chunk(world, 0)[0], params[n].to(t.dtype)) for n, t in streamed)}
     return flags
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_resident_tensors_are_claimed_only_where_the_stream_is_the_parameters_themselves(tmp_path, world):
-    """cuda_ipc reads resident tensors in place while the update runs: the flag must never be set
-    for gathered or cast copies (two ranks, or a stream dtype other than the parameters')."""
+def test_resident_tensors_are_claimed_only_where_the_stream_stays_put(tmp_path, world):
+    """cuda_ipc reads resident tensors in place while the update runs: the flag must never be set for
+    gathered copies (two ranks). One rank streams its parameters themselves, or, cast to the served dtype
+    (fp32 master weights, bf16 served), persistent copies refreshed each update: the same objects every
+    time, equal to the cast parameters."""
     hf = make_tiny_model(tmp_path / "hf", SPEC)
     flags = launch.spawn(_resident, world, str(hf), timeout_s=300)[0]
-    assert flags["None"] == {"flag": world == 1, "own_memory": world == 1}
-    assert flags["torch.bfloat16"] == {"flag": False, "own_memory": False}
+    assert flags["None"] == {"flag": world == 1, "own_memory": world == 1, "kept": world == 1, "values": True}
+    assert flags["torch.bfloat16"] == {"flag": world == 1, "own_memory": False, "kept": world == 1, "values": True}
 
 
 def _stream_after_replacing(rank, world, hf):

@@ -104,7 +104,8 @@ def test_load_must_be_a_finished_conversion(hf, tmp_path):
     preflight(cfg("megatron", load=str(done), tp=2))
     with pytest.raises(ConfigError, match=r"padded vocabulary of 384, not divisible by --tensor-model-parallel-size 5"):
         preflight(cfg("megatron", load=str(done), tp=5))
-    with pytest.raises(ConfigError, match=r"--load .* is a Megatron torch_dist folder; --train-backend fsdp reads"):
+    with pytest.raises(ConfigError, match=r"--load .*done: latest_checkpointed_iteration.txt says 'release', not an "
+                                          r"iteration: this is not a --save folder of this backend"):
         preflight(cfg("fsdp", hf, load=str(done)))
 
 

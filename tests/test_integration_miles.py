@@ -124,7 +124,7 @@ def test_miles_lifecycle_lands_bit_exact_in_vllm_engines(engines, tmp_path, fact
             assert ray.get(engine.received_checksums.remote(), timeout=60) == want, f"engine {i}"
     after = ray.get(handles[0].generate.remote(PROMPTS, max_tokens=4), timeout=120)
     assert [r["weight_version"] for r in after] == [engines["version"]] * len(PROMPTS)
-    assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before]
+    assert [r["logprobs"].tolist() for r in after] != [r["logprobs"].tolist() for r in before]
 
 
 @pytest.mark.parametrize("overrides,message", [

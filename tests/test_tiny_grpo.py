@@ -160,3 +160,40 @@ def test_long_tail_run_is_diagnosed_and_gets_no_more_rollout_gpus(tmp_path, caps
     assert measured["sample_finish_p99"] >= 4 * measured["sample_finish_p50"], measured
     assert advice["diagnosis"] == "long-tail"
     assert advice["recommended"]["colocate"] or advice["recommended"]["rollout_gpus"] <= advice["current"]["rollout_gpus"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["--micro-batch-size", "2", "--global-batch-size", "4"],  # split: two optimizer steps of two micro-batches
+    ["--colocate", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"],
+])
+def test_the_example_loop_keeps_learning(tmp_path, layout):
+    """The loop's reward (the fraction of digit tokens in a response) rises from chance to nearly all
+    digits in 40 steps with the micro-batched step, in the split and the colocated layout."""
+    telemetry = tmp_path / "tel.jsonl"
+    proc = run_loop(tmp_path, "--steps", "40", "--telemetry", str(telemetry), *layout, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rewards = [json.loads(line)["reward"] for line in telemetry.read_text().splitlines()]
+    assert len(rewards) == 40
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.2 and last > 0.8, (first, last, rewards)
+
+
+@pytest.mark.slow
+def test_a_loop_resumed_from_its_checkpoint_serves_the_checkpoints_weights_at_its_version(tmp_path):
+    """The loop saves after its second train call; a second loop started with --load sends the engines
+    the checkpoint's weights (checked bit for bit) as version 2 before its first step, whose update is
+    then version 3. Both run at --rollout-temperature 0.7: the engine's processed log-probs and the
+    trainer's temperature-scaled ones are the same quantity."""
+    ckpt, tel = tmp_path / "ckpt", tmp_path / "first.jsonl"
+    common = ["--check-weight-update-equal", "--rollout-temperature", "0.7"]
+    first = run_loop(tmp_path / "a", "--steps", "2", "--save", str(ckpt), "--save-interval", "2",
+                     "--telemetry", str(tel), *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    rows = [json.loads(line) for line in tel.read_text().splitlines()]
+    assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in rows), [r["rollout/logprob_abs_diff"] for r in rows]
+    resumed = run_loop(tmp_path / "b", "--steps", "1", "--load", str(ckpt),
+                       "--hf-checkpoint", str(tmp_path / "a" / "model"), *common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "v3)" in step_lines(resumed.stdout)[0]

@@ -444,7 +444,7 @@ def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
             assert ray.get(engine.received_checksums.remote()) == ray.get(trainer.checksums.remote())
         after = ray.get(engine.generate.remote(prompts, max_tokens=6))
         assert [r["weight_version"] for r in after] == [2, 2]
-        assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before]
+        assert [r["logprobs"].tolist() for r in after] != [r["logprobs"].tolist() for r in before]
     finally:
         ray.shutdown()
 

@@ -71,7 +71,7 @@ def test_update_lands_bit_exact(cluster, mode, n_engines):
         assert got == want, f"engine {i}: tensors differ from the trainer's"
         after = ray.get(engine.generate.remote(PROMPTS, max_tokens=6))
         assert [r["weight_version"] for r in after] == [version] * len(PROMPTS)
-        assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before[i]]  # the weights really changed
+        assert [r["logprobs"].tolist() for r in after] != [r["logprobs"].tolist() for r in before[i]]  # the weights really changed
 
 
 @pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed"])
@@ -123,8 +123,8 @@ def test_updated_engines_match_a_fresh_engine_from_the_same_weights(cluster):
         ref_sums = ray.get(fresh.model_checksums.remote())
         for engine in (e0, e1):
             got = ray.get(engine.generate.remote(PROMPTS + [long_prompt], max_tokens=8))
-            assert [r["token_ids"] for r in got] == [r["token_ids"] for r in ref]
-            assert [r["logprobs"] for r in got] == [r["logprobs"] for r in ref]  # exactly, not approximately
+            assert [r["token_ids"].tolist() for r in got] == [r["token_ids"].tolist() for r in ref]
+            assert [r["logprobs"].tolist() for r in got] == [r["logprobs"].tolist() for r in ref]  # exactly, not approximately
             assert ray.get(engine.model_checksums.remote()) == ref_sums
     finally:
         ray.kill(fresh)

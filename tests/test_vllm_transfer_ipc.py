@@ -84,12 +84,12 @@ def test_colocated_update_is_bit_exact_and_matches_a_fresh_engine(cluster):
         ref_sums = ray.get(fresh.model_checksums.remote())
     finally:
         ray.kill(fresh)
-    assert [r["logprobs"] for r in ref] != [r["logprobs"] for r in before]  # the weights really changed
+    assert [r["logprobs"].tolist() for r in ref] != [r["logprobs"].tolist() for r in before]  # the weights really changed
     for engine in engines:
         got = ray.get(engine.generate.remote(PROMPTS, max_tokens=8))
         assert [r["weight_version"] for r in got] == [version] * len(PROMPTS)
-        assert [r["token_ids"] for r in got] == [r["token_ids"] for r in ref]
-        assert [r["logprobs"] for r in got] == [r["logprobs"] for r in ref]  # exactly, not approximately
+        assert [r["token_ids"].tolist() for r in got] == [r["token_ids"].tolist() for r in ref]
+        assert [r["logprobs"].tolist() for r in got] == [r["logprobs"].tolist() for r in ref]  # exactly, not approximately
         assert ray.get(engine.model_checksums.remote()) == ref_sums
 
 

@@ -38,6 +38,6 @@ def test_two_worker_engine_receives_on_every_worker(tmp_path):
             assert ray.get(engine.weight_version.remote()) == version  # every worker agrees
             assert ray.get(engine.received_checksums.remote()) == ray.get(trainer.checksums.remote())
         after = ray.get(engine.generate.remote([[5, 6, 7, 8]], max_tokens=6))
-        assert after[0]["weight_version"] == 2 and after[0]["logprobs"] != before[0]["logprobs"]
+        assert after[0]["weight_version"] == 2 and after[0]["logprobs"].tolist() != before[0]["logprobs"].tolist()
     finally:
         ray.shutdown()

@@ -1,7 +1,10 @@
-"""FSDP2 trainer: the HF model with ``fully_shard`` on every decoder layer and the root (gloo on CPU,
-NCCL on GPU). Each rank is a data-parallel replica that holds a ``Shard(0)`` slice of every parameter;
-FSDP averages gradients across ranks. Weights stream out one parameter at a time with
-``DTensor.full_tensor()`` (an all-gather), already in HF names.
+"""FSDP2 trainer: the HF model sharded with ``fully_shard`` on every decoder layer and the root (gloo on
+CPU, NCCL on GPU), built so that no rank holds the whole model (:mod:`.fsdp_model`). Each rank is a
+data-parallel replica holding a ``Shard(0)`` slice of every parameter; FSDP averages gradients across
+ranks. Under ``--bf16`` the parameters and AdamW state stay fp32 (the master weights) while FSDP2's
+``MixedPrecisionPolicy`` computes in bf16 and reduces gradients in fp32. Weights stream out one
+parameter at a time with ``DTensor.full_tensor()`` (an all-gather), already in HF names, cast to the
+served dtype (bf16 under ``--bf16``).
 """
 
 from __future__ import annotations
@@ -12,48 +15,101 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rlplacement.config import BackendConfig, OptimConfig
-from rlplacement.errors import ConfigError
 from rlplacement.backends import launch
-from rlplacement.backends.base import TrainerBackend, token_log_probs
+from rlplacement.backends.base import TrainerBackend
+from rlplacement.backends.objective import TokenStats
+from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
+from rlplacement.errors import ConfigError
+
+
+def resolve_bf16(train: TrainConfig) -> bool:
+    """``--bf16`` as set, else on where CUDA is."""
+    return torch.cuda.is_available() if train.bf16 is None else train.bf16
 
 
 class FSDPBackend(TrainerBackend):
     name = "fsdp"
 
-    def __init__(self, model: torch.nn.Module, optim: OptimConfig, stream_dtype: torch.dtype | None):
-        super().__init__(optim)
-        self.model, self.stream_dtype = model, stream_dtype
+    def __init__(self, root: torch.nn.Module, model: torch.nn.Module, optim: OptimConfig, train: TrainConfig,
+                 stream_dtype: torch.dtype | None, reference: torch.nn.Module | None = None):
+        """``root``: the FSDP2 root module (its forward returns :class:`TokenStats`); ``model``: the module
+        whose ``named_parameters`` are the HF-named parameters (the root's child, or the root itself)."""
+        super().__init__(optim, train)
+        self.root, self.model, self.stream_dtype, self.reference = root, model, stream_dtype, reference
         self._whole_cache: tuple[list, list] | None = None  # see _whole_parameters
+        self._served: list[tuple[str, torch.Tensor]] | None = None  # see _served_copies
         self.hf_config = model.config
 
     @classmethod
-    def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), dtype: torch.dtype = torch.float32,
-                    stream_dtype: torch.dtype | None = None, **_: Any) -> "FSDPBackend":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForCausalLM
+    def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
+                    dtype: torch.dtype = torch.float32, stream_dtype: torch.dtype | None = None,
+                    compile_layers: bool = False, **_: Any) -> "FSDPBackend":
+        """``dtype``: the parameters' (master) dtype; ``stream_dtype``: what the weight stream yields (default:
+        bf16 under ``--bf16``, else the parameters' own); ``compile_layers``: ``torch.compile`` each decoder
+        layer (GPU runs: see ``fsdp_model.build_sharded``)."""
+        from rlplacement.backends.fsdp_model import build_sharded
 
+        train = train or TrainConfig()
         if not cfg.hf_checkpoint:
             raise ConfigError("--train-backend fsdp needs --hf-checkpoint (an HF model folder)")
         if not dist.is_initialized():
             launch.init_single_process()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        model = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=dtype).to(device)
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        backend = cls(model, optim, stream_dtype)
-        backend.optimizer = optim.build(model.parameters())  # over the sharded DTensors, built once
+        bf16 = resolve_bf16(train)
+        root = build_sharded(cfg.hf_checkpoint, device, mixed_precision=bf16, dtype=dtype,
+                             gradient_checkpointing=train.gradient_checkpointing, weights=not cfg.load,
+                             compile_layers=compile_layers)
+        reference = None
+        if train.use_kl_loss:
+            reference = build_sharded(cfg.hf_checkpoint, device, mixed_precision=bf16, dtype=dtype, trainable=False)
+        if stream_dtype is None and bf16:
+            stream_dtype = torch.bfloat16
+        backend = cls(root, root.lm, optim, train, stream_dtype, reference)
+        backend.optimizer = optim.build(root.parameters())  # over the sharded DTensors, built once
+        if cfg.load:
+            backend.load_checkpoint(cfg.load)
         return backend
+
+    def _checkpointed(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        return self.root, self.optimizer
 
     @property
     def yields_resident_tensors(self) -> bool:
         """One rank holds every parameter whole (see iter_hf_tensors): the tensors streamed are the
-        parameters themselves, unless they are cast to another dtype on the way."""
-        return dist.get_world_size() == 1 and (self.stream_dtype is None or all(
-            t.dtype == self.stream_dtype for _, t in self._whole_parameters()))
+        parameters themselves, or, cast to the served dtype, the persistent copies of
+        :meth:`_served_copies`; either stays allocated and unchanged while an update runs."""
+        return dist.get_world_size() == 1
+
+    def _served_copies(self) -> list[tuple[str, torch.Tensor]]:
+        """One rank with a cast stream (fp32 master weights, bf16 served): copies in the served dtype, in
+        one allocation kept between updates (so cuda_ipc maps one handle, once) and refreshed by one
+        ``_foreach_copy_`` per update, a cast at HBM speed (2 + 4 bytes per parameter read and written).
+        The same pair objects every update while the parameters are the same, as for the parameters
+        themselves; dropped on offload (they are derived) and made again at the next update."""
+        whole = self._whole_parameters()
+        if self._served is None or self._served[0] is not whole:
+            align = max(1, 16 // self.stream_dtype.itemsize)  # every copy 16-byte aligned (the copy kernel's vectors)
+            sizes = [-(-t.numel() // align) * align for _, t in whole]
+            flat = torch.empty(sum(sizes), dtype=self.stream_dtype, device=self.device)
+            views, offset = [], 0
+            for (name, t), size in zip(whole, sizes):
+                views.append((name, flat[offset:offset + t.numel()].view(t.shape)))
+                offset += size
+            self._served = (whole, views)
+        views = self._served[1]
+        with torch.no_grad():
+            torch._foreach_copy_([v for _, v in views], [t for _, t in whole])
+        return views
+
+    def offload_to_host(self) -> dict[str, float]:
+        self._served = None  # derived from the parameters: freed, not moved
+        return super().offload_to_host()
+
+    def _resident_tensors(self) -> list[torch.Tensor]:
+        from rlplacement.backends.offload import local_tensor
+
+        frozen = [p for p in self.reference.parameters()] if self.reference is not None else []
+        return super()._resident_tensors() + [t for t in frozen if local_tensor(t).device == self.device]
 
     def _whole_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """One rank: (name, detached local tensor) of every parameter, the same objects every update while
@@ -84,7 +140,20 @@ class FSDPBackend(TrainerBackend):
         return list(self.model.parameters())
 
     def _token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return token_log_probs(self.model(input_ids=input_ids, use_cache=False).logits, input_ids)
+        return self._token_stats(input_ids).logp
+
+    def _token_stats(self, input_ids: torch.Tensor, *, with_entropy: bool = False) -> TokenStats:
+        cfg = self.train_config
+        return self.root(input_ids, temperature=cfg.rollout_temperature, chunk_tokens=cfg.log_probs_chunk_size,
+                         with_entropy=with_entropy)
+
+    def _reference_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.train_config
+        try:
+            return self.reference(input_ids, temperature=cfg.rollout_temperature,
+                                  chunk_tokens=cfg.log_probs_chunk_size).logp
+        finally:
+            self.reference.reshard()
 
     def log_probs(self, batch):
         """FSDP2 keeps the root's parameters gathered after a forward with no backward; while gathered,
@@ -93,7 +162,7 @@ class FSDPBackend(TrainerBackend):
         try:
             return super().log_probs(batch)
         finally:
-            self.model.reshard()
+            self.root.reshard()
 
     def _grad_norm(self) -> float:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -104,14 +173,13 @@ class FSDPBackend(TrainerBackend):
         return math.sqrt(float(total))
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self.model.reshard()  # see log_probs: stream the sharded parameters, never a stale gathered copy
+        self.root.reshard()  # see log_probs: stream the sharded parameters, never a stale gathered copy
         if dist.get_world_size() == 1:
-            cast = self.stream_dtype
-            if cast is None:
-                yield from self._whole_parameters()  # the same pairs every update: receivers see nothing moved
-                return
-            for name, t in self._whole_parameters():
-                yield name, t.to(cast)
+            whole = self._whole_parameters()
+            if self.stream_dtype is None or all(t.dtype == self.stream_dtype for _, t in whole):
+                yield from whole  # the same pairs every update: receivers see nothing moved
+            else:
+                yield from self._served_copies()
             return
         for name, param in self.model.named_parameters():
             if not hasattr(param, "full_tensor"):

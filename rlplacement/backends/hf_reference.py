@@ -1,8 +1,9 @@
 """The plain single-process HF model as the reference the backends are checked against.
 
-Same loss (:func:`base.policy_gradient_loss`), same optimizer and clipping as
-:meth:`TrainerBackend.train_step`, without any sharding: a backend is right when its streamed tensors
-after a step equal these within fp32 tolerance.
+Same objective (:func:`objective.policy_loss`), same optimizer, schedule and clipping as
+:meth:`TrainerBackend.train_step`, without any sharding, micro-batches or chunking: the whole step's
+batch in one piece. A backend is right when its streamed tensors after a step equal these within fp32
+tolerance.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import os
 
 import torch
 
-from rlplacement.backends.base import policy_gradient_loss, token_log_probs
-from rlplacement.config import OptimConfig
+from rlplacement.backends.objective import TokenStats, policy_loss
+from rlplacement.config import OptimConfig, TrainConfig
 from rlplacement.train_io import Batch
 
 
@@ -23,25 +24,45 @@ def load_hf(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).eval()
 
 
-def hf_log_probs(model, input_ids: torch.Tensor) -> torch.Tensor:
+def hf_token_stats(model, input_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False) -> TokenStats:
+    """Log-probs (and entropies) from the full-vocabulary logits, unchunked."""
+    logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    zeros = logits.new_zeros(input_ids.shape[0], 1)
+    logp = torch.cat([zeros, logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)], dim=1)
+    entropy = torch.cat([zeros, -(logp_all.exp() * logp_all).sum(-1)], dim=1) if with_entropy else None
+    return TokenStats(logp, entropy)
+
+
+def hf_log_probs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     with torch.no_grad():
-        return token_log_probs(model(input_ids=input_ids, use_cache=False).logits, input_ids)
+        return hf_token_stats(model, input_ids, temperature).logp
 
 
-def hf_reference_step(model, rank_batches: list[Batch], optim: OptimConfig) -> dict[str, float]:
-    """One step on data-parallel shares ``rank_batches``: the gradient is the mean of their losses' grads."""
+def hf_reference_step(model, rank_batches: list[Batch], optim: OptimConfig, train: TrainConfig | None = None,
+                      reference=None, iteration: int = 0) -> dict[str, float]:
+    """One optimizer step on the union of ``rank_batches`` (every data-parallel rank's share): the loss is
+    the global token mean over all of them. ``reference``: the frozen model of ``--use-kl-loss``."""
+    train = train or TrainConfig()
     opt = optim.build(model.parameters())
     opt.zero_grad()
-    loss = sum(policy_gradient_loss(token_log_probs(model(input_ids=b.input_ids, use_cache=False).logits,
-                                                    b.input_ids), b) for b in rank_batches) / len(rank_batches)
-    loss.backward()
+    tokens = max(float(sum(b.loss_mask.sum() for b in rank_batches)), 1.0)
+    loss = 0.0
+    for b in rank_batches:
+        stats = hf_token_stats(model, b.input_ids, train.rollout_temperature, with_entropy=bool(train.entropy_coef))
+        ref = hf_log_probs(reference, b.input_ids, train.rollout_temperature) if train.use_kl_loss else None
+        part = policy_loss(stats, b, train, tokens, ref).loss
+        part.backward()
+        loss += float(part.detach())
     norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
     if optim.max_grad_norm and norm > optim.max_grad_norm:
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(optim.max_grad_norm / (norm + 1e-6))
+    for group in opt.param_groups:
+        group["lr"] = optim.lr_at(iteration)
     opt.step()
-    return {"loss": float(loss.detach()), "grad_norm": norm}
+    return {"loss": loss, "grad_norm": norm}
 
 
 def random_batch(vocab_size: int, batch: int = 2, seq: int = 12, prompt: int = 4, seed: int = 0) -> Batch:

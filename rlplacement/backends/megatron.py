@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rlplacement.config import BackendConfig, OptimConfig
+from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
 from rlplacement.backends import launch
 from rlplacement.families import megatron_mapping as mapping
@@ -32,8 +32,8 @@ class MegatronBackend(TrainerBackend):
     name = "megatron"
 
     def __init__(self, model, hf_config: Any, shape: mapping.ModelShape, optim: OptimConfig,
-                 stream_dtype: torch.dtype | None):
-        super().__init__(optim)
+                 stream_dtype: torch.dtype | None, train: TrainConfig | None = None):
+        super().__init__(optim, train)
         self.model, self.hf_config, self.shape = model, hf_config, shape
         self.family = family_for(hf_config)
         self.spec = model.rlplacement_spec
@@ -41,7 +41,8 @@ class MegatronBackend(TrainerBackend):
         self._named = list(mm.global_named_parameters(model))
 
     @classmethod
-    def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), spec: str = "auto",
+    def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
+                    spec: str = "auto",
                     dtype: torch.dtype = torch.float32, stream_dtype: torch.dtype | None = None,
                     seed: int = 1234, **_: Any) -> "MegatronBackend":
         """``dtype``: the trained (master) weights; ``stream_dtype``: what ``iter_hf_tensors`` yields
@@ -74,7 +75,7 @@ class MegatronBackend(TrainerBackend):
             mm.load_torch_dist(model, layout.checkpoint_dir(cfg.load))
         else:
             mm.load_hf_weights(model, hf_dir, shape, family)
-        return cls(model, hf_config, shape, optim, stream_dtype)
+        return cls(model, hf_config, shape, optim, stream_dtype, train)
 
     @property
     def data_parallel_rank(self) -> int:
@@ -87,6 +88,12 @@ class MegatronBackend(TrainerBackend):
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_world_size()
+
+    @property
+    def data_parallel_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
 
     def set_train(self, training: bool) -> None:
         self.model.train(training)
@@ -122,6 +129,8 @@ class MegatronBackend(TrainerBackend):
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         logits = logits.float()  # [B, T, V_padded / TP]
+        if self.train_config.rollout_temperature != 1.0:
+            logits = logits / self.train_config.rollout_temperature
         shard = logits.shape[-1]
         first = ps.get_tensor_model_parallel_rank() * shard
         padding = torch.arange(first, first + shard, device=logits.device) >= self.shape.vocab_size
@@ -145,7 +154,8 @@ class MegatronBackend(TrainerBackend):
     def _from_last_stage(self, tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state as ps
 
-        buf = tensor.detach().contiguous() if tensor is not None else torch.empty_like(like, dtype=torch.float32)
+        buf = tensor.detach().contiguous() if tensor is not None else torch.empty_like(
+            like, dtype=like.dtype if like.is_floating_point() else torch.float32)
         dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
                        group=ps.get_pipeline_model_parallel_group())
         return buf
@@ -159,27 +169,28 @@ class MegatronBackend(TrainerBackend):
             logp = self._run_stage(ids, grad=False)[2]
         return self._from_last_stage(logp, ids)
 
-    def _forward_backward(self, batch):
+    def _forward_backward(self, batch, normalizer, ref_logp):
         from megatron.core import parallel_state as ps
 
-        from rlplacement.backends.base import policy_gradient_loss
+        from rlplacement.backends.objective import LossParts, TokenStats, policy_loss
 
         if self._pp == 1:
-            return super()._forward_backward(batch)
+            return super()._forward_backward(batch, normalizer, ref_logp)
         out, received, logp = self._run_stage(batch.input_ids, grad=True)
-        loss = None
+        sums = None
         if logp is not None:
-            loss = policy_gradient_loss(logp, batch)
-            loss.backward()
+            parts = policy_loss(TokenStats(logp), batch, self.train_config, normalizer, ref_logp)
+            parts.loss.backward()
+            sums = torch.stack([parts.loss.detach(), *parts[1:], (logp.detach() * batch.loss_mask).sum()]).double()
         else:
             grad = torch.empty_like(out)
             dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
             out.backward(grad)
         if received is not None:
             dist.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
-        logp = self._from_last_stage(logp, batch.input_ids)
-        loss_t = self._from_last_stage(loss.reshape(1) if loss is not None else None, torch.zeros(1))
-        return float(loss_t[0]), logp
+        sums = self._from_last_stage(sums, torch.zeros(6, dtype=torch.float64, device=out.device))
+        values = sums.tolist()
+        return LossParts(values[0], *values[1:5]), values[5]
 
     def _finish_grads(self) -> None:
         from megatron.core import parallel_state as ps

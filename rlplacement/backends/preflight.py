@@ -15,6 +15,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+from rlplacement.backends import train_checkpoint
 from rlplacement.config import BackendConfig
 from rlplacement.backends import megatron_checkpoint
 from rlplacement.backends.registry import known_backends
@@ -36,8 +37,7 @@ def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: 
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     if cfg.name != "megatron":
         if cfg.load:
-            raise ConfigError(f"--load {cfg.load} is a Megatron torch_dist folder; --train-backend {cfg.name} "
-                              f"reads an HF folder: drop --load and pass --hf-checkpoint")
+            train_checkpoint.latest(cfg.load)  # a finished --save folder of this backend, or refused by name
         if (tp, pp) != (1, 1):
             raise ConfigError(f"--tensor-model-parallel-size/--pipeline-model-parallel-size apply to "
                               f"--train-backend megatron, not {cfg.name}: drop them")

@@ -27,10 +27,11 @@ from typing import Any, Iterator
 
 import torch
 
-from rlplacement.config import BackendConfig, OptimConfig
+from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
-from rlplacement.backends.base import TrainerBackend, token_log_probs
-from rlplacement.backends.fsdp import FSDPBackend
+from rlplacement.backends.base import TrainerBackend
+from rlplacement.backends.objective import token_log_probs
+from rlplacement.backends.fsdp import FSDPBackend, resolve_bf16
 
 def torchtitan_import_error() -> str | None:
     """Why torchtitan's models cannot be imported here, or None if they can."""
@@ -44,22 +45,27 @@ def torchtitan_import_error() -> str | None:
 
 
 class TorchtitanBackend(FSDPBackend):
-    """torchtitan's model under FSDP2; log-probs, the step, clipping and streaming as :class:`FSDPBackend`."""
+    """torchtitan's model under FSDP2; the step, clipping, mixed precision and streaming as :class:`FSDPBackend`.
+    Its log-probs come from the model's full logits (torchtitan's forward ends in its output layer), not in
+    chunks: ``--log-probs-chunk-size`` and ``--entropy-coef``/``--use-kl-loss`` are the fsdp backend's."""
 
     name = "torchtitan"
 
-    def __init__(self, model: torch.nn.Module, hf_config: Any, optim: OptimConfig, stream_dtype: torch.dtype | None):
-        TrainerBackend.__init__(self, optim)
-        self.model, self.hf_config, self.stream_dtype = model, hf_config, stream_dtype
+    def __init__(self, model: torch.nn.Module, hf_config: Any, optim: OptimConfig, train: TrainConfig,
+                 stream_dtype: torch.dtype | None):
+        TrainerBackend.__init__(self, optim, train)
+        self.root = self.model = model
+        self.hf_config, self.stream_dtype, self.reference = hf_config, stream_dtype, None
+        self._whole_cache = self._served = None
 
     @classmethod
-    def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), dtype: torch.dtype = torch.float32,
-                    stream_dtype: torch.dtype | None = None, allow_cpu: bool = False,
+    def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
+                    dtype: torch.dtype = torch.float32, stream_dtype: torch.dtype | None = None, allow_cpu: bool = False,
                     **_: Any) -> "TorchtitanBackend":
         """``allow_cpu``: build on CPU when CUDA is absent (needs triton importable; for smoke runs only)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from rlplacement.backends import launch
         from rlplacement.backends import torchtitan_model as ttm
@@ -78,16 +84,36 @@ class TorchtitanBackend(FSDPBackend):
         hf_config = load_hf_config(cfg.hf_checkpoint)
         model = ttm.build(hf_config, device, dtype)
         ttm.load_hf_weights(model, cfg.hf_checkpoint, hf_config)
+        train = train or TrainConfig()
+        bf16 = resolve_bf16(train)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+            else MixedPrecisionPolicy()
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for block in model.layers.values():
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        backend = cls(model, hf_config, optim, stream_dtype)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        if stream_dtype is None and bf16:
+            stream_dtype = torch.bfloat16
+        backend = cls(model, hf_config, optim, train, stream_dtype)
         backend.optimizer = optim.build(model.parameters())  # over the sharded DTensors, built once
         return backend
 
+    @property
+    def yields_resident_tensors(self) -> bool:
+        """One rank streaming its parameters uncast (no served copies here: a cast stream is copies)."""
+        import torch.distributed as dist
+
+        return dist.get_world_size() == 1 and (self.stream_dtype is None or all(
+            t.dtype == self.stream_dtype for _, t in self._whole_parameters()))
+
     def _token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return token_log_probs(self.model(input_ids), input_ids)
+        return token_log_probs(self.model(input_ids), input_ids, self.train_config.rollout_temperature)
+
+    def _token_stats(self, input_ids: torch.Tensor, *, with_entropy: bool = False):
+        return TrainerBackend._token_stats(self, input_ids, with_entropy=with_entropy)
+
+    def _reference_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return TrainerBackend._reference_log_probs(self, input_ids)
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from rlplacement.backends import torchtitan_model as ttm

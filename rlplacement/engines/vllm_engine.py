@@ -17,6 +17,8 @@ import os
 import time
 from typing import Any
 
+import numpy as np
+
 from rlplacement.runtime.one_at_a_time import one_call_at_a_time
 from rlplacement.transfer.base import EngineUpdateReport, Instants, TransferError, tensor_checksum
 
@@ -61,6 +63,9 @@ class VllmRolloutEngine:
             llm_kwargs["enable_sleep_mode"] = True
         # per-request finish and first-token times come from vLLM's request stats, kept only with log stats on
         llm_kwargs.setdefault("disable_log_stats", False)
+        # log-probs of the distribution sampled from (after temperature), the trainer's quantity: vLLM's
+        # default is the raw model's, which differs from the trainer's at any temperature but 1
+        llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         self.llm = LLM(model=self.model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        tensor_parallel_size=tensor_parallel_size, enforce_eager=llm_kwargs.pop("enforce_eager", True),
                        weight_transfer_config={"backend": BACKEND}, **llm_kwargs)
@@ -198,7 +203,8 @@ class VllmRolloutEngine:
     def generate(self, prompt_token_ids: list[list[int]], *, max_tokens: int | list[int] = 16,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  stop_token_ids: list[int] | None = None, exact_lengths: bool = False) -> list[dict]:
-        """One completion per prompt: token ids, the log-probability of each sampled token, why it
+        """One completion per prompt: token ids (int64 array), the log-probability of each sampled token
+        (float32 array, after temperature: the engine runs with ``logprobs_mode="processed_logprobs"``), why it
         stopped, and when it finished. ``seed`` makes sampling reproducible (prompt i uses ``seed + i``);
         ``max_tokens`` may be one per prompt, and ``exact_lengths`` makes each completion that long
         (no early stop), e.g. to reproduce a length distribution.
@@ -226,8 +232,9 @@ class VllmRolloutEngine:
         for out in outputs:
             c, stats = out.outputs[0], out.metrics
             own = stats is not None and stats.last_token_ts > 0
-            results.append({"token_ids": list(c.token_ids),
-                            "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+            results.append({"token_ids": np.asarray(c.token_ids, dtype=np.int64),
+                            "logprobs": np.asarray([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                                                   dtype=np.float32),
                             "finish_reason": c.finish_reason, "weight_version": None,
                             "finished_at": wall0 + (stats.last_token_ts - mono0) if own else finished,
                             "first_token_at": wall0 + (stats.first_token_ts - mono0) if own else None})

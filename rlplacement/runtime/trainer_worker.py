@@ -19,7 +19,7 @@ from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
 if TYPE_CHECKING:
     import torch
 
-    from rlplacement.config import BackendConfig, OptimConfig
+    from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
     from rlplacement.train_io import Batch, TrainStepReport
 
 
@@ -49,8 +49,9 @@ class TrainerWorker(TrainerTransferMixin):
         return host, port
 
     def setup(self, master_addr: str, master_port: int, backend_cfg: BackendConfig, optim: OptimConfig,
-              backend_options: dict[str, Any] | None = None, timeout_s: float = 600.0) -> dict:
-        """Join the trainer's default process group and build the backend (collective)."""
+              train: TrainConfig, backend_options: dict[str, Any] | None = None, timeout_s: float = 600.0) -> dict:
+        """Join the trainer's default process group and build the backend (collective); ``resumed`` is the
+        saved state of a ``--load`` checkpoint (its ``weight_version`` included), else None."""
         import torch
 
         from rlplacement.backends.base import make_backend
@@ -61,10 +62,10 @@ class TrainerWorker(TrainerTransferMixin):
         store = (self._store if self.rank == 0 else
                  join_store(master_addr, master_port, self.world_size, timeout_s=timeout_s))
         init_distributed(self.rank, self.world_size, store=store)
-        self.backend = make_backend(backend_cfg, optim, **(backend_options or {}))
+        self.backend = make_backend(backend_cfg, optim, train, **(backend_options or {}))
         return {"rank": self.rank, "device": str(self.backend.device),
                 "data_parallel_rank": self.backend.data_parallel_rank,
-                "data_parallel_size": self.backend.data_parallel_size}
+                "data_parallel_size": self.backend.data_parallel_size, "resumed": self.backend.resumed}
 
     def log_probs(self, batch: Batch) -> "torch.Tensor":
         """``[B, T]`` float32 log-probs of this rank's share, on the host."""
@@ -78,6 +79,11 @@ class TrainerWorker(TrainerTransferMixin):
         start = time.time()
         metrics = self.backend.train_step(batch)
         return TrainStepReport(rank=self.rank, start=start, end=time.time(), **metrics)
+
+    def save_checkpoint(self, root: str, weight_version: int) -> str:
+        """Collective: the whole training state under ``root`` (``--save``); returns the published folder."""
+        self._require_resident("saving a checkpoint")
+        return self.backend.save_checkpoint(root, weight_version)
 
     # ---- memory hand-off (--offload-train) --------------------------------------------------
     def offload_to_host(self, engines_unmapped: bool = False) -> dict:

@@ -25,5 +25,6 @@ def outputs(engine, prompts, max_tokens: int):
     """An engine's completions without their timestamps: what must stay equal across updates."""
     import ray
 
-    return [{k: v for k, v in r.items() if k not in ("finished_at", "first_token_at")}
+    return [{k: v.tolist() if hasattr(v, "tolist") else v for k, v in r.items()
+             if k not in ("finished_at", "first_token_at")}
             for r in ray.get(engine.generate.remote(prompts, max_tokens=max_tokens), timeout=300)]

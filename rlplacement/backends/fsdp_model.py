@@ -1,0 +1,100 @@
+"""The HF causal LM under FSDP2, built so that no rank holds the whole model: built on the meta device,
+sharded (``fully_shard`` per decoder layer and on the root), allocated shard by shard, and filled by
+``torch.distributed.checkpoint`` reading the HF folder's safetensors (each rank reads only the rows it
+keeps). Mixed precision is FSDP2's ``MixedPrecisionPolicy``.
+
+The root module is :class:`CausalLMRoot`: the trunk and the output layer in one forward, so FSDP2's
+root hooks all-gather the root's parameters (embedding, final norm, output layer) around the chunked
+output layer too. Calling the output layer outside the root's forward would read its sharded tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rlplacement.backends.objective import TokenStats, chunked_token_stats
+
+
+class CausalLMRoot(torch.nn.Module):
+    """The FSDP2 root: ``lm`` (an HF ``*ForCausalLM``) as a child, so its parameter names stay HF's."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, *, temperature: float, chunk_tokens: int,
+                with_entropy: bool = False) -> TokenStats:
+        hidden = self.lm.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return chunked_token_stats(hidden, input_ids, self.lm.lm_head, temperature=temperature,
+                                   chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+
+
+def build_sharded(hf_dir: str | os.PathLike, device: torch.device, *, mixed_precision: bool,
+                  dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False,
+                  trainable: bool = True, weights: bool = True, compile_layers: bool = False) -> CausalLMRoot:
+    """The model of ``hf_dir`` with ``dtype`` parameters (fp32: the master weights), sharded over the
+    default process group, its weights read from the folder. ``mixed_precision``: bf16 compute, fp32
+    gradient reduction. ``trainable`` False: a frozen copy (a reference model), no gradients. ``weights``
+    False: leave the parameters unset (a training checkpoint fills them next). ``compile_layers``: each
+    decoder layer's forward through ``torch.compile`` (its norms, rotary and activations fused; FSDP2's
+    hooks stay eager around it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    root = CausalLMRoot(lm)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
+        else MixedPrecisionPolicy()
+    for layer in lm.model.layers:
+        if compile_layers:
+            layer.forward = torch.compile(layer.forward)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
+    root.to_empty(device=device)
+    _rebuild_buffers(root, device)
+    if weights:
+        load_hf_into(root, hf_dir)
+    if not trainable:
+        root.requires_grad_(False)
+    return root
+
+
+def _rebuild_buffers(root: torch.nn.Module, device: torch.device) -> None:
+    """Buffers computed at construction (rotary frequencies) are garbage after ``to_empty``: rebuild each
+    module that has any from its config, on the host (they are small), and copy them in."""
+    for name, module in root.named_modules():
+        own = dict(module.named_buffers(recurse=False))
+        if not own:
+            continue
+        config = getattr(module, "config", None)
+        if config is None:
+            raise RuntimeError(f"{name}: buffers {sorted(own)} cannot be rebuilt after meta-device init (no config)")
+        fresh = dict(type(module)(config).named_buffers(recurse=False))
+        with torch.no_grad():
+            for key, buf in own.items():
+                buf.copy_(fresh[key].to(device=device, dtype=buf.dtype))
+
+
+def load_hf_into(root: CausalLMRoot, hf_dir: str | os.PathLike) -> None:
+    """Fill the sharded parameters from the HF folder with ``torch.distributed.checkpoint`` (each rank reads
+    its rows; the file's dtype is cast to the parameters'). A tied output layer is the embedding."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    state = hf_state_dict(root)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(hf_dir)))
+
+
+def hf_state_dict(root: CausalLMRoot) -> dict[str, Any]:
+    """HF name -> the parameter itself (a DTensor shard), each tied tensor once."""
+    return dict(root.lm.named_parameters())

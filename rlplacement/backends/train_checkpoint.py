@@ -1,0 +1,112 @@
+"""A training checkpoint of the FSDP-sharded backends (``--save``, read back with ``--load``), written with
+``torch.distributed.checkpoint``: every rank writes its own shards, and a later run may have another
+number of ranks.
+
+```
+SAVE/iter_0000012/.metadata, __*_*.distcp   the model and optimizer state dicts (DCP)
+SAVE/iter_0000012/trainer_state.json        train calls, optimizer steps, skipped steps, weight version
+SAVE/iter_0000012/rng_rank{R}.pt            each rank's RNG states
+SAVE/latest_checkpointed_iteration.txt      "12", written last
+```
+Invariant: a checkpoint is published only whole. Every rank writes into ``iter_N.tmp``; after all of
+them finished, rank 0 renames it to ``iter_N`` and then replaces the marker atomically. A folder whose
+marker is missing, or names an iteration folder without its metadata or state, is refused by name.
+
+Torch-free at import (preflight checks ``--load`` folders without torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rlplacement.atomic_files import fsync_dir, write_atomic
+from rlplacement.errors import ConfigError
+
+MARKER = "latest_checkpointed_iteration.txt"
+STATE = "trainer_state.json"
+DCP_METADATA = ".metadata"
+
+
+def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest(root: str | os.PathLike, flag: str = "--load") -> Path:
+    """The last published iteration folder of ``root``; ConfigError naming what is missing otherwise."""
+    root = Path(root)
+    marker = root / MARKER
+    if not marker.is_file():
+        raise ConfigError(f"{flag} {root}: no {MARKER}, so it holds no finished training checkpoint: pass a "
+                          f"folder written by --save (or drop {flag} to start from --hf-checkpoint)")
+    text = marker.read_text().strip()
+    if not text.isdigit():
+        raise ConfigError(f"{flag} {root}: {MARKER} says {text!r}, not an iteration: this is not a --save folder "
+                          f"of this backend")
+    folder = iteration_dir(root, int(text))
+    for name in (DCP_METADATA, STATE):
+        if not (folder / name).is_file():
+            raise ConfigError(f"{flag} {root}: {folder / name} is missing, so iteration {text} was cut short: "
+                              f"restore the folder, or point {MARKER} at an earlier complete iteration")
+    return folder
+
+
+def read_state(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / STATE).read_text())
+
+
+def save(root: str | os.PathLike, iteration: int, model, optimizer, state: dict[str, Any]) -> Path:
+    """Collective: write ``model``'s and ``optimizer``'s sharded state, this rank's RNG and (rank 0)
+    ``state`` into ``iter_N.tmp``, then publish it. Returns the published folder."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = iteration_dir(root, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a run killed while saving left
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        write_atomic(tmp / STATE, json.dumps(state, indent=2))
+    dist.barrier()  # every rank's shards are in place
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+        write_atomic(Path(root) / MARKER, str(iteration))  # last: the checkpoint is whole
+    dist.barrier()
+    return final
+
+
+def load(folder: Path, model, optimizer) -> dict[str, Any]:
+    """Collective: model and optimizer state from ``folder`` (any number of ranks wrote it), this rank's
+    RNG when the same rank wrote one; returns the saved state."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    rng_file = folder / f"rng_rank{dist.get_rank()}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return read_state(folder)
