@@ -106,7 +106,8 @@ class RLJob:
 
         ``optim``: the trainer's optimizer (default ``config.optim``, from the flags); ``engine_kwargs``: vLLM
         engine arguments over :data:`DEFAULT_ENGINE_KWARGS`; ``backend_options``: keyword arguments of
-        the backend's ``from_config``; ``timeout_s``: bound of every wait on an actor, for the job's
+        the backend's ``from_config`` (``stream_dtype`` defaults to the engines' dtype: the trainer
+        serves what the engines hold, whatever it trains in); ``timeout_s``: bound of every wait on an actor, for the job's
         life; ``compiled_update``: dispatch each update through a Ray Compiled Graph (~0.1 ms instead
         of ~2 ms of Ray per update, ``runtime.update_dispatch``), None: where the trainer is on a GPU,
         the only place an update is short enough for that to show. With ``--load`` of a training
@@ -129,10 +130,11 @@ class RLJob:
         trainer_names = [f"trainer rank {r}" for r in range(world)]
         worker_cls = ray.remote(TrainerWorker)
         trainers = [worker_cls.options(**placement.trainer_options(r)).remote(r, world) for r in range(world)]
+        engine_args = {**DEFAULT_ENGINE_KWARGS, **(engine_kwargs or {})}
+        backend_options = {"stream_dtype": engine_args["dtype"], **(backend_options or {})}
         engines = [create_engine_actor(i, hf_dir, options=placement.engine_options(i),
                                        tensor_parallel_size=layout.gpus_per_engine,
-                                       sleep_mode=config.placement.offload_rollout,
-                                       **{**DEFAULT_ENGINE_KWARGS, **(engine_kwargs or {})})
+                                       sleep_mode=config.placement.offload_rollout, **engine_args)
                    for i in range(len(layout.engines))]
         try:
             addr, port = get_all([trainers[0].address.remote(timeout_s)], timeout_s, "trainer address",

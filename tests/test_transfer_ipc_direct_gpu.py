@@ -238,3 +238,60 @@ def test_the_driver_is_asked_again_only_after_the_allocator_freed_or_made_a_segm
     asked[:] = []
     again, _ = exports.manifest(named)
     assert asked and exports.handles_exported == exported + 1 and again != first
+
+
+def _backend_sender(hf_dir, endpoint_q, result_q, fault, keep_mapped, check_equal):
+    """A mixed-precision FSDP trainer (fp32 master weights, bf16 served): each version is one optimizer
+    step, streamed as the backend's persistent bf16 copies through the direct path."""
+    from rlplacement.backends import make_backend
+    from rlplacement.backends.hf_reference import random_batch
+    from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
+    from rlplacement.transfer import registry
+    from rlplacement.transfer.base import tensor_checksum
+
+    try:
+        backend = make_backend(BackendConfig(name="fsdp", hf_checkpoint=hf_dir), OptimConfig(lr=1e-2),
+                               TrainConfig(bf16=True))
+        sender = registry.sender_class("cuda_ipc")(1 << 20, check_equal=check_equal, timeout_s=60, device="cuda:0")
+        endpoint = sender.listen(1 + N_RECEIVERS, host="127.0.0.1")
+        for _ in range(N_RECEIVERS):
+            endpoint_q.put(endpoint.to_dict())
+        sender.connect()
+        sender.exports.keep_mapped = keep_mapped
+        out = {"paths": [], "failed": {}, "sums": {}, "rounds": {}, "same_objects": [], "cast_of_master": []}
+        previous = None
+        for v in VERSIONS:
+            backend.train_step(random_batch(backend.hf_config.vocab_size, seed=v))
+            named = list(backend.iter_hf_tensors())
+            if previous is not None:
+                out["same_objects"].append(all(a[1] is b[1] for a, b in zip(previous, named)))
+            previous = named
+            masters = {n: p.to_local().detach() for n, p in backend.model.named_parameters()}
+            out["cast_of_master"].append(all(t.dtype == torch.bfloat16 and masters[n].dtype == torch.float32
+                                             and torch.equal(t, masters[n].bfloat16()) for n, t in named))
+            report = sender.update(v, named, resident=backend.yields_resident_tensors)
+            out["paths"].append(report.path)
+            out["rounds"][v] = sender.last_direct_rounds
+            out["sums"][v] = {n: tensor_checksum(t) for n, t in named}
+        out["refusal"] = sender.direct_refusal
+        result_q.put(("sender", out))
+        sender.close()
+    except BaseException as exc:  # noqa: BLE001
+        result_q.put(("sender", f"{type(exc).__name__}: {exc}"))
+
+
+def test_mixed_precision_trainer_serves_its_bf16_copies_through_the_direct_path(tmp_path):
+    """fp32 master weights, bf16 served: the stream is one allocation of bf16 copies refreshed by a cast
+    each update (the same tensor objects every time), read in place by the receivers, bit for bit."""
+    from rlplacement.models.tiny import TinySpec, make_tiny_model
+
+    hf = make_tiny_model(tmp_path / "hf", TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2))
+    results = run_sender_and_receivers(_backend_sender, _receiver, N_RECEIVERS, sender_args=(str(hf),),
+                                       extra=(None, True, False))
+    sender = results["sender"]
+    assert sender["paths"] == ["direct"] * len(VERSIONS) and sender["refusal"] == ""
+    assert sender["same_objects"] == [True, True] and sender["cast_of_master"] == [True] * len(VERSIONS)
+    assert sender["rounds"] == {1: 2, 2: 1, 3: 1}  # the served copies stay put: mapped once, one round after
+    for rank in range(1, 1 + N_RECEIVERS):
+        got = results[f"receiver {rank}"]
+        assert not got["errors"] and all(got["sums"][v] == sender["sums"][v] for v in VERSIONS)

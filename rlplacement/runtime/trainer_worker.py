@@ -62,7 +62,11 @@ class TrainerWorker(TrainerTransferMixin):
         store = (self._store if self.rank == 0 else
                  join_store(master_addr, master_port, self.world_size, timeout_s=timeout_s))
         init_distributed(self.rank, self.world_size, store=store)
-        self.backend = make_backend(backend_cfg, optim, train, **(backend_options or {}))
+        options = dict(backend_options or {})
+        if isinstance(options.get("stream_dtype"), str):  # a dtype's name, as an engine argument spells it;
+            dtype = getattr(torch, options["stream_dtype"], None)  # vLLM's "auto": the trained dtype
+            options["stream_dtype"] = dtype if isinstance(dtype, torch.dtype) else None
+        self.backend = make_backend(backend_cfg, optim, train, **options)
         return {"rank": self.rank, "device": str(self.backend.device),
                 "data_parallel_rank": self.backend.data_parallel_rank,
                 "data_parallel_size": self.backend.data_parallel_size, "resumed": self.backend.resumed}
