@@ -5,7 +5,10 @@ log-probs. Per step: train seconds, peak memory, MFU and HFU against the bf16 ma
 the same GPU in the same run, and a profile of where a step's GPU time goes.
 
     python3 benchmarks/gpu/train_step_h200.py --out DIR [--samples 512 --response 1024 --prompt 128]
-        [--variants eager compiled] [--steps 3]
+        [--variants eager compiled torchtitan:compiled] [--steps 3]
+
+A variant is ``[BACKEND:]eager|compiled`` (backend fsdp by default, or torchtitan: its own model under the
+same FSDP2 step; it needs torchtitan, tyro and spmd_types carried).
 
 MFU counts the model's FLOPs once: 6 x (parameters in matmuls) x tokens, plus causal attention
 6 x layers x (heads x head_dim) x sum of squared sample lengths. HFU adds what recompute runs again
@@ -123,9 +126,10 @@ def run_variant(model_dir: Path, variant: str, args, peak_tflops: float) -> dict
 
     train = TrainConfig(bf16=True, use_dynamic_batch_size=True, max_tokens_per_gpu=args.max_tokens,
                         gradient_checkpointing=True, log_probs_chunk_size=args.chunk)
+    name, _, mode = variant.rpartition(":")
     t0 = time.time()
-    backend = make_backend(BackendConfig(name="fsdp", hf_checkpoint=str(model_dir)), OptimConfig(lr=1e-6), train,
-                           compile_layers=variant == "compiled")
+    backend = make_backend(BackendConfig(name=name or "fsdp", hf_checkpoint=str(model_dir)), OptimConfig(lr=1e-6),
+                           train, compile_layers=mode == "compiled")
     build_s = time.time() - t0
     b = batch(args.samples, args.prompt, args.response, SHAPE["vocab_size"])
     mfu_flops, hfu_flops = model_flops(backend.hf_config, b.sample_lengths())
@@ -139,9 +143,9 @@ def run_variant(model_dir: Path, variant: str, args, peak_tflops: float) -> dict
         sync()
         seconds = time.perf_counter() - s0
         allocated, reserved = peak_memory_gb()
-        served = list(backend.iter_hf_tensors())  # the update's stream: bf16 copies of the fp32 master weights
+        served = list(backend.iter_hf_tensors())  # the update's stream: bf16 of the fp32 master weights
         exact = all(torch.equal(t, p.to_local().detach().to(t.dtype))
-                    for (_, t), p in zip(served, backend.model.parameters()))
+                    for (_, t), p in zip(served, backend.model.parameters())) if name in ("", "fsdp") else None
         steps.append({"step": step, "train_s": round(seconds, 3), "tokens": sum(b.sample_lengths()),
                       "mfu": round(mfu_flops / seconds / 1e12 / peak_tflops, 4),
                       "hfu": round(hfu_flops / seconds / 1e12 / peak_tflops, 4),

@@ -19,17 +19,60 @@ from rlplacement.backends.objective import TokenStats, chunked_token_stats
 
 
 class CausalLMRoot(torch.nn.Module):
-    """The FSDP2 root: ``lm`` (an HF ``*ForCausalLM``) as a child, so its parameter names stay HF's."""
+    """The FSDP2 root: ``lm`` (an HF ``*ForCausalLM``) as a child, so its parameter names stay its own."""
 
     def __init__(self, lm: torch.nn.Module):
         super().__init__()
         self.lm = lm
 
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The last hidden states ``[B, T, H]``, after the final norm."""
+        return self.lm.model(input_ids=input_ids, use_cache=False).last_hidden_state
+
     def forward(self, input_ids: torch.Tensor, *, temperature: float, chunk_tokens: int,
                 with_entropy: bool = False) -> TokenStats:
-        hidden = self.lm.model(input_ids=input_ids, use_cache=False).last_hidden_state
-        return chunked_token_stats(hidden, input_ids, self.lm.lm_head, temperature=temperature,
+        return chunked_token_stats(self.hidden(input_ids), input_ids, self.lm.lm_head, temperature=temperature,
                                    chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+
+
+class TorchtitanRoot(CausalLMRoot):
+    """The same root over torchtitan's ``Decoder``, told to stop before its output layer (``_skip_lm_head``)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__(lm)
+        lm._skip_lm_head = True
+
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids)
+
+
+def recompute_and_compile(layer: torch.nn.Module, *, recompute: bool, compile_layer: bool) -> None:
+    """One decoder layer's forward through ``torch.compile`` (its norms, rotary and activations fused;
+    FSDP2's hooks stay eager around it) and under non-reentrant activation checkpointing (recomputed in
+    the backward pass, where FSDP2 has gathered the layer's parameters again)."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    forward = torch.compile(layer.forward) if compile_layer else layer.forward
+    if recompute:
+        forward = partial(checkpoint, forward, use_reentrant=False)
+    layer.forward = forward
+
+
+def shard(root: torch.nn.Module, layers, device_type: str, mixed_precision: bool) -> None:
+    """``fully_shard`` every layer and then the root over the default process group; mixed precision is
+    bf16 compute with fp32 gradient reduction over the parameters' own (master) dtype."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
+        else MixedPrecisionPolicy()
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
 
 
 def build_sharded(hf_dir: str | os.PathLike, device: torch.device, *, mixed_precision: bool,
@@ -38,12 +81,8 @@ def build_sharded(hf_dir: str | os.PathLike, device: torch.device, *, mixed_prec
     """The model of ``hf_dir`` with ``dtype`` parameters (fp32: the master weights), sharded over the
     default process group, its weights read from the folder. ``mixed_precision``: bf16 compute, fp32
     gradient reduction. ``trainable`` False: a frozen copy (a reference model), no gradients. ``weights``
-    False: leave the parameters unset (a training checkpoint fills them next). ``compile_layers``: each
-    decoder layer's forward through ``torch.compile`` (its norms, rotary and activations fused; FSDP2's
-    hooks stay eager around it)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    False: leave the parameters unset (a training checkpoint fills them next). Recompute is HF's own
+    ``gradient_checkpointing_enable``; ``compile_layers``: see :func:`recompute_and_compile`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(hf_dir)
@@ -51,15 +90,11 @@ def build_sharded(hf_dir: str | os.PathLike, device: torch.device, *, mixed_prec
         lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile_layers:
+        for layer in lm.model.layers:
+            recompute_and_compile(layer, recompute=False, compile_layer=True)
     root = CausalLMRoot(lm)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
-        else MixedPrecisionPolicy()
-    for layer in lm.model.layers:
-        if compile_layers:
-            layer.forward = torch.compile(layer.forward)
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(root, mesh=mesh, mp_policy=policy)
+    shard(root, lm.model.layers, device.type, mixed_precision)
     root.to_empty(device=device)
     _rebuild_buffers(root, device)
     if weights:

@@ -30,7 +30,6 @@ import torch
 from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
 from rlplacement.backends.base import TrainerBackend
-from rlplacement.backends.objective import token_log_probs
 from rlplacement.backends.fsdp import FSDPBackend, resolve_bf16
 
 def torchtitan_import_error() -> str | None:
@@ -45,30 +44,28 @@ def torchtitan_import_error() -> str | None:
 
 
 class TorchtitanBackend(FSDPBackend):
-    """torchtitan's model under FSDP2; the step, clipping, mixed precision and streaming as :class:`FSDPBackend`.
-    Its log-probs come from the model's full logits (torchtitan's forward ends in its output layer), not in
-    chunks: ``--log-probs-chunk-size`` and ``--entropy-coef``/``--use-kl-loss`` are the fsdp backend's."""
+    """torchtitan's model under FSDP2; the step, clipping, mixed precision, chunked log-probs (torchtitan's
+    ``Decoder`` stops before its output layer: ``fsdp_model.TorchtitanRoot``), the reference model and the
+    stream as :class:`FSDPBackend`. Recompute and compile wrap each block (``fsdp_model.recompute_and_compile``).
+    Every rank builds the whole model before sharding (torchtitan's builder has no meta-device path here)."""
 
     name = "torchtitan"
 
-    def __init__(self, model: torch.nn.Module, hf_config: Any, optim: OptimConfig, train: TrainConfig,
-                 stream_dtype: torch.dtype | None):
+    def __init__(self, root: torch.nn.Module, hf_config: Any, optim: OptimConfig, train: TrainConfig,
+                 stream_dtype: torch.dtype | None, reference: torch.nn.Module | None = None):
         TrainerBackend.__init__(self, optim, train)
-        self.root = self.model = model
-        self.hf_config, self.stream_dtype, self.reference = hf_config, stream_dtype, None
+        self.root, self.model, self.reference = root, root.lm, reference
+        self.hf_config, self.stream_dtype = hf_config, stream_dtype
         self._whole_cache = self._served = None
 
     @classmethod
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
                     dtype: torch.dtype = torch.float32, stream_dtype: torch.dtype | None = None, allow_cpu: bool = False,
-                    **_: Any) -> "TorchtitanBackend":
+                    compile_layers: bool = False, **_: Any) -> "TorchtitanBackend":
         """``allow_cpu``: build on CPU when CUDA is absent (needs triton importable; for smoke runs only)."""
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from rlplacement.backends import launch
-        from rlplacement.backends import torchtitan_model as ttm
         from rlplacement.backends.megatron_model import load_hf_config
         from rlplacement.backends.preflight import preflight
 
@@ -82,20 +79,20 @@ class TorchtitanBackend(FSDPBackend):
             launch.init_single_process()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         hf_config = load_hf_config(cfg.hf_checkpoint)
-        model = ttm.build(hf_config, device, dtype)
-        ttm.load_hf_weights(model, cfg.hf_checkpoint, hf_config)
         train = train or TrainConfig()
         bf16 = resolve_bf16(train)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-            else MixedPrecisionPolicy()
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        root = _build(cfg.hf_checkpoint, hf_config, device, dtype, bf16, recompute=train.gradient_checkpointing,
+                      compile_layers=compile_layers)
+        reference = None
+        if train.use_kl_loss:
+            reference = _build(cfg.hf_checkpoint, hf_config, device, dtype, bf16)
+            reference.requires_grad_(False)
         if stream_dtype is None and bf16:
             stream_dtype = torch.bfloat16
-        backend = cls(model, hf_config, optim, train, stream_dtype)
-        backend.optimizer = optim.build(model.parameters())  # over the sharded DTensors, built once
+        backend = cls(root, hf_config, optim, train, stream_dtype, reference)
+        backend.optimizer = optim.build(root.parameters())  # over the sharded DTensors, built once
+        if cfg.load:
+            backend.load_checkpoint(cfg.load)
         return backend
 
     @property
@@ -106,19 +103,26 @@ class TorchtitanBackend(FSDPBackend):
         return dist.get_world_size() == 1 and (self.stream_dtype is None or all(
             t.dtype == self.stream_dtype for _, t in self._whole_parameters()))
 
-    def _token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return token_log_probs(self.model(input_ids), input_ids, self.train_config.rollout_temperature)
-
-    def _token_stats(self, input_ids: torch.Tensor, *, with_entropy: bool = False):
-        return TrainerBackend._token_stats(self, input_ids, with_entropy=with_entropy)
-
-    def _reference_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return TrainerBackend._reference_log_probs(self, input_ids)
-
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from rlplacement.backends import torchtitan_model as ttm
 
-        self.model.reshard()  # stream the sharded parameters, never a stale gathered copy (see FSDPBackend)
+        self.root.reshard()  # stream the sharded parameters, never a stale gathered copy (see FSDPBackend)
         for name, full in ttm.hf_named_tensors(self.model, self.hf_config):
             if self.is_source:
                 yield name, full if self.stream_dtype is None else full.to(self.stream_dtype)
+
+
+def _build(hf_dir: str, hf_config: Any, device: torch.device, dtype: torch.dtype, bf16: bool, *,
+           recompute: bool = False, compile_layers: bool = False) -> torch.nn.Module:
+    """torchtitan's model of ``hf_dir`` filled from its weights, each block recomputed/compiled as asked,
+    sharded under a :class:`fsdp_model.TorchtitanRoot`."""
+    from rlplacement.backends import torchtitan_model as ttm
+    from rlplacement.backends.fsdp_model import TorchtitanRoot, recompute_and_compile, shard
+
+    model = ttm.build(hf_config, device, dtype)
+    ttm.load_hf_weights(model, hf_dir, hf_config)
+    for block in model.layers.values():
+        recompute_and_compile(block, recompute=recompute, compile_layer=compile_layers)
+    root = TorchtitanRoot(model)
+    shard(root, model.layers.values(), device.type, bf16)
+    return root
