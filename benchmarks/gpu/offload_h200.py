@@ -43,6 +43,7 @@ def run(model_dir: Path, args, offload: bool) -> dict:
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
     engine_kwargs = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 512}
+    master = torch.float32 if args.master_fp32 else dtype  # fp32: --bf16 mixed precision, bf16 served
     if cuda:
         engine_kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     vocab = 8192 if args.size != "smoke" else 300
@@ -51,7 +52,7 @@ def run(model_dir: Path, args, offload: bool) -> dict:
     job = None
     try:
         job = RLJob.start(job_config(offload), str(model_dir), optim=OptimConfig(name="adamw", lr=1e-4),
-                          engine_kwargs=engine_kwargs, backend_options={"dtype": dtype})
+                          engine_kwargs=engine_kwargs, backend_options={"dtype": master})
         out["startup_s"] = round(time.time() - t0, 1)
         prompts = [[(7 * i + j) % vocab for j in range(16)] for i in range(args.prompts)]
         for step in range(args.steps):
@@ -103,6 +104,9 @@ def main() -> int:
     parser.add_argument("--train-len", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--skip-without", action="store_true", help="only the run with the hand-off")
+    parser.add_argument("--master-fp32", action="store_true",
+                        help="fp32 master weights and AdamW state with bf16 compute (mixed precision), bf16 served "
+                             "(-> offload_h200_<size>_fp32.json)")
     parser.add_argument("--out", type=str, default=None)
     args = parser.parse_args()
     import tempfile
@@ -116,7 +120,8 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="offload_h200_"))
     model_dir = common.make_model(root, args.size, "bfloat16" if torch.cuda.is_available() else "float32")
     results: dict = {"command": " ".join(["python3", *sys.argv]), "gpus": common.gpu_names()[:1],
-                     "versions": common.versions(), "size": args.size, "runs": []}
+                     "versions": common.versions(), "size": args.size, "master_fp32": args.master_fp32, "runs": []}
+    name = f"offload_h200_{args.size}_fp32.json" if args.master_fp32 else "offload_h200.json"
     try:
         for offload in (True, False)[:1 if args.skip_without else 2]:
             run_result = run(model_dir, args, offload)
@@ -124,11 +129,11 @@ def main() -> int:
                         "perf/trainer_gpu_peak_gb_in_train", "perf/rollout_gpu_resident_gb_in_train"):
                 run_result[f"growth_{key.removeprefix('perf/')}"] = growth(run_result["steps"], key)
             results["runs"].append(run_result)
-            common.write(args.out, "offload_h200.json", results)
+            common.write(args.out, name, results)
             if ray.is_initialized():
                 ray.shutdown()
     finally:
-        common.write(args.out, "offload_h200.json", results)
+        common.write(args.out, name, results)
     return 0
 
 
