@@ -38,20 +38,27 @@ def _step(named, version: int) -> None:
             t.add_(version)  # in place: the allocations stay, so do the exports
 
 
+def _connected_sender(endpoint_q, keep_mapped: bool, check_equal: bool):
+    """A cuda_ipc sender on GPU 0 joined by the N receivers (its endpoint handed to each on ``endpoint_q``)."""
+    from rlplacement.transfer import registry
+
+    sender = registry.sender_class("cuda_ipc")(1 << 20, check_equal=check_equal, timeout_s=60, device="cuda:0")
+    endpoint = sender.listen(1 + N_RECEIVERS, host="127.0.0.1")
+    for _ in range(N_RECEIVERS):
+        endpoint_q.put(endpoint.to_dict())
+    sender.connect()
+    sender.exports.keep_mapped = keep_mapped
+    return sender
+
+
 def _sender(alloc_conf, endpoint_q, result_q, fault, keep_mapped, check_equal):
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
-    from rlplacement.transfer import registry
     from rlplacement.transfer.base import tensor_checksum
     from rlplacement.transfer.base import UpdateAborted
     from rlplacement.errors import UpdateRefused
 
     try:
-        sender = registry.sender_class("cuda_ipc")(1 << 20, check_equal=check_equal, timeout_s=60, device="cuda:0")
-        endpoint = sender.listen(1 + N_RECEIVERS, host="127.0.0.1")
-        for _ in range(N_RECEIVERS):
-            endpoint_q.put(endpoint.to_dict())
-        sender.connect()
-        sender.exports.keep_mapped = keep_mapped
+        sender = _connected_sender(endpoint_q, keep_mapped, check_equal)
         named = _weights()
         out = {"paths": [], "failed": {}, "sums": {}, "rounds": {}}
         for v in VERSIONS:
@@ -246,18 +253,12 @@ def _backend_sender(hf_dir, endpoint_q, result_q, fault, keep_mapped, check_equa
     from rlplacement.backends import make_backend
     from rlplacement.backends.hf_reference import random_batch
     from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
-    from rlplacement.transfer import registry
     from rlplacement.transfer.base import tensor_checksum
 
     try:
         backend = make_backend(BackendConfig(name="fsdp", hf_checkpoint=hf_dir), OptimConfig(lr=1e-2),
                                TrainConfig(bf16=True))
-        sender = registry.sender_class("cuda_ipc")(1 << 20, check_equal=check_equal, timeout_s=60, device="cuda:0")
-        endpoint = sender.listen(1 + N_RECEIVERS, host="127.0.0.1")
-        for _ in range(N_RECEIVERS):
-            endpoint_q.put(endpoint.to_dict())
-        sender.connect()
-        sender.exports.keep_mapped = keep_mapped
+        sender = _connected_sender(endpoint_q, keep_mapped, check_equal)
         out = {"paths": [], "failed": {}, "sums": {}, "rounds": {}, "same_objects": [], "cast_of_master": []}
         previous = None
         for v in VERSIONS:
