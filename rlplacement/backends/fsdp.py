@@ -27,6 +27,11 @@ def resolve_bf16(train: TrainConfig) -> bool:
     return torch.cuda.is_available() if train.bf16 is None else train.bf16
 
 
+def served_dtype(stream_dtype: torch.dtype | None, bf16: bool) -> torch.dtype | None:
+    """What the weight stream yields: as asked, else bf16 under mixed precision, else the parameters' own."""
+    return torch.bfloat16 if stream_dtype is None and bf16 else stream_dtype
+
+
 class FSDPBackend(TrainerBackend):
     name = "fsdp"
 
@@ -37,7 +42,7 @@ class FSDPBackend(TrainerBackend):
         super().__init__(optim, train)
         self.root, self.model, self.stream_dtype, self.reference = root, model, stream_dtype, reference
         self._whole_cache: tuple[list, list] | None = None  # see _whole_parameters
-        self._served: list[tuple[str, torch.Tensor]] | None = None  # see _served_copies
+        self._served: tuple[list, list[tuple[str, torch.Tensor]]] | None = None  # (parameters, copies): _served_copies
         self.hf_config = model.config
 
     @classmethod
@@ -62,9 +67,7 @@ class FSDPBackend(TrainerBackend):
         reference = None
         if train.use_kl_loss:
             reference = build_sharded(cfg.hf_checkpoint, device, mixed_precision=bf16, dtype=dtype, trainable=False)
-        if stream_dtype is None and bf16:
-            stream_dtype = torch.bfloat16
-        backend = cls(root, root.lm, optim, train, stream_dtype, reference)
+        backend = cls(root, root.lm, optim, train, served_dtype(stream_dtype, bf16), reference)
         backend.optimizer = optim.build(root.parameters())  # over the sharded DTensors, built once
         if cfg.load:
             backend.load_checkpoint(cfg.load)
@@ -108,7 +111,7 @@ class FSDPBackend(TrainerBackend):
     def _resident_tensors(self) -> list[torch.Tensor]:
         from rlplacement.backends.offload import local_tensor
 
-        frozen = [p for p in self.reference.parameters()] if self.reference is not None else []
+        frozen = list(self.reference.parameters()) if self.reference is not None else []
         return super()._resident_tensors() + [t for t in frozen if local_tensor(t).device == self.device]
 
     def _whole_parameters(self) -> list[tuple[str, torch.Tensor]]:

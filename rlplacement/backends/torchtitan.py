@@ -30,7 +30,7 @@ import torch
 from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
 from rlplacement.backends.base import TrainerBackend
-from rlplacement.backends.fsdp import FSDPBackend, resolve_bf16
+from rlplacement.backends.fsdp import FSDPBackend, resolve_bf16, served_dtype
 
 def torchtitan_import_error() -> str | None:
     """Why torchtitan's models cannot be imported here, or None if they can."""
@@ -87,9 +87,7 @@ class TorchtitanBackend(FSDPBackend):
         if train.use_kl_loss:
             reference = _build(cfg.hf_checkpoint, hf_config, device, dtype, bf16)
             reference.requires_grad_(False)
-        if stream_dtype is None and bf16:
-            stream_dtype = torch.bfloat16
-        backend = cls(root, hf_config, optim, train, stream_dtype, reference)
+        backend = cls(root, hf_config, optim, train, served_dtype(stream_dtype, bf16), reference)
         backend.optimizer = optim.build(root.parameters())  # over the sharded DTensors, built once
         if cfg.load:
             backend.load_checkpoint(cfg.load)
