@@ -27,7 +27,11 @@ from rlplacement.errors import ConfigError
 # backend loads the HF folder as it is; the tiny model learns at lr 3e-3 (RL runs of real models use
 # ~1e-6, the library's default). Any flag given on the command line wins.
 EXAMPLE_DEFAULTS = dict(actor_num_gpus_per_node=1, rollout_num_gpus=1, num_gpus_per_node=4,
-                        train_backend="fsdp", lr=3e-3)
+                        train_backend="fsdp", lr=3e-3, n_samples_per_prompt=4, rollout_max_response_len=16,
+                        rollout_seed=0)
+# the loop's own spellings of the library's flags, kept as aliases
+FLAG_ALIASES = {"--group-size": "n_samples_per_prompt", "--max-response-len": "rollout_max_response_len",
+                "--seed": "rollout_seed"}
 PROMPTS = ["what is two plus three ?", "count : 1 2 3", "the quick brown fox", "one two three four"]
 TINY_MODEL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # 2 KV heads: TP=2 works
 DIGITS = "0123456789"  # reward: fraction of response tokens that are digits
@@ -41,12 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, default=3)
     g.add_argument("--telemetry", type=str, default=None, help="write one JSON row per step here")
     g.add_argument("--prompts-per-step", type=int, default=2)
-    g.add_argument("--group-size", type=int, default=4, help="GRPO G: samples per prompt")
-    g.add_argument("--max-response-len", type=int, default=16)
     g.add_argument("--long-tail", action="store_true",
                    help="response lengths drawn from a long-tailed (Pareto) distribution, each step's longest at "
-                        "--max-response-len, generated exactly that long: the tail gates the rollout")
-    g.add_argument("--seed", type=int, default=0)
+                        "--rollout-max-response-len, generated exactly that long: the tail gates the rollout")
+    for alias, dest in FLAG_ALIASES.items():
+        if alias not in parser._option_string_actions:
+            g.add_argument(alias, dest=dest, type=int, help=argparse.SUPPRESS)
     g.add_argument("--work-dir", type=str, default=None, help="where the tiny model is made (default: a temp dir)")
     return parser
 
@@ -80,9 +84,9 @@ def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, beha
     for i, s in enumerate(samples):
         p = len(s.prompt_ids)
         input_ids[i, :p] = torch.tensor(s.prompt_ids)
-        input_ids[i, p:lengths[i]] = torch.from_numpy(s.token_ids)
+        input_ids[i, p:lengths[i]] = torch.tensor(s.token_ids)
         loss_mask[i, p:lengths[i]] = 1.0
-        old_logprobs[i, p:lengths[i]] = torch.from_numpy(s.logprobs)
+        old_logprobs[i, p:lengths[i]] = torch.tensor(s.logprobs)
     return rlplacement.Batch(input_ids, loss_mask, torch.tensor(advantages, dtype=torch.float32),
                              old_logprobs if behaviour else None, torch.tensor(lengths))
 
@@ -94,11 +98,12 @@ def run(args: argparse.Namespace) -> int:
     from rlplacement.telemetry.recorder import RunLayout, StepRecorder
 
     config = rlplacement.config_from_args(args)  # every flag checked before any process starts
+    group_size, max_len = config.rollout.n_samples_per_prompt, config.rollout.max_response_len
     dp = config.placement.trainer_num_gpus // (config.backend.tensor_model_parallel_size
                                                 * config.backend.pipeline_model_parallel_size)
-    if (args.prompts_per_step * args.group_size) % dp:
-        raise ConfigError(f"--prompts-per-step x --group-size = {args.prompts_per_step * args.group_size} samples "
-                          f"must split evenly over {dp} data-parallel trainer ranks")
+    if (args.prompts_per_step * group_size) % dp:
+        raise ConfigError(f"--prompts-per-step x --n-samples-per-prompt = {args.prompts_per_step * group_size} "
+                          f"samples must split evenly over {dp} data-parallel trainer ranks")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tiny_grpo_"))
     hf_dir = config.backend.hf_checkpoint or str(make_tiny_model(work / "model", TinySpec(**TINY_MODEL)))
     tok = AutoTokenizer.from_pretrained(hf_dir)
@@ -108,19 +113,17 @@ def run(args: argparse.Namespace) -> int:
     with rlplacement.RLJob.start(config, hf_dir) as job:
         tel = StepRecorder(args.telemetry, RunLayout.from_placement(
             config.placement, transfer_mode=config.transfer.mode,
-            max_response_len=args.max_response_len, group_size=args.group_size,
+            max_response_len=max_len, group_size=group_size,
             prompt_len=round(statistics.fmean(len(p) for p in prompts)), **job.engine_capacity()))
         one_step_off = config.placement.one_step_off
 
         def start_rollout(step: int):
             chosen = [prompts[(step * args.prompts_per_step + i) % len(prompts)] for i in range(args.prompts_per_step)]
-            batch_prompts = [p for p in chosen for _ in range(args.group_size)]
-            lengths = (long_tail_lengths(len(batch_prompts), args.max_response_len, args.seed + step)
-                       if args.long_tail else args.max_response_len)
+            lengths = (long_tail_lengths(len(chosen) * group_size, max_len, config.rollout.seed + step)
+                       if args.long_tail else None)
             job.prepare_rollout()  # --colocate hand-off, timed apart from the phases (perf/handoff_*)
-            return time.time(), job.generate_async(batch_prompts, max_tokens=lengths,
-                                                   temperature=config.train.rollout_temperature,
-                                                   seed=args.seed + 1000 * step, exact_lengths=args.long_tail)
+            # samples of a prompt are consecutive (index = prompt * group_size + sample): make_batch's groups
+            return time.time(), job.generate_async(chosen, max_tokens=lengths, exact_lengths=args.long_tail)
 
         t0, pending = start_rollout(0)
         for step in range(args.steps):
@@ -131,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                 t0, pending = start_rollout(step + 1)
             staleness = job.version - min(s.weight_version for s in samples)  # versions behind the trainer
             rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
-            batch = make_batch(samples, rewards, args.group_size, tok.pad_token_id or 0, behaviour=one_step_off)
+            batch = make_batch(samples, rewards, group_size, tok.pad_token_id or 0, behaviour=one_step_off)
             job.prepare_train()
             with tel.phase("train", role="trainer"):  # trainer work: the forward for the log-prob check
                 trainer_lp = job.log_probs(batch)

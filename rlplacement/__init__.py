@@ -7,16 +7,17 @@ raises on purpose. Heavy optional parts (ray, vllm, megatron, mooncake) are impo
 """
 
 from rlplacement.args import add_arguments, config_from_args
-from rlplacement.config import BackendConfig, Config, OptimConfig, PlacementConfig, TransferConfig
-from rlplacement.errors import (ConfigError, GpuMemoryError, PeerError, TransferError, WeightMismatchError,
-                                WeightUpdateError)
+from rlplacement.config import BackendConfig, Config, OptimConfig, PlacementConfig, RolloutConfig, TransferConfig
+from rlplacement.errors import (ConfigError, ContextLengthError, GpuMemoryError, PeerError, TransferError,
+                                WeightMismatchError, WeightUpdateError)
 from rlplacement.job import PendingRollout, RLJob, RolloutSample
 from rlplacement.transfer.base import EngineUpdateReport, UpdateReport, UpdateResult
 
 _TORCH_TYPES = ("Batch", "TrainStepReport")
 
-__all__ = ["BackendConfig", "Config", "ConfigError", "EngineUpdateReport", "GpuMemoryError", "OptimConfig",
-           "PeerError", "PendingRollout", "PlacementConfig", "RLJob", "RolloutSample", "TransferConfig",
+__all__ = ["BackendConfig", "Config", "ConfigError", "ContextLengthError", "EngineUpdateReport", "GpuMemoryError",
+           "OptimConfig", "PeerError", "PendingRollout", "PlacementConfig", "RLJob", "RolloutConfig", "RolloutSample",
+           "TransferConfig",
            "TransferError", "UpdateReport", "UpdateResult", "WeightMismatchError", "WeightUpdateError",
            "add_arguments", "config_from_args", *_TORCH_TYPES]
 __version__ = "0.1.0"

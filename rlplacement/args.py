@@ -20,8 +20,8 @@ import dataclasses
 from typing import Any, Callable, Iterable
 
 from rlplacement.backends import registry as backend_registry
-from rlplacement.config import (KL_LOSS_TYPES, LR_DECAY_STYLES, BackendConfig, Config, OptimConfig, PlacementConfig,
-                                TrainConfig, TransferConfig, default_of)
+from rlplacement.config import (ENGINE_DTYPES, KL_LOSS_TYPES, LR_DECAY_STYLES, BackendConfig, Config, OptimConfig,
+                                PlacementConfig, RolloutConfig, TrainConfig, TransferConfig, default_of)
 from rlplacement.errors import ConfigError
 from rlplacement.transfer import registry as transfer_registry
 from rlplacement.transfer.options import DELTA_ENCODINGS, P2P_PROTOCOLS
@@ -158,12 +158,41 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
                   help=f"Per-token KL estimator (with --use-kl-loss; default "
                        f"{default_of(TrainConfig, 'kl_loss_type')})."),
             _flag("--entropy-coef", type=float, default=default_of(TrainConfig, "entropy_coef")),
-            _flag("--rollout-temperature", type=float, default=default_of(TrainConfig, "rollout_temperature"),
-                  help="Sampling temperature; the trainer's logits are divided by it too."),
             _flag("--save", type=str, default=default_of(TrainConfig, "save"),
                   help="Folder for training checkpoints (model, optimizer, schedule, step, RNG, weight version)."),
             _flag("--save-interval", type=int, default=default_of(TrainConfig, "save_interval"),
                   help="Save every N train steps (with --save)."),
+        ),
+    ),
+    (
+        "rlplacement: rollout",
+        (
+            _flag("--rollout-temperature", type=float, default=default_of(TrainConfig, "rollout_temperature"),
+                  help="Sampling temperature; the trainer's logits are divided by it too."),
+            _flag("--rollout-top-p", type=float, default=default_of(RolloutConfig, "top_p")),
+            _flag("--rollout-top-k", type=int, default=default_of(RolloutConfig, "top_k"), help="-1: all tokens."),
+            _flag("--rollout-max-response-len", type=int, default=default_of(RolloutConfig, "max_response_len"),
+                  help="Most tokens generated per sample."),
+            _flag("--rollout-stop", type=str, nargs="+", default=None, help="Strings that end a sample."),
+            _flag("--rollout-stop-token-ids", type=int, nargs="+", default=None,
+                  help="Token ids that end a sample (besides end-of-sequence)."),
+            _flag("--n-samples-per-prompt", type=int, default=default_of(RolloutConfig, "n_samples_per_prompt"),
+                  help="Samples per prompt (a GRPO group), all on one engine (its prefix cache serves them)."),
+            _flag("--rollout-seed", type=int, default=default_of(RolloutConfig, "seed"),
+                  help="Base of the per-sample sampling seeds."),
+            _flag("--vllm-dtype", type=str, default=default_of(RolloutConfig, "dtype"), choices=ENGINE_DTYPES,
+                  help="Engine dtype; auto: the one the model's config declares."),
+            _flag("--vllm-max-model-len", "--rollout-max-context-len", type=int,
+                  default=default_of(RolloutConfig, "max_model_len"),
+                  help="Engine context length (prompt + response); default: the model's max_position_embeddings."),
+            _flag("--vllm-enforce-eager", action="store_true", default=default_of(RolloutConfig, "enforce_eager"),
+                  help="Decode without CUDA graphs (CPU engines always run eager)."),
+            _flag("--vllm-gpu-memory-utilization", type=float,
+                  default=default_of(RolloutConfig, "gpu_memory_utilization"),
+                  help="Fraction of its GPU an engine may use; default: 0.9 less what an update stages on it "
+                       "(the whole model in the engine's dtype)."),
+            _flag("--verbose", action="store_true", default=default_of(RolloutConfig, "verbose"),
+                  help="vLLM and Ray log at INFO (default: WARNING)."),
         ),
     ),
     (
@@ -447,6 +476,35 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
                        rollout_temperature=float(_get(args, "rollout_temperature")), save=save, save_interval=interval)
 
 
+def rollout_from_args(args: argparse.Namespace) -> RolloutConfig:
+    _require_positive(args, ("rollout_max_response_len", "n_samples_per_prompt", "vllm_max_model_len",
+                             "vllm_gpu_memory_utilization", "rollout_top_p"))
+    _require_choice(args, ("vllm_dtype",))
+    top_p, top_k = float(_get(args, "rollout_top_p")), int(_get(args, "rollout_top_k"))
+    if top_p > 1:
+        raise ConfigError(f"--rollout-top-p {top_p} is a probability mass: use a value in (0, 1] (1 keeps every token).")
+    if top_k == 0 or top_k < -1:
+        raise ConfigError(f"--rollout-top-k {top_k}: use -1 (every token) or 1 or more.")
+    utilization = _get(args, "vllm_gpu_memory_utilization")
+    if utilization is not None and utilization > 1:
+        raise ConfigError(f"--vllm-gpu-memory-utilization {utilization} is a fraction of the GPU: use a value "
+                          f"in (0, 1].")
+    response, context = int(_get(args, "rollout_max_response_len")), _get(args, "vllm_max_model_len")
+    if context is not None and response >= context:
+        raise ConfigError(f"--rollout-max-response-len {response} leaves no room for a prompt in the engines' "
+                          f"context of --vllm-max-model-len {context}: lower --rollout-max-response-len or raise "
+                          f"--vllm-max-model-len.")
+    return RolloutConfig(top_p=top_p, top_k=top_k, max_response_len=response,
+                         stop=tuple(_get(args, "rollout_stop") or ()),
+                         stop_token_ids=tuple(int(t) for t in _get(args, "rollout_stop_token_ids") or ()),
+                         n_samples_per_prompt=int(_get(args, "n_samples_per_prompt")),
+                         seed=int(_get(args, "rollout_seed")), dtype=_get(args, "vllm_dtype"),
+                         max_model_len=None if context is None else int(context),
+                         enforce_eager=bool(_get(args, "vllm_enforce_eager")),
+                         gpu_memory_utilization=None if utilization is None else float(utilization),
+                         verbose=bool(_get(args, "verbose")))
+
+
 def config_from_args(args: argparse.Namespace, *, this_host: bool = True) -> Config:
     """Validate parsed args and return frozen configs; raise ConfigError before any work starts.
 
@@ -455,7 +513,8 @@ def config_from_args(args: argparse.Namespace, *, this_host: bool = True) -> Con
     placement = placement_from_args(args)
     backend = backend_from_args(args, placement)
     return Config(placement=placement, transfer=transfer_from_args(args, this_host=this_host), backend=backend,
-                  train=train_from_args(args, placement, backend), optim=optim_from_args(args))
+                  train=train_from_args(args, placement, backend), optim=optim_from_args(args),
+                  rollout=rollout_from_args(args))
 
 
 def require_available(config: Config) -> None:

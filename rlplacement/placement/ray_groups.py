@@ -15,6 +15,7 @@ memory is time-shared by the loop (offload / sleep).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -36,19 +37,22 @@ class RayNode:
     num_gpus: int
 
 
-def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cpus: int | None = None) -> None:
-    """Join ``address`` (else ``RAY_ADDRESS``), else start a local one-node cluster of logical GPUs."""
+def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cpus: int | None = None,
+            verbose: bool = True) -> None:
+    """Join ``address`` (else ``RAY_ADDRESS``), else start a local one-node cluster of logical GPUs.
+    Without ``verbose`` Ray's own messages are WARNING and above (actors' output still reaches the driver)."""
     import ray
 
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
+    level = logging.INFO if verbose else logging.WARNING
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, logging_level=level)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(num_gpus=local_num_gpus, num_cpus=local_num_cpus or os.cpu_count(),
-                 include_dashboard=False, log_to_driver=True)
+                 include_dashboard=False, log_to_driver=True, logging_level=level)
 
 
 def cluster_nodes() -> list[RayNode]:
@@ -139,7 +143,7 @@ def _probe_bundles(pg: Any, count: int, timeout_s: float = 60.0) -> list[tuple[s
     return ray.get(refs, timeout=timeout_s)
 
 
-def place(cfg: PlacementConfig, *, timeout_s: float = 60.0) -> RayPlacement:
+def place(cfg: PlacementConfig, *, timeout_s: float = 60.0, verbose: bool = True) -> RayPlacement:
     """Connect to Ray, check the cluster can hold the layout, create and map the placement group."""
     import ray
     from ray.util import placement_group
@@ -149,7 +153,7 @@ def place(cfg: PlacementConfig, *, timeout_s: float = 60.0) -> RayPlacement:
         raise ConfigError(
             f"The layout needs {layout_wanted.num_nodes} nodes but no cluster was given and a local Ray cluster "
             f"has one node: pass --ray-address (or set RAY_ADDRESS), or shrink the layout to one node.")
-    connect(cfg.ray_address, local_num_gpus=cfg.num_gpus_per_node)
+    connect(cfg.ray_address, local_num_gpus=cfg.num_gpus_per_node, verbose=verbose)
     nodes = cluster_nodes()
     layout = check_fits(cfg, nodes)
     gpus = layout.gpus

@@ -53,6 +53,16 @@ def current_call(self) -> str:
 
 
 current_call.__one_call_at_a_time__ = True  # never waits for the lock: that is its point
+current_call.__control_call__ = True
+
+
+def control_call(fn):
+    """Mark a method that runs beside the call holding the turn (it never takes the lock): a poll of
+    finished samples or an abort must reach an engine while its generation or an update runs. Such a
+    method guards its own state. ``ray_engines`` gives these methods their own Ray concurrency group."""
+    fn.__one_call_at_a_time__ = True
+    fn.__control_call__ = True
+    return fn
 
 
 def one_call_at_a_time(cls):

@@ -1,0 +1,239 @@
+"""Generation that an engine steps itself: requests go in at once, samples come out as each finishes,
+and requests in flight can be aborted while the engine is running them.
+
+``vllm.LLM.generate`` runs a whole batch inside one blocking call, so nothing can reach it until every
+request has finished. :class:`RequestStepper` instead owns one thread that calls
+``LLMEngine.step()`` while any request is unfinished (what ``LLM.generate`` does inside), and lets
+other threads add requests (:meth:`submit`), take finished samples (:meth:`poll`) and end requests
+(:meth:`abort`). Every call into the vLLM engine holds one lock, so the engine's request bookkeeping
+is never touched by two threads at once; a step holds it for one engine iteration.
+
+Outputs are requested final-only (``RequestOutputKind.FINAL_ONLY``, as ``LLM.generate`` does): a
+step builds no output object for a request that has not finished, so stepping here costs what
+``LLM.generate`` costs. An aborted request's partial sample is read from vLLM's own record of it
+just before the abort (the output vLLM's async engine hands its callers on abort).
+
+Invariant the engine's update relies on: after :meth:`wait_idle` returns (and while no
+:meth:`submit` runs), no request is in flight, so the model's weights may change without any sample
+seeing two versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class _Request:
+    batch: str
+    index: int
+    version: int
+    internal_id: str
+    """vLLM's own id of the request (what an abort names); outputs carry the id it was added under."""
+
+    def result(self, output, now: float, wall_minus_monotonic: float, aborted: bool = False) -> dict:
+        """The sample of vLLM's ``RequestOutput`` (None: nothing generated). Times are the request's own
+        (vLLM's per-request stats, on the monotonic clock every process of the host shares) where
+        vLLM kept them, else ``now``."""
+        c = output.outputs[0] if output is not None else None
+        tokens = list(c.token_ids) if c is not None else []
+        logprobs = [lp[t].logprob for t, lp in zip(tokens, c.logprobs)] if c is not None and c.logprobs else []
+        stats = getattr(output, "metrics", None)
+        last = getattr(stats, "last_token_ts", 0) or 0
+        first = getattr(stats, "first_token_ts", 0) or 0
+        return {"index": self.index, "token_ids": np.asarray(tokens, dtype=np.int64),
+                "logprobs": np.asarray(logprobs, dtype=np.float32),
+                "finish_reason": "abort" if aborted else c.finish_reason,
+                "stop_reason": None if aborted else c.stop_reason, "aborted": aborted,
+                "weight_version": self.version,
+                "finished_at": last + wall_minus_monotonic if last > 0 and not aborted else now,
+                "first_token_at": first + wall_minus_monotonic if first > 0 else None}
+
+
+@dataclasses.dataclass
+class _Batch:
+    size: int
+    finished: list[dict] = dataclasses.field(default_factory=list)
+    taken: int = 0
+    """How many of ``finished`` a poll has handed out."""
+
+
+def _external_id(internal_id: str) -> str:
+    """The id a request was added under, which its outputs carry: vLLM appends ``-`` and 8 random
+    characters to make its internal id unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set."""
+    import vllm.envs as envs
+
+    if getattr(envs, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", False):
+        return internal_id
+    return internal_id.rsplit("-", 1)[0]
+
+
+class RequestStepper:
+    """Steps a ``vllm.LLM``'s requests on a thread of its own; see the module docstring."""
+
+    def __init__(self, llm, name: str = "engine"):
+        self._llm = llm
+        self._engine = llm.llm_engine
+        self._engine_lock = threading.Lock()
+        self._changed = threading.Condition()
+        """Notified when requests arrive or finish; guards the bookkeeping below."""
+        self._requests: dict[str, _Request] = {}
+        self._batches: dict[str, _Batch] = {}
+        self._error: BaseException | None = None
+        self._ids = itertools.count()
+        self._wall_minus_monotonic = time.time() - time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-stepper", daemon=True)
+        self._thread.start()
+
+    # ---- any thread ---------------------------------------------------------------------------
+    def submit(self, prompts: list, params: list, version: int) -> str:
+        """Add one request per prompt (``TokensPrompt``, ``SamplingParams`` pairs) as one batch, through
+        ``LLM.enqueue`` (vLLM's own rendering of prompts); returns the batch's id. Every sample of it is
+        stamped ``version``: the caller keeps the weights fixed until the batch has finished
+        (``wait_idle``)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        for p in params:
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+        batch = f"b{next(self._ids)}"
+        with self._engine_lock:  # the stepper cannot step between the enqueue and the bookkeeping
+            with self._changed:
+                self._raise_if_failed()
+            internal_ids = self._enqueue(prompts, params)
+            with self._changed:
+                self._batches[batch] = _Batch(size=len(internal_ids))
+                for i, internal in enumerate(internal_ids):
+                    self._requests[_external_id(internal)] = _Request(batch, i, version, internal)
+                self._changed.notify_all()
+        return batch
+
+    def _enqueue(self, prompts: list, params: list) -> list[str]:
+        """vLLM's ids of the new requests. ``LLM.enqueue`` where vLLM has it (0.32: it renders prompts the
+        way ``generate`` does); else ``LLMEngine.add_request`` one by one."""
+        if hasattr(self._llm, "enqueue"):
+            return list(self._llm.enqueue(prompts, params, use_tqdm=False))
+        return [self._engine.add_request(f"rlp{next(self._ids)}", prompt, p) for prompt, p in zip(prompts, params)]
+
+    def poll(self, batch: str, timeout_s: float) -> tuple[list[dict], bool]:
+        """Samples of ``batch`` finished since the last poll (waiting up to ``timeout_s`` for one), and
+        whether the batch is done (every sample handed out; the batch is then forgotten)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                self._raise_if_failed()
+                b = self._batches.get(batch)
+                if b is None:
+                    raise KeyError(f"no batch {batch!r} on this engine (already collected, or never submitted)")
+                if b.taken < len(b.finished) or time.monotonic() >= deadline:
+                    break
+                self._changed.wait(max(0.0, deadline - time.monotonic()))
+            new, b.taken = b.finished[b.taken:], len(b.finished)
+            done = b.taken == b.size
+            if done:
+                del self._batches[batch]
+            return new, done
+
+    def abort(self, batch: str | None = None) -> int:
+        """End the unfinished requests of ``batch`` (every batch: None) now; each becomes a finished
+        sample of the tokens generated so far, ``finish_reason="abort"`` and ``aborted=True``. Returns
+        how many were aborted. The engine stays ready for the next submit."""
+        with self._engine_lock:
+            with self._changed:
+                ids = [rid for rid, r in self._requests.items() if batch is None or r.batch == batch]
+                internal = [self._requests[rid].internal_id for rid in ids]
+            partial = {i: self._partial_output(i) for i in internal}
+            if internal:
+                self._engine.abort_request(internal, internal=True)
+            now = time.time()
+            with self._changed:
+                for rid in ids:
+                    r = self._requests.pop(rid, None)
+                    if r is not None and r.batch in self._batches:
+                        self._batches[r.batch].finished.append(
+                            r.result(partial[r.internal_id], now, self._wall_minus_monotonic, aborted=True))
+                self._changed.notify_all()
+        return len(ids)
+
+    def in_flight(self) -> int:
+        with self._changed:
+            return len(self._requests)
+
+    def wait_idle(self, timeout_s: float | None = None) -> None:
+        """Block until no request is in flight (raises TimeoutError naming how many are left)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._changed:
+            while self._requests:
+                self._raise_if_failed()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{len(self._requests)} requests still generating after {timeout_s:.0f}s")
+                self._changed.wait(left)
+            self._raise_if_failed()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (anything that calls into the vLLM engine) between two steps."""
+        with self._engine_lock:
+            return fn()
+
+    # ---- the stepping thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._requests:
+                    self._changed.wait()
+            try:
+                with self._engine_lock:
+                    if not self._engine.has_unfinished_requests():
+                        self._drop_orphans()
+                        continue
+                    outputs = self._engine.step()
+                self._take(outputs)
+            except BaseException as exc:  # noqa: BLE001 - every waiter hears it; the engine is not usable after
+                with self._changed:
+                    self._error = exc
+                    self._changed.notify_all()
+                return
+
+    def _take(self, outputs: list) -> None:
+        now = time.time()
+        with self._changed:
+            for out in outputs:
+                r = self._requests.get(out.request_id)
+                if r is None or not out.finished:  # aborted between the step and here
+                    continue
+                del self._requests[out.request_id]
+                self._batches[r.batch].finished.append(r.result(out, now, self._wall_minus_monotonic))
+            self._changed.notify_all()
+
+    def _partial_output(self, internal_id: str):
+        """What request ``internal_id`` generated so far, as the ``RequestOutput`` vLLM makes for an abort
+        (its output processor's own record: every token and log-prob so far); None where this vLLM
+        keeps that record differently (the sample is then returned empty, still marked aborted)."""
+        try:
+            from vllm.v1.engine import FinishReason
+
+            state = self._engine.output_processor.request_states[internal_id]
+            return state.make_request_output([], None, FinishReason.ABORT, None)
+        except Exception:  # noqa: BLE001 - a partial sample is a courtesy; the abort itself must go on
+            return None
+
+    def _drop_orphans(self) -> None:
+        """Requests we track that the engine no longer has (never expected: vLLM reports every end)
+        finish as aborted rather than leaving waiters, and this thread, spinning."""
+        now = time.time()
+        with self._changed:
+            for rid in list(self._requests):
+                r = self._requests.pop(rid)
+                if r.batch in self._batches:
+                    self._batches[r.batch].finished.append(r.result(None, now, self._wall_minus_monotonic, aborted=True))
+            self._changed.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the engine's generation loop failed: {self._error!r}") from self._error
