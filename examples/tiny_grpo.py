@@ -55,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tiny_model_dtype() -> str:
+    """The made model's declared dtype, which the engines serve: bf16 where a GPU trains in mixed
+    precision (as real checkpoints are published), fp32 on a CPU host, whose trainer trains fp32 (the
+    loop's log-prob check then compares like with like)."""
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 def long_tail_lengths(n: int, max_len: int, seed: int, alpha: float = 1.5, minimum: int = 2) -> list[int]:
     """``n`` response lengths from a Pareto(alpha) tail above ``minimum``, capped at ``max_len``; one of
     them is ``max_len`` so every step has its straggler (with a few samples a draw may have none)."""
@@ -105,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--prompts-per-step x --n-samples-per-prompt = {args.prompts_per_step * group_size} "
                           f"samples must split evenly over {dp} data-parallel trainer ranks")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tiny_grpo_"))
-    hf_dir = config.backend.hf_checkpoint or str(make_tiny_model(work / "model", TinySpec(**TINY_MODEL)))
+    hf_dir = config.backend.hf_checkpoint or str(make_tiny_model(work / "model", TinySpec(**TINY_MODEL,
+                                                                                         dtype=tiny_model_dtype())))
     tok = AutoTokenizer.from_pretrained(hf_dir)
     targets = {tok.convert_tokens_to_ids(d) for d in DIGITS}
     prompts = [tok.encode(p) for p in PROMPTS]

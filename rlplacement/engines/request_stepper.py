@@ -149,7 +149,10 @@ class RequestStepper:
                 internal = [self._requests[rid].internal_id for rid in ids]
             partial = {i: self._partial_output(i) for i in internal}
             if internal:
-                self._engine.abort_request(internal, internal=True)
+                try:
+                    self._engine.abort_request(internal, internal=True)
+                except TypeError:  # a vLLM whose abort takes the ids it returned without saying whose
+                    self._engine.abort_request(internal)
             now = time.time()
             with self._changed:
                 for rid in ids:

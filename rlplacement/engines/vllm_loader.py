@@ -98,14 +98,17 @@ def _exclude_non_persistent_buffers(model: "torch.nn.Module") -> None:
     layer takes vLLM's nothing-to-load path: kept tensors restored, no warning. Layers with
     parameters are left as vLLM counts them.
     """
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    except ImportError:  # a vLLM whose reload keeps its bookkeeping elsewhere: its warning stays
+        return
     for layer in model.modules():
         info = get_layerwise_info(layer)
         if not info.can_load() or not info.kernel_tensors or not info.load_numel_total:
             continue
         params, buffers = info.kernel_tensors
-        if not params and buffers and set(buffers) <= set(info.kernel_non_persistent_buffers):
+        non_persistent = getattr(info, "kernel_non_persistent_buffers", None) or layer._non_persistent_buffers_set
+        if not params and buffers and set(buffers) <= set(non_persistent):
             info.load_numel_total = 0
 
 
