@@ -13,7 +13,7 @@ def job(dp_ranks: list[int], dp: int, **train) -> RLJob:
     config = Config(placement=PlacementConfig(rollout_num_gpus=1), transfer=TransferConfig(mode="broadcast"),
                     backend=BackendConfig(name="fsdp"), train=TrainConfig(**train))
     return RLJob(config=config, placement=None, trainers=[], engines=[], hf_dir="", timeout_s=1.0,
-                 data_parallel_ranks=dp_ranks, data_parallel_size=dp, handoff=None, updates=None)
+                 data_parallel_ranks=dp_ranks, data_parallel_size=dp, handoff=None, updates=None, engine_info=[])
 
 
 def batch(n: int, width: int = 6) -> Batch:

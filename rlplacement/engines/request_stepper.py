@@ -38,9 +38,9 @@ class _Request:
     """vLLM's own id of the request (what an abort names); outputs carry the id it was added under."""
 
     def result(self, output, now: float, wall_minus_monotonic: float, aborted: bool = False) -> dict:
-        """The sample of vLLM's ``RequestOutput`` (None: nothing generated). Times are the request's own
-        (vLLM's per-request stats, on the monotonic clock every process of the host shares) where
-        vLLM kept them, else ``now``."""
+        """The sample of vLLM's ``RequestOutput`` (None: nothing generated). ``now``: when its output
+        reached the stepper, within one engine step of its last token; vLLM's own per-request times
+        (on the monotonic clock every process of the host shares) where it keeps them (log stats on)."""
         c = output.outputs[0] if output is not None else None
         tokens = list(c.token_ids) if c is not None else []
         logprobs = [lp[t].logprob for t, lp in zip(tokens, c.logprobs)] if c is not None and c.logprobs else []
@@ -206,13 +206,16 @@ class RequestStepper:
     def _take(self, outputs: list) -> None:
         now = time.time()
         with self._changed:
+            finished = False
             for out in outputs:
                 r = self._requests.get(out.request_id)
                 if r is None or not out.finished:  # aborted between the step and here
                     continue
                 del self._requests[out.request_id]
                 self._batches[r.batch].finished.append(r.result(out, now, self._wall_minus_monotonic))
-            self._changed.notify_all()
+                finished = True
+            if finished:
+                self._changed.notify_all()
 
     def _partial_output(self, internal_id: str):
         """What request ``internal_id`` generated so far, as the ``RequestOutput`` vLLM makes for an abort
