@@ -61,7 +61,7 @@ def run(model_dir: Path, args, offload: bool) -> dict:
             job.prepare_rollout()
             times["handoff_to_rollout_call_s"] = time.perf_counter() - s0
             g0 = time.perf_counter()
-            samples = job.generate(prompts, max_tokens=args.max_tokens, temperature=1.0, seed=step)
+            samples = job.generate(prompts, {"temperature": 1.0}, max_tokens=args.max_tokens, seed=step)
             times["rollout_s"] = time.perf_counter() - g0
             job.prepare_train()
             t1 = time.perf_counter()
