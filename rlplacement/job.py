@@ -268,11 +268,11 @@ class RLJob:
             return one
 
         shares = engine_shares(per_sample, lengths, len(self.engines))
-        batch_ids = self._with_hint(get_all, [e.submit.remote([per_sample[j] for j in idx], [spec_of(j) for j in idx])
-                                              for e, idx in zip(self.engines, shares) if idx],
-                                    self.timeout_s, "starting generation",
-                                    [f"engine {i}" for i, idx in enumerate(shares) if idx])
         used = [i for i, idx in enumerate(shares) if idx]
+        batch_ids = self._with_hint(get_all, [self.engines[i].submit.remote([per_sample[j] for j in shares[i]],
+                                                                            [spec_of(j) for j in shares[i]])
+                                              for i in used],
+                                    self.timeout_s, "starting generation", [f"engine {i}" for i in used])
         return PendingRollout(per_sample, {(i, b): shares[i] for i, b in zip(used, batch_ids)},
                               [None] * len(per_sample))
 
