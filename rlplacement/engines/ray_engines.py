@@ -3,6 +3,7 @@ placement layer's options (``RayPlacement.engine_options(i)``) plug in at one pl
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 # vLLM's engine core runs in its own process where CUDA is (as in production); VllmRolloutEngine
@@ -14,6 +15,7 @@ CONTROL_THREADS = 4
 a driver streaming two rollouts can still abort while the actor's main thread runs a blocking call."""
 
 
+@functools.cache  # one actor class for the job: Ray exports a class once, not once per engine
 def engine_actor_class():
     """``VllmRolloutEngine`` as a Ray actor class whose control calls run in their own concurrency group
     (Ray runs an actor's other calls one at a time, so a poll or an abort would otherwise wait behind

@@ -163,20 +163,12 @@ class RequestStepper:
                 self._changed.notify_all()
         return len(ids)
 
-    def in_flight(self) -> int:
-        with self._changed:
-            return len(self._requests)
-
-    def wait_idle(self, timeout_s: float | None = None) -> None:
-        """Block until no request is in flight (raises TimeoutError naming how many are left)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def wait_idle(self) -> None:
+        """Block until no request is in flight (the caller's own wait on the engine bounds it)."""
         with self._changed:
             while self._requests:
                 self._raise_if_failed()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"{len(self._requests)} requests still generating after {timeout_s:.0f}s")
-                self._changed.wait(left)
+                self._changed.wait()
             self._raise_if_failed()
 
     def call(self, fn: Callable[[], Any]) -> Any:
