@@ -79,10 +79,17 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
                   help="Address of an existing Ray cluster (else RAY_ADDRESS, else a local one)."),
             _flag("--offload-train", action=argparse.BooleanOptionalAction, default=None,
                   help="--colocate: move the trainer's weights and optimizer state to host memory while the "
-                       "engines generate (on by default under --colocate; --no-offload-train keeps them resident)."),
+                       "engines generate; --no-offload-train keeps them resident; unset, they move only when "
+                       "the engines' KV cache would not fit beside them."),
             _flag("--offload-rollout", action=argparse.BooleanOptionalAction, default=None,
                   help="--colocate: the engines release their weights and KV cache (vLLM sleep mode) while the "
-                       "trainer trains (on by default under --colocate; --no-offload-rollout keeps them resident)."),
+                       "trainer trains; --no-offload-rollout keeps them resident; unset, they sleep unless the "
+                       "trainer's measured peak fits beside them."),
+            _flag("--offload-rollout-keep-weights", action="store_true",
+                  default=default_of(PlacementConfig, "offload_rollout_keep_weights"),
+                  help="--colocate: sleeping engines copy their weights to host memory and back (vLLM level 1) "
+                       "instead of discarding them (level 2; the update refills them from the trainer), so a "
+                       "failed update leaves the previous version served instead of refusing to generate."),
             _flag("--one-step-off", action="store_true", default=default_of(PlacementConfig, "one_step_off"),
                   help="Split layouts: generate step k+1 while the trainer trains on step k (samples at most "
                        "one weight version stale; the loss corrects with the engine's log-probs)."),
@@ -326,15 +333,23 @@ def placement_from_args(args: argparse.Namespace) -> PlacementConfig:
             "--one-step-off overlaps generation with training, but under --colocate both run on the same GPUs "
             "and cannot run at once: drop --one-step-off, or drop --colocate for a split layout.")
     offload_train, offload_rollout = _offload_from_args(args, colocate)
+    keep_weights = bool(_get(args, "offload_rollout_keep_weights"))
+    if keep_weights and (not colocate or offload_rollout is False):
+        raise ConfigError(
+            "--offload-rollout-keep-weights says how sleeping engines keep their weights, but "
+            + ("without --colocate nothing sleeps: add --colocate or drop --offload-rollout-keep-weights."
+               if not colocate else "--no-offload-rollout keeps the engines awake: drop one of the two flags."))
     return PlacementConfig(colocate=colocate, actor_num_nodes=nodes, actor_num_gpus_per_node=per_node,
                            rollout_num_gpus=rollout, rollout_num_gpus_per_engine=per_engine,
                            num_gpus_per_node=gpus_per_node, ray_address=_get(args, "ray_address"),
-                           one_step_off=one_step_off, offload_train=offload_train, offload_rollout=offload_rollout)
+                           one_step_off=one_step_off, offload_train=offload_train, offload_rollout=offload_rollout,
+                           offload_rollout_keep_weights=keep_weights)
 
 
-def _offload_from_args(args: argparse.Namespace, colocate: bool) -> tuple[bool, bool]:
-    """Hand-off flags: unset means on under --colocate and off in a split layout, where each side has
-    its own GPUs and freeing one side's memory gives the other nothing; asking for it there is refused."""
+def _offload_from_args(args: argparse.Namespace, colocate: bool) -> tuple[bool | None, bool | None]:
+    """Hand-off flags as given (None: unset, decided from memory under --colocate); off in a split layout,
+    where each side has its own GPUs and freeing one side's memory gives the other nothing; asking for
+    it there is refused."""
     chosen = {dest: _get(args, dest) for dest in ("offload_train", "offload_rollout")}
     if not colocate:
         asked = [f"--{d.replace('_', '-')}" for d, v in chosen.items() if v]
@@ -345,7 +360,7 @@ def _offload_from_args(args: argparse.Namespace, colocate: bool) -> tuple[bool, 
                 f"under --colocate; in a split layout each side keeps its own: drop {' and '.join(asked)}, "
                 f"or add --colocate.")
         return False, False
-    return tuple(True if v is None else bool(v) for v in chosen.values())  # type: ignore[return-value]
+    return tuple(None if v is None else bool(v) for v in chosen.values())  # type: ignore[return-value]
 
 
 def transfer_from_args(args: argparse.Namespace, *, this_host: bool = True) -> TransferConfig:

@@ -55,12 +55,19 @@ class PlacementConfig:
     """An existing Ray cluster to join; None: ``RAY_ADDRESS``, else a local cluster."""
     one_step_off: bool = False
     """Split layouts only: step k+1 generates while step k trains (samples at most one version stale)."""
-    offload_train: bool = False
-    """Resolved: under ``colocate`` the trainer's weights and optimizer state go to host memory while the
-    engines generate (on unless ``--no-offload-train``); always False in a split layout."""
-    offload_rollout: bool = False
-    """Resolved: under ``colocate`` the engines sleep (release weights and KV cache) while the trainer
-    trains (on unless ``--no-offload-rollout``); always False in a split layout."""
+    offload_train: bool | None = False
+    """Under ``colocate``: True, the trainer's weights and optimizer state go to host memory while the
+    engines generate (``--offload-train``); False, they stay (``--no-offload-train``); None (the flag
+    unset), they go only when the engines' wake-up would not fit beside them (``runtime.handoff_plan``).
+    Always False in a split layout."""
+    offload_rollout: bool | None = False
+    """Under ``colocate``: True, the engines sleep (KV cache and weights released) while the trainer trains
+    (``--offload-rollout``); False, they stay awake; None (the flag unset), they sleep unless the trainer's
+    measured peak fits beside them. Always False in a split layout."""
+    offload_rollout_keep_weights: bool = False
+    """Sleeping engines copy their weights to host memory and back (vLLM level 1) instead of discarding
+    them (level 2), so a failed update leaves the previous version served; costs the weights' bytes over
+    PCIe twice a step (``--offload-rollout-keep-weights``)."""
 
     @property
     def trainer_num_gpus(self) -> int:

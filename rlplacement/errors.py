@@ -58,6 +58,11 @@ class UpdateRefused(TransferError):
     """Some receivers refused an update that ran to its end (the others serve it); the group is in step."""
 
 
+class WeightsUnavailableError(TransferError):
+    """An engine asked to generate while it holds no whole version: its weights were discarded (a
+    level-2 sleep) or partly written (a failed load) and no full update has landed since."""
+
+
 class WeightMismatchError(TransferError):
     """--check-weight-update-equal found a tensor whose checksum differs between the two sides."""
 

@@ -162,7 +162,7 @@ class RLJob:
         backend_options = {"stream_dtype": engine_args["dtype"], **(backend_options or {})}
         engines = [create_engine_actor(i, hf_dir, options=placement.engine_options(i),
                                        env=engine_log_env(verbose), tensor_parallel_size=layout.gpus_per_engine,
-                                       sleep_mode=config.placement.offload_rollout, **engine_args)
+                                       sleep_mode=config.placement.offload_rollout is not False, **engine_args)
                    for i in range(len(layout.engines))]
         try:
             addr, port = get_all([trainers[0].address.remote(timeout_s)], timeout_s, "trainer address",
@@ -469,10 +469,13 @@ def _make_handoff(config: Config, trainers: list, engines: list, trainer_device:
     if reason:
         log.warning(reason)
         return None
-    if not (p.offload_train or p.offload_rollout):
+    if not p.colocate or (p.offload_train is False and p.offload_rollout is False):
         return None
-    return ColocatedHandOff(trainers, engines, offload_train=p.offload_train, offload_rollout=p.offload_rollout,
-                            timeout_s=timeout_s, trainer_names=trainer_names)
+    handoff = ColocatedHandOff(trainers, engines, offload_train=p.offload_train, offload_rollout=p.offload_rollout,
+                               keep_engine_weights=p.offload_rollout_keep_weights, timeout_s=timeout_s,
+                               trainer_names=trainer_names)
+    handoff.reserve_host_memory()
+    return handoff
 
 
 def _raise_with_offload_hint(config: Config, exc: BaseException) -> None:

@@ -44,9 +44,10 @@ def test_colocate_derives_rollout_without_rewriting_args():
 
 
 @pytest.mark.parametrize("argv, want", [
-    (["--colocate", "--actor-num-gpus-per-node", "2"], (True, True)),  # on by default under --colocate
-    (["--colocate", "--actor-num-gpus-per-node", "2", "--no-offload-train"], (False, True)),
-    (["--colocate", "--actor-num-gpus-per-node", "2", "--no-offload-rollout"], (True, False)),
+    (["--colocate", "--actor-num-gpus-per-node", "2"], (None, None)),  # unset: decided from memory each step
+    (["--colocate", "--actor-num-gpus-per-node", "2", "--no-offload-train"], (False, None)),
+    (["--colocate", "--actor-num-gpus-per-node", "2", "--no-offload-rollout"], (None, False)),
+    (["--colocate", "--actor-num-gpus-per-node", "2", "--offload-train", "--offload-rollout"], (True, True)),
     (["--colocate", "--actor-num-gpus-per-node", "2", "--no-offload-train", "--no-offload-rollout"], (False, False)),
     (["--rollout-num-gpus", "2"], (False, False)),  # split: each side keeps its own GPUs
     (["--rollout-num-gpus", "2", "--no-offload-train"], (False, False)),  # saying no to nothing is harmless
@@ -55,7 +56,23 @@ def test_offload_flags_resolve_without_rewriting_args(argv, want):
     args = parse(*argv)
     p = config_from_args(args).placement
     assert (p.offload_train, p.offload_rollout) == want
-    assert args.offload_train is (False if "--no-offload-train" in argv else None)  # never written back
+    assert args.offload_train is (False if "--no-offload-train" in argv else True if "--offload-train" in argv
+                                  else None)  # never written back
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--rollout-num-gpus", "2", "--offload-rollout-keep-weights"], "without --colocate nothing sleeps: add --colocate"),
+    (["--colocate", "--actor-num-gpus-per-node", "2", "--no-offload-rollout", "--offload-rollout-keep-weights"],
+     "--no-offload-rollout keeps the engines awake: drop one of the two flags"),
+])
+def test_keeping_engine_weights_without_sleeping_engines_is_refused(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_args(parse(*argv))
+
+
+def test_keeping_engine_weights_is_carried_into_the_placement():
+    p = config_from_args(parse("--colocate", "--actor-num-gpus-per-node", "2", "--offload-rollout-keep-weights")).placement
+    assert p.offload_rollout_keep_weights and p.offload_rollout is None
 
 
 def test_config_is_frozen():

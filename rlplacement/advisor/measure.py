@@ -70,6 +70,8 @@ class Measurement:
     max_num_seqs: int | None = None
     prompt_len: float | None = None
     handoff_time: float | None = None  # colocated --offload-*: seconds per step handing the GPU over (both ways)
+    handoff_bytes: float | None = None  # of which bytes over PCIe per step, on the busiest GPU (perf/handoff_bytes_*)
+    handoff_move_time: float | None = None  # and the seconds spent moving them (the rest does not scale with bytes)
 
 
 def _median(rows: Sequence[dict], key: str) -> float:
@@ -213,10 +215,30 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         max_num_seqs=int(first["max_num_seqs"]) if first.get("max_num_seqs") else None,
         prompt_len=float(first["prompt_len"]) if first.get("prompt_len") else None,
         handoff_time=_handoff_time(used),
+        **_handoff_moves(used),
     )
 
 
 HANDOFF_KEYS = ("perf/handoff_to_train_time", "perf/handoff_to_rollout_time")
+
+
+def _handoff_moves(rows: Sequence[dict]) -> dict:
+    """Median bytes per step the hand-off moved over PCIe and the seconds those moves took (the trainer's
+    copies out and its reload; the engines' sleep and wake when they moved weights, at level 1); {} for
+    a run that did not record them."""
+    moved = [r for r in rows if r.get("perf/handoff_bytes_to_host") or r.get("perf/handoff_bytes_to_device")]
+    if not moved:
+        return {}
+
+    def seconds(r: dict) -> float:
+        keys = ["perf/handoff_trainer_offload_copy_time", "perf/handoff_trainer_reload_time"]
+        if r.get("perf/handoff_engine_weight_bytes"):
+            keys += ["perf/handoff_engine_sleep_time", "perf/handoff_engine_wake_time"]
+        return sum(float(r.get(k) or 0.0) for k in keys)
+
+    return {"handoff_bytes": statistics.median(float(r.get("perf/handoff_bytes_to_host") or 0.0)
+                                               + float(r.get("perf/handoff_bytes_to_device") or 0.0) for r in moved),
+            "handoff_move_time": statistics.median(seconds(r) for r in moved)}
 
 
 def _handoff_time(rows: Sequence[dict]) -> float | None:

@@ -21,9 +21,11 @@ rollout/trainer GPUs, ``l`` = max-response-length ratio, ``g`` = group-size rati
   a split fits one node, the ``--link-gbps`` network otherwise (disk for disk-delta); ``fixed``
   (pause, resume, RPC) is what the measured sync had beyond its own wire time. Without the byte
   count, sync scales by the bandwidth ratio of the two paths.
-* handoff (colocated only: engines sleep, trainer state to host memory and back) = the run's own
-  measured hand-off when it was colocated, scaled by N_t0 / N_t (each GPU moves its own shard);
-  else ``handoff_bytes_ratio`` x weight bytes / N_t over ``host_gbps``. A split layout has none.
+* handoff (colocated only: engines sleep, trainer state to host memory and back) = for a colocated
+  run, its own fixed part (what the hand-off cost beyond moving bytes) + its measured bytes per GPU x
+  N_t0 / N_t (each GPU moves its own shard) at the rate the run moved them (``perf/handoff_bytes_*``
+  over the moves' seconds); a run without byte counts scales its whole hand-off by N_t0 / N_t. For a
+  split run, ``handoff_bytes_ratio`` x weight bytes / N_t over ``host_gbps``. A split layout has none.
 * step = rollout + sync + train (+ handoff colocated; a split run synchronously); max(rollout, train)
   + sync for a split run one-step-off (the run's own loop shape; a colocated run's splits are
   assumed one-step-off, the reason to split at all).
@@ -127,7 +129,12 @@ class StepModel:
         if not p.colocate:
             return 0.0
         if m.placement.colocate:  # a colocated run without a measured hand-off fitted without one
-            return (m.handoff_time or 0.0) * m.placement.trainer_gpus / p.trainer_gpus
+            shards = m.placement.trainer_gpus / p.trainer_gpus
+            if m.handoff_time and m.handoff_bytes and m.handoff_move_time:
+                rate = m.handoff_bytes / m.handoff_move_time  # bytes per second, as this run moved them
+                fixed = max(0.0, m.handoff_time - m.handoff_move_time)
+                return fixed + m.handoff_bytes * shards / rate
+            return (m.handoff_time or 0.0) * shards
         if m.sync_bytes:
             a = self.assumptions
             return a.handoff_bytes_ratio * m.sync_bytes * 8 / (a.host_gbps * 1e9) / p.trainer_gpus

@@ -64,14 +64,14 @@ class ModelAssumptions:
                                         "measure it (an estimate: ~1-3% of bf16 bytes, shared/ANCHORS.md).")
     transfer_mode: str = _field("broadcast", "Transfer mode assumed for split layouts when the measured run "
                                              "was colocated (a split run keeps its own mode).")
-    host_gbps: float = _field(215.0, "GPU <-> pinned host memory in Gb/s per GPU for the colocated hand-off, as "
-                                     "the hand-off achieves it (one H200, 8B shape: 131 GB moved per step in "
-                                     "4.6-4.9 s, ~27 GB/s, benchmarks/gpu/results/offload_h200.json; a colocated "
-                                     "run with --offload-* measures its own hand-off and that is used instead).")
+    host_gbps: float = _field(430.0, "GPU <-> pinned host memory in Gb/s per GPU for the colocated hand-off, as "
+                                     "the trainer's offload achieves it (one H200: 54 GB/s out, 49 GB/s back, of "
+                                     "55 GB/s pinned each way, benchmarks/gpu/results/host_link_h200.json); a "
+                                     "colocated run with --offload-* measures its own bytes and rate, used instead.")
     handoff_bytes_ratio: float = _field(
-        12.0, "Bytes the colocated hand-off moves per step, per byte of weights sent: the trainer's bf16 weights "
-              "and fp32 AdamW moments (5x) out and back (10x), the engines' weights out and back (2x). "
-              "With bf16 moments it is 8x (the H200 run behind --host-gbps).")
+        12.0, "Bytes the colocated hand-off moves per step, per byte of bf16 weights sent: the trainer's fp32 master "
+              "weights and fp32 AdamW moments (6x) out and back (12x); the engines' weights do not cross (level-2 "
+              "sleep, refilled by the update). With bf16 weights and moments it is 6x.")
     rollout_length_exponent: float = _field(
         1.5, "Rollout work grows as (max response length)^this: each decoded token reads the whole KV "
              "cache, so per-token cost rises with context (1 = no attention cost, 2 = all attention). "

@@ -276,6 +276,46 @@ class TrainerBackend(abc.ABC):
             p.grad = None  # the next step starts from None anyway
         return self._host_offload.offload(self._resident_tensors())
 
+    def reserve_host_memory(self) -> dict[str, float]:
+        """Make and pin, now, the host buffer every later :meth:`offload_to_host` uses: sized for the
+        weights and optimizer state as they will be after the first optimizer step
+        (:meth:`host_state_bytes`), so no step pays for pinning. Returns its seconds and bytes."""
+        from rlplacement.backends.offload import HostOffload
+
+        if getattr(self, "_host_offload", None) is None:
+            self._host_offload = HostOffload()
+        return self._host_offload.reserve(self.host_state_bytes(), pin=self.device.type == "cuda")
+
+    def host_state_bytes(self) -> int:
+        """Bytes :meth:`offload_to_host` will move once the optimizer has its state: what is resident now,
+        plus the state torch's AdamW (two moments like each parameter; three with amsgrad; its float32 step
+        counter where it lives on the training device) or SGD with momentum (one buffer) makes at its first step
+        for each parameter that has none yet. Another optimizer's state is counted once it exists."""
+        from rlplacement.backends.offload import local_tensor
+
+        storages = {}
+        for t in self._resident_tensors():
+            storage = local_tensor(t).untyped_storage()
+            storages.setdefault(storage.data_ptr(), storage.nbytes())
+        total = sum(storages.values())
+        opt = self.optimizer
+        if opt is None:
+            return total
+        for group in opt.param_groups:
+            per_param, counter = 0, 0
+            if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+                per_param = 3 if group.get("amsgrad") else 2
+                # the step counter is a CPU scalar unless fused or capturable: on the device where that is
+                on_device = group.get("fused") or group.get("capturable") or self.device.type == "cpu"
+                counter = 4 if on_device else 0
+            elif isinstance(opt, torch.optim.SGD) and group.get("momentum", 0):
+                per_param = 1
+            for p in group["params"]:
+                local = local_tensor(p)
+                if p.requires_grad and not opt.state.get(p) and local.device == self.device:
+                    total += per_param * local.numel() * local.element_size() + counter
+        return total
+
     @property
     def offloaded_to_host(self) -> bool:
         host = getattr(self, "_host_offload", None)

@@ -9,21 +9,29 @@ trip is bit-exact. Tensors that share a storage are moved once.
 On the GPU the storages come back inside one allocation (:func:`_reserve_one_segment`), so a
 colocated engine maps all of the trainer's weights with one CUDA IPC handle.
 
-The host buffer is one allocation of exactly the bytes moved, kept across steps and pinned by
-registering it with CUDA (``cudaHostRegister``): torch's pinned allocator would round each
-buffer up to a power of two and cache it for the life of the process (an 8B trainer's ~33 GB of
-state would hold 56 GiB of host memory). If registering fails the buffer stays pageable: the
-copies are slower, not wrong.
+The host buffer is one allocation, made and pinned once (:meth:`HostOffload.reserve`, at the job's
+start, sized from the optimizer's state to come) and kept for the run: pinning is a one-time cost of
+seconds per 10 GB that must not land in a step. It is anonymous memory asking for transparent huge
+pages, touched by torch's threads, then registered with CUDA (``cudaHostRegister``); torch's pinned
+allocator would round each buffer up to a power of two and cache it for the life of the process (an
+8B trainer's ~46 GB of state would hold 64 GiB). Copies in and out of it run at the link's pinned
+rate (``benchmarks/gpu/host_link.py``: 54 GB/s out, 49 GB/s back, of 55 each way on an H200). If
+registering fails the buffer stays pageable: the copies are slower, not wrong. A state larger than
+the reservation grows the buffer (a new one, pinned again) and says so in the report (``grew``).
 
 Gradients are not moved: every training step starts by setting them to None, so they are dropped.
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
 import time
 from typing import Iterable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -63,13 +71,29 @@ class HostOffload:
     def __init__(self) -> None:
         self._saved: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, offset in host, bytes)
         self._host: torch.Tensor | None = None
+        self._mapping: mmap.mmap | None = None  # what the host buffer's bytes live in, when mapped here
         self._registered = False
 
     @property
     def offloaded(self) -> bool:
         return bool(self._saved)
 
+    @property
+    def capacity(self) -> int:
+        return 0 if self._host is None else self._host.numel()
+
+    def reserve(self, nbytes: int, pin: bool) -> dict[str, float]:
+        """Make and (``pin``) pin the host buffer for ``nbytes`` now, so no step pays for it; returns the
+        seconds it took and the bytes reserved."""
+        start = time.perf_counter()
+        if nbytes > self.capacity:
+            self._new_host_buffer(nbytes, pin)
+        return {"seconds": time.perf_counter() - start, "bytes": float(self.capacity),
+                "host_pinned": float(self._registered)}
+
     def offload(self, tensors: Iterable[torch.Tensor]) -> dict[str, float]:
+        """Every storage of ``tensors`` to the host buffer, then freed; returns seconds (``copy_seconds``
+        of them moving bytes, the rest freeing), bytes, and whether the buffer had to grow."""
         if self._saved:
             raise RuntimeError("the trainer's state is already in host memory: reload before offloading again")
         start = time.perf_counter()
@@ -79,7 +103,14 @@ class HostOffload:
             if storage.nbytes():
                 storages.setdefault(storage.data_ptr(), storage)
         on_gpu = any(s.device.type == "cuda" for s in storages.values())
-        host = self._host_buffer(sum(s.nbytes() for s in storages.values()), on_gpu)
+        total = sum(s.nbytes() for s in storages.values())
+        grew = total > self.capacity
+        if grew:
+            if self._host is not None:
+                log.warning("rlplacement: the trainer's state (%.2f GB) outgrew its host buffer (%.2f GB) reserved at "
+                            "start: a new one is pinned now, in this step", total / 1e9, self.capacity / 1e9)
+            self._new_host_buffer(total, on_gpu)
+        host = self._host
         saved, offset = [], 0
         for storage in storages.values():  # nothing is freed until every byte is copied: a failure loses nothing
             n = storage.nbytes()
@@ -88,12 +119,14 @@ class HostOffload:
             offset += n
         if on_gpu:
             torch.cuda.synchronize()
+        copied = time.perf_counter()
         for storage, _, _ in saved:
             storage.resize_(0)
         self._saved = saved
         if on_gpu:
             torch.cuda.empty_cache()  # give the freed blocks back to the driver, where the engines allocate
-        return {"seconds": time.perf_counter() - start, "bytes": float(offset), "host_pinned": float(self._registered)}
+        return {"seconds": time.perf_counter() - start, "copy_seconds": copied - start, "bytes": float(offset),
+                "host_pinned": float(self._registered), "grew": float(grew)}
 
     def reload(self) -> dict[str, float]:
         start = time.perf_counter()
@@ -110,24 +143,43 @@ class HostOffload:
         self._saved = []
         return {"seconds": time.perf_counter() - start, "bytes": float(moved)}
 
-    def _host_buffer(self, nbytes: int, pin: bool) -> torch.Tensor:
-        """The kept host buffer, reallocated only when the state's size changed."""
-        if self._host is not None and self._host.numel() == nbytes:
-            return self._host
+    def _new_host_buffer(self, nbytes: int, pin: bool) -> None:
         self._release_host()
-        self._host = torch.empty(nbytes, dtype=torch.uint8)
+        self._host, self._mapping = _host_bytes(nbytes)
         if pin and nbytes:
             rc = torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), nbytes, 0)
             self._registered = int(getattr(rc, "value", rc)) == 0
-        return self._host
 
     def _release_host(self) -> None:
         if self._host is not None and self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
         self._host, self._registered = None, False
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
 
     def __del__(self) -> None:
         try:
             self._release_host()
         except Exception:  # noqa: BLE001 - interpreter shutdown: CUDA may be gone already
             pass
+
+
+def _host_bytes(nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """``nbytes`` of host memory, every page present: anonymous memory asking for transparent huge pages
+    (fewer pages to pin and for the GPU to translate), touched once by torch's threads, so registering
+    it only pins. Plain torch memory where the system has no such mapping."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8), None
+    mapping = None
+    try:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        host = torch.frombuffer(mapping, dtype=torch.uint8)
+    except (AttributeError, OSError, ValueError):
+        if mapping is not None:
+            mapping.close()
+        mapping, host = None, torch.empty(nbytes, dtype=torch.uint8)
+    host.zero_()  # fault every page in now, on torch's intra-op threads
+    return host, mapping

@@ -5,6 +5,11 @@ Per worker: ``init_transfer_engine`` joins the trainer's private group (rank = `
 this worker's rank); ``update_weights({"version": v})`` receives the whole update into staging
 buffers and validates it (a failure here leaves the model untouched and vLLM ends the session);
 ``finish_weight_update`` loads the staged tensors and only then serves ``v``.
+
+Invariant: a worker never serves a partly written or discarded version. ``weights_lost`` says why its
+weights are not a whole version (a level-2 sleep discarded them, or a load failed part-way); it is set
+before the weights go and cleared only by a load that wrote every tensor, and the engine refuses to
+generate while any worker has it set.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self._validated: list = []  # the staged (name, tensor) pairs of the last update that passed validation
         self.plan_failure: str | None = None  # why this engine commits through the generic loader
         self.last_load_path = ""
+        self.weights_lost: str | None = None  # why the model's weights are not a whole version; None: they are
 
     @property
     def served_version(self) -> int:
@@ -121,7 +127,16 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
     def finish_weight_update(self) -> None:
         if self.receiver is None or self.receiver.staged is None:
             raise TransferError("finish_weight_update without a fully received update: call update_weights first")
-        self.receiver.commit(self._load)
+        version = getattr(self.receiver, "_pending", None)
+        self.receiver.commit(lambda staged: self._load_whole(staged, version))
+
+    def _load_whole(self, staged: list, version) -> None:
+        """``_load``, with ``weights_lost`` set while the model's weights are written: a load that fails
+        part-way leaves it set (the previous version is gone); one that ends clears it, since every update
+        stages every tensor of the checkpoint (``_validate``)."""
+        self.weights_lost = self.weights_lost or f"the load of version {version} failed part-way"
+        self._load(staged)
+        self.weights_lost = None
 
     def _load(self, staged: list) -> None:
         """Replay the recorded copy plan when it still applies, else load through vLLM (recording a
@@ -191,6 +206,25 @@ def served_version(worker: Any) -> int:
     """For ``collective_rpc``: the version this worker serves (0 before the first update)."""
     engine = getattr(worker, "weight_transfer_engine", None)
     return engine.served_version if isinstance(engine, RlplacementWeightTransferEngine) else 0
+
+
+def serving_state(worker: Any) -> dict:
+    """For ``collective_rpc``: the version this worker serves and, when its weights are not that whole
+    version, why (``weights_lost``)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(engine, RlplacementWeightTransferEngine):
+        return {"version": 0, "weights_lost": None}
+    return {"version": engine.served_version, "weights_lost": engine.weights_lost}
+
+
+def mark_weights_lost(worker: Any, reason: str) -> None:
+    """For ``collective_rpc``: this worker's weights are about to stop being a whole version (a level-2
+    sleep discards them); generation is refused until a full update lands."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(engine, RlplacementWeightTransferEngine):
+        raise TransferError("this engine was not started with weight_transfer_config={'backend': 'rlplacement'}: "
+                            "nothing could refill its weights after they are discarded")
+    engine.weights_lost = reason
 
 
 def received_checksums(worker: Any) -> dict[str, str]:

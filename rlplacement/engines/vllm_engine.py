@@ -11,7 +11,9 @@ Lifecycle of ``update_weights(v)``: wait until no request is in flight (a batch 
 update finishes on the version it started with; a submit waits for the update) -> (one round trip
 to every worker) start_weight_update -> receive_weights (receive and stage everything, validate)
 -> finish_weight_update (load, serve v) -> reset prefix cache, when it may hold KV computed with
-earlier weights. Any failure before the load leaves the engine serving its previous version.
+earlier weights. Any failure before the load leaves the engine serving its previous version; a failure
+during the load, or any failure after a level-2 sleep discarded the weights (:meth:`release_memory`),
+leaves it refusing to generate (``WeightsUnavailableError``) until a full update lands.
 """
 
 from __future__ import annotations
@@ -112,20 +114,37 @@ class VllmRolloutEngine:
                 "gpu_memory_utilization": float(vc.cache_config.gpu_memory_utilization)}
 
     # ---- memory hand-off (--offload-rollout) ------------------------------------------------
-    def release_memory(self) -> dict:
+    def release_memory(self, keep_weights: bool = False) -> dict:
         """Before training: the update's staging buffers freed (they are outside vLLM's sleep pool), then
-        sleep at level 1 (weights to host memory, KV cache dropped).
+        sleep, releasing the KV cache and the weights.
 
-        Level 1, not 2: a full update rewrites every weight, but a failed one must leave the previous
-        version being served, so the previous weights have to survive the sleep."""
-        from rlplacement.engines.vllm_backend import release_staging
+        Level 2 (``keep_weights`` False): the weights are discarded, not copied to host memory, since the
+        next update rewrites every one of them from the trainer; none of the engine's bytes cross PCIe.
+        The workers first record that their weights are gone, so the engine refuses to generate
+        (:class:`WeightsUnavailableError`) until a full update lands, also after a failed one.
+        Level 1 (``keep_weights``, ``--offload-rollout-keep-weights``): the weights go to host memory and
+        come back on wake, so a failed update leaves the previous version served."""
+        from rlplacement.engines.vllm_backend import mark_weights_lost, release_staging
+
+        level = 1 if keep_weights else 2
 
         def release() -> None:
             self.llm.collective_rpc(release_staging)
-            self.llm.sleep(level=1)  # level 1 also clears the prefix cache
+            if level == 2:
+                self._served = None
+                self.llm.collective_rpc(mark_weights_lost, args=("a level-2 sleep discarded them",))
+            self.llm.sleep(level=level)  # any level also clears the prefix cache
             self._prefix_cache_filled = False
 
-        return self._timed(release, quiesce=True)
+        return {**self._timed(release, quiesce=True), "level": level}
+
+    def sleep_pool(self) -> dict:
+        """GiB of this engine's sleep pool on its largest worker, by what it holds (``weights_gb``,
+        ``kv_cache_gb``): what a wake-up allocates again; empty without sleep mode."""
+        if not self.sleep_mode:
+            return {}
+        per_worker = self._between_steps(lambda: self.llm.collective_rpc(_worker_sleep_pool))
+        return {k: max(w.get(k, 0.0) for w in per_worker) for k in ("weights_gb", "kv_cache_gb")}
 
     def unmap_trainer_memory(self) -> dict:
         """Before the trainer frees its weights (a colocated hand-off): cuda_ipc's mappings of them go."""
@@ -203,12 +222,34 @@ class VllmRolloutEngine:
 
     def weight_version(self) -> int:
         """The version every worker serves; raises if workers disagree (never expected)."""
-        from rlplacement.engines.vllm_backend import served_version
+        return self._serving()[0]
 
-        versions = set(self._between_steps(lambda: self.llm.collective_rpc(served_version)))
+    def _serving(self) -> tuple[int, str | None]:
+        """(version every worker serves, why some worker's weights are not that whole version or None)."""
+        from rlplacement.engines.vllm_backend import serving_state
+
+        states = self._between_steps(lambda: self.llm.collective_rpc(serving_state))
+        versions = {s["version"] for s in states}
         if len(versions) != 1:
             raise TransferError(f"engine {self.engine_index}: workers serve different versions {sorted(versions)}")
-        return versions.pop()
+        lost = next((s["weights_lost"] for s in states if s["weights_lost"]), None)
+        return versions.pop(), lost
+
+    def _servable_version(self) -> int:
+        """The version generation runs on; refuses by name when the weights are not a whole version."""
+        if self._served is None:
+            version, lost = self._serving()
+            if lost:
+                from rlplacement.errors import WeightsUnavailableError
+
+                raise WeightsUnavailableError(
+                    f"engine {self.engine_index} cannot generate: {lost}, and no full update has landed since "
+                    f"(version {version} was the last whole one). Run a weight update that succeeds "
+                    f"(job.update_weights()) before generating; to keep the previous version through a failed "
+                    f"update under --colocate, start with --offload-rollout-keep-weights (level-1 sleep: the "
+                    f"engine's weights go to host memory and back every step).")
+            self._served = version
+        return self._served
 
     def received_checksums(self) -> dict[str, str]:
         """Per-tensor checksums (HF names) of the last update as the workers staged it, recorded only with
@@ -261,10 +302,9 @@ class VllmRolloutEngine:
             check_context(len(ids), int(spec["max_tokens"]), self.max_model_len, where)
         params = [SamplingParams(**{**spec, "logprobs": 0}) for spec in sampling]
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_token_ids]
-        if self._served is None:
-            self._served = self.weight_version()
+        served = self._servable_version()
         self._prefix_cache_filled = True
-        return self._stepper.submit(prompts, params, self._served)
+        return self._stepper.submit(prompts, params, served)
 
     @control_call
     def poll(self, batch: str, timeout_s: float = 1.0) -> tuple[list[dict], bool]:
@@ -375,6 +415,17 @@ def _worker_gpu_memory(worker) -> dict[str, float]:
     peak = torch.cuda.max_memory_reserved() / gib
     torch.cuda.reset_peak_memory_stats()
     return {"resident_gb": resident, "peak_gb": max(peak, resident)}
+
+
+def _worker_sleep_pool(worker) -> dict[str, float]:
+    """This worker's sleep pool in GiB by tag (``weights``, ``kv_cache``), asleep or not."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    out: dict[str, float] = {}
+    for data in CuMemAllocator.get_instance().pointer_to_data.values():
+        key = f"{data.tag}_gb"
+        out[key] = out.get(key, 0.0) + data.handle[1] / float(1 << 30)
+    return out
 
 
 def _model_checksums(worker) -> dict[str, str]:

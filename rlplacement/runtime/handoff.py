@@ -3,17 +3,24 @@
 Under ``--colocate`` the trainer and the engines share each GPU, and a model that does not fit
 twice fits only if each side lets go while the other works:
 
-* to train (before ``log_probs``/``train``): the engines sleep (weights to host memory, KV cache
-  dropped), then the trainer's weights and optimizer state come back from host memory;
+* to train (before ``log_probs``/``train``): the engines sleep (KV cache released; weights discarded at
+  vLLM's level 2, or copied to host memory at level 1 with ``--offload-rollout-keep-weights``), then the
+  trainer's weights and optimizer state come back from pinned host memory;
 * to update (before ``update_weights``): the trainer is resident (it is the source), and the
-  engines' weights come back, so the update writes into them while the KV cache stays released;
+  engines' weights are mapped again, so the update writes into them while the KV cache stays released;
 * to rollout (before ``generate``): the trainer moves weights and optimizer state to host memory
-  (gradients dropped), then the engines' KV cache comes back and scheduling resumes.
+  (gradients dropped), then the engines' KV cache comes back and scheduling resumes; where the KV
+  cache fits beside the trainer's state, it comes back while that state is still leaving.
 
-Each transition happens only when needed (a state machine per side), so a loop that calls the
-job's methods in any order stays correct, and each is timed and followed by a memory reading per
-role, reported as ``perf/*`` keys (see :data:`KEYS`). Where there is no GPU the hand-off is off
-and says so once: there is no GPU memory to give.
+With a flag left unset, that side moves only when the other's next phase would not fit beside it
+(``handoff_plan``); a flag that is set is obeyed. Each transition happens only when needed (a state
+machine per side), so a loop that calls the job's methods in any order stays correct, and each is
+timed, counted in bytes and followed by a memory reading per role, reported as ``perf/*`` keys (see
+:data:`KEYS`). Where there is no GPU the hand-off is off and says so once: there is no GPU memory to give.
+
+What survives a failed update: at level 2 the engines' previous weights are gone, so after a failed
+update they refuse to generate (``WeightsUnavailableError``) until a full update lands; at level 1 they
+keep serving the previous version (``engines/vllm_engine.py``).
 """
 
 from __future__ import annotations
@@ -21,16 +28,27 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+from rlplacement.runtime import handoff_plan
 from rlplacement.runtime.waits import get_all
 
 TRAIN, ROLLOUT = "train", "rollout"
+GIB = float(1 << 30)
 KEYS = {
     "perf/handoff_to_train_time": "seconds per step: engines sleep, trainer state back from host memory",
-    "perf/handoff_to_rollout_time": "seconds per step: engine weights back (before the update), trainer state "
-                                    "to host memory, engine KV cache back",
+    "perf/handoff_to_rollout_time": "seconds per step: engine weights mapped again (before the update), trainer "
+                                    "state to host memory, engine KV cache back",
     "perf/handoff_{part}_time": "seconds per step of each part of both hand-offs, {part} one of trainer_offload "
                                 "(the engines unmapping the trainer's memory, then its offload), trainer_reload, "
-                                "engine_sleep, engine_wake (the rest is memory readings)",
+                                "engine_sleep, engine_wake; parts that overlap both count their own seconds",
+    "perf/handoff_trainer_offload_copy_time": "seconds of the trainer's offload spent copying (the rest frees memory)",
+    "perf/handoff_bytes_to_host": "bytes per step that crossed PCIe to host memory, on the busiest GPU (the "
+                                  "trainer's state, plus the engine's weights at level 1)",
+    "perf/handoff_bytes_to_device": "bytes per step that crossed PCIe back to the GPU, on the busiest GPU",
+    "perf/handoff_engine_weight_bytes": "bytes per step of engine weights that crossed PCIe (level 1 only; 0 at "
+                                        "level 2, where the update refills them from the trainer's GPU memory)",
+    "perf/handoff_trainer_left": "1 when the trainer's state went to host memory for this rollout, else 0",
+    "perf/handoff_engines_slept": "1 when the engines slept for this training phase, else 0",
+    "perf/handoff_setup_time": "seconds, once, at the job's start: the trainer's pinned host buffer made",
     "perf/trainer_gpu_resident_gb_in_{phase}": "GiB the trainer holds on its GPU once the phase starts (largest rank)",
     "perf/trainer_gpu_peak_gb_in_{phase}": "GiB the trainer held at most during the phase (torch's peak, largest rank)",
     "perf/rollout_gpu_resident_gb_in_{phase}": "GiB an engine holds once the phase starts (largest engine)",
@@ -49,61 +67,84 @@ OOM_MARKERS = ("out of memory", "outofmemoryerror", "no available memory for the
 
 
 def offload_hint(placement, message: str) -> str | None:
-    """The flag to turn on when ``message`` is a GPU out-of-memory error in a colocated job that kept a
-    side resident; None otherwise (the error is not about memory, or nothing more can be handed off)."""
+    """The flag to turn on when ``message`` is a GPU out-of-memory error in a colocated job where a side
+    was not told to move (turned off, or left to the memory readings); None otherwise (the error is not
+    about memory, or both flags were on already)."""
     if not placement.colocate or not any(m in message.lower() for m in OOM_MARKERS):
         return None
-    off = [f for f, on in (("--offload-train", placement.offload_train),
-                           ("--offload-rollout", placement.offload_rollout)) if not on]
+    chosen = (("--offload-train", placement.offload_train), ("--offload-rollout", placement.offload_rollout))
+    off = [f for f, on in chosen if on is not True]
     if not off:
         return None
-    return (f"Out of GPU memory under --colocate with {' and '.join('--no-' + f[2:] for f in off)}: the trainer and "
-            f"the engines were resident on the same GPUs at once. Turn on {' and '.join(off)} (drop "
-            f"{' and '.join('--no-' + f[2:] for f in off)}) so each side releases its memory while the other works.")
+    said = " and ".join("--no-" + f[2:] if on is False else f"{f} unset (moved only when the readings said so)"
+                        for f, on in chosen if on is not True)
+    return (f"Out of GPU memory under --colocate with {said}: the trainer and the engines were resident on the "
+            f"same GPUs at once. Turn on {' and '.join(off)} so each side releases its memory while the other "
+            f"works.")
 
 
-def skipped_reason(offload_train: bool, offload_rollout: bool, trainer_device: str) -> str | None:
-    """Why the hand-off is off for this job, or None when it runs."""
-    if not (offload_train or offload_rollout):
+def skipped_reason(offload_train: bool | None, offload_rollout: bool | None, trainer_device: str) -> str | None:
+    """Why the hand-off is off for this job, or None when it runs (or was turned off by both flags)."""
+    if offload_train is False and offload_rollout is False:
         return None
     if not trainer_device.startswith("cuda"):
-        flags = " and ".join(f for f, on in (("--offload-train", offload_train), ("--offload-rollout", offload_rollout))
-                             if on)
+        flags = " and ".join(f if on else f"{f} (unset: decided from GPU memory)"
+                             for f, on in (("--offload-train", offload_train), ("--offload-rollout", offload_rollout))
+                             if on is not False)
         return (f"rlplacement: {flags}: the trainer runs on {trainer_device}, so there is no GPU memory to hand "
                 f"off; the hand-off is skipped (it runs where trainer and engines share a GPU).")
     return None
 
 
 class ColocatedHandOff:
-    def __init__(self, trainers: Sequence, engines: Sequence, *, offload_train: bool, offload_rollout: bool,
-                 timeout_s: float, trainer_names: Sequence[str]):
+    def __init__(self, trainers: Sequence, engines: Sequence, *, offload_train: bool | None,
+                 offload_rollout: bool | None, timeout_s: float, trainer_names: Sequence[str],
+                 keep_engine_weights: bool = False):
+        """``offload_train``/``offload_rollout``: True or False as the flags say, None where the flag was
+        left unset (decided before each phase from memory readings); ``keep_engine_weights``: engines
+        sleep at level 1 (``--offload-rollout-keep-weights``) instead of 2."""
         # the job's own lists: an engine it replaces (restarted, or a fresh one in a benchmark) is the one moved
         self.trainers, self.engines = trainers, engines
         self.offload_train, self.offload_rollout = offload_train, offload_rollout
+        self.keep_engine_weights = keep_engine_weights
         self.timeout_s = timeout_s
         self.trainer_names = list(trainer_names)
         self.trainer_on_host = False
         self.engines_hold = "all"  # all | weights | nothing
         self.phase: str | None = None
         self._metrics: dict[str, float] = {}
+        self._pool: dict | None = None  # the largest engine worker's sleep pool, GiB by tag
+        self._train_peak_gb: float | None = None  # the trainer's peak in its last training phase
+
+    def reserve_host_memory(self) -> None:
+        """At start, where the trainer may leave: its pinned host buffer, made before any step."""
+        if self.offload_train is False:
+            return
+        start = time.perf_counter()
+        self._trainers("reserve_host_memory", "trainer host memory reserved")
+        self._metrics["perf/handoff_setup_time"] = time.perf_counter() - start
 
     # ---- transitions -----------------------------------------------------------------------
     # Each decides from where the two sides are (not from the last phase), so an update between
     # two rollouts, or between log-probs and the step, still ends with the right side resident.
     def to_train(self) -> None:
-        engines_must_sleep = self.offload_rollout and self.engines_hold != "nothing"
-        if not engines_must_sleep and not self.trainer_on_host:
+        sleep = self.engines_hold != "nothing" and self._engines_should_sleep()
+        if self.engines_hold != "nothing":  # decided now (a second call in the same phase finds them asleep)
+            self._metrics["perf/handoff_engines_slept"] = float(sleep)
+        if not sleep and not self.trainer_on_host:
             self.phase = TRAIN
             return
         start = time.perf_counter()
         self._record_peaks(ending=self.phase)
-        if engines_must_sleep:
+        if sleep:
             if self.engines_hold == "weights":
                 # updated but never generated: vLLM sleeps only a whole engine, so the KV cache comes
-                # back first, with the trainer's state out of the way while it does
-                self._trainer_to_host(None)
+                # back first, with the trainer's state out of the way if it does not fit beside it
+                self._make_room_for_engines(None, "weights")
                 self._engines("resume_kv_cache", "engine KV cache back")
-            self._record("rollout", TRAIN, self._engines("release_memory", "engine sleep"))
+            reports = self._engines("release_memory", "engine sleep", keep_weights=self.keep_engine_weights)
+            self._record("rollout", TRAIN, reports)
+            self._count_engine_weights("perf/handoff_bytes_to_host")
             self.engines_hold = "nothing"
         self._trainer_resident(TRAIN)
         self._device_reading(TRAIN)
@@ -119,21 +160,27 @@ class ColocatedHandOff:
         self._trainer_resident(None)
         if self.engines_hold == "nothing":
             self._engines("resume_weights", "engine weights back")
+            self._count_engine_weights("perf/handoff_bytes_to_device")
             self.engines_hold = "weights"
         self._add("perf/handoff_to_rollout_time", time.perf_counter() - start)
 
     def to_rollout(self) -> None:
-        trainer_must_leave = self.offload_train and not self.trainer_on_host
-        if not trainer_must_leave and self.engines_hold == "all":
+        if self.engines_hold == "all" and (self.trainer_on_host or self.offload_train is not True):
+            # nothing to wake, and the trainer is away or may stay (auto: the engines hold all they need)
+            if not self.trainer_on_host:
+                self._metrics["perf/handoff_trainer_left"] = 0.0
             self.phase = ROLLOUT
             return
         start = time.perf_counter()
         self._record_peaks(ending=self.phase)
-        self._trainer_to_host(ROLLOUT)
-        if self.engines_hold != "all":
-            method = "resume_kv_cache" if self.engines_hold == "weights" else "resume_all"
-            self._record("rollout", ROLLOUT, self._engines(method, "engine wake-up"))
-            self.engines_hold = "all"
+        holds = self.engines_hold
+        wake = None if holds == "all" else ("resume_kv_cache" if holds == "weights" else "resume_all")
+        overlapped = self._make_room_for_engines(ROLLOUT, holds, wake=wake)
+        if wake and not overlapped:
+            self._record("rollout", ROLLOUT, self._engines(wake, "engine wake-up"))
+            if wake == "resume_all":
+                self._count_engine_weights("perf/handoff_bytes_to_device")
+        self.engines_hold = "all"
         self._device_reading(ROLLOUT)
         self._add("perf/handoff_to_rollout_time", time.perf_counter() - start)
         self.phase = ROLLOUT
@@ -143,29 +190,95 @@ class ColocatedHandOff:
         out, self._metrics = self._metrics, {}
         return out
 
+    # ---- decisions --------------------------------------------------------------------------
+    def _engines_should_sleep(self) -> bool:
+        if self.offload_rollout is not None:
+            return self.offload_rollout
+        readings = self._trainers("gpu_memory", "trainer memory")
+        if not readings or "device_free_gb" not in readings[0]:
+            return True
+        growth = None
+        if self._train_peak_gb is not None:
+            resident = 0.0 if self.trainer_on_host else max(r["resident_gb"] for r in readings)
+            growth = self._train_peak_gb - resident
+        return handoff_plan.engines_must_sleep(min(r["device_free_gb"] for r in readings), growth,
+                                               readings[0]["device_total_gb"])
+
+    def _make_room_for_engines(self, phase: str | None, holds: str, wake: str | None = None) -> bool:
+        """The trainer leaves if it must (its flag, else when the engines' wake-up would not fit beside
+        it); with ``wake``, the engines wake while it leaves when their wake-up fits beside its state.
+        Returns whether the wake-up ran here."""
+        if self.trainer_on_host or self.offload_train is False:
+            self._metrics.setdefault("perf/handoff_trainer_left", 0.0)
+            return False
+        if self.offload_train is True and wake is None:
+            self._metrics["perf/handoff_trainer_left"] = 1.0
+            self._trainer_to_host(phase)
+            return False
+        readings = self._trainers("gpu_memory", "trainer memory", empty_cache=True)
+        fits = False
+        if readings and "device_free_gb" in readings[0]:
+            need = handoff_plan.engine_wake_gb(self._sleep_pool(), holds)
+            fits = not handoff_plan.trainer_must_leave(min(r["device_free_gb"] for r in readings), need,
+                                                       readings[0]["device_total_gb"])
+        leave = self.offload_train is True or not fits
+        self._metrics["perf/handoff_trainer_left"] = float(leave)
+        if not leave:
+            return False
+        overlap = wake if fits else None
+        self._trainer_to_host(phase, overlap=overlap)
+        return overlap is not None
+
+    def _sleep_pool(self) -> dict:
+        if self._pool is None:
+            pools = self._engines("sleep_pool", "engine sleep pool")
+            self._pool = {k: max(p.get(k, 0.0) for p in pools) for k in ("weights_gb", "kv_cache_gb")}
+        return self._pool
+
     # ---- parts ------------------------------------------------------------------------------
-    def _trainer_to_host(self, phase: str | None) -> None:
-        if self.offload_train and not self.trainer_on_host:
-            # cuda_ipc keeps the trainer's weights mapped in the engines between updates: they let go
-            # first, since freeing memory another process still maps is undefined (the trainer refuses)
-            self._engines("unmap_trainer_memory", "engines unmapping the trainer's memory")
-            reports = self._trainers("offload_to_host", "trainer offload", engines_unmapped=True)
-            self.trainer_on_host = True
-            if phase:
-                self._record("trainer", phase, reports)
+    def _trainer_to_host(self, phase: str | None, overlap: str | None = None) -> None:
+        """The trainer's state to host memory; ``overlap``: an engine wake-up issued beside it."""
+        # cuda_ipc keeps the trainer's weights mapped in the engines between updates: they let go
+        # first, since freeing memory another process still maps is undefined (the trainer refuses)
+        self._engines("unmap_trainer_memory", "engines unmapping the trainer's memory")
+        start = time.perf_counter()
+        woken = [getattr(e, overlap).remote() for e in self.engines] if overlap else []
+        reports = self._call(self.trainers, self.trainer_names, "offload_to_host", "trainer offload",
+                             engines_unmapped=True)
+        if woken:
+            names = [f"engine {i}" for i in range(len(self.engines))]
+            self._record("rollout", ROLLOUT, get_all(woken, self.timeout_s, "engine wake-up", names))
+            self._add("perf/handoff_engine_wake_time", time.perf_counter() - start)
+            if overlap == "resume_all":
+                self._count_engine_weights("perf/handoff_bytes_to_device")
+        self.trainer_on_host = True
+        self._put_sum("perf/handoff_bytes_to_host", reports, "bytes")
+        self._put_sum("perf/handoff_trainer_offload_copy_time", reports, "copy_seconds")
+        if phase:
+            self._record("trainer", phase, reports)
 
     def _trainer_resident(self, phase: str | None) -> None:
         if self.trainer_on_host:
             reports = self._trainers("reload_from_host", "trainer reload")
             self.trainer_on_host = False
+            self._put_sum("perf/handoff_bytes_to_device", reports, "bytes")
             if phase:
                 self._record("trainer", phase, reports)
+
+    def _count_engine_weights(self, key: str) -> None:
+        """Level 1 only: the engine's weights crossed PCIe (its weight pool, largest worker)."""
+        if self.keep_engine_weights:
+            nbytes = self._sleep_pool().get("weights_gb", 0.0) * GIB
+            self._add(key, nbytes)
+            self._add("perf/handoff_engine_weight_bytes", nbytes)
+        else:
+            self._metrics.setdefault("perf/handoff_engine_weight_bytes", 0.0)
 
     def _trainers(self, method: str, what: str, **kwargs) -> list[dict]:
         return self._call(self.trainers, self.trainer_names, method, what, **kwargs)
 
-    def _engines(self, method: str, what: str) -> list[dict]:
-        return self._call(self.engines, [f"engine {i}" for i in range(len(self.engines))], method, what)
+    def _engines(self, method: str, what: str, **kwargs) -> list[dict]:
+        return self._call(self.engines, [f"engine {i}" for i in range(len(self.engines))], method, what, **kwargs)
 
     def _call(self, actors: Sequence, names: Sequence[str], method: str, what: str, **kwargs) -> list[dict]:
         """``method`` on every actor, bounded; a move (not a memory reading) adds its seconds to its part."""
@@ -192,6 +305,8 @@ class ColocatedHandOff:
         if not self.trainer_on_host:  # offloaded, the trainer allocated nothing during the phase
             readings = self._trainers("gpu_memory", "trainer memory")
             self._put(f"perf/trainer_gpu_peak_gb_in_{ending}", readings, "peak_gb")
+            if ending == TRAIN and any(r.get("peak_gb") is not None for r in readings):
+                self._train_peak_gb = max(r["peak_gb"] for r in readings if r.get("peak_gb") is not None)
         if ending == ROLLOUT and self.engines_hold == "all":
             self._put("perf/rollout_gpu_peak_gb_in_rollout", self._engines("gpu_memory", "engine memory"), "peak_gb")
 
@@ -200,6 +315,12 @@ class ColocatedHandOff:
         values = [r[field] for r in reports if r.get(field) is not None]
         if values:
             self._metrics[key] = max(values)
+
+    def _put_sum(self, key: str, reports: list[dict], field: str) -> None:
+        """``key`` += the largest ``field`` over the ranks (the busiest GPU's share of this move)."""
+        values = [r[field] for r in reports if r.get(field) is not None]
+        if values:
+            self._add(key, max(values))
 
     def _add(self, key: str, seconds: float) -> None:
         self._metrics[key] = self._metrics.get(key, 0.0) + seconds

