@@ -262,7 +262,7 @@ def test_out_of_memory_names_the_offload_flag_to_turn_on_with_a_fake_cuda_oom_me
 def test_the_hand_off_is_skipped_on_cpu_and_says_why():
     assert "the trainer runs on cpu, so there is no GPU memory" in skipped_reason(True, False, "cpu")
     assert skipped_reason(True, True, "cuda:0") is None and skipped_reason(False, False, "cpu") is None
-    assert "--offload-rollout (unset: decided from GPU memory)" in skipped_reason(False, None, "cpu")
+    assert "rlplacement: --offload-rollout: the trainer runs on cpu" in skipped_reason(False, None, "cpu")
 
 
 def test_the_plan_moves_a_side_only_when_the_other_would_not_fit():

@@ -13,7 +13,10 @@ the copy patterns a trainer's state makes (many storages of tens of MB):
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -125,6 +128,28 @@ def strategies(nbytes: int, piece_bytes: int) -> dict:
     return rows
 
 
+def release_cost(nbytes: int, piece_bytes: int) -> dict:
+    """Seconds to give ``nbytes`` of freed torch memory back to the driver (``empty_cache``, what the
+    trainer's offload does so a colocated engine can allocate it) and to allocate it again, held as one
+    block or as pieces; under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the blocks are cuMem
+    mappings instead of cudaMalloc allocations."""
+    out = {}
+    for name, sizes in (("one_block", [nbytes]), ("pieces", [piece_bytes] * (nbytes // piece_bytes))):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        held = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        del held
+        t2 = time.perf_counter()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        out[name] = {"alloc_s": round(t1 - t0, 4), "free_s": round(t2 - t1, 4), "empty_cache_s": round(t3 - t2, 4),
+                     "empty_cache_gbps": round(nbytes / (t3 - t2) / GB, 1)}
+    return out
+
+
 def offload_roundtrip(nbytes: int, piece_bytes: int) -> dict:
     """rlplacement's own ``HostOffload`` over storages of ``piece_bytes`` (a trainer's parameters and
     moments), twice: the first pays for the host buffer, the second is the steady step."""
@@ -149,6 +174,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=8.0)
     parser.add_argument("--piece-mib", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="skip the pinning strategies")
+    parser.add_argument("--release-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -158,10 +185,20 @@ def main() -> int:
     piece = args.piece_mib << 20
     results = {"command": " ".join(["python3", *sys.argv]), "gpus": common.gpu_names()[:1],
                "versions": common.versions(), "bytes": nbytes}
+    if args.release_only:
+        print(json.dumps(release_cost(nbytes, piece)), flush=True)
+        return 0
     results["host_link_gbps"] = host_link_gbps(nbytes)
     print("host_link_gbps", results["host_link_gbps"], flush=True)
+    results["release"] = {"default": release_cost(nbytes, piece)}
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    line = subprocess.run([sys.executable, __file__, "--gib", str(args.gib), "--piece-mib", str(args.piece_mib),
+                           "--release-only"], env=env, capture_output=True, text=True, check=True).stdout
+    results["release"]["expandable_segments"] = json.loads(line.strip().splitlines()[-1])
+    print("release", results["release"], flush=True)
     results["offload"] = offload_roundtrip(nbytes, piece)
-    results["strategies"] = strategies(nbytes, piece)
+    if not args.quick:
+        results["strategies"] = strategies(nbytes, piece)
     common.write(args.out, "host_link_h200.json", results)
     return 0
 

@@ -51,18 +51,27 @@ def _greedy(job, prompts: list[list[int]]) -> list[dict]:
 
 
 def refill_check(job, prompts: list[list[int]]) -> dict:
-    """Greedy generation of the fresh engine, then the hand-off to training (a level-2 sleep discards
-    its weights), the trainer's unchanged weights sent back, and the same generation: equal or not."""
+    """Greedy generation and the served parameters' and buffers' checksums of the fresh engine (twice:
+    whether greedy decoding of these random weights repeats at all), then the hand-off to training (a
+    level-2 sleep discards the weights), the trainer's unchanged weights sent back, and both again."""
+    import ray
+
     job.prepare_rollout()
-    fresh = _greedy(job, prompts)
+    fresh = [_greedy(job, prompts), _greedy(job, prompts)]
+    before = ray.get(job.engines[0].model_checksums.remote())
     job.prepare_train()
     job.prepare_update()
     job.update_weights()
     job.prepare_rollout()
     refilled = _greedy(job, prompts)
+    after = ray.get(job.engines[0].model_checksums.remote())
     metrics = job.pop_handoff_metrics()
-    return {"equal": refilled == fresh, "tokens_equal": [r["token_ids"] for r in refilled] == [
-        r["token_ids"] for r in fresh], "version": job.version, "setup_s": metrics.get("perf/handoff_setup_time")}
+    return {"generation_equal": refilled == fresh[0], "tokens_equal": [r["token_ids"] for r in refilled] == [
+                r["token_ids"] for r in fresh[0]],
+            "fresh_repeats_itself": fresh[0] == fresh[1],
+            "served_tensors_equal": before == after, "served_tensors": len(before),
+            "served_tensors_differing": sorted(n for n in before if after.get(n) != before[n])[:20],
+            "version": job.version, "setup_s": metrics.get("perf/handoff_setup_time")}
 
 
 def run(model_dir: Path, args, flags: str) -> dict:

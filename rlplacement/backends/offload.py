@@ -12,7 +12,7 @@ colocated engine maps all of the trainer's weights with one CUDA IPC handle.
 The host buffer is one allocation, made and pinned once (:meth:`HostOffload.reserve`, at the job's
 start, sized from the optimizer's state to come) and kept for the run: pinning is a one-time cost of
 seconds per 10 GB that must not land in a step. It is anonymous memory asking for transparent huge
-pages, touched by torch's threads, then registered with CUDA (``cudaHostRegister``); torch's pinned
+pages, touched on several threads, then registered with CUDA (``cudaHostRegister``); torch's pinned
 allocator would round each buffer up to a power of two and cache it for the life of the process (an
 8B trainer's ~46 GB of state would hold 64 GiB). Copies in and out of it run at the link's pinned
 rate (``benchmarks/gpu/host_link.py``: 54 GB/s out, 49 GB/s back, of 55 each way on an H200). If
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import time
 from typing import Iterable
 
@@ -123,10 +124,13 @@ class HostOffload:
         for storage, _, _ in saved:
             storage.resize_(0)
         self._saved = saved
+        freed = time.perf_counter()
         if on_gpu:
             torch.cuda.empty_cache()  # give the freed blocks back to the driver, where the engines allocate
-        return {"seconds": time.perf_counter() - start, "copy_seconds": copied - start, "bytes": float(offset),
-                "host_pinned": float(self._registered), "grew": float(grew)}
+        end = time.perf_counter()
+        return {"seconds": end - start, "copy_seconds": copied - start, "free_seconds": freed - copied,
+                "release_seconds": end - freed, "bytes": float(offset), "host_pinned": float(self._registered),
+                "grew": float(grew)}
 
     def reload(self) -> dict[str, float]:
         start = time.perf_counter()
@@ -167,7 +171,7 @@ class HostOffload:
 
 def _host_bytes(nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None]:
     """``nbytes`` of host memory, every page present: anonymous memory asking for transparent huge pages
-    (fewer pages to pin and for the GPU to translate), touched once by torch's threads, so registering
+    (fewer pages to pin and for the GPU to translate), touched once on several threads, so registering
     it only pins. Plain torch memory where the system has no such mapping."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8), None
@@ -181,5 +185,16 @@ def _host_bytes(nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None]:
         if mapping is not None:
             mapping.close()
         mapping, host = None, torch.empty(nbytes, dtype=torch.uint8)
-    host.zero_()  # fault every page in now, on torch's intra-op threads
+    _touch(host)
     return host, mapping
+
+
+def _touch(host: torch.Tensor) -> None:
+    """Fault every page of ``host`` in now, on several threads (torch releases the GIL while it fills;
+    a Ray actor's torch runs one intra-op thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+    step = -(-host.numel() // threads)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda i: host[i:i + step].zero_(), range(0, host.numel(), step)))

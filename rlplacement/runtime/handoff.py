@@ -40,7 +40,9 @@ KEYS = {
     "perf/handoff_{part}_time": "seconds per step of each part of both hand-offs, {part} one of trainer_offload "
                                 "(the engines unmapping the trainer's memory, then its offload), trainer_reload, "
                                 "engine_sleep, engine_wake; parts that overlap both count their own seconds",
-    "perf/handoff_trainer_offload_copy_time": "seconds of the trainer's offload spent copying (the rest frees memory)",
+    "perf/handoff_trainer_offload_copy_time": "seconds of the trainer's offload spent copying to host memory",
+    "perf/handoff_trainer_offload_release_time": "seconds of the trainer's offload spent giving its freed GPU memory "
+                                                 "back to the driver (empty_cache), where the engines allocate",
     "perf/handoff_bytes_to_host": "bytes per step that crossed PCIe to host memory, on the busiest GPU (the "
                                   "trainer's state, plus the engine's weights at level 1)",
     "perf/handoff_bytes_to_device": "bytes per step that crossed PCIe back to the GPU, on the busiest GPU",
@@ -88,9 +90,8 @@ def skipped_reason(offload_train: bool | None, offload_rollout: bool | None, tra
     if offload_train is False and offload_rollout is False:
         return None
     if not trainer_device.startswith("cuda"):
-        flags = " and ".join(f if on else f"{f} (unset: decided from GPU memory)"
-                             for f, on in (("--offload-train", offload_train), ("--offload-rollout", offload_rollout))
-                             if on is not False)
+        flags = " and ".join(f for f, on in (("--offload-train", offload_train), ("--offload-rollout", offload_rollout))
+                             if on is not False)  # given, or unset (decided from GPU memory)
         return (f"rlplacement: {flags}: the trainer runs on {trainer_device}, so there is no GPU memory to hand "
                 f"off; the hand-off is skipped (it runs where trainer and engines share a GPU).")
     return None
@@ -254,6 +255,7 @@ class ColocatedHandOff:
         self.trainer_on_host = True
         self._put_sum("perf/handoff_bytes_to_host", reports, "bytes")
         self._put_sum("perf/handoff_trainer_offload_copy_time", reports, "copy_seconds")
+        self._put_sum("perf/handoff_trainer_offload_release_time", reports, "release_seconds")
         if phase:
             self._record("trainer", phase, reports)
 
