@@ -274,7 +274,7 @@ class TrainerBackend(abc.ABC):
             self._host_offload = HostOffload()
         for p in self._parameters():
             p.grad = None  # the next step starts from None anyway
-        return self._host_offload.offload(self._resident_tensors(), mapped=self._parameters())
+        return self._host_offload.offload(self._resident_tensors())
 
     def reserve_host_memory(self) -> dict[str, float]:
         """Make and pin, now, the host buffer every later :meth:`offload_to_host` uses: sized for the

@@ -6,13 +6,8 @@ object stays the one it was (parameters, their views, DTensor shards, the optimi
 its references to the parameters), so nothing that holds a tensor has to be told, and the round
 trip is bit-exact. Tensors that share a storage are moved once.
 
-On the GPU the weights' storages (``mapped``) come back inside one allocation
-(:func:`_reserve_one_segment`), so a colocated engine maps all of the trainer's weights with one
-CUDA IPC handle. The rest (optimizer state, a frozen reference model) comes back in expandable
-segments (cuMem mappings): giving memory back to the driver, which every offload must do so the
-engines can allocate it, costs ``cudaFree`` of a classic segment ~1-2 s per 30 GB on an H200 but a
-fraction of that for a mapping (``benchmarks/gpu/host_link.py`` measures both), and nothing maps
-these by IPC. ``RLPLACEMENT_OFFLOAD_EXPANDABLE=0`` keeps them classic (for comparison).
+On the GPU the storages come back inside one allocation (:func:`_reserve_one_segment`), so a
+colocated engine maps all of the trainer's weights with one CUDA IPC handle.
 
 The host buffer is one allocation, made and pinned once (:meth:`HostOffload.reserve`, at the job's
 start, sized from the optimizer's state to come) and kept for the run: pinning is a one-time cost of
@@ -29,7 +24,6 @@ Gradients are not moved: every training step starts by setting them to None, so 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
@@ -76,7 +70,7 @@ class HostOffload:
     """Holds what was offloaded until :meth:`reload`; offloading twice in a row is refused."""
 
     def __init__(self) -> None:
-        self._saved: list[tuple[torch.UntypedStorage, int, int, bool]] = []  # (storage, offset, bytes, mapped)
+        self._saved: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, offset in host, bytes)
         self._host: torch.Tensor | None = None
         self._mapping: mmap.mmap | None = None  # what the host buffer's bytes live in, when mapped here
         self._registered = False
@@ -98,11 +92,9 @@ class HostOffload:
         return {"seconds": time.perf_counter() - start, "bytes": float(self.capacity),
                 "host_pinned": float(self._registered)}
 
-    def offload(self, tensors: Iterable[torch.Tensor], mapped: Iterable[torch.Tensor] = ()) -> dict[str, float]:
+    def offload(self, tensors: Iterable[torch.Tensor]) -> dict[str, float]:
         """Every storage of ``tensors`` to the host buffer, then freed; returns seconds (``copy_seconds``
-        of them moving bytes, ``release_seconds`` giving the memory back to the driver), bytes, and whether
-        the buffer had to grow. ``mapped``: those of ``tensors`` a colocated engine maps by CUDA IPC
-        (the weights), which come back in one classic allocation."""
+        of them moving bytes, the rest freeing), bytes, and whether the buffer had to grow."""
         if self._saved:
             raise RuntimeError("the trainer's state is already in host memory: reload before offloading again")
         start = time.perf_counter()
@@ -111,7 +103,6 @@ class HostOffload:
             storage = local_tensor(t).untyped_storage()
             if storage.nbytes():
                 storages.setdefault(storage.data_ptr(), storage)
-        mapped_ptrs = {local_tensor(t).untyped_storage().data_ptr() for t in mapped}
         on_gpu = any(s.device.type == "cuda" for s in storages.values())
         total = sum(s.nbytes() for s in storages.values())
         grew = total > self.capacity
@@ -125,12 +116,12 @@ class HostOffload:
         for storage in storages.values():  # nothing is freed until every byte is copied: a failure loses nothing
             n = storage.nbytes()
             host[offset:offset + n].copy_(_bytes_of(storage), non_blocking=on_gpu)
-            saved.append((storage, offset, n, storage.data_ptr() in mapped_ptrs))
+            saved.append((storage, offset, n))
             offset += n
         if on_gpu:
             torch.cuda.synchronize()
         copied = time.perf_counter()
-        for storage, _, _, _ in saved:
+        for storage, _, _ in saved:
             storage.resize_(0)
         self._saved = saved
         freed = time.perf_counter()
@@ -144,17 +135,13 @@ class HostOffload:
     def reload(self) -> dict[str, float]:
         start = time.perf_counter()
         moved = 0
-        on_gpu = any(s.device.type == "cuda" for s, _, _, _ in self._saved)
-        mapped = [entry for entry in self._saved if entry[3] or not on_gpu]
-        rest = [entry for entry in self._saved if not (entry[3] or not on_gpu)]
+        on_gpu = any(s.device.type == "cuda" for s, _, _ in self._saved)
         if on_gpu:
-            _reserve_one_segment([(s.device, n) for s, _, n, _ in mapped])
-        for group, expandable in ((mapped, False), (rest, True)):
-            with _expandable_segments(expandable and on_gpu):
-                for storage, offset, n, _ in group:
-                    storage.resize_(n)
-                    _bytes_of(storage).copy_(self._host[offset:offset + n], non_blocking=on_gpu)
-                    moved += n
+            _reserve_one_segment([(s.device, n) for s, _, n in self._saved])
+        for storage, offset, n in self._saved:
+            storage.resize_(n)
+            _bytes_of(storage).copy_(self._host[offset:offset + n], non_blocking=on_gpu)
+            moved += n
         if on_gpu:
             torch.cuda.synchronize()
         self._saved = []
@@ -180,23 +167,6 @@ class HostOffload:
             self._release_host()
         except Exception:  # noqa: BLE001 - interpreter shutdown: CUDA may be gone already
             pass
-
-
-@contextlib.contextmanager
-def _expandable_segments(on: bool):
-    """New CUDA segments are expandable (cuMem mappings) inside, where torch can switch it at run time
-    and ``RLPLACEMENT_OFFLOAD_EXPANDABLE`` is not 0; the process's own setting is restored after."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    already = "expandable_segments:true" in conf.replace(" ", "").lower()
-    switch = (on and not already and os.environ.get("RLPLACEMENT_OFFLOAD_EXPANDABLE", "1") != "0"
-              and hasattr(torch.cuda.memory, "_set_allocator_settings"))
-    if switch:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    try:
-        yield
-    finally:
-        if switch:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
 
 
 def _host_bytes(nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None]:
