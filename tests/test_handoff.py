@@ -37,6 +37,10 @@ class _RecordingStandIn:
                **{k: v for k, v in self.readings.items() if k not in ("weights_gb", "kv_cache_gb")}}
         if method in ("offload_to_host", "reload_from_host"):
             out.update(bytes=self.gib * (1 << 30), copy_seconds=0.0)
+        if method == "offload_to_host":
+            import time
+
+            out.update(started_at=time.time(), finished_at=time.time() + 0.25)
         return out
 
 
@@ -105,8 +109,11 @@ def test_handoff_order_with_recording_stand_ins_for_gpu_sleep_mode(ray_local):
     parts = {k: v for k, v in m.items() if k.startswith("perf/handoff_") and k not in (
         "perf/handoff_to_train_time", "perf/handoff_to_rollout_time")}
     assert sorted(k for k in parts if k.endswith("_time")) == sorted(f"perf/handoff_{p}_time" for p in (
-        "engine_sleep", "engine_wake", "trainer_offload", "trainer_offload_copy", "trainer_reload"))
-    parts = {k: v for k, v in parts.items() if k.endswith("_time") and "copy" not in k}
+        "engine_sleep", "engine_wake", "trainer_offload", "trainer_offload_copy", "trainer_offload_dispatch",
+        "trainer_offload_worker", "trainer_reload"))
+    assert m["perf/handoff_trainer_offload_worker_time"] == pytest.approx(0.5, abs=1e-3)  # two offloads of 0.25 s
+    parts = {f"perf/handoff_{p}_time": parts[f"perf/handoff_{p}_time"]
+             for p in ("engine_sleep", "engine_wake", "trainer_offload", "trainer_reload")}
     assert all(v > 0 for v in parts.values())
     assert sum(parts.values()) <= m["perf/handoff_to_train_time"] + m["perf/handoff_to_rollout_time"]
     assert h.pop_metrics() == {}

@@ -41,6 +41,8 @@ KEYS = {
                                 "(the engines unmapping the trainer's memory, then its offload), trainer_reload, "
                                 "engine_sleep, engine_wake; parts that overlap both count their own seconds",
     "perf/handoff_trainer_offload_copy_time": "seconds of the trainer's offload spent copying to host memory",
+    "perf/handoff_trainer_offload_{dispatch,worker}_time": "seconds from the offload's call to its start on the "
+                                                          "trainer (slowest rank), and inside it",
     "perf/handoff_trainer_offload_release_time": "seconds of the trainer's offload spent giving its freed GPU memory "
                                                  "back to the driver (empty_cache), where the engines allocate",
     "perf/handoff_bytes_to_host": "bytes per step that crossed PCIe to host memory, on the busiest GPU (the "
@@ -242,7 +244,7 @@ class ColocatedHandOff:
         # cuda_ipc keeps the trainer's weights mapped in the engines between updates: they let go
         # first, since freeing memory another process still maps is undefined (the trainer refuses)
         self._engines("unmap_trainer_memory", "engines unmapping the trainer's memory")
-        start = time.perf_counter()
+        start, issued_at = time.perf_counter(), time.time()
         woken = [getattr(e, overlap).remote() for e in self.engines] if overlap else []
         reports = self._call(self.trainers, self.trainer_names, "offload_to_host", "trainer offload",
                              engines_unmapped=True)
@@ -253,6 +255,10 @@ class ColocatedHandOff:
             if overlap == "resume_all":
                 self._count_engine_weights("perf/handoff_bytes_to_device")
         self.trainer_on_host = True
+        if all("started_at" in r for r in reports):  # before the method ran (Ray, a turn), and inside it
+            self._add("perf/handoff_trainer_offload_dispatch_time", max(r["started_at"] for r in reports) - issued_at)
+            self._add("perf/handoff_trainer_offload_worker_time",
+                      max(r["finished_at"] - r["started_at"] for r in reports))
         self._put_sum("perf/handoff_bytes_to_host", reports, "bytes")
         self._put_sum("perf/handoff_trainer_offload_copy_time", reports, "copy_seconds")
         self._put_sum("perf/handoff_trainer_offload_release_time", reports, "release_seconds")

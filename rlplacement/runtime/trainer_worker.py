@@ -94,6 +94,7 @@ class TrainerWorker(TrainerTransferMixin):
         """Before rollout: weights and optimizer state to pinned host memory, gradients dropped.
         ``engines_unmapped``: every engine has let go of this trainer's memory (``unmap_trainer_memory``);
         while cuda_ipc may still have it mapped there, offloading (which frees it) is refused."""
+        started_at = time.time()
         exports = getattr(self.transfer_sender, "exports", None)
         if exports is not None and exports.mapped_elsewhere:
             if not engines_unmapped:
@@ -101,7 +102,8 @@ class TrainerWorker(TrainerTransferMixin):
                                    "keeps them mapped between updates), and offloading frees them: call every "
                                    "engine's unmap_trainer_memory() first, then offload_to_host(engines_unmapped=True)")
             exports.mapped_elsewhere = False
-        return {**self.backend.offload_to_host(), **gpu_memory()}
+        report = {**self.backend.offload_to_host(), **gpu_memory()}
+        return {**report, "started_at": started_at, "finished_at": time.time()}  # where a slow hand-off spends it
 
     def reserve_host_memory(self) -> dict:
         """At the job's start (a colocated hand-off that may offload the trainer): the pinned host buffer
