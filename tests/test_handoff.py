@@ -156,15 +156,20 @@ ROOMY = {"device_free_gb": 80.0, "device_total_gb": 140.0}  # it does: 80 >= 30 
 POOL = {"weights_gb": 16.0, "kv_cache_gb": 30.0}
 
 
-def test_unset_flags_keep_a_trainer_that_fits_beside_the_engines_with_recording_stand_ins(ray_local):
-    ray = ray_local
-    h, log = _hand_off(ray, offload_train=None, offload_rollout=None, trainer=ROOMY, engine=POOL)
+def _two_steps_of_moves(ray, h, log) -> list:
+    """The moves (not the readings) of a start and two loop steps: rollout, train, update."""
     h.reserve_host_memory()
     for _ in range(2):
         h.to_rollout()
         h.to_train()
         h.before_update()
-    moves = [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
+    return [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
+
+
+def test_unset_flags_keep_a_trainer_that_fits_beside_the_engines_with_recording_stand_ins(ray_local):
+    ray = ray_local
+    h, log = _hand_off(ray, offload_train=None, offload_rollout=None, trainer=ROOMY, engine=POOL)
+    moves = _two_steps_of_moves(ray, h, log)
     # the engines sleep before the first step (its peak is unknown); after it, the trainer's measured
     # growth (31 - 30 GiB, x1.25 + 4.2 headroom) fits in 80 GiB free, so they stay awake; the trainer
     # never leaves, since the engines' wake-up (46 GiB) fits beside it
@@ -192,13 +197,7 @@ def test_unset_flags_move_a_trainer_that_does_not_fit_with_recording_stand_ins(r
 def test_an_explicit_flag_wins_over_the_readings_with_recording_stand_ins(ray_local):
     ray = ray_local
     h, log = _hand_off(ray, offload_train=True, offload_rollout=False, trainer=ROOMY, engine=POOL)
-    h.reserve_host_memory()
-    for _ in range(2):
-        h.to_rollout()
-        h.to_train()
-        h.before_update()
-    moves = [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
-    assert moves == [("trainer", "reserve_host_memory"), ("engine", "unmap_trainer_memory"),
+    assert _two_steps_of_moves(ray, h, log) == [("trainer", "reserve_host_memory"), ("engine", "unmap_trainer_memory"),
                      ("trainer", "offload_to_host"), ("trainer", "reload_from_host"),
                      ("engine", "unmap_trainer_memory"), ("trainer", "offload_to_host"), ("trainer", "reload_from_host")]
     h, log = _hand_off(ray, offload_train=False, offload_rollout=None, trainer=TIGHT, engine=POOL)
