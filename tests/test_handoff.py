@@ -227,6 +227,24 @@ def test_the_kv_cache_wakes_while_the_trainer_leaves_when_it_fits_beside_it_with
     assert m["perf/handoff_engine_wake_time"] > 0 and m["perf/rollout_gpu_resident_gb_in_rollout"] == 60.0
 
 
+def test_the_trainer_comes_back_while_the_engines_sleep_when_it_fits_beside_them_with_recording_stand_ins(ray_local):
+    ray = ray_local
+    h, log = _hand_off(ray, offload_train=True, offload_rollout=True, trainer=ROOMY, engine=POOL)
+    h.to_rollout()  # the trainer leaves: 30 GiB, which fit in 80 GiB free beside the awake engines
+    ray.get(log.add.remote("marker", "to train"))
+    h.to_train()
+    calls = [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
+    after = calls[calls.index(("marker", "to train")) + 1:]
+    assert sorted(after) == [("engine", "release_memory"), ("trainer", "reload_from_host")]  # issued together
+    h, log = _hand_off(ray, offload_train=True, offload_rollout=True, trainer=TIGHT, engine=POOL)
+    h.to_rollout()
+    ray.get(log.add.remote("marker", "to train"))
+    h.to_train()  # 30 GiB do not fit in 10: the engines sleep first
+    calls = [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
+    assert calls[calls.index(("marker", "to train")) + 1:] == [("engine", "release_memory"),
+                                                               ("trainer", "reload_from_host")]
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_engine_weights_cross_pcie_only_at_level_1_with_recording_stand_ins(ray_local, keep):
     ray = ray_local
@@ -277,6 +295,7 @@ def test_the_plan_moves_a_side_only_when_the_other_would_not_fit():
     assert plan.headroom_gb(140.0) == pytest.approx(4.2) and plan.headroom_gb(24.0) == 2.0
     assert not plan.trainer_must_leave(free_gb=50.3, engine_wake_gb=46.0, total_gb=140.0)
     assert plan.trainer_must_leave(free_gb=50.1, engine_wake_gb=46.0, total_gb=140.0)
+    assert plan.fits(free_gb=50.2, need_gb=46.0, total_gb=140.0) and not plan.fits(50.1, 46.0, 140.0)
     assert plan.engines_must_sleep(free_gb=500.0, trainer_growth_gb=None, total_gb=140.0)  # no step measured yet
     assert not plan.engines_must_sleep(free_gb=30.0, trainer_growth_gb=20.0, total_gb=140.0)  # 25 + 4.2 <= 30
     assert plan.engines_must_sleep(free_gb=29.0, trainer_growth_gb=20.0, total_gb=140.0)

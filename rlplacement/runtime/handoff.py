@@ -4,8 +4,9 @@ Under ``--colocate`` the trainer and the engines share each GPU, and a model tha
 twice fits only if each side lets go while the other works:
 
 * to train (before ``log_probs``/``train``): the engines sleep (KV cache released; weights discarded at
-  vLLM's level 2, or copied to host memory at level 1 with ``--offload-rollout-keep-weights``), then the
-  trainer's weights and optimizer state come back from pinned host memory;
+  vLLM's level 2, or copied to host memory at level 1 with ``--offload-rollout-keep-weights``), and the
+  trainer's weights and optimizer state come back from pinned host memory: at once where they fit
+  beside the engines still awake, else after;
 * to update (before ``update_weights``): the trainer is resident (it is the source), and the
   engines' weights are mapped again, so the update writes into them while the KV cache stays released;
 * to rollout (before ``generate``): the trainer moves weights and optimizer state to host memory
@@ -118,6 +119,7 @@ class ColocatedHandOff:
         self._metrics: dict[str, float] = {}
         self._pool: dict | None = None  # the largest engine worker's sleep pool, GiB by tag
         self._train_peak_gb: float | None = None  # the trainer's peak in its last training phase
+        self._trainer_state_gb: float | None = None  # GiB its last offload moved (largest rank)
 
     def reserve_host_memory(self) -> None:
         """At start, where the trainer may leave: its pinned host buffer, made before any step."""
@@ -145,7 +147,16 @@ class ColocatedHandOff:
                 # back first, with the trainer's state out of the way if it does not fit beside it
                 self._make_room_for_engines(None, "weights")
                 self._engines("resume_kv_cache", "engine KV cache back")
-            reports = self._engines("release_memory", "engine sleep", keep_weights=self.keep_engine_weights)
+            if self.trainer_on_host and self._reload_fits_beside_engines():
+                # the trainer's state comes back while the engines go to sleep
+                asleep = [e.release_memory.remote(keep_weights=self.keep_engine_weights) for e in self.engines]
+                sleep_start = time.perf_counter()
+                self._trainer_resident(TRAIN)
+                reports = get_all(asleep, self.timeout_s, "engine sleep",
+                                  [f"engine {i}" for i in range(len(self.engines))])
+                self._add("perf/handoff_engine_sleep_time", time.perf_counter() - sleep_start)
+            else:
+                reports = self._engines("release_memory", "engine sleep", keep_weights=self.keep_engine_weights)
             self._record("rollout", TRAIN, reports)
             self._count_engine_weights("perf/handoff_bytes_to_host")
             self.engines_hold = "nothing"
@@ -232,6 +243,16 @@ class ColocatedHandOff:
         self._trainer_to_host(phase, overlap=overlap)
         return overlap is not None
 
+    def _reload_fits_beside_engines(self) -> bool:
+        """Whether the trainer's state (its last offload's bytes) fits beside the engines still awake."""
+        if self._trainer_state_gb is None:
+            return False
+        readings = self._trainers("gpu_memory", "trainer memory")
+        if not readings or "device_free_gb" not in readings[0]:
+            return False
+        return handoff_plan.fits(min(r["device_free_gb"] for r in readings), self._trainer_state_gb,
+                                 readings[0]["device_total_gb"])
+
     def _sleep_pool(self) -> dict:
         if self._pool is None:
             pools = self._engines("sleep_pool", "engine sleep pool")
@@ -255,6 +276,8 @@ class ColocatedHandOff:
             if overlap == "resume_all":
                 self._count_engine_weights("perf/handoff_bytes_to_device")
         self.trainer_on_host = True
+        if any(r.get("bytes") is not None for r in reports):
+            self._trainer_state_gb = max(r.get("bytes") or 0.0 for r in reports) / GIB
         if all("started_at" in r for r in reports):  # before the method ran (Ray, a turn), and inside it
             self._add("perf/handoff_trainer_offload_dispatch_time", max(r["started_at"] for r in reports) - issued_at)
             self._add("perf/handoff_trainer_offload_worker_time",

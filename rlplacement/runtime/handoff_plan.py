@@ -12,6 +12,9 @@ worker's need, since every trainer rank shares its GPU with engine workers.
   only once one ran, and varies with the batch's lengths: the engines sleep before the first step,
   and later stay awake only if the last peak's growth, plus a quarter, plus the headroom, fits.
   Sleeping costs ~0.1 s (vLLM level 2); running out of memory costs the run.
+
+The same test (:func:`fits`) decides what may overlap: the engines' KV cache waking while the trainer's
+state leaves, and the trainer's state coming back while the engines go to sleep.
 """
 
 from __future__ import annotations
@@ -25,9 +28,14 @@ def headroom_gb(total_gb: float) -> float:
     return max(2.0, 0.03 * total_gb)
 
 
+def fits(free_gb: float, need_gb: float, total_gb: float) -> bool:
+    """Whether ``need_gb`` can be allocated in ``free_gb`` with the headroom to spare."""
+    return free_gb >= need_gb + headroom_gb(total_gb)
+
+
 def trainer_must_leave(free_gb: float, engine_wake_gb: float, total_gb: float) -> bool:
     """Before rollout: whether the engines' wake-up (``engine_wake_gb``) does not fit in ``free_gb``."""
-    return free_gb < engine_wake_gb + headroom_gb(total_gb)
+    return not fits(free_gb, engine_wake_gb, total_gb)
 
 
 def engines_must_sleep(free_gb: float, trainer_growth_gb: float | None, total_gb: float) -> bool:
