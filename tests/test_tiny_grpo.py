@@ -35,9 +35,13 @@ def run_loop(tmp_path, *flags, timeout=900):
 def test_megatron_tp2_two_engines_packed(tmp_path):
     proc = run_loop(tmp_path, "--steps", "2", "--train-backend", "megatron", "--tensor-model-parallel-size", "2",
                     "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2",
-                    "--update-weight-transfer-mode", "broadcast_packed", "--check-weight-update-equal")
+                    "--update-weight-transfer-mode", "broadcast_packed", "--check-weight-update-equal",
+                    "--telemetry", str(tmp_path / "steps.jsonl"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 1:" in proc.stdout and "v2)" in proc.stdout
+    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    # the tiny model's TP shards fit one gather bucket: one collective in the TP group per update
+    assert [r["perf/update_collectives"] for r in rows] == [1, 1]
 
 
 def test_bad_flags_fail_before_any_process_starts(tmp_path):

@@ -39,6 +39,7 @@ class MegatronBackend(TrainerBackend):
         self.spec = model.rlplacement_spec
         self.stream_dtype = stream_dtype
         self._named = list(mm.global_named_parameters(model))
+        self.last_stream_collectives: int | None = None
 
     @classmethod
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
@@ -227,8 +228,12 @@ class MegatronBackend(TrainerBackend):
         return math.sqrt(float(total))
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in mm.iter_hf_tensors(self.model, self.shape, self.family):
+        """Bucket by bucket (:func:`megatron_model.iter_full_megatron`); once the stream ends,
+        :attr:`last_stream_collectives` holds the collectives this rank issued in its TP and PP groups."""
+        counter = mm.CollectiveCount()
+        for name, tensor in mm.iter_hf_tensors(self.model, self.shape, self.family, counter=counter):
             yield name, tensor if self.stream_dtype is None else tensor.to(self.stream_dtype)
+        self.last_stream_collectives = counter.count
 
     def local_megatron_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's shards with global Megatron names (for checks that streamed == held)."""

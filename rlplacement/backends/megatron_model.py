@@ -11,6 +11,7 @@ is used when TE imports and CUDA is present, else the local spec (with the CPU s
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from pathlib import Path
@@ -192,52 +193,133 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, shape: mapping.ModelShape,
     return len(params)
 
 
-def _tp_gather(mname: str, param: torch.Tensor) -> torch.Tensor | None:
-    """The full tensor on TP rank 0 of this stage (None elsewhere); collective over the TP group."""
-    from megatron.core import parallel_state as ps
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    pdim = mapping.tp_partition_dim(mname)
-    local = param.detach()
-    if tp == 1 or pdim is None:
-        return local if ps.get_tensor_model_parallel_rank() == 0 else None
-    group = ps.get_tensor_model_parallel_group()
-    shards = [torch.empty_like(local) for _ in range(tp)] if ps.get_tensor_model_parallel_rank() == 0 else None
-    dist.gather(local.contiguous(), shards, dst=dist.get_global_rank(group, 0), group=group)
-    return mapping.tp_unshard(mname, shards, pdim) if shards is not None else None
+GATHER_BUCKET_BYTES = 256 << 20
+"""Bytes of one rank's shards gathered over TP in one collective (TP rank 0 holds TP x this at once)."""
 
 
-def iter_full_megatron(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: yields ``(global megatron name, full tensor)`` on global rank 0, one at a time.
+class CollectiveCount:
+    """Collectives this rank issued in its TP and PP groups during one weight stream."""
 
-    Per pipeline stage in order: the stage's first TP rank gathers each parameter over TP and, if it
-    is not global rank 0, sends it to rank 0. Memory: one full parameter at a time on rank 0.
+    def __init__(self) -> None:
+        self.count = 0
+
+    def add(self, n: int = 1) -> None:
+        self.count += n
+
+
+def _flat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One uint8 buffer holding ``tensors`` back to back (any dtypes)."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def _split_bytes(flat: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """The tensors :func:`_flat_bytes` packed, as views of ``flat`` (shapes and dtypes in order)."""
+    out, offset = [], 0
+    for shape, dtype in specs:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out.append(flat[offset:offset + n].view(dtype).view(shape))
+        offset += n
+    return out
+
+
+def _buckets(meta: list[tuple], limit: int) -> list[list[tuple]]:
+    """``meta`` rows cut into runs of at most ``limit`` local bytes (a larger tensor goes alone)."""
+    buckets, current, size = [], [], 0
+    for row in meta:
+        n = math.prod(row[1]) * torch.empty((), dtype=row[2]).element_size()
+        if current and size + n > limit:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(row)
+        size += n
+    return buckets + ([current] if current else [])
+
+
+class _BucketGather:
+    """One bucket's TP gather, started at once (``async_op``) and finished by :meth:`result`: the full
+    tensors on TP rank 0 of the stage (None elsewhere). Replicated tensors are taken from TP rank 0."""
+
+    def __init__(self, bucket: list[tuple], params: dict[str, torch.Tensor], counter: CollectiveCount):
+        from megatron.core import parallel_state as ps
+
+        self.bucket, self.params = bucket, params
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.first = ps.get_tensor_model_parallel_rank() == 0
+        self.split = [row for row in bucket if row[3] is not None and self.tp > 1]
+        self.work, self.shards = None, None
+        if self.split:
+            group = ps.get_tensor_model_parallel_group()
+            local = _flat_bytes([params[row[0]] for row in self.split])
+            self.shards = [torch.empty_like(local) for _ in range(self.tp)] if self.first else None
+            self.work = dist.gather(local, self.shards, dst=dist.get_global_rank(group, 0), group=group,
+                                    async_op=True)
+            counter.add()
+
+    def result(self) -> list[tuple[str, torch.Tensor]] | None:
+        if self.work is not None:
+            self.work.wait()
+        if not self.first:
+            return None
+        gathered = {}
+        if self.split:
+            specs = [(row[1], row[2]) for row in self.split]
+            per_rank = [_split_bytes(flat, specs) for flat in self.shards]
+            for i, row in enumerate(self.split):
+                gathered[row[0]] = mapping.tp_unshard(row[0], [r[i] for r in per_rank], row[3])
+        return [(row[0], gathered.get(row[0], self.params[row[0]].detach())) for row in self.bucket]
+
+
+def iter_full_megatron(model, bucket_bytes: int | None = None,
+                       counter: CollectiveCount | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: yields ``(global megatron name, full tensor)`` on global rank 0, bucket by bucket.
+
+    Per pipeline stage in order: the stage's parameters are cut into buckets of ``bucket_bytes`` local
+    bytes (default :data:`GATHER_BUCKET_BYTES`); the stage's TP ranks gather each bucket to their TP rank 0 in one collective, the next
+    bucket's gather started before the current one is handed on; a stage whose first rank is not
+    global rank 0 sends each whole bucket there in one message, received on rank 0's own device (a
+    CPU buffer would fail under NCCL). ``counter`` counts this rank's collectives: on global rank 0,
+    one per bucket and one per stage beyond the first (its table of names). Memory on global rank 0:
+    two buckets' full tensors.
     """
     from megatron.core import parallel_state as ps
 
+    counter = counter if counter is not None else CollectiveCount()
     pp, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     rank = dist.get_rank()
     dp_rank = ps.get_data_parallel_rank()
     stage_params = list(global_named_parameters(model))
+    params = dict(stage_params)
+    device = next(model.parameters()).device
     for stage in range(pp):
         src = _stage_source_rank(stage)
-        meta = [[(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params]] if stage == my_stage else [None]
+        meta = [[(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params]] \
+            if stage == my_stage else [None]
         if pp > 1:
-            dist.broadcast_object_list(meta, src=src)
-        for mname, _, dtype, pdim in meta[0]:
+            dist.broadcast_object_list(meta, src=src, device=device if device.type == "cuda" else None)
+            counter.add()
+        buckets = _buckets(meta[0], bucket_bytes or GATHER_BUCKET_BYTES)
+        gathering = stage == my_stage and dp_rank == 0
+        pending = _BucketGather(buckets[0], params, counter) if gathering and buckets else None
+        for i, bucket in enumerate(buckets):
             full = None
-            if stage == my_stage and dp_rank == 0:
-                full = _tp_gather(mname, dict(stage_params)[mname])
+            if gathering:
+                current, pending = pending, (_BucketGather(buckets[i + 1], params, counter)
+                                             if i + 1 < len(buckets) else None)
+                full = current.result()
             if src == 0:
                 if rank == 0:
-                    yield mname, full
+                    yield from full
                 continue
             if rank == src:
-                dist.send(full.contiguous(), dst=0)
+                dist.send(_flat_bytes([t for _, t in full]), dst=0)
+                counter.add()
             elif rank == 0:
-                buf = torch.empty(_full_shape(mname, meta, stage_params), dtype=dtype)
-                dist.recv(buf, src=src)
-                yield mname, buf
+                specs = [(_full_shape(row, ps.get_tensor_model_parallel_world_size()), row[2]) for row in bucket]
+                flat = torch.empty(sum(math.prod(sh) * torch.empty((), dtype=dt).element_size() for sh, dt in specs),
+                                   dtype=torch.uint8, device=device)
+                dist.recv(flat, src=src)
+                counter.add()
+                yield from zip([row[0] for row in bucket], _split_bytes(flat, specs))
 
 
 def _stage_source_rank(stage: int) -> int:
@@ -251,22 +333,21 @@ def _stage_source_rank(stage: int) -> int:
     return stage * (dist.get_world_size() // ps.get_pipeline_model_parallel_world_size())
 
 
-def _full_shape(mname, meta, stage_params):
-    from megatron.core import parallel_state as ps
-
-    for n, shape, _, pdim in meta[0]:
-        if n == mname:
-            if pdim is None:
-                return shape
-            full = list(shape)
-            full[pdim] *= ps.get_tensor_model_parallel_world_size()
-            return tuple(full)
-    raise KeyError(mname)
+def _full_shape(row: tuple, tp: int) -> tuple[int, ...]:
+    """The whole tensor's shape from a stage's (name, local shape, dtype, partition dim) row."""
+    name, shape, _, pdim = row
+    if pdim is None:
+        return shape
+    full = list(shape)
+    full[pdim] *= tp
+    return tuple(full)
 
 
-def iter_hf_tensors(model, shape: mapping.ModelShape, family: DenseFamily) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: HF-named full tensors on global rank 0 (nothing elsewhere), one parameter at a time."""
-    for mname, full in iter_full_megatron(model):
+def iter_hf_tensors(model, shape: mapping.ModelShape, family: DenseFamily,
+                    counter: CollectiveCount | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: HF-named full tensors on global rank 0 (nothing elsewhere), bucket by bucket
+    (:func:`iter_full_megatron`); ``counter`` counts this rank's collectives."""
+    for mname, full in iter_full_megatron(model, counter=counter):
         yield from mapping.megatron_to_hf(mname, full, shape, family)
 
 

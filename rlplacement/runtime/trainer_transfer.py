@@ -6,6 +6,8 @@ Which options reach the sender is :func:`rlplacement.transfer.options.mode_optio
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Iterable
 
 from rlplacement.transfer import registry
@@ -58,13 +60,15 @@ class TrainerTransferMixin:
             raise TransferError("transfer_send before transfer_setup/listen/connect")
         tensors = iter(self.hf_named_tensors())
         try:
-            return self.transfer_sender.update(version, tensors, resident=self.hf_tensors_resident())
+            report = self.transfer_sender.update(version, tensors, resident=self.hf_tensors_resident())
         except BaseException:
             # the other trainer ranks are inside the same per-tensor gathers (gather_for_update):
             # finish the stream with them, or they wait in a collective and the next step runs out of step
             for _ in tensors:
                 pass
             raise
+        collectives = getattr(getattr(self, "backend", None), "last_stream_collectives", None)
+        return report if collectives is None else dataclasses.replace(report, stream_collectives=collectives)
 
     def transfer_close(self) -> None:
         if self.transfer_sender is not None:

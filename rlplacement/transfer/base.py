@@ -105,6 +105,7 @@ class UpdateReport:
     checksums: dict[str, str] | None = None
     path: str = ""  # how the bytes went, where a mode has more than one way ("buckets", "direct")
     instants: dict[str, float] = dataclasses.field(default_factory=dict)  # see Instants
+    stream_collectives: int | None = None  # the trainer's collectives in its TP/PP groups to stream the weights
 
     @property
     def gbps(self) -> float:
@@ -113,7 +114,10 @@ class UpdateReport:
     @property
     def metrics(self) -> dict[str, float]:
         """The telemetry keys this update contributes to a step's row (a mode may add its own)."""
-        return {"perf/update_weights_bytes": self.bytes}
+        out = {"perf/update_weights_bytes": self.bytes}
+        if self.stream_collectives is not None:
+            out["perf/update_collectives"] = self.stream_collectives
+        return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
