@@ -23,6 +23,13 @@ def _stream_worker(rank, world, hf, tp, pp):
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf,
                                                         tensor_model_parallel_size=tp,
                                                         pipeline_model_parallel_size=pp))
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    # megatron's own rule for what a gradient norm counts on this rank: every split weight's shard, and the
+    # replicated ones on TP rank 0 only (megatron-core leaves split weights unmarked when it does not
+    # initialise them, so its norm would miss TP rank 1's shards)
+    counted = {n for n, p in mm.global_named_parameters(backend.model) if param_is_not_tensor_parallel_duplicate(p)}
+    split = {n for n, _ in mm.global_named_parameters(backend.model) if mm.mapping.tp_partition_dim(n) is not None}
     streamed = {n: t.clone() for n, t in backend.iter_hf_tensors()}
     first = backend.last_stream_collectives
     again = dict(backend.iter_hf_tensors())  # the next update streams the same, with the same count
@@ -31,6 +38,7 @@ def _stream_worker(rank, world, hf, tp, pp):
     out = {"streamed": streamed if rank == 0 else None, "same_again": all(
         torch.equal(streamed[n], again[n]) for n in streamed) and set(streamed) == set(again),
            "collectives": first, "again": backend.last_stream_collectives,
+           "counted_right": counted == (split if ps.get_tensor_model_parallel_rank() else counted) and split <= counted,
            "my_buckets": len(mm._buckets(stage_meta, BUCKET)), "my_params": len(stage_meta),
            "stage": ps.get_pipeline_model_parallel_rank(), "device": str(next(backend.model.parameters()).device)}
     backend.close()
@@ -50,6 +58,7 @@ def test_bucketed_stream_is_bit_exact_and_issues_a_collective_per_bucket_not_per
     got = results[0]["streamed"]
     assert set(got) == set(want)
     assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    assert all(r["counted_right"] for r in results)
     assert all(r["same_again"] for r in results) and all(r["collectives"] == r["again"] for r in results)
     buckets = sum(r["my_buckets"] for r in results) // tp  # every TP rank counts its stage's
     params = sum(r["my_params"] for r in results) // tp

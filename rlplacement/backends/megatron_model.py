@@ -153,8 +153,23 @@ def build_model(hf_config: Any, padded_vocab: int, tp: int, pp: int, spec: str =
     )
     if not cuda_absent():
         model = model.cuda(torch.cuda.current_device())
+    mark_tensor_parallel(model)
     model.rlplacement_spec = spec
     return model
+
+
+def mark_tensor_parallel(model) -> None:
+    """Give every TP-split weight megatron's ``tensor_model_parallel``/``partition_dim``/``partition_stride``.
+
+    megatron-core sets them only while it initialises the weights itself (``perform_initialization``),
+    which a model filled from a checkpoint skips; without them megatron's gradient norm (clipping, the
+    distributed optimizer) counts only TP rank 0's shard of every split weight. Set from the names
+    (:func:`mapping.tp_partition_dim`), the same rule the stream and the loaders shard by."""
+    for name, param in global_named_parameters(model):
+        dim = mapping.tp_partition_dim(name)
+        param.tensor_model_parallel = dim is not None
+        param.partition_dim = -1 if dim is None else dim
+        param.partition_stride = 1
 
 
 def hf_dtype(hf_config: Any) -> torch.dtype:
