@@ -152,6 +152,10 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
             _flag("--gradient-checkpointing", action="store_true",
                   default=default_of(TrainConfig, "gradient_checkpointing"),
                   help="Recompute each decoder layer's activations in the backward pass."),
+            _flag("--use-distributed-optimizer", action="store_true",
+                  default=default_of(TrainConfig, "use_distributed_optimizer"),
+                  help="Megatron: shard the fp32 main parameters and optimizer moments over the data-parallel "
+                       "ranks (megatron's DistributedOptimizer)."),
             _flag("--log-probs-chunk-size", type=int, default=default_of(TrainConfig, "log_probs_chunk_size"),
                   help="Tokens per chunk of the output layer (fp32 logits exist for one chunk at a time)."),
             _flag("--eps-clip", type=float, default=default_of(TrainConfig, "eps_clip"),
@@ -475,15 +479,20 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
                                          ("--save", save)) if on]
         if missing:
             raise ConfigError(f"{', '.join(missing)}: the megatron backend does not train with "
-                              f"{'this' if len(missing) == 1 else 'these'} yet (its mixed precision, recompute and "
-                              f"checkpoints come with megatron's own DDP and optimizer): use --train-backend fsdp, "
-                              f"or drop {', '.join(missing)}.")
+                              f"{'this' if len(missing) == 1 else 'these'} yet (it trains fp32 through megatron's DDP, "
+                              f"optimizer and schedules; Float16Module, recompute, the loss terms and dist_checkpointing "
+                              f"come next): use --train-backend fsdp, or drop {', '.join(missing)}.")
+    distributed_optimizer = bool(_get(args, "use_distributed_optimizer"))
+    if distributed_optimizer and backend.name != "megatron":
+        raise ConfigError(f"--use-distributed-optimizer is megatron's DistributedOptimizer; the {backend.name} backend "
+                          f"shards its optimizer state its own way: drop the flag, or use --train-backend megatron.")
     if interval is not None and not save:
         raise ConfigError("--save-interval says how often to write a checkpoint: set --save to a folder, or drop "
                           "--save-interval.")
     return TrainConfig(bf16=bf16, global_batch_size=global_batch, micro_batch_size=micro,
                        use_dynamic_batch_size=dynamic, max_tokens_per_gpu=max_tokens,
                        gradient_checkpointing=bool(_get(args, "gradient_checkpointing")),
+                       use_distributed_optimizer=distributed_optimizer,
                        log_probs_chunk_size=int(_get(args, "log_probs_chunk_size")), eps_clip=coefs["eps_clip"],
                        eps_clip_high=None if high is None else float(high), use_kl_loss=use_kl,
                        kl_loss_coef=coefs["kl_loss_coef"], kl_loss_type=kl_type or default_of(TrainConfig, "kl_loss_type"),

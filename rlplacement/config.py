@@ -219,6 +219,9 @@ class TrainConfig:
     """With ``use_dynamic_batch_size``: the most tokens (samples x padded length) in one micro-batch."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
+    use_distributed_optimizer: bool = False
+    """Megatron: fp32 main parameters and optimizer moments sharded over the data-parallel ranks
+    (megatron's ``DistributedOptimizer``; gradients reduce-scattered, parameters all-gathered)."""
     log_probs_chunk_size: int = 1024
     """Tokens per chunk of the output layer: log-probs and the loss never hold fp32 ``[tokens, vocab]``
     logits for more than one chunk."""

@@ -231,6 +231,8 @@ def test_each_flag_default_is_its_config_field_default():
     (["--micro-batch-size", "0"], r"--micro-batch-size must be positive, got 0"),
     (["--train-backend", "megatron", "--use-kl-loss", "--entropy-coef", "0.01"],
      r"--use-kl-loss, --entropy-coef: the megatron backend does not train with these yet"),
+    (["--train-backend", "fsdp", "--use-distributed-optimizer"],
+     r"--use-distributed-optimizer is megatron's DistributedOptimizer; the fsdp backend shards"),
 ])
 def test_train_step_flags_are_refused_naming_the_fix(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -298,9 +298,19 @@ class TrainerBackend(abc.ABC):
             storage = local_tensor(t).untyped_storage()
             storages.setdefault(storage.data_ptr(), storage.nbytes())
         total = sum(storages.values())
-        opt = self.optimizer
-        if opt is None:
-            return total
+        for opt in self._torch_optimizers():
+            total += self._state_to_come(opt)
+        return total
+
+    def _torch_optimizers(self) -> list:
+        """The torch optimizers holding this backend's optimizer state (none before it is built)."""
+        return [] if self.optimizer is None else [self.optimizer]
+
+    def _state_to_come(self, opt) -> int:
+        """Bytes of optimizer state ``opt`` will create at its first step (see :meth:`host_state_bytes`)."""
+        from rlplacement.backends.offload import local_tensor
+
+        total = 0
         for group in opt.param_groups:
             per_param, counter = 0, 0
             if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):

@@ -1,18 +1,19 @@
 """Megatron-core trainer: a ``GPTModel`` sharded by TP (and DP by replication), loaded from a torch_dist
 checkpoint (``--load``, from ``rlplacement convert``) or straight from an HF folder (``--hf-checkpoint``).
 
-Weights stream out by gathering each parameter over TP, un-fusing q/k/v and gate/up, stripping the
-vocabulary padding and renaming (:func:`megatron_model.iter_hf_tensors`). Log-probs use Megatron's
-vocab-parallel cross-entropy with the padded vocabulary columns masked to -inf, so they equal the HF
-model's. With PP > 1 a step is one micro-batch through the stages (GPipe with a single micro-batch:
-activations go forward with point-to-point sends, their gradients come back the same way); the last
-stage computes log-probs and the loss and broadcasts them to its pipeline, and a tied embedding's two
-copies (first and last stage) get their gradients summed over Megatron's embedding group.
+It trains with megatron-core's own machinery (``megatron_train``): ``DistributedDataParallel``, a
+megatron optimizer (``--use-distributed-optimizer`` shards it over data-parallel ranks) and
+``get_forward_backward_func`` over the step's micro-batches, pipelined across stages when PP > 1;
+megatron reduces the gradients (data-parallel buckets, q/k norms over TP, a tied embedding's two
+copies over its embedding group). On a CPU host the few CUDA calls of that machinery are shimmed
+(``megatron_cpu``). Weights stream out bucket by bucket (:func:`megatron_model.iter_hf_tensors`).
+Log-probs use Megatron's vocab-parallel cross-entropy with the padded vocabulary columns masked to
+-inf, so they equal the HF model's; without gradients, a pipeline's log-probs go through the stages
+by point-to-point sends and the last stage broadcasts them.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -40,6 +41,12 @@ class MegatronBackend(TrainerBackend):
         self.stream_dtype = stream_dtype
         self._named = list(mm.global_named_parameters(model))
         self.last_stream_collectives: int | None = None
+        from rlplacement.backends.megatron_cpu import cuda_absent
+        from rlplacement.backends.megatron_train import MegatronTraining
+
+        self._training = MegatronTraining(model, optim, use_distributed_optimizer=self.train_config.use_distributed_optimizer,
+                                          overlap_grad_reduce=not cuda_absent())
+        self.optimizer = self._training.optimizer
 
     @classmethod
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
@@ -170,62 +177,63 @@ class MegatronBackend(TrainerBackend):
             logp = self._run_stage(ids, grad=False)[2]
         return self._from_last_stage(logp, ids)
 
-    def _forward_backward(self, batch, normalizer, ref_logp):
-        from megatron.core import parallel_state as ps
+    def _stage_forward(self, model, batch) -> torch.Tensor:
+        """This stage's forward of one micro-batch through ``model`` (DDP around the stage): logits on the
+        last stage, hidden states elsewhere (the schedule sends and receives them)."""
+        ids = batch.input_ids
+        b, t = ids.shape
+        positions = torch.arange(t, device=ids.device).expand(b, t)
+        mask = None if self.spec == "te" else torch.triu(torch.ones(t, t, dtype=torch.bool, device=ids.device),
+                                                         diagonal=1)[None, None]
+        return model(ids, positions, mask)
 
-        from rlplacement.backends.objective import LossParts, TokenStats, policy_loss
+    def _optimizer_step(self, batch):
+        """One optimizer step through megatron's schedule and optimizer (``megatron_train``); the same sums,
+        norm and learning rate as :meth:`TrainerBackend._optimizer_step` returns."""
+        from rlplacement.backends.base import _SUMS
+        from rlplacement.backends.objective import TokenStats, policy_loss
 
-        if self._pp == 1:
-            return super()._forward_backward(batch, normalizer, ref_logp)
-        out, received, logp = self._run_stage(batch.input_ids, grad=True)
-        sums = None
-        if logp is not None:
-            parts = policy_loss(TokenStats(logp), batch, self.train_config, normalizer, ref_logp)
-            parts.loss.backward()
-            sums = torch.stack([parts.loss.detach(), *parts[1:], (logp.detach() * batch.loss_mask).sum()]).double()
+        tokens = self._all_reduce([float(batch.loss_mask.sum())])[0]
+        normalizer = max(tokens, 1.0) / self.data_parallel_size
+        local = torch.zeros(len(_SUMS) - 1, dtype=torch.float64, device=self.device)  # all but tokens
+
+        def loss(mb, logits):
+            logp = self._logits_to_log_probs(logits, mb.input_ids)
+            parts = policy_loss(TokenStats(logp), mb, self.train_config, normalizer, None)
+            local.add_(torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).detach()
+                                    for v in (*parts, (logp.detach() * mb.loss_mask).sum())]))
+            return parts.loss
+
+        micro = [batch.rows(idx).trimmed() for idx in self._micro_batches(batch)]
+        self._training.forward_backward(micro, self._stage_forward, loss)
+        if self._pp > 1:
+            from megatron.core import parallel_state as ps
+
+            local = self._from_last_stage(local if ps.is_pipeline_last_stage(ignore_virtual=True) else None, local)
+        dp = self.data_parallel_size
+        reduced = self._all_reduce(local)
+        sums = {k: v / dp for k, v in zip(_SUMS[:-2], reduced[:-1])}
+        sums.update(logp=reduced[-1], tokens=tokens)
+        lr = self.optim_config.lr_at(self.step)
+        norm, applied = self._training.step(lr)
+        if applied:
+            self.step += 1
         else:
-            grad = torch.empty_like(out)
-            dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
-            out.backward(grad)
-        if received is not None:
-            dist.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
-        sums = self._from_last_stage(sums, torch.zeros(6, dtype=torch.float64, device=out.device))
-        values = sums.tolist()
-        return LossParts(values[0], *values[1:5]), values[5]
-
-    def _finish_grads(self) -> None:
-        from megatron.core import parallel_state as ps
-
-        # q/k norms are shared by all heads but each TP rank sees only its heads: their grads are partial.
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            group = ps.get_tensor_model_parallel_group()
-            for name, p in self._named:
-                if p.grad is not None and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
-                    dist.all_reduce(p.grad, group=group)
-        # a tied embedding lives on the first and the last stage: both copies need the summed gradient
-        if self.shape.tied and self._pp > 1 and ps.is_rank_in_embedding_group(ignore_virtual=True):
-            for name, p in self._named:
-                if p.grad is not None and name in mapping.VOCAB_MEGATRON_NAMES:
-                    dist.all_reduce(p.grad, group=ps.get_embedding_group())
-        dp = ps.get_data_parallel_world_size()
-        if dp > 1:
-            group = ps.get_data_parallel_group()
-            for _, p in self._named:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=group)
-                    p.grad.div_(dp)
+            self.skipped_steps += 1
+        return sums, norm, lr if applied else None
 
     def _grad_norm(self) -> float:
-        from megatron.core import parallel_state as ps
+        raise NotImplementedError("megatron's optimizer computes the gradient norm inside its step (megatron_train)")
 
-        first_tp = ps.get_tensor_model_parallel_rank() == 0
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self._named:
-            duplicate = self.shape.tied and name == "output_layer.weight"  # the embedding's copy (PP > 1)
-            if p.grad is not None and not duplicate and (first_tp or mapping.tp_partition_dim(name) is not None):
-                total += p.grad.double().pow(2).sum()
-        dist.all_reduce(total, group=ps.get_model_parallel_group())
-        return math.sqrt(float(total))
+    def _resident_tensors(self) -> list[torch.Tensor]:
+        """Parameters, DDP's buffers and the optimizer's main parameters and state on the device."""
+        from rlplacement.backends.offload import local_tensor
+
+        tensors = self._parameters() + self._training.resident_tensors()
+        return [t for t in tensors if local_tensor(t).device == self.device]
+
+    def _torch_optimizers(self) -> list:
+        return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Bucket by bucket (:func:`megatron_model.iter_full_megatron`); once the stream ends,

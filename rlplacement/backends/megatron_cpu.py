@@ -8,9 +8,26 @@ so CPU runs are deterministic for a seed; nothing here changes numerics of a for
 Megatron calls: ``torch.cuda.current_device()`` (device placement), ``Tensor.cuda()`` (moving
 buffers), ``torch.cuda.synchronize()`` (timers, checkpoint saves), and the CUDA RNG state get/set,
 both in ``torch.cuda`` and in ``megatron.core.tensor_parallel.random`` (the TP RNG tracker).
+
+Megatron's training machinery (DDP, its optimizers, the pipeline schedules) hard-codes CUDA in more
+places; those get shims scoped to the megatron modules that need them, never to ``torch`` itself:
+- inside the modules of :data:`CUDA_NAMING_MODULES`, the global name ``torch`` is a proxy whose tensor
+  factories put ``device="cuda"`` (or a device index) on the CPU and whose ``torch.cuda`` has no-op
+  streams, events and synchronisation (e.g. ``torch.tensor([0.0], device="cuda")`` in
+  ``optimizer/optimizer.py``'s mixed-precision set-up, ``clip_grads.py``'s norms,
+  ``pipeline_parallel/schedules.py``'s token counts, ``utils.py``'s l2 norm without apex);
+- the functions of :data:`CUDA_TYPE_CHECKS` compare ``Tensor.type()`` with ``'torch.cuda.*Tensor'``
+  (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``, ``clip_grad_by_total_norm_fp32``):
+  while one runs, a CPU tensor's ``type()`` answers with the CUDA name of the same dtype.
+gloo runs every collective they issue (reduce-scatter and all-gather into tensors included).
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
 
 import torch
 
@@ -40,6 +57,14 @@ def apply_cpu_shims() -> bool:
         (tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
         (tp_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)),
     ]
+    for name in CUDA_NAMING_MODULES:
+        patches.append((importlib.import_module(name), "torch", _CPU_TORCH))
+    for module, qualname in CUDA_TYPE_CHECKS:
+        owner = importlib.import_module(module)
+        *path, attr = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        patches.append((owner, attr, _answering_cuda_type_names(getattr(owner, attr))))
     for owner, attr, shim in patches:
         _ORIGINALS.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, shim)
@@ -54,3 +79,103 @@ def remove_cpu_shims() -> None:
         owner, attr, original = _ORIGINALS.pop()
         setattr(owner, attr, original)
     _APPLIED = False
+
+
+CUDA_NAMING_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.utils",
+)
+"""megatron modules that create tensors on ``"cuda"`` or use CUDA streams and events unconditionally."""
+
+CUDA_TYPE_CHECKS = (
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"),
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),  # imported there by name
+)
+"""megatron functions that accept only tensors whose ``type()`` names a CUDA tensor type."""
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+              "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor")
+
+
+def _on_cpu(device):
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")) or (
+            isinstance(device, torch.device) and device.type == "cuda"):
+        return "cpu"
+    return device
+
+
+class _NoOp:
+    """A CUDA stream or event: every method does nothing; usable as a context manager."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuCuda(types.SimpleNamespace):
+    def __getattr__(self, name):  # anything not stood in: the real torch.cuda (is_available, ...)
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` as the modules of :data:`CUDA_NAMING_MODULES` see it on a CPU host."""
+
+    _cuda = _CpuCuda(current_device=lambda: "cpu", synchronize=lambda *a, **k: None,
+                     empty_cache=lambda *a, **k: None, Stream=_NoOp, Event=_NoOp,
+                     stream=lambda *a, **k: contextlib.nullcontext(), default_stream=lambda *a, **k: _NoOp(),
+                     current_stream=lambda *a, **k: _NoOp())
+
+    def __getattr__(self, name):
+        if name == "cuda":
+            return self._cuda
+        obj = getattr(torch, name)
+        if name not in _FACTORIES:
+            return obj
+
+        @functools.wraps(obj)
+        def on_cpu(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _on_cpu(kwargs["device"])
+            return obj(*args, **kwargs)
+        return on_cpu
+
+
+_CPU_TORCH = _CpuTorch("torch")
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _cuda_type_name(self, *args, **kwargs):
+    if args or kwargs or self.is_cuda:
+        return _TENSOR_TYPE(self, *args, **kwargs)
+    return _TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+
+
+def _answering_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        torch.Tensor.type = _cuda_type_name
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = _TENSOR_TYPE
+    return wrapped

@@ -1,0 +1,104 @@
+"""A Megatron optimizer step the way megatron's own training builds it: ``DistributedDataParallel``
+(gradients in fp32 buffers, reduced per bucket), ``get_megatron_optimizer`` (``--use-distributed-optimizer``:
+main parameters and moments sharded over the data-parallel ranks) and ``get_forward_backward_func``
+over the step's micro-batches (pipelined across stages when PP > 1).
+
+Contracts kept from the other backends (``backends/base.py``): every micro-batch's loss is already
+normalised by the step's global token count, so the gradient is the whole step's in one piece (megatron's
+schedule divides each micro-batch's loss by their number: the loss handed to it is multiplied back);
+DDP averages over data-parallel ranks, which the normaliser (tokens / DP size) accounts for; a step
+whose gradient is not finite anywhere is skipped and counted, nothing applied; the learning rate is
+the run's schedule (``OptimConfig.lr_at``), set on every parameter group before each step.
+Megatron's own rules apply where they differ: no weight decay on biases and norm weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+class MegatronTraining:
+    """The DDP wrapper and megatron optimizer of one model stage; :meth:`step` runs one optimizer step."""
+
+    def __init__(self, model, optim, *, use_distributed_optimizer: bool, overlap_grad_reduce: bool):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = model.config
+        self.ddp = DistributedDataParallel(
+            config=config, module=model,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+                                                     use_distributed_optimizer=use_distributed_optimizer))
+        limit = optim.max_grad_norm
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="sgd" if optim.name == "sgd" else "adam", lr=optim.lr, weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps, sgd_momentum=0.0,
+            # megatron reports the norm only while clipping: an infinite bound asks for it and never scales
+            clip_grad=float(limit) if limit else math.inf,
+            bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=use_distributed_optimizer),
+            [self.ddp])
+        config.no_sync_func = self.ddp.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        if overlap_grad_reduce:
+            config.grad_sync_func = self.ddp.start_grad_sync
+        config.variable_seq_lengths = True  # micro-batches are trimmed to their longest sample
+        self.config = config
+
+    def forward_backward(self, micro_batches: list, forward: Callable, loss: Callable) -> None:
+        """Every micro-batch through ``forward(model, batch) -> output`` and, on the last stage,
+        ``loss(batch, output) -> 0-dim loss`` (already normalised for the whole step), backward included;
+        the gradients end reduced in DDP's buffers."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        n = len(micro_batches)
+
+        def step_func(data: Iterator, model):
+            batch = next(data)
+            return forward(model, batch), functools.partial(_scaled_loss, loss, batch, n)
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        first = micro_batches[0].input_ids
+        get_forward_backward_func()(forward_step_func=step_func, data_iterator=iter(micro_batches), model=[self.ddp],
+                                    num_microbatches=n, seq_length=first.shape[1], micro_batch_size=first.shape[0],
+                                    forward_only=False)
+
+    def step(self, lr: float) -> tuple[float, bool]:
+        """Apply the reduced gradients at ``lr``; returns (gradient norm, applied). Not applied where any
+        rank's gradient holds an inf or NaN (the norm is then reported as inf)."""
+        finite = torch.tensor([float(all(bool(torch.isfinite(b.grad_data).all()) for b in self.ddp.buffers))],
+                              device=self.ddp.buffers[0].grad_data.device)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if finite.item() < 1:
+            return math.inf, False
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        applied, norm, _ = self.optimizer.step()
+        return float(norm), bool(applied)
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this step machinery keeps on the device: DDP's parameter and gradient buffers and
+        the optimizer's main parameters and state (for the colocated hand-off)."""
+        out = []
+        for buffer in list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", [])):
+            out += [t for t in (buffer.param_data, buffer.grad_data) if t is not None]
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    out.append(p)
+                    out += [v for v in inner.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        return out
+
+
+def _scaled_loss(loss: Callable, batch: Any, num_microbatches: int, output: torch.Tensor):
+    """megatron's schedule divides what this returns by the number of micro-batches; the loss is already
+    normalised for the whole step, so it is handed over multiplied by that number."""
+    value = loss(batch, output)
+    return value * num_microbatches, {}
