@@ -224,6 +224,11 @@ class TrainerBackend(abc.ABC):
             parts, logp_sum = self._forward_backward(mb, normalizer, ref)
             local += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).detach()
                                   for v in (*parts, logp_sum)])
+        return self._step_sums(local, tokens)
+
+    def _step_sums(self, local: torch.Tensor, tokens: float) -> dict[str, float]:
+        """This rank's loss parts and log-prob sum (``_SUMS`` but tokens) summed over the data-parallel
+        ranks: the parts as global token means of the step, the log-prob sum and the token count as sums."""
         dp = self.data_parallel_size
         reduced = self._all_reduce(local)
         sums = {k: v / dp for k, v in zip(_SUMS[:-2], reduced[:-1])}

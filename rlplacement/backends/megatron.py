@@ -115,11 +115,7 @@ class MegatronBackend(TrainerBackend):
 
         b, t = input_ids.shape
         device = input_ids.device
-        position_ids = torch.arange(t, device=device).expand(b, t)
-        # the local spec needs an explicit causal mask on CPU (its default one is built on "cuda");
-        # TransformerEngine builds its own from the causal mask type
-        mask = None if self.spec == "te" else torch.triu(torch.ones(t, t, dtype=torch.bool, device=device),
-                                                         diagonal=1)[None, None]
+        position_ids, mask = self._positions_and_mask(input_ids)
         received = None
         if not ps.is_pipeline_first_stage(ignore_virtual=True):
             received = torch.empty(t, b, self.hf_config.hidden_size, dtype=self._dtype, device=device)
@@ -180,12 +176,16 @@ class MegatronBackend(TrainerBackend):
     def _stage_forward(self, model, batch) -> torch.Tensor:
         """This stage's forward of one micro-batch through ``model`` (DDP around the stage): logits on the
         last stage, hidden states elsewhere (the schedule sends and receives them)."""
-        ids = batch.input_ids
-        b, t = ids.shape
-        positions = torch.arange(t, device=ids.device).expand(b, t)
-        mask = None if self.spec == "te" else torch.triu(torch.ones(t, t, dtype=torch.bool, device=ids.device),
-                                                         diagonal=1)[None, None]
-        return model(ids, positions, mask)
+        return model(batch.input_ids, *self._positions_and_mask(batch.input_ids))
+
+    def _positions_and_mask(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Position ids and, for the local spec, an explicit causal mask (its default one is built on
+        "cuda"); TransformerEngine builds its own from the causal mask type."""
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        mask = None if self.spec == "te" else torch.triu(
+            torch.ones(t, t, dtype=torch.bool, device=input_ids.device), diagonal=1)[None, None]
+        return positions, mask
 
     def _optimizer_step(self, batch):
         """One optimizer step through megatron's schedule and optimizer (``megatron_train``); the same sums,
@@ -210,10 +210,7 @@ class MegatronBackend(TrainerBackend):
             from megatron.core import parallel_state as ps
 
             local = self._from_last_stage(local if ps.is_pipeline_last_stage(ignore_virtual=True) else None, local)
-        dp = self.data_parallel_size
-        reduced = self._all_reduce(local)
-        sums = {k: v / dp for k, v in zip(_SUMS[:-2], reduced[:-1])}
-        sums.update(logp=reduced[-1], tokens=tokens)
+        sums = self._step_sums(local, tokens)
         lr = self.optim_config.lr_at(self.step)
         norm, applied = self._training.step(lr)
         if applied:
