@@ -22,13 +22,14 @@ def _batches():
     return [random_batch(SPEC.vocab_size, batch=4, seq=12, seed=10 + i) for i in range(2)]
 
 
-def _worker(rank, world, hf, tp, pp, train, nan_step, steps):
+def _worker(rank, world, hf, tp, pp, train, nan_step, steps, overlap):
     from megatron.core import parallel_state as ps
 
     from rlplacement.backends.megatron import MegatronBackend
 
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf, tensor_model_parallel_size=tp,
-                                                        pipeline_model_parallel_size=pp), ADAMW, train)
+                                                        pipeline_model_parallel_size=pp), ADAMW, train,
+                                          overlap_grad_reduce=overlap)
     dp, dp_rank = backend.data_parallel_size, backend.data_parallel_rank
     initial = {n: t.clone() for n, t in backend.iter_hf_tensors()}  # HF names: no TP-dependent vocab padding
     metrics = []
@@ -45,11 +46,12 @@ def _worker(rank, world, hf, tp, pp, train, nan_step, steps):
     return out
 
 
-def _run(tmp_path, world, tp=1, pp=1, nan_step=None, steps=2, **train):
+def _run(tmp_path, world, tp=1, pp=1, nan_step=None, steps=2, overlap=None, **train):
     hf = tmp_path / "hf"
     if not hf.exists():
         make_tiny_model(hf, SPEC)
-    return launch.spawn(_worker, world, str(hf), tp, pp, TrainConfig(**train), nan_step, steps, timeout_s=600)
+    return launch.spawn(_worker, world, str(hf), tp, pp, TrainConfig(**train), nan_step, steps, overlap,
+                        timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,9 @@ def one_piece(tmp_path_factory):
 @pytest.mark.parametrize("world, tp, pp, train", [
     (2, 1, 1, {}), (2, 1, 1, {"use_distributed_optimizer": True}), (2, 2, 1, {}), (2, 1, 2, {"micro_batch_size": 1}),
     (1, 1, 1, {"micro_batch_size": 1}),
-], ids=["dp2", "dp2-distributed-optimizer", "tp2", "pp2-micro-batches", "micro-batches"])
+    (2, 1, 1, {"micro_batch_size": 1, "use_distributed_optimizer": True, "overlap": True}),
+], ids=["dp2", "dp2-distributed-optimizer", "tp2", "pp2-micro-batches", "micro-batches",
+        "dp2-distributed-optimizer-overlapped-reduce"])
 def test_every_layout_takes_the_same_two_steps_as_one_rank_in_one_piece(tmp_path, one_piece, world, tp, pp, train):
     results = _run(tmp_path, world, tp, pp, **train)
     got, want = results[0], one_piece

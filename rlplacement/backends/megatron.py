@@ -33,7 +33,8 @@ class MegatronBackend(TrainerBackend):
     name = "megatron"
 
     def __init__(self, model, hf_config: Any, shape: mapping.ModelShape, optim: OptimConfig,
-                 stream_dtype: torch.dtype | None, train: TrainConfig | None = None):
+                 stream_dtype: torch.dtype | None, train: TrainConfig | None = None,
+                 overlap_grad_reduce: bool | None = None):
         super().__init__(optim, train)
         self.model, self.hf_config, self.shape = model, hf_config, shape
         self.family = family_for(hf_config)
@@ -44,17 +45,19 @@ class MegatronBackend(TrainerBackend):
         from rlplacement.backends.megatron_cpu import cuda_absent
         from rlplacement.backends.megatron_train import MegatronTraining
 
+        overlap = not cuda_absent() if overlap_grad_reduce is None else overlap_grad_reduce
         self._training = MegatronTraining(model, optim, use_distributed_optimizer=self.train_config.use_distributed_optimizer,
-                                          overlap_grad_reduce=not cuda_absent())
+                                          overlap_grad_reduce=overlap)
         self.optimizer = self._training.optimizer
 
     @classmethod
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
                     spec: str = "auto",
                     dtype: torch.dtype = torch.float32, stream_dtype: torch.dtype | None = None,
-                    seed: int = 1234, **_: Any) -> "MegatronBackend":
+                    seed: int = 1234, overlap_grad_reduce: bool | None = None, **_: Any) -> "MegatronBackend":
         """``dtype``: the trained (master) weights; ``stream_dtype``: what ``iter_hf_tensors`` yields
-        (default: the dtype the weights are trained in)."""
+        (default: the dtype the weights are trained in); ``overlap_grad_reduce``: DDP reduces each gradient
+        bucket while backward goes on (None: on a GPU)."""
         from rlplacement.backends import megatron_checkpoint as layout
 
         tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
@@ -83,7 +86,7 @@ class MegatronBackend(TrainerBackend):
             mm.load_torch_dist(model, layout.checkpoint_dir(cfg.load))
         else:
             mm.load_hf_weights(model, hf_dir, shape, family)
-        return cls(model, hf_config, shape, optim, stream_dtype, train)
+        return cls(model, hf_config, shape, optim, stream_dtype, train, overlap_grad_reduce)
 
     @property
     def data_parallel_rank(self) -> int:
