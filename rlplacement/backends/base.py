@@ -296,13 +296,9 @@ class TrainerBackend(abc.ABC):
         plus the state torch's AdamW (two moments like each parameter; three with amsgrad; its float32 step
         counter where it lives on the training device) or SGD with momentum (one buffer) makes at its first step
         for each parameter that has none yet. Another optimizer's state is counted once it exists."""
-        from rlplacement.backends.offload import local_tensor
+        from rlplacement.backends.offload import unique_storages
 
-        storages = {}
-        for t in self._resident_tensors():
-            storage = local_tensor(t).untyped_storage()
-            storages.setdefault(storage.data_ptr(), storage.nbytes())
-        total = sum(storages.values())
+        total = sum(s.nbytes() for s in unique_storages(self._resident_tensors()).values())
         for opt in self._torch_optimizers():
             total += self._state_to_come(opt)
         return total

@@ -112,24 +112,21 @@ class MegatronBackend(TrainerBackend):
     def _parameters(self) -> list[torch.nn.Parameter]:
         return [p for _, p in self._named]
 
-    def _run_stage(self, input_ids: torch.Tensor, grad: bool):
-        """This pipeline stage's forward: ``(output, received input or None, log-probs or None)``."""
+    def _stage_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """This pipeline stage's forward without gradients: the log-probs on the last stage, None on the
+        others (the activations go on by point-to-point sends; training goes through megatron's schedule)."""
         from megatron.core import parallel_state as ps
 
         b, t = input_ids.shape
-        device = input_ids.device
-        position_ids, mask = self._positions_and_mask(input_ids)
-        received = None
         if not ps.is_pipeline_first_stage(ignore_virtual=True):
-            received = torch.empty(t, b, self.hf_config.hidden_size, dtype=self._dtype, device=device)
+            received = torch.empty(t, b, self.hf_config.hidden_size, dtype=self._dtype, device=input_ids.device)
             dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
-            received.requires_grad_(grad)
             self.model.set_input_tensor(received)
-        out = self.model(input_ids, position_ids, mask)
+        out = self.model(input_ids, *self._positions_and_mask(input_ids))
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
-            dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-            return out, received, None
-        return out, received, self._logits_to_log_probs(out, input_ids)
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+        return self._logits_to_log_probs(out, input_ids)
 
     def _logits_to_log_probs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state as ps
@@ -156,7 +153,7 @@ class MegatronBackend(TrainerBackend):
         return ps.get_pipeline_model_parallel_world_size()
 
     def _token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._run_stage(input_ids, grad=torch.is_grad_enabled())[2]
+        return self._stage_log_probs(input_ids)
 
     def _from_last_stage(self, tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state as ps
@@ -173,7 +170,7 @@ class MegatronBackend(TrainerBackend):
         self.set_train(False)
         ids = batch.input_ids.to(self.device)
         with torch.no_grad():
-            logp = self._run_stage(ids, grad=False)[2]
+            logp = self._stage_log_probs(ids)
         return self._from_last_stage(logp, ids)
 
     def _stage_forward(self, model, batch) -> torch.Tensor:

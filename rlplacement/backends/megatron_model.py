@@ -227,11 +227,15 @@ def _flat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
 def _split_bytes(flat: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """The tensors :func:`_flat_bytes` packed, as views of ``flat`` (shapes and dtypes in order)."""
     out, offset = [], 0
     for shape, dtype in specs:
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        n = _nbytes(shape, dtype)
         out.append(flat[offset:offset + n].view(dtype).view(shape))
         offset += n
     return out
@@ -241,7 +245,7 @@ def _buckets(meta: list[tuple], limit: int) -> list[list[tuple]]:
     """``meta`` rows cut into runs of at most ``limit`` local bytes (a larger tensor goes alone)."""
     buckets, current, size = [], [], 0
     for row in meta:
-        n = math.prod(row[1]) * torch.empty((), dtype=row[2]).element_size()
+        n = _nbytes(row[1], row[2])
         if current and size + n > limit:
             buckets.append(current)
             current, size = [], 0
@@ -330,8 +334,7 @@ def iter_full_megatron(model, bucket_bytes: int | None = None,
                 counter.add()
             elif rank == 0:
                 specs = [(_full_shape(row, ps.get_tensor_model_parallel_world_size()), row[2]) for row in bucket]
-                flat = torch.empty(sum(math.prod(sh) * torch.empty((), dtype=dt).element_size() for sh, dt in specs),
-                                   dtype=torch.uint8, device=device)
+                flat = torch.empty(sum(_nbytes(*spec) for spec in specs), dtype=torch.uint8, device=device)
                 dist.recv(flat, src=src)
                 counter.add()
                 yield from zip([row[0] for row in bucket], _split_bytes(flat, specs))

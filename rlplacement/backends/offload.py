@@ -40,6 +40,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
+def unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    """The non-empty storages under ``tensors`` (their local shards), each once, by address."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        storage = local_tensor(t).untyped_storage()
+        if storage.nbytes():
+            storages.setdefault(storage.data_ptr(), storage)
+    return storages
+
+
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole storage (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -98,11 +108,7 @@ class HostOffload:
         if self._saved:
             raise RuntimeError("the trainer's state is already in host memory: reload before offloading again")
         start = time.perf_counter()
-        storages: dict[int, torch.UntypedStorage] = {}
-        for t in tensors:
-            storage = local_tensor(t).untyped_storage()
-            if storage.nbytes():
-                storages.setdefault(storage.data_ptr(), storage)
+        storages = unique_storages(tensors)
         on_gpu = any(s.device.type == "cuda" for s in storages.values())
         total = sum(s.nbytes() for s in storages.values())
         grew = total > self.capacity

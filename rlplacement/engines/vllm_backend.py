@@ -71,6 +71,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self.plan_failure: str | None = None  # why this engine commits through the generic loader
         self.last_load_path = ""
         self.weights_lost: str | None = None  # why the model's weights are not a whole version; None: they are
+        self._receiving: int | None = None  # the version the last receive_weights staged
 
     @property
     def served_version(self) -> int:
@@ -93,6 +94,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             raise TransferError("no transfer group: call init_weight_transfer_engine before start_weight_update")
 
     def receive_weights(self, update_info: RlplacementUpdateInfo) -> None:
+        self._receiving = update_info.version
         self.receiver.begin(update_info.version)
         try:
             self.receiver.receive()
@@ -127,8 +129,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
     def finish_weight_update(self) -> None:
         if self.receiver is None or self.receiver.staged is None:
             raise TransferError("finish_weight_update without a fully received update: call update_weights first")
-        version = getattr(self.receiver, "_pending", None)
-        self.receiver.commit(lambda staged: self._load_whole(staged, version))
+        self.receiver.commit(lambda staged: self._load_whole(staged, self._receiving))
 
     def _load_whole(self, staged: list, version) -> None:
         """``_load``, with ``weights_lost`` set while the model's weights are written: a load that fails
@@ -200,12 +201,6 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         # never wait on peers here: shutdown runs on error paths, and waiting would turn an error into a hang
         if self.receiver is not None:
             self.receiver.close()
-
-
-def served_version(worker: Any) -> int:
-    """For ``collective_rpc``: the version this worker serves (0 before the first update)."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    return engine.served_version if isinstance(engine, RlplacementWeightTransferEngine) else 0
 
 
 def serving_state(worker: Any) -> dict:

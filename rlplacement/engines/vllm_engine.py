@@ -62,7 +62,7 @@ class VllmRolloutEngine:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tensor_parallel_size))
                 llm_kwargs.setdefault("distributed_executor_backend", "mp")
         else:
-            # the per-worker queries below (served_version, checksums) are functions sent to the engine
+            # the per-worker queries below (serving_state, checksums) are functions sent to the engine
             # core's process; vLLM pickles callables only with this set
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
             _keep_update_graph_channels_off_the_gpu()

@@ -113,6 +113,7 @@ class ColocatedHandOff:
         self.keep_engine_weights = keep_engine_weights
         self.timeout_s = timeout_s
         self.trainer_names = list(trainer_names)
+        self.engine_names = [f"engine {i}" for i in range(len(engines))]
         self.trainer_on_host = False
         self.engines_hold = "all"  # all | weights | nothing
         self.phase: str | None = None
@@ -147,16 +148,10 @@ class ColocatedHandOff:
                 # back first, with the trainer's state out of the way if it does not fit beside it
                 self._make_room_for_engines(None, "weights")
                 self._engines("resume_kv_cache", "engine KV cache back")
-            if self.trainer_on_host and self._reload_fits_beside_engines():
-                # the trainer's state comes back while the engines go to sleep
-                asleep = [e.release_memory.remote(keep_weights=self.keep_engine_weights) for e in self.engines]
-                sleep_start = time.perf_counter()
-                self._trainer_resident(TRAIN)
-                reports = get_all(asleep, self.timeout_s, "engine sleep",
-                                  [f"engine {i}" for i in range(len(self.engines))])
-                self._add("perf/handoff_engine_sleep_time", time.perf_counter() - sleep_start)
-            else:
-                reports = self._engines("release_memory", "engine sleep", keep_weights=self.keep_engine_weights)
+            beside = (lambda: self._trainer_resident(TRAIN)) if (
+                self.trainer_on_host and self._reload_fits_beside_engines()) else None  # comes back meanwhile
+            reports, _ = self._engines_beside(beside, "release_memory", "engine sleep",
+                                              keep_weights=self.keep_engine_weights)
             self._record("rollout", TRAIN, reports)
             self._count_engine_weights("perf/handoff_bytes_to_host")
             self.engines_hold = "nothing"
@@ -208,15 +203,12 @@ class ColocatedHandOff:
     def _engines_should_sleep(self) -> bool:
         if self.offload_rollout is not None:
             return self.offload_rollout
-        readings = self._trainers("gpu_memory", "trainer memory")
-        if not readings or "device_free_gb" not in readings[0]:
+        room = self._room()
+        if room is None:
             return True
-        growth = None
-        if self._train_peak_gb is not None:
-            resident = 0.0 if self.trainer_on_host else max(r["resident_gb"] for r in readings)
-            growth = self._train_peak_gb - resident
-        return handoff_plan.engines_must_sleep(min(r["device_free_gb"] for r in readings), growth,
-                                               readings[0]["device_total_gb"])
+        free, total, resident = room
+        growth = None if self._train_peak_gb is None else self._train_peak_gb - (0.0 if self.trainer_on_host else resident)
+        return handoff_plan.engines_must_sleep(free, growth, total)
 
     def _make_room_for_engines(self, phase: str | None, holds: str, wake: str | None = None) -> bool:
         """The trainer leaves if it must (its flag, else when the engines' wake-up would not fit beside
@@ -229,12 +221,9 @@ class ColocatedHandOff:
             self._metrics["perf/handoff_trainer_left"] = 1.0
             self._trainer_to_host(phase)
             return False
-        readings = self._trainers("gpu_memory", "trainer memory", empty_cache=True)
-        fits = False
-        if readings and "device_free_gb" in readings[0]:
-            need = handoff_plan.engine_wake_gb(self._sleep_pool(), holds)
-            fits = not handoff_plan.trainer_must_leave(min(r["device_free_gb"] for r in readings), need,
-                                                       readings[0]["device_total_gb"])
+        room = self._room(empty_cache=True)
+        fits = room is not None and not handoff_plan.trainer_must_leave(
+            room[0], handoff_plan.engine_wake_gb(self._sleep_pool(), holds), room[1])
         leave = self.offload_train is True or not fits
         self._metrics["perf/handoff_trainer_left"] = float(leave)
         if not leave:
@@ -245,13 +234,18 @@ class ColocatedHandOff:
 
     def _reload_fits_beside_engines(self) -> bool:
         """Whether the trainer's state (its last offload's bytes) fits beside the engines still awake."""
-        if self._trainer_state_gb is None:
-            return False
-        readings = self._trainers("gpu_memory", "trainer memory")
+        room = self._room() if self._trainer_state_gb is not None else None
+        return room is not None and handoff_plan.fits(room[0], self._trainer_state_gb, room[1])
+
+    def _room(self, empty_cache: bool = False) -> tuple[float, float, float] | None:
+        """(GiB free on the tightest trainer GPU, GiB of a GPU, GiB the largest trainer rank holds), read
+        without restarting the peaks the phases report; None without CUDA. ``empty_cache``: the trainer's
+        unused cached blocks go back to the driver first, as they must before an engine can take them."""
+        readings = self._trainers("gpu_memory", "trainer memory", empty_cache=empty_cache, reset_peak=False)
         if not readings or "device_free_gb" not in readings[0]:
-            return False
-        return handoff_plan.fits(min(r["device_free_gb"] for r in readings), self._trainer_state_gb,
-                                 readings[0]["device_total_gb"])
+            return None
+        return (min(r["device_free_gb"] for r in readings), readings[0]["device_total_gb"],
+                max(r["resident_gb"] for r in readings))
 
     def _sleep_pool(self) -> dict:
         if self._pool is None:
@@ -265,16 +259,15 @@ class ColocatedHandOff:
         # cuda_ipc keeps the trainer's weights mapped in the engines between updates: they let go
         # first, since freeing memory another process still maps is undefined (the trainer refuses)
         self._engines("unmap_trainer_memory", "engines unmapping the trainer's memory")
-        start, issued_at = time.perf_counter(), time.time()
-        woken = [getattr(e, overlap).remote() for e in self.engines] if overlap else []
-        reports = self._call(self.trainers, self.trainer_names, "offload_to_host", "trainer offload",
-                             engines_unmapped=True)
-        if woken:
-            names = [f"engine {i}" for i in range(len(self.engines))]
-            self._record("rollout", ROLLOUT, get_all(woken, self.timeout_s, "engine wake-up", names))
-            self._add("perf/handoff_engine_wake_time", time.perf_counter() - start)
+        issued_at = time.time()
+        offload = lambda: self._trainers("offload_to_host", "trainer offload", engines_unmapped=True)  # noqa: E731
+        if overlap:
+            woken, reports = self._engines_beside(offload, overlap, "engine wake-up")
+            self._record("rollout", ROLLOUT, woken)
             if overlap == "resume_all":
                 self._count_engine_weights("perf/handoff_bytes_to_device")
+        else:
+            reports = offload()
         self.trainer_on_host = True
         if any(r.get("bytes") is not None for r in reports):
             self._trainer_state_gb = max(r.get("bytes") or 0.0 for r in reports) / GIB
@@ -282,9 +275,9 @@ class ColocatedHandOff:
             self._add("perf/handoff_trainer_offload_dispatch_time", max(r["started_at"] for r in reports) - issued_at)
             self._add("perf/handoff_trainer_offload_worker_time",
                       max(r["finished_at"] - r["started_at"] for r in reports))
-        self._put_sum("perf/handoff_bytes_to_host", reports, "bytes")
-        self._put_sum("perf/handoff_trainer_offload_copy_time", reports, "copy_seconds")
-        self._put_sum("perf/handoff_trainer_offload_release_time", reports, "release_seconds")
+        self._add_largest("perf/handoff_bytes_to_host", reports, "bytes")
+        self._add_largest("perf/handoff_trainer_offload_copy_time", reports, "copy_seconds")
+        self._add_largest("perf/handoff_trainer_offload_release_time", reports, "release_seconds")
         if phase:
             self._record("trainer", phase, reports)
 
@@ -292,7 +285,7 @@ class ColocatedHandOff:
         if self.trainer_on_host:
             reports = self._trainers("reload_from_host", "trainer reload")
             self.trainer_on_host = False
-            self._put_sum("perf/handoff_bytes_to_device", reports, "bytes")
+            self._add_largest("perf/handoff_bytes_to_device", reports, "bytes")
             if phase:
                 self._record("trainer", phase, reports)
 
@@ -309,7 +302,20 @@ class ColocatedHandOff:
         return self._call(self.trainers, self.trainer_names, method, what, **kwargs)
 
     def _engines(self, method: str, what: str, **kwargs) -> list[dict]:
-        return self._call(self.engines, [f"engine {i}" for i in range(len(self.engines))], method, what, **kwargs)
+        return self._call(self.engines, self.engine_names, method, what, **kwargs)
+
+    def _engines_beside(self, beside, method: str, what: str, **kwargs) -> tuple[list[dict], object]:
+        """``method`` on every engine while ``beside()`` (another side's move, or None) runs here: (the
+        engines' answers, what ``beside`` returned). The engines' part counts from the call to their last
+        answer."""
+        if beside is None:
+            return self._engines(method, what, **kwargs), None
+        start = time.perf_counter()
+        refs = [getattr(e, method).remote(**kwargs) for e in self.engines]
+        result = beside()
+        out = get_all(refs, self.timeout_s, what, self.engine_names)
+        self._add(f"perf/handoff_{PARTS[method]}_time", time.perf_counter() - start)
+        return out, result
 
     def _call(self, actors: Sequence, names: Sequence[str], method: str, what: str, **kwargs) -> list[dict]:
         """``method`` on every actor, bounded; a move (not a memory reading) adds its seconds to its part."""
@@ -347,7 +353,7 @@ class ColocatedHandOff:
         if values:
             self._metrics[key] = max(values)
 
-    def _put_sum(self, key: str, reports: list[dict], field: str) -> None:
+    def _add_largest(self, key: str, reports: list[dict], field: str) -> None:
         """``key`` += the largest ``field`` over the ranks (the busiest GPU's share of this move)."""
         values = [r[field] for r in reports if r.get(field) is not None]
         if values:

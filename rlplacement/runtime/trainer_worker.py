@@ -120,7 +120,7 @@ class TrainerWorker(TrainerTransferMixin):
         """Before training or an update: everything offloaded comes back, bit-exact."""
         return {**self.backend.reload_from_host(), **gpu_memory()}
 
-    def gpu_memory(self, empty_cache: bool = False) -> dict:
+    def gpu_memory(self, empty_cache: bool = False, reset_peak: bool = True) -> dict:
         """:func:`gpu_memory`; ``empty_cache``: the caching allocator's unused blocks go back to the driver
         first, so ``device_free_gb`` is what a colocated engine could take now."""
         if empty_cache:
@@ -128,7 +128,7 @@ class TrainerWorker(TrainerTransferMixin):
 
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        return gpu_memory()
+        return gpu_memory(reset_peak)
 
     def _require_resident(self, what: str) -> None:
         """Offloaded storages have size 0: reading them fails deep in CUDA ("invalid argument") or,
@@ -186,9 +186,9 @@ class TrainerWorker(TrainerTransferMixin):
             self.backend.close()
 
 
-def gpu_memory() -> dict[str, float]:
+def gpu_memory(reset_peak: bool = True) -> dict[str, float]:
     """GiB on this process's GPU: ``resident_gb`` (torch's reserved bytes now), ``peak_gb`` (the most
-    since the last call, then reset), ``device_used_gb`` (the whole device, every process on it: under
+    since the last reset, then reset unless ``reset_peak`` is False: a reading that decides, not reports), ``device_used_gb`` (the whole device, every process on it: under
     --colocate, trainer and engines together), ``device_free_gb`` and ``device_total_gb``. Empty
     without CUDA."""
     import torch
@@ -199,5 +199,6 @@ def gpu_memory() -> dict[str, float]:
     free, total = torch.cuda.mem_get_info()
     out = {"resident_gb": torch.cuda.memory_reserved() / gib, "peak_gb": torch.cuda.max_memory_reserved() / gib,
            "device_used_gb": (total - free) / gib, "device_free_gb": free / gib, "device_total_gb": total / gib}
-    torch.cuda.reset_peak_memory_stats()
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats()
     return out
