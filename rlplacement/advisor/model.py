@@ -131,9 +131,9 @@ class StepModel:
         if m.placement.colocate:  # a colocated run without a measured hand-off fitted without one
             shards = m.placement.trainer_gpus / p.trainer_gpus
             if m.handoff_time and m.handoff_bytes and m.handoff_move_time:
-                rate = m.handoff_bytes / m.handoff_move_time  # bytes per second, as this run moved them
+                # each GPU moves its shard of the bytes at this run's rate: the moving seconds scale, the rest stays
                 fixed = max(0.0, m.handoff_time - m.handoff_move_time)
-                return fixed + m.handoff_bytes * shards / rate
+                return fixed + m.handoff_move_time * shards
             return (m.handoff_time or 0.0) * shards
         if m.sync_bytes:
             a = self.assumptions
