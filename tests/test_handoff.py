@@ -41,6 +41,9 @@ class _RecordingStandIn:
             import time
 
             out.update(started_at=time.time(), finished_at=time.time() + 0.25)
+            if self.readings.get("offload_s"):  # takes that long, and says when it ended
+                time.sleep(self.readings["offload_s"])
+                ray.get(self.log.add.remote(self.who, "offload_to_host ended"))
         return out
 
 
@@ -109,8 +112,9 @@ def test_handoff_order_with_recording_stand_ins_for_gpu_sleep_mode(ray_local):
     parts = {k: v for k, v in m.items() if k.startswith("perf/handoff_") and k not in (
         "perf/handoff_to_train_time", "perf/handoff_to_rollout_time")}
     assert sorted(k for k in parts if k.endswith("_time")) == sorted(f"perf/handoff_{p}_time" for p in (
-        "engine_sleep", "engine_wake", "trainer_offload", "trainer_offload_copy", "trainer_offload_dispatch",
-        "trainer_offload_worker", "trainer_reload"))
+        "engine_sleep", "engine_unmap", "engine_wake", "engine_wake_worker", "trainer_offload",
+        "trainer_offload_copy", "trainer_offload_dispatch", "trainer_offload_return", "trainer_offload_worker",
+        "trainer_reload"))
     assert m["perf/handoff_trainer_offload_worker_time"] == pytest.approx(0.5, abs=1e-3)  # two offloads of 0.25 s
     parts = {f"perf/handoff_{p}_time": parts[f"perf/handoff_{p}_time"]
              for p in ("engine_sleep", "engine_wake", "trainer_offload", "trainer_reload")}
@@ -225,6 +229,23 @@ def test_the_kv_cache_wakes_while_the_trainer_leaves_when_it_fits_beside_it_with
     assert sorted(after[1:]) == [("engine", "resume_kv_cache"), ("trainer", "offload_to_host")]  # issued together
     m = h.pop_metrics()
     assert m["perf/handoff_engine_wake_time"] > 0 and m["perf/rollout_gpu_resident_gb_in_rollout"] == 60.0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_off_moves_each_side_after_the_other_with_recording_stand_ins(ray_local, overlap):
+    ray = ray_local
+    h, log = _hand_off(ray, offload_train=True, offload_rollout=True, trainer={**ROOMY, "offload_s": 0.5},
+                       engine=POOL, overlap=overlap)
+    h.to_rollout()
+    h.to_train()
+    h.before_update()
+    ray.get(log.add.remote("marker", "step 2"))
+    h.to_rollout()
+    calls = [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
+    after = calls[calls.index(("marker", "step 2")) + 1:]
+    woke, ended = after.index(("engine", "resume_kv_cache")), after.index(("trainer", "offload_to_host ended"))
+    assert (woke < ended) == overlap
+    assert h.pop_metrics()["perf/handoff_engine_unmap_time"] > 0
 
 
 def test_the_trainer_comes_back_while_the_engines_sleep_when_it_fits_beside_them_with_recording_stand_ins(ray_local):

@@ -16,7 +16,9 @@ Results contract (``offload_h200.json``; ``offload_h200_4B_fp32.json`` with ``--
 ``handoff_to_train_s``, ``handoff_bytes_to_host``, ``handoff_bytes_to_device``,
 ``engine_weight_bytes_over_pcie`` and every ``perf/handoff_*`` part; ``steady_handoff_s`` (median over
 steps >= 2 of both directions), ``bound_s`` = 1.15 x (steady bytes to host / d2h + to device / h2d)
-+ 0.2 s, ``setup_s`` (the pinned host buffer made at start).
++ 0.2 s, ``setup_s`` (the pinned host buffer made at start). With ``--no-overlap-steps N``, N more
+steps with each side moving after the other (rows with ``overlap`` false, left out of the steady
+figures) and ``steady_handoff_no_overlap_s``: what the overlaps save, measured in the same job.
 
     source benchmarks/gpu/device_env.sh
     python3 benchmarks/gpu/offload_h200.py --size 8B --steps 5 --out $OUT   # -> offload_h200.json
@@ -96,7 +98,9 @@ def run(model_dir: Path, args, flags: str) -> dict:
         prompts = [[(7 * i + j) % vocab for j in range(16)] for i in range(args.prompts)]
         out["refill"] = refill_check(job, prompts[:8])
         print(f"[{flags}] refill check: {out['refill']}", flush=True)
-        for step in range(args.steps):
+        for step in range(args.steps + args.no_overlap_steps):
+            if step == args.steps and job.handoff is not None:  # each side's move after the other's
+                job.handoff.overlap = False
             times = {}
             s0 = time.perf_counter()
             job.prepare_rollout()
@@ -113,7 +117,7 @@ def run(model_dir: Path, args, flags: str) -> dict:
             report = job.update_weights()  # checked: raises naming the tensor on any mismatch
             times["update_s"] = time.perf_counter() - u0
             perf = job.pop_handoff_metrics()
-            row = {"step": step, **times, "loss": metrics[0].loss, "tokens": sum(len(s.token_ids) for s in samples),
+            row = {"step": step, "overlap": step < args.steps, **times, "loss": metrics[0].loss, "tokens": sum(len(s.token_ids) for s in samples),
                    "bytes": report.trainer.bytes, "version": job.version, "bit_exact": True,
                    "handoff_to_rollout_s": perf.get("perf/handoff_to_rollout_time", 0.0),
                    "handoff_to_train_s": perf.get("perf/handoff_to_train_time", 0.0),
@@ -137,7 +141,12 @@ def run(model_dir: Path, args, flags: str) -> dict:
 
 def summarize(run_result: dict, link: dict | None) -> None:
     """``steady_handoff_s``, ``bound_s`` and the first steps against the steady one, into ``run_result``."""
-    steps = run_result["steps"]
+    steps = [r for r in run_result["steps"] if r.get("overlap", True)]
+    apart = [r["handoff_to_rollout_s"] + r["handoff_to_train_s"] for r in run_result["steps"] if not r.get("overlap", True)]
+    if apart:
+        import statistics
+
+        run_result["steady_handoff_no_overlap_s"] = round(statistics.median(apart), 4)
     both = [r["handoff_to_rollout_s"] + r["handoff_to_train_s"] for r in steps]
     steady = [b for r, b in zip(steps, both) if r["step"] >= 2]
     if not steady:
@@ -173,6 +182,9 @@ def main() -> int:
     parser.add_argument("--flags", nargs="+", default=["explicit"], choices=["explicit", "auto", "off"],
                         help="runs, in order: the offload flags given (explicit), left unset (auto), or both off "
                              "(off: expected to fail with the error naming the flags)")
+    parser.add_argument("--no-overlap-steps", type=int, default=0,
+                        help="steps after --steps with the overlaps off (each side moves after the other): rows with "
+                             "overlap false, and steady_handoff_no_overlap_s")
     parser.add_argument("--master-fp32", action="store_true",
                         help="fp32 master weights and AdamW state with bf16 compute (mixed precision), bf16 served "
                              "(-> offload_h200_<size>_fp32.json)")

@@ -42,8 +42,13 @@ KEYS = {
                                 "(the engines unmapping the trainer's memory, then its offload), trainer_reload, "
                                 "engine_sleep, engine_wake; parts that overlap both count their own seconds",
     "perf/handoff_trainer_offload_copy_time": "seconds of the trainer's offload spent copying to host memory",
-    "perf/handoff_trainer_offload_{dispatch,worker}_time": "seconds from the offload's call to its start on the "
-                                                          "trainer (slowest rank), and inside it",
+    "perf/handoff_trainer_offload_{dispatch,worker,return}_time": "seconds from the offload's call to its start on "
+                                                                 "the trainer (slowest rank), inside it, and from "
+                                                                 "its end to its answer here",
+    "perf/handoff_trainer_offload_free_time": "seconds of the trainer's offload spent freeing its storages",
+    "perf/handoff_engine_unmap_time": "seconds the engines took to unmap the trainer's memory before its offload",
+    "perf/handoff_engine_wake_worker_time": "seconds an engine spent waking (largest engine), apart from waiting "
+                                            "for its turn or overlapping the trainer's offload",
     "perf/handoff_trainer_offload_release_time": "seconds of the trainer's offload spent giving its freed GPU memory "
                                                  "back to the driver (empty_cache), where the engines allocate",
     "perf/handoff_bytes_to_host": "bytes per step that crossed PCIe to host memory, on the busiest GPU (the "
@@ -103,14 +108,16 @@ def skipped_reason(offload_train: bool | None, offload_rollout: bool | None, tra
 class ColocatedHandOff:
     def __init__(self, trainers: Sequence, engines: Sequence, *, offload_train: bool | None,
                  offload_rollout: bool | None, timeout_s: float, trainer_names: Sequence[str],
-                 keep_engine_weights: bool = False):
+                 keep_engine_weights: bool = False, overlap: bool = True):
         """``offload_train``/``offload_rollout``: True or False as the flags say, None where the flag was
         left unset (decided before each phase from memory readings); ``keep_engine_weights``: engines
-        sleep at level 1 (``--offload-rollout-keep-weights``) instead of 2."""
+        sleep at level 1 (``--offload-rollout-keep-weights``) instead of 2; ``overlap``: a side's move
+        runs beside the other's where it fits (off only to measure what overlapping saves)."""
         # the job's own lists: an engine it replaces (restarted, or a fresh one in a benchmark) is the one moved
         self.trainers, self.engines = trainers, engines
         self.offload_train, self.offload_rollout = offload_train, offload_rollout
         self.keep_engine_weights = keep_engine_weights
+        self.overlap = overlap
         self.timeout_s = timeout_s
         self.trainer_names = list(trainer_names)
         self.engine_names = [f"engine {i}" for i in range(len(engines))]
@@ -149,7 +156,7 @@ class ColocatedHandOff:
                 self._make_room_for_engines(None, "weights")
                 self._engines("resume_kv_cache", "engine KV cache back")
             beside = (lambda: self._trainer_resident(TRAIN)) if (
-                self.trainer_on_host and self._reload_fits_beside_engines()) else None  # comes back meanwhile
+                self.overlap and self.trainer_on_host and self._reload_fits_beside_engines()) else None  # comes back meanwhile
             reports, _ = self._engines_beside(beside, "release_memory", "engine sleep",
                                               keep_weights=self.keep_engine_weights)
             self._record("rollout", TRAIN, reports)
@@ -186,7 +193,7 @@ class ColocatedHandOff:
         wake = None if holds == "all" else ("resume_kv_cache" if holds == "weights" else "resume_all")
         overlapped = self._make_room_for_engines(ROLLOUT, holds, wake=wake)
         if wake and not overlapped:
-            self._record("rollout", ROLLOUT, self._engines(wake, "engine wake-up"))
+            self._woken(self._engines(wake, "engine wake-up"))
             if wake == "resume_all":
                 self._count_engine_weights("perf/handoff_bytes_to_device")
         self.engines_hold = "all"
@@ -228,7 +235,7 @@ class ColocatedHandOff:
         self._metrics["perf/handoff_trainer_left"] = float(leave)
         if not leave:
             return False
-        overlap = wake if fits else None
+        overlap = wake if fits and self.overlap else None
         self._trainer_to_host(phase, overlap=overlap)
         return overlap is not None
 
@@ -258,16 +265,19 @@ class ColocatedHandOff:
         """The trainer's state to host memory; ``overlap``: an engine wake-up issued beside it."""
         # cuda_ipc keeps the trainer's weights mapped in the engines between updates: they let go
         # first, since freeing memory another process still maps is undefined (the trainer refuses)
+        unmap_start = time.perf_counter()
         self._engines("unmap_trainer_memory", "engines unmapping the trainer's memory")
+        self._add("perf/handoff_engine_unmap_time", time.perf_counter() - unmap_start)
         issued_at = time.time()
         offload = lambda: self._trainers("offload_to_host", "trainer offload", engines_unmapped=True)  # noqa: E731
         if overlap:
             woken, reports = self._engines_beside(offload, overlap, "engine wake-up")
-            self._record("rollout", ROLLOUT, woken)
+            self._woken(woken)
             if overlap == "resume_all":
                 self._count_engine_weights("perf/handoff_bytes_to_device")
         else:
             reports = offload()
+        returned_at = time.time()
         self.trainer_on_host = True
         if any(r.get("bytes") is not None for r in reports):
             self._trainer_state_gb = max(r.get("bytes") or 0.0 for r in reports) / GIB
@@ -275,8 +285,10 @@ class ColocatedHandOff:
             self._add("perf/handoff_trainer_offload_dispatch_time", max(r["started_at"] for r in reports) - issued_at)
             self._add("perf/handoff_trainer_offload_worker_time",
                       max(r["finished_at"] - r["started_at"] for r in reports))
+            self._add("perf/handoff_trainer_offload_return_time", returned_at - max(r["finished_at"] for r in reports))
         self._add_largest("perf/handoff_bytes_to_host", reports, "bytes")
         self._add_largest("perf/handoff_trainer_offload_copy_time", reports, "copy_seconds")
+        self._add_largest("perf/handoff_trainer_offload_free_time", reports, "free_seconds")
         self._add_largest("perf/handoff_trainer_offload_release_time", reports, "release_seconds")
         if phase:
             self._record("trainer", phase, reports)
@@ -325,6 +337,10 @@ class ColocatedHandOff:
         if part is not None:
             self._add(f"perf/handoff_{part}_time", time.perf_counter() - start)
         return out
+
+    def _woken(self, reports: list[dict]) -> None:
+        self._record("rollout", ROLLOUT, reports)
+        self._add_largest("perf/handoff_engine_wake_worker_time", reports, "seconds")
 
     def _record(self, role: str, phase: str, reports: list[dict]) -> None:
         self._put(f"perf/{role}_gpu_resident_gb_in_{phase}", reports, "resident_gb")
