@@ -375,6 +375,8 @@ class RLJob:
         report, in rank order. Every ``--save-interval`` calls the training state is saved (``--save``)."""
         shards = self._shards(batch)  # bad sizes refused before any rank starts
         self._hand_off("to_train")
+        if self.handoff is not None:
+            self.handoff.train_step_runs()
         reports = self._with_hint(get_all, [t.train_step.remote(s) for t, s in zip(self.trainers, shards)],
                                   self.timeout_s, "train step", self.trainer_names)
         self.train_calls += 1

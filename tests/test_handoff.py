@@ -166,8 +166,20 @@ def _two_steps_of_moves(ray, h, log) -> list:
     for _ in range(2):
         h.to_rollout()
         h.to_train()
+        h.train_step_runs()  # as RLJob.train says before each step
         h.before_update()
     return [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
+
+
+def test_a_training_phase_without_a_step_leaves_the_peak_unknown_with_recording_stand_ins(ray_local):
+    ray = ray_local
+    h, log = _hand_off(ray, offload_train=None, offload_rollout=None, trainer=ROOMY, engine=POOL)
+    for _ in range(2):  # an update alone (no train step): its peak says nothing about a step's
+        h.to_train()
+        h.before_update()
+        h.to_rollout()
+    sleeps = [m for m in _moves(log, ray) if m == ("engine", "release_memory")]
+    assert len(sleeps) == 2  # the engines slept before each training phase: no step's peak was measured
 
 
 def test_unset_flags_keep_a_trainer_that_fits_beside_the_engines_with_recording_stand_ins(ray_local):

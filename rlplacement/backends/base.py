@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import math
+import time
 from typing import Any, ClassVar, Iterator
 
 import torch
@@ -275,11 +276,14 @@ class TrainerBackend(abc.ABC):
         Works on any device (on CPU it only proves the round trip); the job calls it on GPUs only."""
         from rlplacement.backends.offload import HostOffload
 
+        start = time.perf_counter()
         if getattr(self, "_host_offload", None) is None:
             self._host_offload = HostOffload()
         for p in self._parameters():
             p.grad = None  # the next step starts from None anyway
-        return self._host_offload.offload(self._resident_tensors())
+        tensors = self._resident_tensors()
+        prepared = time.perf_counter() - start
+        return {**self._host_offload.offload(tensors), "prepare_seconds": prepared}
 
     def reserve_host_memory(self) -> dict[str, float]:
         """Make and pin, now, the host buffer every later :meth:`offload_to_host` uses: sized for the

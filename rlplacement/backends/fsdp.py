@@ -10,6 +10,7 @@ served dtype (bf16 under ``--bf16``).
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Iterator
 
 import torch
@@ -105,8 +106,11 @@ class FSDPBackend(TrainerBackend):
         return views
 
     def offload_to_host(self) -> dict[str, float]:
+        start = time.perf_counter()
         self._served = None  # derived from the parameters: freed, not moved
-        return super().offload_to_host()
+        dropped = time.perf_counter() - start
+        report = super().offload_to_host()
+        return {**report, "prepare_seconds": report["prepare_seconds"] + dropped}
 
     def _resident_tensors(self) -> list[torch.Tensor]:
         from rlplacement.backends.offload import local_tensor

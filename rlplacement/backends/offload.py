@@ -109,6 +109,7 @@ class HostOffload:
             raise RuntimeError("the trainer's state is already in host memory: reload before offloading again")
         start = time.perf_counter()
         storages = unique_storages(tensors)
+        collected = time.perf_counter()
         on_gpu = any(s.device.type == "cuda" for s in storages.values())
         total = sum(s.nbytes() for s in storages.values())
         grew = total > self.capacity
@@ -134,7 +135,8 @@ class HostOffload:
         if on_gpu:
             torch.cuda.empty_cache()  # give the freed blocks back to the driver, where the engines allocate
         end = time.perf_counter()
-        return {"seconds": end - start, "copy_seconds": copied - start, "free_seconds": freed - copied,
+        return {"seconds": end - start, "collect_seconds": collected - start, "copy_seconds": copied - collected,
+                "free_seconds": freed - copied,
                 "release_seconds": end - freed, "bytes": float(offset), "host_pinned": float(self._registered),
                 "grew": float(grew)}
 

@@ -45,7 +45,8 @@ KEYS = {
     "perf/handoff_trainer_offload_{dispatch,worker,return}_time": "seconds from the offload's call to its start on "
                                                                  "the trainer (slowest rank), inside it, and from "
                                                                  "its end to its answer here",
-    "perf/handoff_trainer_offload_free_time": "seconds of the trainer's offload spent freeing its storages",
+    "perf/handoff_trainer_offload_{prepare,collect,free,reading}_time": "seconds of the trainer's offload spent "
+        "dropping gradients and derived buffers, finding its storages, freeing them, and reading its memory",
     "perf/handoff_engine_unmap_time": "seconds the engines took to unmap the trainer's memory before its offload",
     "perf/handoff_engine_wake_worker_time": "seconds an engine spent waking (largest engine), apart from waiting "
                                             "for its turn or overlapping the trainer's offload",
@@ -126,7 +127,8 @@ class ColocatedHandOff:
         self.phase: str | None = None
         self._metrics: dict[str, float] = {}
         self._pool: dict | None = None  # the largest engine worker's sleep pool, GiB by tag
-        self._train_peak_gb: float | None = None  # the trainer's peak in its last training phase
+        self._train_peak_gb: float | None = None  # the trainer's largest peak in a phase that ran a train step
+        self._stepped = False  # a train step ran in this training phase
         self._trainer_state_gb: float | None = None  # GiB its last offload moved (largest rank)
 
     def reserve_host_memory(self) -> None:
@@ -200,6 +202,11 @@ class ColocatedHandOff:
         self._device_reading(ROLLOUT)
         self._add("perf/handoff_to_rollout_time", time.perf_counter() - start)
         self.phase = ROLLOUT
+
+    def train_step_runs(self) -> None:
+        """A train step runs in this training phase: its peak is what the engines' decision to stay awake
+        needs (a phase of log-probs, an update or a checkpoint alone peaks lower, and must not count)."""
+        self._stepped = True
 
     def pop_metrics(self) -> dict[str, float]:
         """What the hand-offs since the last call cost and the memory each role held."""
@@ -288,7 +295,8 @@ class ColocatedHandOff:
             self._add("perf/handoff_trainer_offload_return_time", returned_at - max(r["finished_at"] for r in reports))
         self._add_largest("perf/handoff_bytes_to_host", reports, "bytes")
         self._add_largest("perf/handoff_trainer_offload_copy_time", reports, "copy_seconds")
-        self._add_largest("perf/handoff_trainer_offload_free_time", reports, "free_seconds")
+        for section in ("prepare", "collect", "free", "reading"):
+            self._add_largest(f"perf/handoff_trainer_offload_{section}_time", reports, f"{section}_seconds")
         self._add_largest("perf/handoff_trainer_offload_release_time", reports, "release_seconds")
         if phase:
             self._record("trainer", phase, reports)
@@ -358,8 +366,11 @@ class ColocatedHandOff:
         if not self.trainer_on_host:  # offloaded, the trainer allocated nothing during the phase
             readings = self._trainers("gpu_memory", "trainer memory")
             self._put(f"perf/trainer_gpu_peak_gb_in_{ending}", readings, "peak_gb")
-            if ending == TRAIN and any(r.get("peak_gb") is not None for r in readings):
-                self._train_peak_gb = max(r["peak_gb"] for r in readings if r.get("peak_gb") is not None)
+            peaks = [r["peak_gb"] for r in readings if r.get("peak_gb") is not None]
+            if ending == TRAIN and self._stepped and peaks:  # the largest so far: one long batch is enough to OOM
+                self._train_peak_gb = max(peaks + [self._train_peak_gb or 0.0])
+        if ending == TRAIN:
+            self._stepped = False
         if ending == ROLLOUT and self.engines_hold == "all":
             self._put("perf/rollout_gpu_peak_gb_in_rollout", self._engines("gpu_memory", "engine memory"), "peak_gb")
 

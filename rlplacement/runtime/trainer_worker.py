@@ -102,7 +102,9 @@ class TrainerWorker(TrainerTransferMixin):
                                    "keeps them mapped between updates), and offloading frees them: call every "
                                    "engine's unmap_trainer_memory() first, then offload_to_host(engines_unmapped=True)")
             exports.mapped_elsewhere = False
-        report = {**self.backend.offload_to_host(), **gpu_memory()}
+        report = self.backend.offload_to_host()
+        read_at = time.perf_counter()
+        report = {**report, **gpu_memory(), "reading_seconds": time.perf_counter() - read_at}
         return {**report, "started_at": started_at, "finished_at": time.time()}  # where a slow hand-off spends it
 
     def reserve_host_memory(self) -> dict:
