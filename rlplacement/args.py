@@ -152,6 +152,15 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
             _flag("--gradient-checkpointing", action="store_true",
                   default=default_of(TrainConfig, "gradient_checkpointing"),
                   help="Recompute each decoder layer's activations in the backward pass."),
+            _flag("--recompute-granularity", choices=("full", "selective"),
+                  default=default_of(TrainConfig, "recompute_granularity"),
+                  help="Megatron: recompute activations in backward: full layers (with --recompute-method and "
+                       "--recompute-num-layers) or selective (core attention only)."),
+            _flag("--recompute-method", choices=("uniform", "block"), default=default_of(TrainConfig, "recompute_method"),
+                  help="Megatron, with --recompute-granularity full: uniform (every --recompute-num-layers layers "
+                       "as one unit) or block (the first --recompute-num-layers layers of each pipeline stage)."),
+            _flag("--recompute-num-layers", type=int, default=default_of(TrainConfig, "recompute_num_layers"),
+                  help="Megatron, with --recompute-granularity full: layers per unit (uniform) or recomputed (block)."),
             _flag("--use-distributed-optimizer", action="store_true",
                   default=default_of(TrainConfig, "use_distributed_optimizer"),
                   help="Megatron: shard the fp32 main parameters and optimizer moments over the data-parallel "
@@ -473,14 +482,14 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
         raise ConfigError("--kl-loss-coef weighs the KL term of --use-kl-loss: add --use-kl-loss, or drop "
                           "--kl-loss-coef.")
     save, interval, bf16 = _get(args, "save"), _get(args, "save_interval"), _get(args, "bf16")
+    recompute = _recompute_from_args(args, backend)
     if backend.name == "megatron":
-        missing = [flag for flag, on in (("--bf16", bf16), ("--gradient-checkpointing", _get(args, "gradient_checkpointing")),
-                                         ("--use-kl-loss", use_kl), ("--entropy-coef", coefs["entropy_coef"]),
+        missing = [flag for flag, on in (("--use-kl-loss", use_kl), ("--entropy-coef", coefs["entropy_coef"]),
                                          ("--save", save)) if on]
         if missing:
             raise ConfigError(f"{', '.join(missing)}: the megatron backend does not train with "
-                              f"{'this' if len(missing) == 1 else 'these'} yet (it trains fp32 through megatron's DDP, "
-                              f"optimizer and schedules; Float16Module, recompute, the loss terms and dist_checkpointing "
+                              f"{'this' if len(missing) == 1 else 'these'} yet (it trains through megatron's Float16Module, "
+                              f"DDP, optimizer and schedules; recompute, the loss terms and dist_checkpointing "
                               f"come next): use --train-backend fsdp, or drop {', '.join(missing)}.")
     distributed_optimizer = bool(_get(args, "use_distributed_optimizer"))
     if distributed_optimizer and backend.name != "megatron":
@@ -492,12 +501,39 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
     return TrainConfig(bf16=bf16, global_batch_size=global_batch, micro_batch_size=micro,
                        use_dynamic_batch_size=dynamic, max_tokens_per_gpu=max_tokens,
                        gradient_checkpointing=bool(_get(args, "gradient_checkpointing")),
-                       use_distributed_optimizer=distributed_optimizer,
+                       use_distributed_optimizer=distributed_optimizer, **recompute,
                        log_probs_chunk_size=int(_get(args, "log_probs_chunk_size")), eps_clip=coefs["eps_clip"],
                        eps_clip_high=None if high is None else float(high), use_kl_loss=use_kl,
                        kl_loss_coef=coefs["kl_loss_coef"], kl_loss_type=kl_type or default_of(TrainConfig, "kl_loss_type"),
                        entropy_coef=coefs["entropy_coef"],
                        rollout_temperature=float(_get(args, "rollout_temperature")), save=save, save_interval=interval)
+
+
+def _recompute_from_args(args: argparse.Namespace, backend) -> dict:
+    """Activation recompute, each backend's own way: megatron's three flags, or FSDP's and torchtitan's
+    --gradient-checkpointing; the other backend's flag is refused, naming this backend's."""
+    granularity, method, layers = (_get(args, d) for d in ("recompute_granularity", "recompute_method",
+                                                            "recompute_num_layers"))
+    if backend.name == "megatron":
+        if _get(args, "gradient_checkpointing"):
+            raise ConfigError("--gradient-checkpointing is the fsdp and torchtitan backends' recompute; megatron "
+                              "recomputes through its own flags: use --recompute-granularity full --recompute-method "
+                              "uniform --recompute-num-layers 1 (every layer), or --recompute-granularity selective.")
+        if granularity == "full" and (method is None or layers is None):
+            raise ConfigError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                              "--recompute-num-layers N: add both (uniform with 1 recomputes every layer).")
+        if granularity != "full" and (method is not None or layers is not None):
+            said = " and ".join(f for f, v in (("--recompute-method", method), ("--recompute-num-layers", layers))
+                                if v is not None)
+            raise ConfigError(f"{said} apply only with --recompute-granularity full (got "
+                              f"{granularity or 'no --recompute-granularity'}): add --recompute-granularity full, or "
+                              f"drop {said}.")
+        if layers is not None and layers < 1:  # the bound above (a stage's layers) is checked with the model
+            raise ConfigError(f"--recompute-num-layers {layers}: use 1 or more.")
+    elif granularity is not None or method is not None or layers is not None:
+        raise ConfigError(f"--recompute-granularity, --recompute-method and --recompute-num-layers are megatron's; "
+                          f"the {backend.name} backend recomputes with --gradient-checkpointing: use that instead.")
+    return {"recompute_granularity": granularity, "recompute_method": method, "recompute_num_layers": layers}
 
 
 def rollout_from_args(args: argparse.Namespace) -> RolloutConfig:

@@ -219,6 +219,14 @@ class TrainConfig:
     """With ``use_dynamic_batch_size``: the most tokens (samples x padded length) in one micro-batch."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
+    recompute_granularity: str | None = None
+    """Megatron's activation recompute: ``full`` (whole layers, see ``recompute_method``) or ``selective``
+    (only core attention); None keeps every activation. FSDP and torchtitan use ``gradient_checkpointing``."""
+    recompute_method: str | None = None
+    """With ``recompute_granularity`` full: ``uniform`` (every ``recompute_num_layers`` layers recomputed as
+    one unit) or ``block`` (the first ``recompute_num_layers`` layers of each pipeline stage)."""
+    recompute_num_layers: int | None = None
+    """With ``recompute_granularity`` full: layers per recompute unit (uniform) or recomputed layers (block)."""
     use_distributed_optimizer: bool = False
     """Megatron: fp32 main parameters and optimizer moments sharded over the data-parallel ranks
     (megatron's ``DistributedOptimizer``; gradients reduce-scattered, parameters all-gathered)."""

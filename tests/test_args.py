@@ -233,6 +233,17 @@ def test_each_flag_default_is_its_config_field_default():
      r"--use-kl-loss, --entropy-coef: the megatron backend does not train with these yet"),
     (["--train-backend", "fsdp", "--use-distributed-optimizer"],
      r"--use-distributed-optimizer is megatron's DistributedOptimizer; the fsdp backend shards"),
+    (["--train-backend", "megatron", "--gradient-checkpointing"],
+     r"--gradient-checkpointing is the fsdp and torchtitan backends' recompute; megatron recomputes through its own "
+     r"flags: use --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"),
+    (["--train-backend", "megatron", "--recompute-granularity", "full"],
+     r"--recompute-granularity full needs --recompute-method \(uniform or block\) and --recompute-num-layers N"),
+    (["--train-backend", "megatron", "--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+     r"--recompute-num-layers apply only with --recompute-granularity full \(got selective\)"),
+    (["--train-backend", "megatron", "--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "0"], r"--recompute-num-layers 0: use 1 or more"),
+    (["--train-backend", "fsdp", "--recompute-granularity", "selective"],
+     r"are megatron's; the fsdp backend recomputes with --gradient-checkpointing: use that instead"),
 ])
 def test_train_step_flags_are_refused_naming_the_fix(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -270,3 +281,35 @@ def test_a_framework_parser_that_defines_lr_and_bf16_first_keeps_working():
     assert config_from_args(parser.parse_args([*fsdp, "--lr", "1e-5"])).train.bf16 is False
     with pytest.raises(ConfigError, match=r"--lr is unset \(the parser that defines it gives it no default\): set --lr"):
         config_from_args(parser.parse_args(fsdp))
+
+
+def test_megatron_recompute_flags_reach_the_model_config_and_its_stage_bound_is_checked():
+    import torch
+
+    from rlplacement.backends.megatron_model import transformer_config
+    from rlplacement.errors import ConfigError as Refused
+    from rlplacement.families import family_for
+    from rlplacement.models.tiny import TinySpec, build_config
+
+    cfg = config_from_args(parse("--rollout-num-gpus", "8", "--train-backend", "megatron", "--recompute-granularity",
+                                 "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"))
+    t = cfg.train
+    recompute = {"recompute_granularity": t.recompute_granularity, "recompute_method": t.recompute_method,
+                 "recompute_num_layers": t.recompute_num_layers}
+    hf = build_config(TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4))
+    tc = transformer_config(hf, family_for(hf), 1, 2, torch.float32, recompute=recompute)
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 1)
+    with pytest.raises(Refused, match=r"--recompute-num-layers 3 is more than a pipeline stage's 2 layers \(4 over "
+                                      r"--pipeline-model-parallel-size 2\): use 2 or fewer"):
+        transformer_config(hf, family_for(hf), 1, 2, torch.float32, recompute={**recompute, "recompute_num_layers": 3})
+
+
+@pytest.mark.parametrize("spec, te_fusions", [("te", True), ("local", False)])
+def test_megatron_turns_on_its_default_fusions_on_a_gpu_only(spec, te_fusions):
+    from rlplacement.backends.megatron_model import fusions
+
+    names = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
+             "gradient_accumulation_fusion")
+    assert [fusions(spec, on_gpu=True, wgrad_kernel=True)[n] for n in names] == [True, True] + [te_fusions] * 3
+    assert not fusions(spec, on_gpu=True, wgrad_kernel=False)["gradient_accumulation_fusion"]  # as megatron's training
+    assert not any(fusions(spec, on_gpu=False, wgrad_kernel=True)[n] for n in names)

@@ -32,6 +32,10 @@ def _worker(rank, world, hf, tp, pp, train, nan_step, steps, overlap):
                                           overlap_grad_reduce=overlap)
     dp, dp_rank = backend.data_parallel_size, backend.data_parallel_rank
     initial = {n: t.clone() for n, t in backend.iter_hf_tensors()}  # HF names: no TP-dependent vocab padding
+    from megatron.core import tensor_parallel
+
+    recomputed, checkpoint = [], tensor_parallel.checkpoint  # what recompute runs through, counted
+    tensor_parallel.checkpoint = lambda *a, **k: recomputed.append(1) or checkpoint(*a, **k)
     metrics = []
     for i, batch in enumerate(_batches()[:steps]):
         share = len(batch) // dp
@@ -41,7 +45,9 @@ def _worker(rank, world, hf, tp, pp, train, nan_step, steps, overlap):
         metrics.append(backend.train_step(mine))
     full = {n: t.clone() for n, t in backend.iter_hf_tensors()}
     out = {"metrics": metrics, "params": full if rank == 0 else None, "initial": initial if rank == 0 else None,
-           "skipped": backend.skipped_steps, "dp": dp, "stage": ps.get_pipeline_model_parallel_rank()}
+           "skipped": backend.skipped_steps, "dp": dp, "stage": ps.get_pipeline_model_parallel_rank(),
+           "recomputed": len(recomputed)}
+    tensor_parallel.checkpoint = checkpoint
     backend.close()
     return out
 
@@ -64,8 +70,13 @@ def one_piece(tmp_path_factory):
     (2, 1, 1, {}), (2, 1, 1, {"use_distributed_optimizer": True}), (2, 2, 1, {}), (2, 1, 2, {"micro_batch_size": 1}),
     (1, 1, 1, {"micro_batch_size": 1}),
     (2, 1, 1, {"micro_batch_size": 1, "use_distributed_optimizer": True, "overlap": True}),
+    (1, 1, 1, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+    (2, 1, 2, {"micro_batch_size": 1, "recompute_granularity": "full", "recompute_method": "block",
+               "recompute_num_layers": 1}),
+    (1, 1, 1, {"recompute_granularity": "selective"}),
 ], ids=["dp2", "dp2-distributed-optimizer", "tp2", "pp2-micro-batches", "micro-batches",
-        "dp2-distributed-optimizer-overlapped-reduce"])
+        "dp2-distributed-optimizer-overlapped-reduce", "recompute-full-uniform", "pp2-recompute-full-block",
+        "recompute-selective"])
 def test_every_layout_takes_the_same_two_steps_as_one_rank_in_one_piece(tmp_path, one_piece, world, tp, pp, train):
     results = _run(tmp_path, world, tp, pp, **train)
     got, want = results[0], one_piece
@@ -77,6 +88,7 @@ def test_every_layout_takes_the_same_two_steps_as_one_rank_in_one_piece(tmp_path
     for name, t in want["params"].items():
         torch.testing.assert_close(got["params"][name], t, atol=2e-6, rtol=1e-5, msg=name)
     assert any(not torch.equal(t, want["initial"][n]) for n, t in want["params"].items())  # the steps moved it
+    assert (got["recomputed"] > 0) == ("recompute_granularity" in train) and want["recomputed"] == 0
 
 
 @pytest.mark.slow
@@ -87,3 +99,47 @@ def test_a_step_with_a_non_finite_gradient_is_skipped_on_every_rank(tmp_path):
     after_first = _run(tmp_path, 2, steps=1)[0]
     for name, t in after_first["params"].items():  # nothing of the second step was applied
         assert torch.equal(results[0]["params"][name], t), name
+
+
+def _bf16_worker(rank, world, hf, train):
+    from megatron.core.transformer.module import Float16Module
+
+    from rlplacement.backends.megatron import MegatronBackend
+
+    backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf), ADAMW, train)
+    dp, dp_rank = backend.data_parallel_size, backend.data_parallel_rank
+    metrics = []
+    for batch in _batches():
+        share = len(batch) // dp
+        metrics.append(backend.train_step(batch.rows(slice(dp_rank * share, (dp_rank + 1) * share))))
+    opt = backend.optimizer
+    rounded = None
+    if hasattr(opt, "fp32_from_float16_groups"):  # one rank's plain optimizer: every main parameter whole
+        pairs = [(m, f) for mg, fg in zip(opt.float16_groups, opt.fp32_from_float16_groups) for m, f in zip(mg, fg)]
+        rounded = {"main_dtypes": sorted({str(f.dtype) for _, f in pairs}),
+                   "equal": all(torch.equal(m, f.to(m.dtype)) for m, f in pairs),
+                   "moved": any(not torch.equal(f, f.to(torch.bfloat16).float()) for _, f in pairs)}
+    out = {"metrics": metrics, "params": {n: t.clone() for n, t in backend.iter_hf_tensors()} if rank == 0 else None,
+           "model": {n: p.detach().clone() for n, p in backend.local_megatron_parameters()} if rank == 0 else None,
+           "float16_module": isinstance(backend._training.ddp.module, Float16Module), "rounded": rounded}
+    backend.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, train", [(1, {}), (2, {"use_distributed_optimizer": True})],
+                         ids=["one-rank", "dp2-distributed-optimizer"])
+def test_bf16_trains_bf16_parameters_from_fp32_main_parameters_inside_float16module(tmp_path, one_piece, world, train):
+    hf = tmp_path / "hf"
+    make_tiny_model(hf, SPEC)
+    got = launch.spawn(_bf16_worker, world, str(hf), TrainConfig(bf16=True, **train), timeout_s=600)[0]
+    assert got["float16_module"]
+    assert {t.dtype for t in got["params"].values()} == {torch.bfloat16}  # served as trained: the bf16 parameters
+    assert {p.dtype for p in got["model"].values()} == {torch.bfloat16}
+    if got["rounded"] is not None:  # the bf16 parameters are the fp32 main ones rounded, which kept finer steps
+        assert got["rounded"] == {"main_dtypes": ["torch.float32"], "equal": True, "moved": True}
+    for a, b in zip(got["metrics"], one_piece["metrics"]):  # the fp32 run's steps, to bf16's precision
+        assert a["loss"] == pytest.approx(b["loss"], rel=5e-2, abs=5e-3)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
+    for name, t in one_piece["params"].items():
+        torch.testing.assert_close(got["params"][name].float(), t, atol=2e-2, rtol=2e-2, msg=name)

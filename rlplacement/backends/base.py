@@ -38,6 +38,11 @@ from rlplacement.train_io import Batch
 _SUMS = ("loss", "policy", "kl", "entropy", "clipped", "logp", "tokens")
 
 
+def resolve_bf16(train: TrainConfig) -> bool:
+    """``--bf16`` as set, else on where CUDA is."""
+    return torch.cuda.is_available() if train.bf16 is None else train.bf16
+
+
 class TrainerBackend(abc.ABC):
     """Build or load a model, train it on batches, and stream its weights in HF names."""
 

@@ -17,15 +17,10 @@ import torch
 import torch.distributed as dist
 
 from rlplacement.backends import launch
-from rlplacement.backends.base import TrainerBackend
+from rlplacement.backends.base import TrainerBackend, resolve_bf16
 from rlplacement.backends.objective import TokenStats
 from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
-
-
-def resolve_bf16(train: TrainConfig) -> bool:
-    """``--bf16`` as set, else on where CUDA is."""
-    return torch.cuda.is_available() if train.bf16 is None else train.bf16
 
 
 def served_dtype(stream_dtype: torch.dtype | None, bf16: bool) -> torch.dtype | None:

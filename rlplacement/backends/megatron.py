@@ -25,7 +25,7 @@ from rlplacement.errors import ConfigError
 from rlplacement.backends import launch
 from rlplacement.families import megatron_mapping as mapping
 from rlplacement.backends import megatron_model as mm
-from rlplacement.backends.base import TrainerBackend
+from rlplacement.backends.base import TrainerBackend, resolve_bf16
 from rlplacement.families import family_for
 
 
@@ -55,11 +55,15 @@ class MegatronBackend(TrainerBackend):
                     spec: str = "auto",
                     dtype: torch.dtype = torch.float32, stream_dtype: torch.dtype | None = None,
                     seed: int = 1234, overlap_grad_reduce: bool | None = None, **_: Any) -> "MegatronBackend":
-        """``dtype``: the trained (master) weights; ``stream_dtype``: what ``iter_hf_tensors`` yields
-        (default: the dtype the weights are trained in); ``overlap_grad_reduce``: DDP reduces each gradient
-        bucket while backward goes on (None: on a GPU)."""
+        """``dtype``: the trained weights without ``--bf16``; under ``--bf16`` (``train.bf16``, on by default on
+        a GPU) the model's parameters are bf16 inside megatron's ``Float16Module`` and the optimizer keeps
+        fp32 main parameters, as megatron's training does. ``stream_dtype``: what ``iter_hf_tensors`` yields
+        (default: the model's parameters' dtype); ``overlap_grad_reduce``: DDP reduces each gradient bucket
+        while backward goes on (None: on a GPU)."""
         from rlplacement.backends import megatron_checkpoint as layout
 
+        if resolve_bf16(train or TrainConfig()):
+            dtype = torch.bfloat16
         tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
         if cfg.load:
             meta = layout.read_meta(cfg.load)
@@ -81,7 +85,10 @@ class MegatronBackend(TrainerBackend):
         padded = padded or mapping.padded_vocab_size(hf_config.vocab_size, tp)
         shape = mapping.ModelShape.from_hf(hf_config, padded)
         mm.init_model_parallel(tp, pp, seed)
-        model = mm.build_model(hf_config, padded, tp, pp, spec, dtype=dtype)
+        t = train or TrainConfig()
+        recompute = {"recompute_granularity": t.recompute_granularity, "recompute_method": t.recompute_method,
+                     "recompute_num_layers": t.recompute_num_layers}
+        model = mm.build_model(hf_config, padded, tp, pp, spec, dtype=dtype, recompute=recompute)
         if cfg.load:
             mm.load_torch_dist(model, layout.checkpoint_dir(cfg.load))
         else:

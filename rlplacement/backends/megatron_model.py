@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from rlplacement.errors import ConfigError
 from rlplacement.families import megatron_mapping as mapping
 from rlplacement.families import DenseFamily, family_for, rope_parameters
 from rlplacement.backends.megatron_cpu import apply_cpu_shims, cuda_absent
@@ -92,17 +93,27 @@ def load_hf_config(hf_dir: str | os.PathLike):
     return AutoConfig.from_pretrained(str(path))
 
 
-def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dtype: torch.dtype):
+def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dtype: torch.dtype,
+                       spec: str = "local", on_gpu: bool | None = None, recompute: dict | None = None):
+    """megatron's ``TransformerConfig`` for this HF model and layout, with :func:`fusions` for ``spec`` on a
+    GPU (``on_gpu``, default: where CUDA is). ``recompute``: ``recompute_granularity``, ``recompute_method``,
+    ``recompute_num_layers`` (None entries left to megatron's defaults)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     if hf_config.num_hidden_layers % pp:
         raise ValueError(f"num_hidden_layers {hf_config.num_hidden_layers} is not divisible by "
                          f"--pipeline-model-parallel-size {pp}")
+    recompute = {k: v for k, v in (recompute or {}).items() if v is not None}
+    per_stage = hf_config.num_hidden_layers // pp
+    if recompute.get("recompute_num_layers", 1) > per_stage:
+        raise ConfigError(f"--recompute-num-layers {recompute['recompute_num_layers']} is more than a pipeline "
+                          f"stage's {per_stage} layers ({hf_config.num_hidden_layers} over "
+                          f"--pipeline-model-parallel-size {pp}): use {per_stage} or fewer.")
     groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     if groups % tp:
         raise ValueError(f"num_key_value_heads {groups} is not divisible by --tensor-model-parallel-size {tp}")
-    cpu = cuda_absent()
+    cpu = cuda_absent() if on_gpu is None else not on_gpu
     kwargs = dict(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         num_attention_heads=hf_config.num_attention_heads, num_query_groups=groups,
@@ -113,14 +124,27 @@ def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dt
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=cpu, perform_initialization=False,
+        use_cpu_initialization=cpu, perform_initialization=False, **recompute,
     )
-    if cpu:  # fused kernels are CUDA-only
-        kwargs.update(bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-                      apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
-    else:
-        kwargs.update(bias_activation_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
-    return TransformerConfig(**kwargs)
+    return TransformerConfig(**kwargs, **fusions(spec, on_gpu=not cpu, wgrad_kernel=wgrad_kernel_available()))
+
+
+def fusions(spec: str, on_gpu: bool, wgrad_kernel: bool) -> dict[str, bool]:
+    """The fused kernels to use: on a GPU, those megatron's training turns on by default (bias-SwiGLU and
+    bias-dropout, torch-jitted, always; masked softmax and RoPE fusion with the TE spec, whose kernels they
+    are; gradient-accumulation fusion with the TE spec where megatron's own linear layers, the output
+    layer among them, find apex's ``fused_weight_gradient_mlp_cuda`` too (``wgrad_kernel``): they refuse
+    the fusion without it, and megatron's training turns it off then); on a CPU none (CUDA-only)."""
+    te = on_gpu and spec == "te"
+    return dict(bias_activation_fusion=on_gpu, bias_dropout_fusion=on_gpu, masked_softmax_fusion=te,
+                apply_rope_fusion=te, gradient_accumulation_fusion=te and wgrad_kernel, persist_layer_norm=False)
+
+
+def wgrad_kernel_available() -> bool:
+    """Whether megatron's linear layers found apex's fused weight-gradient kernel."""
+    from megatron.core.tensor_parallel import layers
+
+    return bool(getattr(layers, "_grad_accum_fusion_available", False))
 
 
 def layer_spec(family: DenseFamily, spec: str):
@@ -132,8 +156,9 @@ def layer_spec(family: DenseFamily, spec: str):
 
 
 def build_model(hf_config: Any, padded_vocab: int, tp: int, pp: int, spec: str = "auto",
-                dtype: torch.dtype | None = None):
-    """This rank's ``GPTModel`` stage, uninitialised (weights come from a load)."""
+                dtype: torch.dtype | None = None, recompute: dict | None = None):
+    """This rank's ``GPTModel`` stage, uninitialised (weights come from a load); ``recompute`` as
+    :func:`transformer_config` takes it."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -144,7 +169,7 @@ def build_model(hf_config: Any, padded_vocab: int, tp: int, pp: int, spec: str =
     spec = resolve_spec(spec)
     rope = rope_parameters(hf_config)
     model = GPTModel(
-        transformer_config(hf_config, family, tp, pp, dtype), layer_spec(family, spec),
+        transformer_config(hf_config, family, tp, pp, dtype, spec, recompute=recompute), layer_spec(family, spec),
         vocab_size=padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=True),

@@ -1,4 +1,6 @@
-"""A Megatron optimizer step the way megatron's own training builds it: ``DistributedDataParallel``
+"""A Megatron optimizer step the way megatron's own training builds it: ``Float16Module`` around a bf16
+model (``--bf16``: bf16 compute, fp32 logits out of the last stage, fp32 main parameters in the
+optimizer, the bf16 parameters refreshed from them after each step), ``DistributedDataParallel``
 (gradients in fp32 buffers, reduced per bucket), ``get_megatron_optimizer`` (``--use-distributed-optimizer``:
 main parameters and moments sharded over the data-parallel ranks) and ``get_forward_backward_func``
 over the step's micro-batches (pipelined across stages when PP > 1).
@@ -30,6 +32,10 @@ class MegatronTraining:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = model.config
+        if config.bf16 or config.fp16:  # half-precision model parameters; the optimizer's main ones are fp32
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
         self.ddp = DistributedDataParallel(
             config=config, module=model,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
