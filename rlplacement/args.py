@@ -132,6 +132,9 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
                   default=default_of(BackendConfig, "tensor_model_parallel_size")),
             _flag("--pipeline-model-parallel-size", type=int,
                   default=default_of(BackendConfig, "pipeline_model_parallel_size")),
+            _flag("--sequence-parallel", action="store_true", default=default_of(BackendConfig, "sequence_parallel"),
+                  help="Megatron: split the activations outside attention and MLP along the sequence over the TP "
+                       "ranks (needs --tensor-model-parallel-size > 1 and TransformerEngine)."),
         ),
     ),
     (
@@ -421,8 +424,16 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
         raise ConfigError(
             f"--tensor-model-parallel-size/--pipeline-model-parallel-size apply to --train-backend megatron, "
             f"not {name}: drop them or use --train-backend megatron.")
+    sequence_parallel = bool(_get(args, "sequence_parallel"))
+    if sequence_parallel and name != "megatron":
+        raise ConfigError(f"--sequence-parallel is megatron's sequence parallelism over its TP ranks; the {name} "
+                          f"backend has no tensor parallelism: drop the flag, or use --train-backend megatron.")
+    if sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks, and "
+                          "--tensor-model-parallel-size is 1: set it to 2 or more, or drop --sequence-parallel.")
     return BackendConfig(name=name, hf_checkpoint=_get(args, "hf_checkpoint"), load=_get(args, "load"),
-                         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+                         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         sequence_parallel=sequence_parallel)
 
 
 def _set(args: argparse.Namespace, dest: str) -> Any:

@@ -116,6 +116,10 @@ class BackendConfig:
     """Megatron tensor-parallel size; the trainer's GPUs are a multiple of TP x PP."""
     pipeline_model_parallel_size: int = 1
     """Megatron pipeline-parallel size."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: the activations outside attention and MLP split along the sequence over
+    the TP ranks (needs TP > 1 and the TransformerEngine layer spec); micro-batches are padded to a multiple
+    of TP tokens. Validated here; not exercised on the hardware this project has (one GPU, no TP)."""
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")

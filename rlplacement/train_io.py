@@ -68,16 +68,26 @@ class Batch:
         """The samples at ``index`` (a slice gives views)."""
         return Batch(*(None if t is None else t[index] for t in self._fields()))
 
-    def trimmed(self) -> "Batch":
-        """The same samples with the columns past the longest one dropped (views)."""
-        width = max(self.sample_lengths(), default=0)
-        if width in (0, self.input_ids.shape[1]):
+    def trimmed(self, multiple: int = 1) -> "Batch":
+        """The same samples with the columns past the longest one dropped (views), the width rounded up to
+        ``multiple`` (megatron's sequence parallelism splits it over TP ranks): columns added past the
+        batch's own width are padding (token 0, outside the loss mask, log-prob 0)."""
+        longest = max(self.sample_lengths(), default=0)
+        width = -(-longest // multiple) * multiple
+        have = self.input_ids.shape[1]
+        if width in (0, have):
             return self
+        if width < have:
+            def cut(t):
+                return None if t is None else t[:, :width]
 
-        def cut(t):
-            return None if t is None else t[:, :width]
+            return Batch(cut(self.input_ids), cut(self.loss_mask), self.advantages, cut(self.old_logprobs),
+                         self.lengths)
 
-        return Batch(cut(self.input_ids), cut(self.loss_mask), self.advantages, cut(self.old_logprobs), self.lengths)
+        def pad(t):
+            return None if t is None else torch.nn.functional.pad(t, (0, width - have))
+
+        return Batch(pad(self.input_ids), pad(self.loss_mask), self.advantages, pad(self.old_logprobs), self.lengths)
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(*(None if t is None else t.to(device) for t in self._fields()))

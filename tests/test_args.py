@@ -242,6 +242,10 @@ def test_each_flag_default_is_its_config_field_default():
      r"--recompute-num-layers apply only with --recompute-granularity full \(got selective\)"),
     (["--train-backend", "megatron", "--recompute-granularity", "full", "--recompute-method", "block",
       "--recompute-num-layers", "0"], r"--recompute-num-layers 0: use 1 or more"),
+    (["--train-backend", "fsdp", "--sequence-parallel"],
+     r"--sequence-parallel is megatron's sequence parallelism over its TP ranks; the fsdp backend has no tensor"),
+    (["--train-backend", "megatron", "--sequence-parallel"],
+     r"--sequence-parallel splits the sequence over the tensor-parallel ranks, and --tensor-model-parallel-size is 1"),
     (["--train-backend", "fsdp", "--recompute-granularity", "selective"],
      r"are megatron's; the fsdp backend recomputes with --gradient-checkpointing: use that instead"),
 ])
@@ -313,3 +317,20 @@ def test_megatron_turns_on_its_default_fusions_on_a_gpu_only(spec, te_fusions):
     assert [fusions(spec, on_gpu=True, wgrad_kernel=True)[n] for n in names] == [True, True] + [te_fusions] * 3
     assert not fusions(spec, on_gpu=True, wgrad_kernel=False)["gradient_accumulation_fusion"]  # as megatron's training
     assert not any(fusions(spec, on_gpu=False, wgrad_kernel=True)[n] for n in names)
+
+
+def test_sequence_parallel_needs_transformer_engine_and_says_so_before_building_anything():
+    import torch
+
+    from rlplacement.backends.megatron_model import transformer_config
+    from rlplacement.errors import ConfigError as Refused
+    from rlplacement.families import family_for
+    from rlplacement.models.tiny import TinySpec, build_config
+
+    cfg = config_from_args(parse("--rollout-num-gpus", "8", "--actor-num-gpus-per-node", "2", "--train-backend",
+                                 "megatron", "--tensor-model-parallel-size", "2", "--sequence-parallel"))
+    assert cfg.backend.sequence_parallel
+    hf = build_config(TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(Refused, match=r"--sequence-parallel needs TP > 1 and the TransformerEngine layer spec, and the "
+                                      r"layer spec is 'local', not TransformerEngine's"):
+        transformer_config(hf, family_for(hf), 2, 1, torch.float32, "local", sequence_parallel=True)

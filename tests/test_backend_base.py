@@ -153,3 +153,19 @@ def test_chunked_log_probs_equal_unchunked_and_hold_one_chunk_of_fp32_logits(wit
     if with_entropy:
         p = torch.softmax(head(hidden)[:, :-1] / 0.7, -1)
         torch.testing.assert_close(got.entropy[:, 1:], -(p * p.log()).sum(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_a_micro_batch_is_trimmed_to_its_longest_sample_and_padded_to_a_multiple():
+    import torch
+
+    from rlplacement.train_io import Batch
+
+    ids = torch.arange(1, 15).view(2, 7)
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 0, 0]], dtype=torch.float32)
+    batch = Batch(ids, mask, torch.ones(2), torch.full((2, 7), -1.0), torch.tensor([4, 5]))
+    assert batch.trimmed().input_ids.shape[1] == 5  # the longest sample
+    four = batch.trimmed(4)  # sequence parallelism over 4 TP ranks: 5 -> 8 columns, past the batch's 7
+    assert four.input_ids.shape[1] == 8 and torch.equal(four.input_ids[:, :7], ids)
+    assert four.input_ids[:, 7].tolist() == [0, 0] and four.loss_mask[:, 7].tolist() == [0.0, 0.0]
+    assert torch.equal(four.loss_mask[:, :7], mask) and four.old_logprobs[:, 7].tolist() == [0.0, 0.0]
+    assert batch.trimmed(3).input_ids.shape[1] == 6 and torch.equal(batch.trimmed(3).input_ids, ids[:, :6])

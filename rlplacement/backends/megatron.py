@@ -88,7 +88,8 @@ class MegatronBackend(TrainerBackend):
         t = train or TrainConfig()
         recompute = {"recompute_granularity": t.recompute_granularity, "recompute_method": t.recompute_method,
                      "recompute_num_layers": t.recompute_num_layers}
-        model = mm.build_model(hf_config, padded, tp, pp, spec, dtype=dtype, recompute=recompute)
+        model = mm.build_model(hf_config, padded, tp, pp, spec, dtype=dtype, recompute=recompute,
+                               sequence_parallel=cfg.sequence_parallel)
         if cfg.load:
             mm.load_torch_dist(model, layout.checkpoint_dir(cfg.load))
         else:
@@ -211,7 +212,8 @@ class MegatronBackend(TrainerBackend):
                                     for v in (*parts, (logp.detach() * mb.loss_mask).sum())]))
             return parts.loss
 
-        micro = [batch.rows(idx).trimmed() for idx in self._micro_batches(batch)]
+        multiple = self.model.config.tensor_model_parallel_size if self.model.config.sequence_parallel else 1
+        micro = [batch.rows(idx).trimmed(multiple) for idx in self._micro_batches(batch)]
         self._training.forward_backward(micro, self._stage_forward, loss)
         if self._pp > 1:
             from megatron.core import parallel_state as ps

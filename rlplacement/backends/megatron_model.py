@@ -94,7 +94,8 @@ def load_hf_config(hf_dir: str | os.PathLike):
 
 
 def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dtype: torch.dtype,
-                       spec: str = "local", on_gpu: bool | None = None, recompute: dict | None = None):
+                       spec: str = "local", on_gpu: bool | None = None, recompute: dict | None = None,
+                       sequence_parallel: bool = False):
     """megatron's ``TransformerConfig`` for this HF model and layout, with :func:`fusions` for ``spec`` on a
     GPU (``on_gpu``, default: where CUDA is). ``recompute``: ``recompute_granularity``, ``recompute_method``,
     ``recompute_num_layers`` (None entries left to megatron's defaults)."""
@@ -110,6 +111,11 @@ def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dt
         raise ConfigError(f"--recompute-num-layers {recompute['recompute_num_layers']} is more than a pipeline "
                           f"stage's {per_stage} layers ({hf_config.num_hidden_layers} over "
                           f"--pipeline-model-parallel-size {pp}): use {per_stage} or fewer.")
+    if sequence_parallel and (tp == 1 or spec != "te"):
+        why = ("--tensor-model-parallel-size is 1" if tp == 1 else
+               f"the layer spec is {spec!r}, not TransformerEngine's ({te_import_error() or 'chosen explicitly'})")
+        raise ConfigError(f"--sequence-parallel needs TP > 1 and the TransformerEngine layer spec, and {why}: "
+                          f"drop --sequence-parallel, or run where TransformerEngine imports with TP > 1.")
     groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     if groups % tp:
         raise ValueError(f"num_key_value_heads {groups} is not divisible by --tensor-model-parallel-size {tp}")
@@ -124,7 +130,7 @@ def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dt
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=cpu, perform_initialization=False, **recompute,
+        use_cpu_initialization=cpu, perform_initialization=False, sequence_parallel=sequence_parallel, **recompute,
     )
     return TransformerConfig(**kwargs, **fusions(spec, on_gpu=not cpu, wgrad_kernel=wgrad_kernel_available()))
 
@@ -156,7 +162,7 @@ def layer_spec(family: DenseFamily, spec: str):
 
 
 def build_model(hf_config: Any, padded_vocab: int, tp: int, pp: int, spec: str = "auto",
-                dtype: torch.dtype | None = None, recompute: dict | None = None):
+                dtype: torch.dtype | None = None, recompute: dict | None = None, sequence_parallel: bool = False):
     """This rank's ``GPTModel`` stage, uninitialised (weights come from a load); ``recompute`` as
     :func:`transformer_config` takes it."""
     from megatron.core import parallel_state as ps
@@ -169,7 +175,8 @@ def build_model(hf_config: Any, padded_vocab: int, tp: int, pp: int, spec: str =
     spec = resolve_spec(spec)
     rope = rope_parameters(hf_config)
     model = GPTModel(
-        transformer_config(hf_config, family, tp, pp, dtype, spec, recompute=recompute), layer_spec(family, spec),
+        transformer_config(hf_config, family, tp, pp, dtype, spec, recompute=recompute,
+                           sequence_parallel=sequence_parallel), layer_spec(family, spec),
         vocab_size=padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
