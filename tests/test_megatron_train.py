@@ -143,3 +143,43 @@ def test_bf16_trains_bf16_parameters_from_fp32_main_parameters_inside_float16mod
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
     for name, t in one_piece["params"].items():
         torch.testing.assert_close(got["params"][name].float(), t, atol=2e-2, rtol=2e-2, msg=name)
+
+
+KL_ENTROPY = {"use_kl_loss": True, "kl_loss_coef": 0.5, "entropy_coef": 0.05}
+
+
+@pytest.fixture(scope="module")
+def one_piece_kl(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ref_kl"), 1, **KL_ENTROPY)[0]
+
+
+@pytest.mark.slow
+def test_kl_and_entropy_terms_follow_the_hf_reference_steps(tmp_path, one_piece_kl):
+    import copy
+
+    from rlplacement.backends.hf_reference import hf_reference_step, load_hf
+
+    hf = tmp_path / "hf"
+    make_tiny_model(hf, SPEC)
+    model = load_hf(hf)
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    opt = ADAMW.build(model.parameters())
+    train = TrainConfig(**KL_ENTROPY)
+    for step, (batch, got) in enumerate(zip(_batches(), one_piece_kl["metrics"])):
+        want = hf_reference_step(model, [batch], ADAMW, train, reference, iteration=step, optimizer=opt)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), step
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), step
+    assert one_piece_kl["metrics"][0]["entropy"] > 0 and one_piece_kl["metrics"][1]["kl"] > 0  # both terms acted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, tp, pp, train", [(2, 2, 1, {}), (2, 1, 2, {"micro_batch_size": 1}),
+                                                   (1, 1, 1, {"micro_batch_size": 1})],
+                         ids=["tp2", "pp2-micro-batches", "micro-batches-of-one-sample"])
+def test_kl_and_entropy_terms_train_alike_in_every_layout(tmp_path, one_piece_kl, world, tp, pp, train):
+    got = _run(tmp_path, world, tp, pp, **KL_ENTROPY, **train)[0]
+    for step, (a, b) in enumerate(zip(got["metrics"], one_piece_kl["metrics"])):
+        for key in ("loss", "kl", "entropy", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-8), (step, key)
+    for name, t in one_piece_kl["params"].items():
+        torch.testing.assert_close(got["params"][name], t, atol=2e-6, rtol=1e-5, msg=name)

@@ -40,11 +40,13 @@ def hf_log_probs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> to
 
 
 def hf_reference_step(model, rank_batches: list[Batch], optim: OptimConfig, train: TrainConfig | None = None,
-                      reference=None, iteration: int = 0) -> dict[str, float]:
+                      reference=None, iteration: int = 0, optimizer=None) -> dict[str, float]:
     """One optimizer step on the union of ``rank_batches`` (every data-parallel rank's share): the loss is
-    the global token mean over all of them. ``reference``: the frozen model of ``--use-kl-loss``."""
+    the global token mean over all of them. ``reference``: the frozen model of ``--use-kl-loss``;
+    ``optimizer``: one built by ``optim.build(model.parameters())`` and kept across steps (default: a
+    fresh one, so each call is a first step)."""
     train = train or TrainConfig()
-    opt = optim.build(model.parameters())
+    opt = optimizer if optimizer is not None else optim.build(model.parameters())
     opt.zero_grad()
     tokens = max(float(sum(b.loss_mask.sum() for b in rank_batches)), 1.0)
     loss = 0.0

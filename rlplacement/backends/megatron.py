@@ -26,6 +26,7 @@ from rlplacement.backends import launch
 from rlplacement.families import megatron_mapping as mapping
 from rlplacement.backends import megatron_model as mm
 from rlplacement.backends.base import TrainerBackend, resolve_bf16
+from rlplacement.backends.objective import TokenStats
 from rlplacement.families import family_for
 
 
@@ -34,9 +35,12 @@ class MegatronBackend(TrainerBackend):
 
     def __init__(self, model, hf_config: Any, shape: mapping.ModelShape, optim: OptimConfig,
                  stream_dtype: torch.dtype | None, train: TrainConfig | None = None,
-                 overlap_grad_reduce: bool | None = None):
+                 overlap_grad_reduce: bool | None = None, reference=None):
+        """``reference``: the frozen starting model of ``--use-kl-loss`` (a stage built and loaded as
+        ``model`` was), else None."""
         super().__init__(optim, train)
         self.model, self.hf_config, self.shape = model, hf_config, shape
+        self.reference = reference
         self.family = family_for(hf_config)
         self.spec = model.rlplacement_spec
         self.stream_dtype = stream_dtype
@@ -88,13 +92,21 @@ class MegatronBackend(TrainerBackend):
         t = train or TrainConfig()
         recompute = {"recompute_granularity": t.recompute_granularity, "recompute_method": t.recompute_method,
                      "recompute_num_layers": t.recompute_num_layers}
-        model = mm.build_model(hf_config, padded, tp, pp, spec, dtype=dtype, recompute=recompute,
-                               sequence_parallel=cfg.sequence_parallel)
-        if cfg.load:
-            mm.load_torch_dist(model, layout.checkpoint_dir(cfg.load))
-        else:
-            mm.load_hf_weights(model, hf_dir, shape, family)
-        return cls(model, hf_config, shape, optim, stream_dtype, train, overlap_grad_reduce)
+        def built(**extra):
+            stage = mm.build_model(hf_config, padded, tp, pp, spec, dtype=dtype,
+                                   sequence_parallel=cfg.sequence_parallel, **extra)
+            if cfg.load:
+                mm.load_torch_dist(stage, layout.checkpoint_dir(cfg.load))
+            else:
+                mm.load_hf_weights(stage, hf_dir, shape, family)
+            return stage
+
+        model = built(recompute=recompute)
+        reference = None
+        if t.use_kl_loss:  # the starting weights, frozen: what the KL term pulls towards
+            reference = built().eval()
+            reference.requires_grad_(False)
+        return cls(model, hf_config, shape, optim, stream_dtype, train, overlap_grad_reduce, reference)
 
     @property
     def data_parallel_rank(self) -> int:
@@ -120,23 +132,27 @@ class MegatronBackend(TrainerBackend):
     def _parameters(self) -> list[torch.nn.Parameter]:
         return [p for _, p in self._named]
 
-    def _stage_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """This pipeline stage's forward without gradients: the log-probs on the last stage, None on the
-        others (the activations go on by point-to-point sends; training goes through megatron's schedule)."""
+    def _stage_log_probs(self, input_ids: torch.Tensor, model=None) -> torch.Tensor | None:
+        """This pipeline stage's forward of ``model`` (default: the trained one) without gradients: the
+        log-probs on the last stage, None on the others (the activations go on by point-to-point sends;
+        training goes through megatron's schedule)."""
         from megatron.core import parallel_state as ps
 
+        model = self.model if model is None else model
         b, t = input_ids.shape
         if not ps.is_pipeline_first_stage(ignore_virtual=True):
             received = torch.empty(t, b, self.hf_config.hidden_size, dtype=self._dtype, device=input_ids.device)
             dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
-            self.model.set_input_tensor(received)
-        out = self.model(input_ids, *self._positions_and_mask(input_ids))
+            model.set_input_tensor(received)
+        out = model(input_ids, *self._positions_and_mask(input_ids))
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
             return None
-        return self._logits_to_log_probs(out, input_ids)
+        return self._logits_to_stats(out, input_ids).logp
 
-    def _logits_to_log_probs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def _logits_to_stats(self, logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False) -> TokenStats:
+        """``[B, T]`` log-probs (and entropies) from this TP rank's vocabulary shard of the logits, the padded
+        vocabulary columns masked out; differentiable, each sum over the vocabulary all-reduced over TP."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -146,9 +162,13 @@ class MegatronBackend(TrainerBackend):
         shard = logits.shape[-1]
         first = ps.get_tensor_model_parallel_rank() * shard
         padding = torch.arange(first, first + shard, device=logits.device) >= self.shape.vocab_size
-        logits = logits.masked_fill(padding, float("-inf"))
-        nll = vocab_parallel_cross_entropy(logits[:, :-1].contiguous(), input_ids[:, 1:].contiguous())
-        return torch.cat([nll.new_zeros(input_ids.shape[0], 1), -nll], dim=1)
+        logits = logits.masked_fill(padding, float("-inf"))[:, :-1]
+        zero = logits.new_zeros(input_ids.shape[0], 1)
+        # the entropy first: megatron's cross-entropy overwrites its input in place, and ``contiguous()`` is
+        # that same tensor when it already is (one sample)
+        entropy = torch.cat([zero, _vocab_parallel_entropy(logits, padding)], dim=1) if with_entropy else None
+        nll = vocab_parallel_cross_entropy(logits.contiguous(), input_ids[:, 1:].contiguous())
+        return TokenStats(torch.cat([zero, -nll], dim=1), entropy)
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -162,6 +182,11 @@ class MegatronBackend(TrainerBackend):
 
     def _token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._stage_log_probs(input_ids)
+
+    def _reference_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The frozen reference's log-probs (``--use-kl-loss``) on the last pipeline stage, None elsewhere."""
+        with torch.no_grad():
+            return self._stage_log_probs(input_ids, self.reference)
 
     def _from_last_stage(self, tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state as ps
@@ -199,21 +224,25 @@ class MegatronBackend(TrainerBackend):
         """One optimizer step through megatron's schedule and optimizer (``megatron_train``); the same sums,
         norm and learning rate as :meth:`TrainerBackend._optimizer_step` returns."""
         from rlplacement.backends.base import _SUMS
-        from rlplacement.backends.objective import TokenStats, policy_loss
+        from rlplacement.backends.objective import policy_loss
 
         tokens = self._all_reduce([float(batch.loss_mask.sum())])[0]
         normalizer = max(tokens, 1.0) / self.data_parallel_size
         local = torch.zeros(len(_SUMS) - 1, dtype=torch.float64, device=self.device)  # all but tokens
 
-        def loss(mb, logits):
-            logp = self._logits_to_log_probs(logits, mb.input_ids)
-            parts = policy_loss(TokenStats(logp), mb, self.train_config, normalizer, None)
-            local.add_(torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).detach()
-                                    for v in (*parts, (logp.detach() * mb.loss_mask).sum())]))
-            return parts.loss
-
+        cfg = self.train_config
         multiple = self.model.config.tensor_model_parallel_size if self.model.config.sequence_parallel else 1
         micro = [batch.rows(idx).trimmed(multiple) for idx in self._micro_batches(batch)]
+        # the reference's log-probs of every micro-batch first (a pipeline runs them stage to stage)
+        references = {id(mb): self._reference_log_probs(mb.input_ids) for mb in micro} if cfg.use_kl_loss else {}
+
+        def loss(mb, logits):
+            stats = self._logits_to_stats(logits, mb.input_ids, with_entropy=bool(cfg.entropy_coef))
+            parts = policy_loss(stats, mb, cfg, normalizer, references.get(id(mb)))
+            local.add_(torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).detach()
+                                    for v in (*parts, (stats.logp.detach() * mb.loss_mask).sum())]))
+            return parts.loss
+
         self._training.forward_backward(micro, self._stage_forward, loss)
         if self._pp > 1:
             from megatron.core import parallel_state as ps
@@ -236,7 +265,10 @@ class MegatronBackend(TrainerBackend):
         from rlplacement.backends.offload import local_tensor
 
         tensors = self._parameters() + self._training.resident_tensors()
-        return [t for t in tensors if local_tensor(t).device == self.device]
+        if self.reference is not None:
+            tensors += list(self.reference.parameters())
+        device = self.device
+        return [t for t in tensors if local_tensor(t).device == device]
 
     def _torch_optimizers(self) -> list:
         return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
@@ -260,3 +292,19 @@ class MegatronBackend(TrainerBackend):
 
         ps.destroy_model_parallel()
         remove_cpu_shims()
+
+
+def _vocab_parallel_entropy(logits: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` entropy of the softmax over the whole vocabulary from this TP rank's shard of ``logits``
+    (``-inf`` in ``padding``'s columns): log Z - sum p l, each vocabulary sum all-reduced over TP by megatron's
+    differentiable reduction (forward: sum; backward: each rank's own share), the max taken out first."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    top = logits.detach().amax(dim=-1, keepdim=True)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = (logits - top).masked_fill(padding, 0.0)
+    weights = torch.exp(logits - top)  # 0 in the padding
+    total = reduce_from_tensor_model_parallel_region(weights.sum(-1))
+    weighted = reduce_from_tensor_model_parallel_region((weights * shifted).sum(-1))
+    return torch.log(total) - weighted / total
