@@ -494,9 +494,6 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
                           "--kl-loss-coef.")
     save, interval, bf16 = _get(args, "save"), _get(args, "save_interval"), _get(args, "bf16")
     recompute = _recompute_from_args(args, backend)
-    if backend.name == "megatron" and save:
-        raise ConfigError("--save: the megatron backend does not write training checkpoints yet (megatron's "
-                          "dist_checkpointing comes next): use --train-backend fsdp, or drop --save.")
     distributed_optimizer = bool(_get(args, "use_distributed_optimizer"))
     if distributed_optimizer and backend.name != "megatron":
         raise ConfigError(f"--use-distributed-optimizer is megatron's DistributedOptimizer; the {backend.name} backend "

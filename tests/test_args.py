@@ -229,8 +229,6 @@ def test_each_flag_default_is_its_config_field_default():
     (["--min-lr", "1e-3"], r"--min-lr 0.001 must be between 0 and --lr 1e-06"),
     (["--save-interval", "10"], r"--save-interval says how often to write a checkpoint: set --save"),
     (["--micro-batch-size", "0"], r"--micro-batch-size must be positive, got 0"),
-    (["--train-backend", "megatron", "--save", "/ckpt"],
-     r"--save: the megatron backend does not write training checkpoints yet \(megatron's dist_checkpointing"),
     (["--train-backend", "fsdp", "--use-distributed-optimizer"],
      r"--use-distributed-optimizer is megatron's DistributedOptimizer; the fsdp backend shards"),
     (["--train-backend", "megatron", "--gradient-checkpointing"],

@@ -94,7 +94,7 @@ def test_load_must_be_a_finished_conversion(hf, tmp_path):
         preflight(cfg("megatron", load=str(tmp_path / "absent")))
     half = tmp_path / "half"
     (half / layout.RELEASE).mkdir(parents=True)
-    with pytest.raises(ConfigError, match=r"--load .*half is not a finished conversion "
+    with pytest.raises(ConfigError, match=r"--load .*half is neither a finished conversion nor a --save folder "
                                           r"\(no latest_checkpointed_iteration.txt\): rerun `rlplacement convert"):
         preflight(cfg("megatron", load=str(half)))
     done = tmp_path / "done"
@@ -107,6 +107,11 @@ def test_load_must_be_a_finished_conversion(hf, tmp_path):
     with pytest.raises(ConfigError, match=r"--load .*done: latest_checkpointed_iteration.txt says 'release', not an "
                                           r"iteration: this is not a --save folder of this backend"):
         preflight(cfg("fsdp", hf, load=str(done)))
+    (done / layout.MARKER).write_text("4")  # a megatron --save folder whose iteration 4 was cut short
+    (done / "iter_0000004").mkdir()
+    with pytest.raises(ConfigError, match=r"--load .*done: .*iter_0000004/.metadata is missing, so iteration 4 was "
+                                          r"cut short"):
+        preflight(cfg("megatron", load=str(done)))
 
 
 def test_torchtitan_refusals(hf, tmp_path):

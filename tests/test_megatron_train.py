@@ -183,3 +183,53 @@ def test_kl_and_entropy_terms_train_alike_in_every_layout(tmp_path, one_piece_kl
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-8), (step, key)
     for name, t in one_piece_kl["params"].items():
         torch.testing.assert_close(got["params"][name], t, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def _four_batches():
+    from rlplacement.backends.hf_reference import random_batch
+
+    return [random_batch(SPEC.vocab_size, batch=4, seq=12, seed=20 + i) for i in range(4)]
+
+
+def _resume_worker(rank, world, hf, root, tp, train, phase):
+    from rlplacement.backends.megatron import MegatronBackend
+
+    cfg = BackendConfig(name="megatron", hf_checkpoint=None if phase == "resume" else hf,
+                        load=root if phase == "resume" else None, tensor_model_parallel_size=tp)
+    backend = MegatronBackend.from_config(cfg, ADAMW, train)
+    dp, dp_rank = backend.data_parallel_size, backend.data_parallel_rank
+    resumed = None if backend.resumed is None else {k: backend.resumed[k] for k in ("train_calls", "step",
+                                                                                      "weight_version")}
+    steps = {"whole": range(4), "first": range(2), "resume": range(2, 4)}[phase]
+    metrics = []
+    for i in steps:
+        batch = _four_batches()[i]
+        share = len(batch) // dp
+        metrics.append(backend.train_step(batch.rows(slice(dp_rank * share, (dp_rank + 1) * share))))
+    if phase == "first":
+        backend.save_checkpoint(root, weight_version=7)
+    params = {n: t.clone() for n, t in backend.iter_hf_tensors()}  # collective over TP
+    out = {"metrics": metrics, "resumed": resumed, "params": params if rank == 0 else None}
+    backend.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, tp, train", [
+    (2, 1, {"use_distributed_optimizer": True, "bf16": True, **KL_ENTROPY}), (2, 2, {})],
+    ids=["dp2-distributed-optimizer-bf16-kl", "tp2"])
+def test_a_run_saved_after_two_steps_and_resumed_ends_where_one_that_never_stopped_ends(tmp_path, world, tp, train):
+    from rlplacement.backends import megatron_checkpoint, train_checkpoint
+
+    hf = tmp_path / "hf"
+    make_tiny_model(hf, SPEC)
+    run = lambda phase: launch.spawn(_resume_worker, world, str(hf), str(tmp_path / "save"), tp,  # noqa: E731
+                                     TrainConfig(**train), phase, timeout_s=600)[0]
+    whole, first = run("whole"), run("first")
+    assert megatron_checkpoint.is_training_checkpoint(tmp_path / "save")
+    assert train_checkpoint.latest(tmp_path / "save").name == "iter_0000002"
+    resumed = run("resume")
+    assert resumed["resumed"] == {"train_calls": 2, "step": 2, "weight_version": 7}
+    assert [m["loss"] for m in first["metrics"] + resumed["metrics"]] == [m["loss"] for m in whole["metrics"]]
+    for name, t in whole["params"].items():  # bit for bit: main parameters, moments and the reference came back
+        assert torch.equal(resumed["params"][name], t), name

@@ -14,6 +14,7 @@ by point-to-point sends and the last stage broadcasts them.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -41,6 +42,7 @@ class MegatronBackend(TrainerBackend):
         super().__init__(optim, train)
         self.model, self.hf_config, self.shape = model, hf_config, shape
         self.reference = reference
+        self.description: tuple[Path, dict] | None = None  # (HF side files, metadata): what --save writes beside
         self.family = family_for(hf_config)
         self.spec = model.rlplacement_spec
         self.stream_dtype = stream_dtype
@@ -69,7 +71,15 @@ class MegatronBackend(TrainerBackend):
         if resolve_bf16(train or TrainConfig()):
             dtype = torch.bfloat16
         tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-        if cfg.load:
+        resume = bool(cfg.load) and layout.is_training_checkpoint(cfg.load)  # a --save folder, not a conversion
+        if resume:
+            meta = json.loads((Path(cfg.load) / layout.META).read_text())
+            hf_dir = Path(cfg.load) / layout.HF_CONFIG_DIR
+            padded = int(meta["padded_vocab_size"])
+            if padded % tp:
+                raise ConfigError(f"--load {cfg.load} has a padded vocabulary of {padded}, not divisible by "
+                                  f"--tensor-model-parallel-size {tp}: resume with a TP that divides it")
+        elif cfg.load:
             meta = layout.read_meta(cfg.load)
             hf_dir = Path(cfg.load) / layout.HF_CONFIG_DIR
             padded = int(meta["padded_vocab_size"])
@@ -95,7 +105,9 @@ class MegatronBackend(TrainerBackend):
         def built(**extra):
             stage = mm.build_model(hf_config, padded, tp, pp, spec, dtype=dtype,
                                    sequence_parallel=cfg.sequence_parallel, **extra)
-            if cfg.load:
+            if resume:
+                pass  # the whole training state comes after, from the checkpoint (load_checkpoint)
+            elif cfg.load:
                 mm.load_torch_dist(stage, layout.checkpoint_dir(cfg.load))
             else:
                 mm.load_hf_weights(stage, hf_dir, shape, family)
@@ -106,7 +118,13 @@ class MegatronBackend(TrainerBackend):
         if t.use_kl_loss:  # the starting weights, frozen: what the KL term pulls towards
             reference = built().eval()
             reference.requires_grad_(False)
-        return cls(model, hf_config, shape, optim, stream_dtype, train, overlap_grad_reduce, reference)
+        backend = cls(model, hf_config, shape, optim, stream_dtype, train, overlap_grad_reduce, reference)
+        backend.description = (hf_dir, {"family": family.name, "hf_vocab_size": hf_config.vocab_size,
+                                        "padded_vocab_size": padded, "layer_spec": model.rlplacement_spec,
+                                        "dtype": str(mm.hf_dtype(hf_config)).removeprefix("torch.")})
+        if resume:
+            backend.load_checkpoint(cfg.load)
+        return backend
 
     @property
     def data_parallel_rank(self) -> int:
@@ -270,6 +288,57 @@ class MegatronBackend(TrainerBackend):
         device = self.device
         return [t for t in tensors if local_tensor(t).device == device]
 
+    def save_checkpoint(self, root: str, weight_version: int) -> str:
+        """Collective: the whole training state under ``root`` with megatron's ``dist_checkpointing`` (the
+        model, the optimizer's main parameters and state, the frozen reference; reshardable to another
+        TP/PP/DP as megatron's own checkpoints are), plus the counters and RNG, published whole
+        (``train_checkpoint.publish``); the model's description at the root (``megatron_checkpoint.describe``)."""
+        from megatron.core import dist_checkpointing
+
+        from rlplacement.backends import megatron_checkpoint as layout
+        from rlplacement.backends import train_checkpoint
+
+        def write(tmp: Path) -> None:
+            if dist.get_rank() == 0:
+                layout.describe(root, *self.description)
+            dist_checkpointing.save(self._sharded_state_dict(loading=False), str(tmp))
+
+        state = {"train_calls": self.train_calls, "step": self.step, "skipped_steps": self.skipped_steps,
+                 "weight_version": weight_version}
+        return str(train_checkpoint.publish(root, self.train_calls, write, state))
+
+    def load_checkpoint(self, root: str) -> dict[str, Any]:
+        """Collective: resume from the last checkpoint under ``root`` (see :meth:`save_checkpoint`)."""
+        from megatron.core import dist_checkpointing
+
+        from rlplacement.backends import train_checkpoint
+
+        @torch.no_grad()  # the loads copy into parameters and views of them
+        def read(folder: Path) -> None:
+            self._training.ensure_optimizer_state(adam_step=train_checkpoint.read_state(folder)["step"])
+            loaded = dist_checkpointing.load(self._sharded_state_dict(loading=True), str(folder))
+            _load_model_state(self.model, loaded["model"], folder)
+            if self.reference is not None:
+                _load_model_state(self.reference, {k.removeprefix("reference."): v
+                                                   for k, v in loaded["reference"].items()}, folder)
+            self._training.load_optimizer_state(loaded["optimizer"])
+
+        state = train_checkpoint.restore(train_checkpoint.latest(root), read)
+        self.train_calls, self.step, self.skipped_steps = state["train_calls"], state["step"], state["skipped_steps"]
+        self.resumed = state
+        return state
+
+    def _sharded_state_dict(self, loading: bool) -> dict:
+        """What a checkpoint holds, as megatron's training lays it out: the distributed optimizer's state
+        ``dp_reshardable`` (its default there: one tensor per buffer, resumable at another DP size; the
+        model itself at any TP/PP)."""
+        model = self.model.sharded_state_dict()
+        out = {"model": model, "optimizer": self.optimizer.sharded_state_dict(
+            model, is_loading=loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
+        if self.reference is not None:
+            out["reference"] = self.reference.sharded_state_dict(prefix="reference.")
+        return out
+
     def _torch_optimizers(self) -> list:
         return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
 
@@ -308,3 +377,10 @@ def _vocab_parallel_entropy(logits: torch.Tensor, padding: torch.Tensor) -> torc
     total = reduce_from_tensor_model_parallel_region(weights.sum(-1))
     weighted = reduce_from_tensor_model_parallel_region((weights * shifted).sum(-1))
     return torch.log(total) - weighted / total
+
+
+def _load_model_state(model, state: dict, folder: Path) -> None:
+    missing, _ = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise RuntimeError(f"{folder}: the checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")

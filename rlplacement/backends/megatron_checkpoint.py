@@ -8,6 +8,10 @@ SAVE/latest_checkpointed_iteration.txt "release", written last (tmp + fsync + re
 ```
 Invariant: the marker exists only if everything before it is complete, so a folder with files but
 no marker is a half-finished conversion and is redone from scratch.
+
+A ``--save`` folder of the megatron backend has the same ``hf_config/`` and ``rlplacement_convert.json``
+beside ``backends/train_checkpoint``'s iteration folders (dist_checkpointing files of the model, the
+optimizer and, with ``--use-kl-loss``, the frozen reference); its marker names an iteration.
 """
 
 from __future__ import annotations
@@ -60,3 +64,22 @@ def checkpoint_dir(load_dir: str | os.PathLike) -> Path:
     path = Path(load_dir)
     tag = (path / MARKER).read_text().strip()
     return path / (RELEASE if tag == "release" else f"iter_{int(tag):07d}")
+
+
+def is_training_checkpoint(load_dir: str | os.PathLike) -> bool:
+    """Whether ``load_dir`` is a ``--save`` folder (its marker names an iteration), not a conversion."""
+    marker = Path(load_dir) / MARKER
+    return marker.is_file() and marker.read_text().strip().isdigit()
+
+
+def describe(root: str | os.PathLike, hf_dir: str | os.PathLike, meta: dict) -> None:
+    """Rank 0, before a ``--save`` folder's first iteration is published: the model's description (HF side
+    files and the conversion metadata) at its root, so ``--load`` rebuilds the model from it alone."""
+    from rlplacement.atomic_files import write_atomic
+    from rlplacement.hf_folder import copy_side_files
+
+    path = Path(root)
+    if not (path / META).is_file():
+        path.mkdir(parents=True, exist_ok=True)
+        copy_side_files(hf_dir, path / HF_CONFIG_DIR)
+        write_atomic(path / META, json.dumps(meta, indent=2))

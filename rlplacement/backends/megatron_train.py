@@ -88,6 +88,34 @@ class MegatronTraining:
         applied, norm, _ = self.optimizer.step()
         return float(norm), bool(applied)
 
+    def ensure_optimizer_state(self, adam_step: int) -> None:
+        """Before loading a checkpoint into an optimizer that has not stepped: its state created (zeros, and
+        torch's Adam step counter at ``adam_step``, the optimizer steps the checkpoint had applied), the
+        structure megatron's ``sharded_state_dict`` reads and the load overwrites. megatron's ``init_state_fn``
+        makes the moments but not torch's step, and without apex or TE the distributed optimizer's
+        ``dp_reshardable`` load keeps the step counters it finds here rather than the saved ones."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            if any(inner.state.get(p) for group in inner.param_groups for p in group["params"]):
+                continue
+            if getattr(opt, "init_state_fn", None) is not None:
+                opt.init_state_fn(inner, getattr(opt, "config", None))
+            if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        inner.state[p].setdefault("step", torch.tensor(float(adam_step)))
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """megatron's ``load_state_dict``, then every parameter's step counter its own tensor again: without
+        apex or TE (torch's Adam, as on a CPU host) the distributed optimizer's load hands one step tensor
+        to every parameter's state, and torch's Adam increments each parameter's counter in place, so one
+        shared counter would advance by the number of parameters per step."""
+        self.optimizer.load_state_dict(state)
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for per_param in opt.optimizer.state.values():
+                if isinstance(per_param.get("step"), torch.Tensor):
+                    per_param["step"] = per_param["step"].clone()
+
     def resident_tensors(self) -> list[torch.Tensor]:
         """Every tensor this step machinery keeps on the device: DDP's parameter and gradient buffers and
         the optimizer's main parameters and state (for the colocated hand-off)."""

@@ -100,8 +100,11 @@ def _check_load(load: str, tp: int) -> tuple[Any, str]:
         raise ConfigError(f"--load {load}: no such folder; convert first with "
                           f"`rlplacement convert --hf-checkpoint HF_DIR --save {load}`")
     if megatron_checkpoint.state(path) != "finished":
-        raise ConfigError(f"--load {load} is not a finished conversion (no {megatron_checkpoint.MARKER}): rerun "
-                          f"`rlplacement convert --hf-checkpoint HF_DIR --save {load}`")
+        raise ConfigError(f"--load {load} is neither a finished conversion nor a --save folder (no "
+                          f"{megatron_checkpoint.MARKER}): rerun `rlplacement convert --hf-checkpoint HF_DIR --save "
+                          f"{load}`")
+    if megatron_checkpoint.is_training_checkpoint(path):  # a --save folder: its last iteration must be whole
+        train_checkpoint.latest(load)
     meta_file = path / megatron_checkpoint.META
     if not meta_file.is_file():
         raise ConfigError(f"--load {load}: {megatron_checkpoint.META} missing, so it was not written by `rlplacement convert`; "

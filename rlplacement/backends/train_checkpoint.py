@@ -1,6 +1,7 @@
-"""A training checkpoint of the FSDP-sharded backends (``--save``, read back with ``--load``), written with
-``torch.distributed.checkpoint``: every rank writes its own shards, and a later run may have another
-number of ranks.
+"""A training checkpoint (``--save``, read back with ``--load``): the FSDP-sharded backends write it with
+``torch.distributed.checkpoint``, megatron with its ``dist_checkpointing`` (on the same storage format,
+through :func:`publish` and :func:`restore`); every rank writes its own shards, and a later run may have
+another number of ranks.
 
 ```
 SAVE/iter_0000012/.metadata, __*_*.distcp   the model and optimizer state dicts (DCP)
@@ -21,7 +22,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rlplacement.atomic_files import fsync_dir, write_atomic
 from rlplacement.errors import ConfigError
@@ -59,12 +60,24 @@ def read_state(folder: Path) -> dict[str, Any]:
 
 
 def save(root: str | os.PathLike, iteration: int, model, optimizer, state: dict[str, Any]) -> Path:
-    """Collective: write ``model``'s and ``optimizer``'s sharded state, this rank's RNG and (rank 0)
-    ``state`` into ``iter_N.tmp``, then publish it. Returns the published folder."""
-    import torch
-    import torch.distributed as dist
+    """Collective: write ``model``'s and ``optimizer``'s sharded state (``torch.distributed.checkpoint``), this
+    rank's RNG and (rank 0) ``state`` into ``iter_N.tmp``, then publish it. Returns the published folder."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def write(tmp: Path) -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+
+    return publish(root, iteration, write, state)
+
+
+def publish(root: str | os.PathLike, iteration: int, write: Callable[[Path], None], state: dict[str, Any]) -> Path:
+    """Collective: ``write(tmp)`` on every rank (its shards, in the backend's format), this rank's RNG and
+    (rank 0) ``state`` into ``iter_N.tmp``; once every rank is done, rank 0 renames it ``iter_N`` and then
+    points the marker at it. Returns the published folder."""
+    import torch
+    import torch.distributed as dist
 
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -73,8 +86,7 @@ def save(root: str | os.PathLike, iteration: int, model, optimizer, state: dict[
         shutil.rmtree(tmp, ignore_errors=True)  # what a run killed while saving left
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    write(tmp)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -94,15 +106,25 @@ def save(root: str | os.PathLike, iteration: int, model, optimizer, state: dict[
 def load(folder: Path, model, optimizer) -> dict[str, Any]:
     """Collective: model and optimizer state from ``folder`` (any number of ranks wrote it), this rank's
     RNG when the same rank wrote one; returns the saved state."""
-    import torch
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    loaded = {"model": model_sd, "optim": optim_sd}
-    dcp.load(loaded, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    def read(folder: Path) -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        loaded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(loaded, checkpoint_id=str(folder))
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+
+    return restore(folder, read)
+
+
+def restore(folder: Path, read: Callable[[Path], None]) -> dict[str, Any]:
+    """Collective: ``read(folder)`` on every rank (its shards), then this rank's RNG when the same rank wrote
+    one; returns the saved state."""
+    import torch
+    import torch.distributed as dist
+
+    read(folder)
     rng_file = folder / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)
