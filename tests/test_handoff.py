@@ -227,16 +227,21 @@ def test_an_explicit_flag_wins_over_the_readings_with_recording_stand_ins(ray_lo
     assert "perf/handoff_setup_time" not in h.pop_metrics()
 
 
-def test_the_kv_cache_wakes_while_the_trainer_leaves_when_it_fits_beside_it_with_recording_stand_ins(ray_local):
-    ray = ray_local
-    h, log = _hand_off(ray, offload_train=True, offload_rollout=True, trainer=ROOMY, engine=POOL)
+def _second_hand_off_to_rollout(ray, h, log) -> list:
+    """The moves of the hand-off to rollout after a first loop step (the trainer's state to leave)."""
     h.to_rollout()
     h.to_train()
     h.before_update()
     ray.get(log.add.remote("marker", "step 2"))
     h.to_rollout()
     calls = [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
-    after = calls[calls.index(("marker", "step 2")) + 1:]
+    return calls[calls.index(("marker", "step 2")) + 1:]
+
+
+def test_the_kv_cache_wakes_while_the_trainer_leaves_when_it_fits_beside_it_with_recording_stand_ins(ray_local):
+    ray = ray_local
+    h, log = _hand_off(ray, offload_train=True, offload_rollout=True, trainer=ROOMY, engine=POOL)
+    after = _second_hand_off_to_rollout(ray, h, log)
     assert after[0] == ("engine", "unmap_trainer_memory")
     assert sorted(after[1:]) == [("engine", "resume_kv_cache"), ("trainer", "offload_to_host")]  # issued together
     m = h.pop_metrics()
@@ -248,13 +253,7 @@ def test_overlap_off_moves_each_side_after_the_other_with_recording_stand_ins(ra
     ray = ray_local
     h, log = _hand_off(ray, offload_train=True, offload_rollout=True, trainer={**ROOMY, "offload_s": 0.5},
                        engine=POOL, overlap=overlap)
-    h.to_rollout()
-    h.to_train()
-    h.before_update()
-    ray.get(log.add.remote("marker", "step 2"))
-    h.to_rollout()
-    calls = [m for m in _moves(log, ray) if m[1] not in ("gpu_memory", "sleep_pool")]
-    after = calls[calls.index(("marker", "step 2")) + 1:]
+    after = _second_hand_off_to_rollout(ray, h, log)
     woke, ended = after.index(("engine", "resume_kv_cache")), after.index(("trainer", "offload_to_host ended"))
     assert (woke < ended) == overlap
     assert h.pop_metrics()["perf/handoff_engine_unmap_time"] > 0

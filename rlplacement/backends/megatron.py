@@ -72,20 +72,14 @@ class MegatronBackend(TrainerBackend):
             dtype = torch.bfloat16
         tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
         resume = bool(cfg.load) and layout.is_training_checkpoint(cfg.load)  # a --save folder, not a conversion
-        if resume:
-            meta = json.loads((Path(cfg.load) / layout.META).read_text())
-            hf_dir = Path(cfg.load) / layout.HF_CONFIG_DIR
-            padded = int(meta["padded_vocab_size"])
-            if padded % tp:
-                raise ConfigError(f"--load {cfg.load} has a padded vocabulary of {padded}, not divisible by "
-                                  f"--tensor-model-parallel-size {tp}: resume with a TP that divides it")
-        elif cfg.load:
+        if cfg.load:
             meta = layout.read_meta(cfg.load)
             hf_dir = Path(cfg.load) / layout.HF_CONFIG_DIR
             padded = int(meta["padded_vocab_size"])
             if padded % tp:
                 raise ConfigError(f"--load {cfg.load} has a padded vocabulary of {padded}, not divisible by "
-                                  f"--tensor-model-parallel-size {tp}: reconvert with that TP")
+                                  f"--tensor-model-parallel-size {tp}: use a TP that divides it"
+                                  + ("" if resume else ", or reconvert with that TP"))
         elif cfg.hf_checkpoint:
             hf_dir = Path(cfg.hf_checkpoint)
             padded = None
