@@ -233,3 +233,43 @@ def test_a_run_saved_after_two_steps_and_resumed_ends_where_one_that_never_stopp
     assert [m["loss"] for m in first["metrics"] + resumed["metrics"]] == [m["loss"] for m in whole["metrics"]]
     for name, t in whole["params"].items():  # bit for bit: main parameters, moments and the reference came back
         assert torch.equal(resumed["params"][name], t), name
+
+
+def _offload_worker(rank, world, hf, train, offload):
+    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.offload import local_tensor
+
+    backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf), ADAMW, train)
+    dp, dp_rank = backend.data_parallel_size, backend.data_parallel_rank
+    reserved = backend.reserve_host_memory()["bytes"] if offload else None
+    reports, freed = [], []
+    for i in range(3):
+        batch = _four_batches()[i]
+        share = len(batch) // dp
+        backend.train_step(batch.rows(slice(dp_rank * share, (dp_rank + 1) * share)))
+        if offload:
+            reports.append(backend.offload_to_host())
+            held = backend._resident_tensors() + backend._dropped_tensors()
+            freed.append(all(local_tensor(t).untyped_storage().nbytes() == 0 for t in held))
+            backend.reload_from_host()
+    params = {n: t.clone() for n, t in backend.iter_hf_tensors()}
+    main = [v.clone() for opt in backend._torch_optimizers() for g in opt.param_groups for p in g["params"]
+            for v in [p, *[s for s in opt.state[p].values() if isinstance(s, torch.Tensor) and s.dim()]]]
+    backend.close()
+    return {"params": params, "main": main, "reserved": reserved, "freed": freed,
+            "moved": [r["bytes"] for r in reports], "dropped": [r["dropped_bytes"] for r in reports]}
+
+
+@pytest.mark.slow
+def test_the_hand_off_moves_megatrons_state_and_frees_its_gradient_buffers_and_training_stays_bit_exact(tmp_path):
+    hf = tmp_path / "hf"
+    make_tiny_model(hf, SPEC)
+    train = TrainConfig(bf16=True, use_distributed_optimizer=True)  # fp32 main parameters, sharded over DP=2
+    moved = launch.spawn(_offload_worker, 2, str(hf), train, True, timeout_s=600)
+    stayed = launch.spawn(_offload_worker, 2, str(hf), train, False, timeout_s=600)
+    for a, b in zip(moved, stayed):
+        assert a["freed"] == [True] * 3  # parameters, main parameters, moments and gradient buffers all let go
+        assert min(a["dropped"]) > 0 and a["reserved"] == max(a["moved"])  # gradients freed, not moved
+        assert all(torch.equal(x, y) for x, y in zip(a["main"], b["main"])) and len(a["main"]) == len(b["main"])
+        for name, t in b["params"].items():
+            assert torch.equal(a["params"][name], t), name

@@ -291,9 +291,9 @@ class TrainerBackend(abc.ABC):
             self._host_offload = HostOffload()
         for p in self._parameters():
             p.grad = None  # the next step starts from None anyway
-        tensors = self._resident_tensors()
+        tensors, drop = self._resident_tensors(), self._dropped_tensors()
         prepared = time.perf_counter() - start
-        return {**self._host_offload.offload(tensors), "prepare_seconds": prepared}
+        return {**self._host_offload.offload(tensors, drop), "prepare_seconds": prepared}
 
     def reserve_host_memory(self) -> dict[str, float]:
         """Make and pin, now, the host buffer every later :meth:`offload_to_host` uses: sized for the
@@ -337,9 +337,13 @@ class TrainerBackend(abc.ABC):
                 per_param = 1
             for p in group["params"]:
                 local = local_tensor(p)
-                if p.requires_grad and not opt.state.get(p) and local.device == self.device:
+                if self._stepped_by(p) and not opt.state.get(p) and local.device == self.device:
                     total += per_param * local.numel() * local.element_size() + counter
         return total
+
+    def _stepped_by(self, param) -> bool:
+        """Whether the optimizer will make state for ``param`` (torch's: one that gets gradients)."""
+        return param.requires_grad
 
     @property
     def offloaded_to_host(self) -> bool:
@@ -349,6 +353,10 @@ class TrainerBackend(abc.ABC):
     def reload_from_host(self) -> dict[str, float]:
         host = getattr(self, "_host_offload", None)
         return host.reload() if host is not None else {"seconds": 0.0, "bytes": 0.0}
+
+    def _dropped_tensors(self) -> list[torch.Tensor]:
+        """Device buffers an offload frees without copying (the next step rewrites them before reading)."""
+        return []
 
     def _resident_tensors(self) -> list[torch.Tensor]:
         """Parameters and optimizer state on the training device (the optimizer's CPU step counters stay)."""

@@ -272,8 +272,12 @@ class MegatronBackend(TrainerBackend):
     def _grad_norm(self) -> float:
         raise NotImplementedError("megatron's optimizer computes the gradient norm inside its step (megatron_train)")
 
+    def _dropped_tensors(self) -> list[torch.Tensor]:
+        return self._training.gradient_buffers()
+
     def _resident_tensors(self) -> list[torch.Tensor]:
-        """Parameters, DDP's buffers and the optimizer's main parameters and state on the device."""
+        """Parameters, DDP's parameter buffers and the optimizer's main parameters and state on the device
+        (the gradient buffers are freed, not moved: :meth:`_dropped_tensors`)."""
         from rlplacement.backends.offload import local_tensor
 
         tensors = self._parameters() + self._training.resident_tensors()
@@ -332,6 +336,10 @@ class MegatronBackend(TrainerBackend):
         if self.reference is not None:
             out["reference"] = self.reference.sharded_state_dict(prefix="reference.")
         return out
+
+    def _stepped_by(self, param) -> bool:
+        """megatron's optimizers hold only what they step (fp32 main parameters need not require grad)."""
+        return True
 
     def _torch_optimizers(self) -> list:
         return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]

@@ -116,12 +116,18 @@ class MegatronTraining:
                 if isinstance(per_param.get("step"), torch.Tensor):
                     per_param["step"] = per_param["step"].clone()
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """DDP's gradient buffers: zeroed at the start of every step (``forward_backward``), so a hand-off
+        frees them without moving their bytes."""
+        return [b.grad_data for b in self._buffers() if b.grad_data is not None]
+
+    def _buffers(self) -> list:
+        return list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", []))
+
     def resident_tensors(self) -> list[torch.Tensor]:
-        """Every tensor this step machinery keeps on the device: DDP's parameter and gradient buffers and
-        the optimizer's main parameters and state (for the colocated hand-off)."""
-        out = []
-        for buffer in list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", [])):
-            out += [t for t in (buffer.param_data, buffer.grad_data) if t is not None]
+        """Every tensor this step machinery keeps on the device that must survive a hand-off: DDP's
+        parameter buffers and the optimizer's main parameters and state."""
+        out = [b.param_data for b in self._buffers() if b.param_data is not None]
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = opt.optimizer
             for group in inner.param_groups:

@@ -102,13 +102,16 @@ class HostOffload:
         return {"seconds": time.perf_counter() - start, "bytes": float(self.capacity),
                 "host_pinned": float(self._registered)}
 
-    def offload(self, tensors: Iterable[torch.Tensor]) -> dict[str, float]:
-        """Every storage of ``tensors`` to the host buffer, then freed; returns seconds (``copy_seconds``
-        of them moving bytes, the rest freeing), bytes, and whether the buffer had to grow."""
+    def offload(self, tensors: Iterable[torch.Tensor], drop: Iterable[torch.Tensor] = ()) -> dict[str, float]:
+        """Every storage of ``tensors`` to the host buffer, then freed; the storages of ``drop`` (buffers whose
+        contents the next step overwrites, such as megatron's gradient buffers) freed without a copy and
+        zeros when reloaded. Returns seconds (``copy_seconds`` of them moving bytes, the rest freeing),
+        bytes moved, bytes dropped, and whether the buffer had to grow."""
         if self._saved:
             raise RuntimeError("the trainer's state is already in host memory: reload before offloading again")
         start = time.perf_counter()
         storages = unique_storages(tensors)
+        dropped = {k: v for k, v in unique_storages(drop).items() if k not in storages}
         collected = time.perf_counter()
         on_gpu = any(s.device.type == "cuda" for s in storages.values())
         total = sum(s.nbytes() for s in storages.values())
@@ -130,6 +133,9 @@ class HostOffload:
         copied = time.perf_counter()
         for storage, _, _ in saved:
             storage.resize_(0)
+        for storage in dropped.values():
+            saved.append((storage, -1, storage.nbytes()))  # offset -1: nothing in host memory, zeros back
+            storage.resize_(0)
         self._saved = saved
         freed = time.perf_counter()
         if on_gpu:
@@ -137,7 +143,8 @@ class HostOffload:
         end = time.perf_counter()
         return {"seconds": end - start, "collect_seconds": collected - start, "copy_seconds": copied - collected,
                 "free_seconds": freed - copied,
-                "release_seconds": end - freed, "bytes": float(offset), "host_pinned": float(self._registered),
+                "release_seconds": end - freed, "bytes": float(offset),
+                "dropped_bytes": float(sum(n for _, o, n in saved if o < 0)), "host_pinned": float(self._registered),
                 "grew": float(grew)}
 
     def reload(self) -> dict[str, float]:
@@ -148,6 +155,9 @@ class HostOffload:
             _reserve_one_segment([(s.device, n) for s, _, n in self._saved])
         for storage, offset, n in self._saved:
             storage.resize_(n)
+            if offset < 0:  # dropped: its contents are rewritten before they are read
+                _bytes_of(storage).zero_()
+                continue
             _bytes_of(storage).copy_(self._host[offset:offset + n], non_blocking=on_gpu)
             moved += n
         if on_gpu:
