@@ -8,7 +8,9 @@ the same GPU in the same run, and a profile of where a step's GPU time goes.
         [--variants eager compiled torchtitan:compiled] [--steps 3]
 
 A variant is ``[BACKEND:]eager|compiled`` (backend fsdp by default, or torchtitan: its own model under the
-same FSDP2 step; it needs torchtitan, tyro and spmd_types carried).
+same FSDP2 step, needing torchtitan, tyro and spmd_types carried; or ``megatron:eager``: megatron-core's
+GPTModel with the TE spec where TE imports, Float16Module, DDP, the distributed optimizer and full
+uniform recompute of every layer, needing megatron-core and TE installed).
 
 MFU counts the model's FLOPs once: 6 x (parameters in matmuls) x tokens, plus causal attention
 6 x layers x (heads x head_dim) x sum of squared sample lengths. HFU adds what recompute runs again
@@ -124,9 +126,13 @@ def run_variant(model_dir: Path, variant: str, args, peak_tflops: float) -> dict
     from rlplacement.backends import make_backend
     from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 
-    train = TrainConfig(bf16=True, use_dynamic_batch_size=True, max_tokens_per_gpu=args.max_tokens,
-                        gradient_checkpointing=True, log_probs_chunk_size=args.chunk)
     name, _, mode = variant.rpartition(":")
+    # recompute per decoder layer: megatron's own flags for megatron (with its distributed optimizer, as a
+    # large run uses it), gradient checkpointing for the FSDP backends
+    recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                      use_distributed_optimizer=True) if name == "megatron" else dict(gradient_checkpointing=True))
+    train = TrainConfig(bf16=True, use_dynamic_batch_size=True, max_tokens_per_gpu=args.max_tokens,
+                        log_probs_chunk_size=args.chunk, **recompute)
     t0 = time.time()
     backend = make_backend(BackendConfig(name=name or "fsdp", hf_checkpoint=str(model_dir)), OptimConfig(lr=1e-6),
                            train, compile_layers=mode == "compiled")
