@@ -19,7 +19,9 @@ rate (``benchmarks/gpu/host_link.py``: 54 GB/s out, 49 GB/s back, of 55 each way
 registering fails the buffer stays pageable: the copies are slower, not wrong. A state larger than
 the reservation grows the buffer (a new one, pinned again) and says so in the report (``grew``).
 
-Gradients are not moved: every training step starts by setting them to None, so they are dropped.
+Gradients are not moved: every training step starts by setting them to None, so they are dropped;
+buffers a step rewrites before reading (megatron's DDP gradient buffers) are freed without a copy
+(``offload``'s ``drop``) and come back as zeros.
 """
 
 from __future__ import annotations
