@@ -233,6 +233,11 @@ def test_a_run_saved_after_two_steps_and_resumed_ends_where_one_that_never_stopp
     assert [m["loss"] for m in first["metrics"] + resumed["metrics"]] == [m["loss"] for m in whole["metrics"]]
     for name, t in whole["params"].items():  # bit for bit: main parameters, moments and the reference came back
         assert torch.equal(resumed["params"][name], t), name
+    if not train.get("use_kl_loss"):  # KL asked of a checkpoint that holds no reference: refused by name
+        with pytest.raises(RuntimeError, match=r"--use-kl-loss with --load .*: that run had no --use-kl-loss, so its "
+                                               r"checkpoint holds no reference model"):
+            launch.spawn(_resume_worker, world, str(hf), str(tmp_path / "save"), tp,
+                         TrainConfig(**train, **KL_ENTROPY), "resume", timeout_s=600)
 
 
 def _offload_worker(rank, world, hf, train, offload):

@@ -99,11 +99,9 @@ class MegatronBackend(TrainerBackend):
         def built(**extra):
             stage = mm.build_model(hf_config, padded, tp, pp, spec, dtype=dtype,
                                    sequence_parallel=cfg.sequence_parallel, **extra)
-            if resume:
-                pass  # the whole training state comes after, from the checkpoint (load_checkpoint)
-            elif cfg.load:
+            if cfg.load and not resume:  # a resumed run's whole state comes after, from load_checkpoint
                 mm.load_torch_dist(stage, layout.checkpoint_dir(cfg.load))
-            else:
+            elif not cfg.load:
                 mm.load_hf_weights(stage, hf_dir, shape, family)
             return stage
 
@@ -113,9 +111,7 @@ class MegatronBackend(TrainerBackend):
             reference = built().eval()
             reference.requires_grad_(False)
         backend = cls(model, hf_config, shape, optim, stream_dtype, train, overlap_grad_reduce, reference)
-        backend.description = (hf_dir, {"family": family.name, "hf_vocab_size": hf_config.vocab_size,
-                                        "padded_vocab_size": padded, "layer_spec": model.rlplacement_spec,
-                                        "dtype": str(mm.hf_dtype(hf_config)).removeprefix("torch.")})
+        backend.description = (hf_dir, mm.model_meta(hf_config, family, padded, model.rlplacement_spec))
         if resume:
             backend.load_checkpoint(cfg.load)
         return backend
@@ -302,7 +298,7 @@ class MegatronBackend(TrainerBackend):
             dist_checkpointing.save(self._sharded_state_dict(loading=False), str(tmp))
 
         state = {"train_calls": self.train_calls, "step": self.step, "skipped_steps": self.skipped_steps,
-                 "weight_version": weight_version}
+                 "weight_version": weight_version, "kl_reference": self.reference is not None}
         return str(train_checkpoint.publish(root, self.train_calls, write, state))
 
     def load_checkpoint(self, root: str) -> dict[str, Any]:
@@ -313,7 +309,12 @@ class MegatronBackend(TrainerBackend):
 
         @torch.no_grad()  # the loads copy into parameters and views of them
         def read(folder: Path) -> None:
-            self._training.ensure_optimizer_state(adam_step=train_checkpoint.read_state(folder)["step"])
+            saved = train_checkpoint.read_state(folder)
+            if self.reference is not None and not saved.get("kl_reference"):
+                raise ConfigError(f"--use-kl-loss with --load {root}: that run had no --use-kl-loss, so its "
+                                  f"checkpoint holds no reference model to pull towards; drop --use-kl-loss, or "
+                                  f"start from the converted checkpoint with it")
+            self._training.ensure_optimizer_state(adam_step=saved["step"])
             loaded = dist_checkpointing.load(self._sharded_state_dict(loading=True), str(folder))
             _load_model_state(self.model, loaded["model"], folder)
             if self.reference is not None:

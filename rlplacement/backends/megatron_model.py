@@ -204,6 +204,12 @@ def mark_tensor_parallel(model) -> None:
         param.partition_stride = 1
 
 
+def model_meta(hf_config: Any, family: DenseFamily, padded_vocab: int, spec: str) -> dict:
+    """What a checkpoint folder records of the model beside its weights (``megatron_checkpoint.META``)."""
+    return {"family": family.name, "hf_vocab_size": hf_config.vocab_size, "padded_vocab_size": padded_vocab,
+            "layer_spec": spec, "dtype": str(hf_dtype(hf_config)).removeprefix("torch.")}
+
+
 def hf_dtype(hf_config: Any) -> torch.dtype:
     name = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
     return name if isinstance(name, torch.dtype) else getattr(torch, str(name))

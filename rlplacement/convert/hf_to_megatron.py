@@ -51,9 +51,8 @@ def convert(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tp: int = 1,
     dist.barrier()
     if rank == 0:
         copy_side_files(hf_dir, save / layout.HF_CONFIG_DIR)
-        meta = {"family": family.name, "hf_vocab_size": hf_config.vocab_size, "padded_vocab_size": padded,
+        meta = {**mm.model_meta(hf_config, family, padded, model.rlplacement_spec),
                 "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                "layer_spec": model.rlplacement_spec, "dtype": str(mm.hf_dtype(hf_config)).removeprefix("torch."),
                 "megatron_core": _mcore_version(), "source": str(Path(hf_dir).resolve())}
         write_atomic(save / layout.META, json.dumps(meta, indent=2))
         write_atomic(save / layout.MARKER, "release")  # last: marks the folder complete
