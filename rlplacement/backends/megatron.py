@@ -14,7 +14,6 @@ by point-to-point sends and the last stage broadcasts them.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -343,7 +342,7 @@ class MegatronBackend(TrainerBackend):
         return True
 
     def _torch_optimizers(self) -> list:
-        return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+        return [o.optimizer for o in self._training.megatron_optimizers()]
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Bucket by bucket (:func:`megatron_model.iter_full_megatron`); once the stream ends,

@@ -88,13 +88,18 @@ class MegatronTraining:
         applied, norm, _ = self.optimizer.step()
         return float(norm), bool(applied)
 
+    def megatron_optimizers(self) -> list:
+        """The megatron optimizers inside the one built (a chain of them, or itself); each wraps a torch
+        optimizer (``.optimizer``) holding the state."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
     def ensure_optimizer_state(self, adam_step: int) -> None:
         """Before loading a checkpoint into an optimizer that has not stepped: its state created (zeros, and
         torch's Adam step counter at ``adam_step``, the optimizer steps the checkpoint had applied), the
         structure megatron's ``sharded_state_dict`` reads and the load overwrites. megatron's ``init_state_fn``
         makes the moments but not torch's step, and without apex or TE the distributed optimizer's
         ``dp_reshardable`` load keeps the step counters it finds here rather than the saved ones."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for opt in self.megatron_optimizers():
             inner = opt.optimizer
             if any(inner.state.get(p) for group in inner.param_groups for p in group["params"]):
                 continue
@@ -111,7 +116,7 @@ class MegatronTraining:
         to every parameter's state, and torch's Adam increments each parameter's counter in place, so one
         shared counter would advance by the number of parameters per step."""
         self.optimizer.load_state_dict(state)
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for opt in self.megatron_optimizers():
             for per_param in opt.optimizer.state.values():
                 if isinstance(per_param.get("step"), torch.Tensor):
                     per_param["step"] = per_param["step"].clone()
@@ -128,7 +133,7 @@ class MegatronTraining:
         """Every tensor this step machinery keeps on the device that must survive a hand-off: DDP's
         parameter buffers and the optimizer's main parameters and state."""
         out = [b.param_data for b in self._buffers() if b.param_data is not None]
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for opt in self.megatron_optimizers():
             inner = opt.optimizer
             for group in inner.param_groups:
                 for p in group["params"]:

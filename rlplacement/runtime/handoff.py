@@ -294,10 +294,8 @@ class ColocatedHandOff:
                       max(r["finished_at"] - r["started_at"] for r in reports))
             self._add("perf/handoff_trainer_offload_return_time", returned_at - max(r["finished_at"] for r in reports))
         self._add_largest("perf/handoff_bytes_to_host", reports, "bytes")
-        self._add_largest("perf/handoff_trainer_offload_copy_time", reports, "copy_seconds")
-        for section in ("prepare", "collect", "free", "reading"):
+        for section in ("prepare", "collect", "copy", "free", "release", "reading"):
             self._add_largest(f"perf/handoff_trainer_offload_{section}_time", reports, f"{section}_seconds")
-        self._add_largest("perf/handoff_trainer_offload_release_time", reports, "release_seconds")
         if phase:
             self._record("trainer", phase, reports)
 
