@@ -100,3 +100,33 @@ def test_auto_spec_says_once_when_a_gpu_host_falls_back_to_local(monkeypatch):
     assert len(messages) == 1 and "libcudnn.so.9 missing" in messages[0]
     with pytest.raises(RuntimeError, match="libcudnn.so.9 missing"):
         megatron_model.resolve_spec("te")
+
+
+@pytest.mark.parametrize("label", ["qwen3-untied-gqa", "qwen2-tied"])
+def test_one_rank_updates_from_its_parameters_in_place_as_hf_tensors(tmp_path, single_rank, label):
+    """TP = PP = DP = 1: an update streams views of the parameters (the colocated direct path reads them
+    in place): after a step they are, reshaped to the HF shapes they name, bit for bit the exported
+    stream, and no view owns memory of its own."""
+    from rlplacement.transfer.base import hf_shaped
+
+    hf_dir = make_tiny_model(tmp_path / "hf", SPECS[label])
+    backend = make_backend(_cfg(hf_dir), SGD)
+    try:
+        backend.train_step(random_batch(SPECS[label].vocab_size, seed=1))
+        assert backend.yields_resident_tensors
+        shapes = backend.update_hf_shapes
+        grouped = SPECS[label].num_key_value_heads > 1
+        assert bool(shapes) == grouped and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                                             "q_proj.bias", "k_proj.bias", "v_proj.bias"))
+                                                for n in shapes)
+        storages = {p.untyped_storage().data_ptr() for _, p in backend.local_megatron_parameters()}
+        views = list(backend.iter_update_tensors())
+        assert backend.last_stream_collectives == 0
+        assert all(v.untyped_storage().data_ptr() in storages for _, v in views)
+        assert [a for a, b in zip(views, backend.iter_update_tensors()) if a[1] is not b[1]] == []  # same objects
+        exported = list(backend.iter_hf_tensors())
+        reshaped = list(hf_shaped(views, shapes))
+        assert [n for n, _ in reshaped] == [n for n, _ in exported]
+        assert [n for (n, a), (_, b) in zip(reshaped, exported) if not torch.equal(a, b)] == []
+    finally:
+        backend.close()

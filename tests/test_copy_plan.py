@@ -129,3 +129,64 @@ def test_copies_into_memory_the_model_does_not_serve_get_no_plan():
 
     result = copy_plan.record_load(load_via_scratch, _staged(torch.randn(100)), model)
     assert isinstance(result, str) and "not one of the model's parameters" in result
+
+
+class ShardedQkvStandInForVllm(torch.nn.Module):
+    """One tensor-parallel rank's fused QKV as vLLM's ``QKVParallelLinear`` loads it: the rank's rows of q,
+    and of k and v (its own KV heads, or the one it replicates when the heads are fewer than the ranks)."""
+
+    def __init__(self, heads, kv_heads, head_dim, hidden, tp, rank):
+        super().__init__()
+        self.q_rows, self.kv_head = heads * head_dim // tp, rank * kv_heads // tp
+        self.kv_rows = max(1, kv_heads // tp) * head_dim
+        self.rank, self.head_dim = rank, head_dim
+        self.qkv = torch.nn.Parameter(torch.zeros(self.q_rows + 2 * self.kv_rows, hidden), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "q":
+                self.qkv.data.narrow(0, 0, self.q_rows).copy_(w.narrow(0, self.rank * self.q_rows, self.q_rows))
+            else:
+                start = self.kv_head * self.head_dim if self.kv_rows == self.head_dim else self.rank * self.kv_rows
+                self.qkv.data.narrow(0, self.q_rows + (name == "v") * self.kv_rows, self.kv_rows).copy_(
+                    w.narrow(0, start, self.kv_rows))
+
+
+@pytest.mark.parametrize("heads, kv_heads, tp", [(8, 4, 1), (8, 4, 2), (8, 4, 8), (6, 3, 2)])
+def test_rows_staged_in_groups_are_copied_group_by_group_bit_exact(heads, kv_heads, tp):
+    """A Megatron trainer's q, k and v are row groups of its fused QKV (one per query group, not one
+    view): the plan is recorded on HF-shaped copies and replays the same rows out of the groups, for
+    shards aligned to the groups (tp 2), inside one group (tp 8) and across a group's edge (6 heads, tp 2)."""
+    from rlplacement.families.megatron_mapping import ModelShape, hf_views
+    from rlplacement.families import family_for
+
+    d, hidden = 2, 4
+    shape = ModelShape(1, hidden, heads, kv_heads, d, 16, 16, False)
+    fam = family_for(type("C", (), {"model_type": "qwen3"})())
+    fused = torch.randn((heads + 2 * kv_heads) * d, hidden)
+    views = hf_views("decoder.layers.0.self_attention.linear_qkv.weight", fused, shape, fam)
+    staged = [(n.split(".")[-2][0], v) for n, v, _ in views]  # "q", "k", "v"
+    hf_shapes = {n.split(".")[-2][0]: s for n, _, s in views}
+    for rank in range(tp):
+        model = ShardedQkvStandInForVllm(heads, kv_heads, d, hidden, tp, rank)
+        plan = copy_plan.record_load(model.load_weights, staged, model, hf_shapes)
+        assert isinstance(plan, copy_plan.CopyPlan), plan
+        assert all(c.dst.is_contiguous() for c in plan.copies)
+        assert all(s.is_contiguous() for s in plan.pairs(staged)[1])  # each piece one run: chunk-kernel eligible
+        for _ in range(2):
+            fused.copy_(torch.randn_like(fused))  # the trainer's next step, in place
+            assert plan.matches(staged, hf_shapes) and plan.layout != copy_plan.layout_of(staged)
+            plan.replay(staged)
+            reference = ShardedQkvStandInForVllm(heads, kv_heads, d, hidden, tp, rank)
+            reference.load_weights([(n, t.reshape(hf_shapes[n])) for n, t in staged])
+            assert torch.equal(model.qkv, reference.qkv), rank
+            assert plan.mismatches(staged) == []
+
+
+def test_rows_in_groups_read_other_than_by_whole_rows_get_no_plan():
+    grouped = torch.randn(12, 4).view(2, 6, 4)[:, :4]  # two groups of 4 rows, 2 rows apart
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(8, 2), requires_grad=False)
+    result = copy_plan.record_load(lambda ws: [model.w.data.copy_(w.narrow(1, 0, 2)) for _, w in ws],
+                                   [("q", grouped)], model, {"q": (8, 4)})
+    assert isinstance(result, str) and "other than whole rows" in result

@@ -76,7 +76,7 @@ def test_a_failed_send_finishes_the_gathers_with_the_other_ranks():
                 yield f"w{i}", t
 
     class FailingSender:
-        def update(self, version, tensors, *, resident=False):
+        def update(self, version, tensors, *, resident=False, hf_shapes=None):
             for i, _ in enumerate(tensors):
                 if i == 2:
                     raise TransferError("the wire broke at tensor 2")

@@ -44,6 +44,19 @@ def test_megatron_tp2_two_engines_packed(tmp_path):
     assert [r["perf/update_collectives"] for r in rows] == [1, 1]
 
 
+@pytest.mark.slow
+def test_megatron_colocated_updates_from_its_parameters_bit_exact(tmp_path):
+    """One Megatron rank under --colocate updates from views of its parameters (q/k/v as its fused QKV's
+    row groups; on a GPU read in place, here packed in their HF shapes), checked bit for bit; no
+    collective in a TP or PP group."""
+    proc = run_loop(tmp_path, "--steps", "2", "--train-backend", "megatron", "--colocate",
+                    "--check-weight-update-equal", "--telemetry", str(tmp_path / "steps.jsonl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "v2)" in step_lines(proc.stdout)[-1]
+    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [r["perf/update_collectives"] for r in rows] == [0, 0] and all(r["colocate"] for r in rows)
+
+
 def test_bad_flags_fail_before_any_process_starts(tmp_path):
     proc = run_loop(tmp_path, "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2", timeout=120)
     assert proc.returncode == 2

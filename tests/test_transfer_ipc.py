@@ -93,3 +93,26 @@ def test_resident_tensors_on_cpu_go_by_buckets_bit_exact():
             assert all(torch.equal(a, t) for (_, a), (_, t) in zip(applied, named))
     finally:
         s.close()
+
+
+def test_resident_row_groups_on_cpu_reach_the_engines_in_their_hf_shapes():
+    """A Megatron trainer's q/k/v are row groups of its fused QKV (``hf_shapes``): where they cannot be
+    read in place the sender packs them in their HF shapes, so receivers stage HF tensors."""
+    s = Session("cuda_ipc", check_equal=True)
+    try:
+        named = _model(1)
+        fused = torch.randn(24, 8)
+        grouped = fused.view(2, 12, 8)[:, :8]  # two query groups' q rows, k and v rows between them
+        named = named + [("q_grouped", grouped)]
+        (report, _), errors = s._threads(
+            [lambda i=i: (s.receivers[i].begin(1), s.receivers[i].receive(),
+                          s.receivers[i].commit(lambda staged, i=i: s.applied.__setitem__(i, staged)))
+             for i in range(2)],
+            lambda: (s.sender.update(1, named, resident=True, hf_shapes={"q_grouped": (16, 8)}), None))
+        assert errors == [None, None] and report.path == "buckets"
+        for applied in s.applied:
+            got = dict(applied)
+            assert tuple(got["q_grouped"].shape) == (16, 8) and torch.equal(got["q_grouped"], grouped.reshape(16, 8))
+            assert all(torch.equal(got[n], t) for n, t in named[:-1])
+    finally:
+        s.close()

@@ -115,6 +115,7 @@ def _receiver(rank, endpoint_q, result_q, fault, keep_mapped, check_equal):
             sums[v] = {n: tensor_checksum(t) for n, t in served.items()}
         opened = receiver.direct.handles_opened
         result_q.put((f"receiver {rank}", {"sums": sums, "errors": errors, "version": receiver.version,
+                                           "hf_shapes": dict(receiver.staged_hf_shapes),
                                            "path": receiver.last_path, "opened": opened, "unmapped": receiver.unmap(),
                                            "verified": receiver.verified_checksums}))
         receiver.close()
@@ -296,3 +297,51 @@ def test_mixed_precision_trainer_serves_its_bf16_copies_through_the_direct_path(
     for rank in range(1, 1 + N_RECEIVERS):
         got = results[f"receiver {rank}"]
         assert not got["errors"] and all(got["sums"][v] == sender["sums"][v] for v in VERSIONS)
+
+
+def _megatron_sender(hf_dir, endpoint_q, result_q, fault, keep_mapped, check_equal):
+    """A Megatron trainer of one rank under --bf16 (Float16Module, fp32 main parameters in the optimizer):
+    each version one optimizer step, streamed as views of its bf16 parameters, q/k/v as row groups."""
+    from rlplacement.backends import make_backend
+    from rlplacement.backends.hf_reference import random_batch
+    from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
+    from rlplacement.transfer.base import hf_shaped, tensor_checksum
+
+    try:
+        backend = make_backend(BackendConfig(name="megatron", hf_checkpoint=hf_dir), OptimConfig(lr=1e-2),
+                               TrainConfig(bf16=True))
+        sender = _connected_sender(endpoint_q, keep_mapped, check_equal)
+        out = {"paths": [], "failed": {}, "sums": {}, "rounds": {}, "exported_equal": []}
+        for v in VERSIONS:
+            backend.train_step(random_batch(backend.hf_config.vocab_size, seed=v))
+            named = list(backend.iter_update_tensors())
+            shapes = backend.update_hf_shapes
+            out["exported_equal"].append(all(torch.equal(a, b) for (_, a), (_, b) in
+                                             zip(hf_shaped(named, shapes), backend.iter_hf_tensors())))
+            report = sender.update(v, named, resident=backend.yields_resident_tensors, hf_shapes=shapes)
+            out["paths"].append(report.path)
+            out["sums"][v] = {n: tensor_checksum(t) for n, t in named}
+        out["refusal"], out["hf_shapes"] = sender.direct_refusal, shapes
+        result_q.put(("sender", out))
+        sender.close()
+        backend.close()
+    except BaseException as exc:  # noqa: BLE001
+        result_q.put(("sender", f"{type(exc).__name__}: {exc}"))
+
+
+def test_megatron_trainer_serves_its_fused_parameters_through_the_direct_path(tmp_path):
+    """q, k and v are row groups of Megatron's fused QKV: mapped in place as such, named with their HF
+    shapes on every receiver, bit for bit (C order is the HF tensor's)."""
+    pytest.importorskip("megatron.core")
+    from rlplacement.models.tiny import TinySpec, make_tiny_model
+
+    hf = make_tiny_model(tmp_path / "hf", TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2))
+    results = run_sender_and_receivers(_megatron_sender, _receiver, N_RECEIVERS, sender_args=(str(hf),),
+                                       extra=(None, True, True))
+    sender = results["sender"]
+    assert sender["paths"] == ["direct"] * len(VERSIONS) and sender["refusal"] == ""
+    assert sender["exported_equal"] == [True] * len(VERSIONS) and len(sender["hf_shapes"]) == 3 * 2  # 2 layers
+    for rank in range(1, 1 + N_RECEIVERS):
+        got = results[f"receiver {rank}"]
+        assert not got["errors"] and all(got["sums"][v] == sender["sums"][v] for v in VERSIONS)
+        assert {n: tuple(s) for n, s in got["hf_shapes"].items()} == {n: tuple(s) for n, s in sender["hf_shapes"].items()}

@@ -66,9 +66,13 @@ class TrainerBackend(abc.ABC):
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), **options: Any) -> "TrainerBackend":
         """Build on every rank; torch.distributed must be initialised (see ``launch.init_distributed``)."""
 
-    # True where iter_hf_tensors yields views of this rank's own device parameters (no gather, cast or
-    # un-fusing): they stay allocated and unchanged while an update runs, so cuda_ipc reads them in place
+    # True where iter_update_tensors yields views of this rank's own device parameters (no gather, cast or
+    # copy): they stay allocated and unchanged while an update runs, so cuda_ipc reads them in place
     yields_resident_tensors: bool = False
+
+    # with yields_resident_tensors: the tensors iter_update_tensors yields in another shape than HF's
+    # (rows grouped as a fused parameter holds them; transfer.base.HFShapes), else None
+    update_hf_shapes: dict[str, tuple[int, ...]] | None = None
 
     @property
     def is_source(self) -> bool:
@@ -140,6 +144,11 @@ class TrainerBackend(abc.ABC):
     @abc.abstractmethod
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective on every rank; yields ``(hf_name, full_tensor)`` on the source rank, one at a time."""
+
+    def iter_update_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight update streams: :meth:`iter_hf_tensors`, except that a backend yielding resident
+        tensors may yield some in another shape (:attr:`update_hf_shapes`) to avoid copying them."""
+        return self.iter_hf_tensors()
 
     def set_train(self, training: bool) -> None:
         """Hook: switch dropout etc.; models here have no dropout."""

@@ -47,6 +47,7 @@ class MegatronBackend(TrainerBackend):
         self.stream_dtype = stream_dtype
         self._named = list(mm.global_named_parameters(model))
         self.last_stream_collectives: int | None = None
+        self._views: tuple[list, dict] | None = None  # see _resident_views
         from rlplacement.backends.megatron_cpu import cuda_absent
         from rlplacement.backends.megatron_train import MegatronTraining
 
@@ -343,6 +344,40 @@ class MegatronBackend(TrainerBackend):
 
     def _torch_optimizers(self) -> list:
         return [o.optimizer for o in self._training.megatron_optimizers()]
+
+    @property
+    def yields_resident_tensors(self) -> bool:
+        """One rank holds every parameter whole (TP = PP = DP = 1) in the dtype streamed (bf16 under
+        ``--bf16``, whose fp32 main parameters live in the optimizer): an update reads the parameters in
+        place (:meth:`iter_update_tensors`). A cast stream (fp32 training, bf16 served) still goes by copies."""
+        return dist.get_world_size() == 1 and self.stream_dtype in (None, self._dtype)
+
+    @property
+    def update_hf_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        return self._resident_views()[1] if self.yields_resident_tensors else None
+
+    def iter_update_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """With resident tensors, views of the parameters (:func:`megatron_mapping.hf_views`): q, k and v
+        as the fused QKV's row groups (:attr:`update_hf_shapes`), the rest in their HF shapes; else
+        :meth:`iter_hf_tensors`."""
+        if not self.yields_resident_tensors:
+            return self.iter_hf_tensors()
+        self.last_stream_collectives = 0
+        return iter(self._resident_views()[0])
+
+    def _resident_views(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, tuple[int, ...]]]:
+        """Made once: the parameters are never replaced (loads copy into them), and views follow their
+        storages through an offload and reload, so the same objects serve every update (the direct
+        path's manifest is kept while the objects and their addresses are unchanged)."""
+        if self._views is None:
+            views, shapes = [], {}
+            for mname, param in self._named:
+                for name, view, hf_shape in mapping.hf_views(mname, param.detach(), self.shape, self.family):
+                    views.append((name, view))
+                    if hf_shape is not None:
+                        shapes[name] = hf_shape
+            self._views = (views, shapes)
+        return self._views
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Bucket by bucket (:func:`megatron_model.iter_full_megatron`); once the stream ends,

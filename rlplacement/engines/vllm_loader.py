@@ -38,11 +38,13 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | Non
 
 
 def validate(staged: list[NamedTensor], expected: dict[str, tuple[int, ...]] | None, where: str,
-             optional: frozenset[str] = frozenset()) -> None:
+             optional: frozenset[str] = frozenset(), hf_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     """Raise naming the first tensor the engine's checkpoint does not have, or has in another shape,
     or has but the update does not carry: an update is the whole model (every mode stages every
     tensor), so an engine never serves a mix of two versions. ``optional``: checkpoint names an
-    update may leave out (a tied ``lm_head``, which is the embedding)."""
+    update may leave out (a tied ``lm_head``, which is the embedding); ``hf_shapes``: the HF shapes of
+    staged tensors held in another (``transfer.base.HFShapes``)."""
+    hf_shapes = hf_shapes or {}
     if not staged:
         raise TransferError(f"{where}: the update holds no tensors; send the model's HF-named tensors")
     if expected is None:
@@ -55,8 +57,9 @@ def validate(staged: list[NamedTensor], expected: dict[str, tuple[int, ...]] | N
         if name not in expected:
             raise TransferError(f"{where}: tensor {name!r} is not in the engine's checkpoint; send Hugging Face "
                                 f"names of this model (e.g. {next(iter(expected))!r})")
-        if tuple(tensor.shape) != expected[name]:
-            raise TransferError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the engine's "
+        shape = hf_shapes.get(name) or tuple(tensor.shape)
+        if shape != expected[name]:
+            raise TransferError(f"{where}: tensor {name!r} has shape {shape}, the engine's "
                                 f"checkpoint has {expected[name]}")
     if len(seen) < len(expected):
         missing = next((n for n in expected if n not in seen and n not in optional), None)

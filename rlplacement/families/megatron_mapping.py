@@ -138,6 +138,36 @@ def megatron_to_hf(mname: str, full: "torch.Tensor", shape: ModelShape,
     return [(src, full)]
 
 
+def hf_views(mname: str, full: "torch.Tensor", shape: ModelShape,
+             family: DenseFamily) -> list[tuple[str, "torch.Tensor", tuple[int, ...] | None]]:
+    """:func:`megatron_to_hf` without copies: ``(HF name, view of full, HF shape or None)``.
+
+    Every HF tensor is a view of ``full`` except q, k and v of a ``linear_qkv`` with more than one
+    query group: each group's q (or k, v) rows are contiguous, the groups are not, so those come as
+    ``[groups, rows per group, *rest]`` views whose C-order elements are the HF tensor's, with the HF
+    shape as third item (None: the view has the HF shape). A reader in place (the colocated direct
+    path) copies them group by group; anything else reshapes them, which copies."""
+    if mname == "output_layer.weight" and shape.tied:
+        return []
+    src = hf_sources(mname, family)
+    if isinstance(src, Fused) and src.kind == "qkv":
+        g, d, qpg = shape.num_query_groups, shape.head_dim, shape.q_per_group
+        rest = tuple(full.shape[1:])
+        grouped = full.view(g, (qpg + 2) * d, *rest)
+        out = []
+        for name, (start, rows) in zip(src.hf, ((0, qpg * d), (qpg * d, d), ((qpg + 1) * d, d))):
+            view, hf_shape = grouped[:, start:start + rows], (g * rows, *rest)
+            if g == 1:
+                view, hf_shape = view.view(hf_shape), None
+            out.append((name, view, hf_shape))
+        return out
+    if isinstance(src, Fused):
+        return [(n, p, None) for n, p in zip(src.hf, full.chunk(2, dim=0))]
+    if src in VOCAB_HF_NAMES:
+        full = full[: shape.vocab_size]
+    return [(src, full, None)]
+
+
 _COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
                     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")

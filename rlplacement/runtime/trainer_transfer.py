@@ -11,7 +11,7 @@ import dataclasses
 from typing import Iterable
 
 from rlplacement.transfer import registry
-from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, NamedTensor, TransferError, UpdateReport
+from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, HFShapes, NamedTensor, TransferError, UpdateReport
 from rlplacement.transfer.options import mode_options
 
 
@@ -25,6 +25,11 @@ class TrainerTransferMixin:
         """Whether ``hf_named_tensors()`` yields views of this process's own device parameters (no gather,
         cast or un-fusing), which stay put until an update returns: ``cuda_ipc`` then reads them in place."""
         return False
+
+    def hf_update_shapes(self) -> HFShapes | None:
+        """With resident tensors: those ``hf_named_tensors()`` yields in another shape than HF's (rows
+        grouped as a fused parameter holds them), read in place by ``cuda_ipc``, reshaped by other modes."""
+        return None
 
     def transfer_setup(self, mode: str, buffer_size: int, *, check_equal: bool = False,
                        timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **mode_options) -> None:
@@ -60,7 +65,8 @@ class TrainerTransferMixin:
             raise TransferError("transfer_send before transfer_setup/listen/connect")
         tensors = iter(self.hf_named_tensors())
         try:
-            report = self.transfer_sender.update(version, tensors, resident=self.hf_tensors_resident())
+            report = self.transfer_sender.update(version, tensors, resident=self.hf_tensors_resident(),
+                                                 hf_shapes=self.hf_update_shapes())
         except BaseException:
             # the other trainer ranks are inside the same per-tensor gathers (gather_for_update):
             # finish the stream with them, or they wait in a collective and the next step runs out of step

@@ -144,17 +144,20 @@ class TrainerWorker(TrainerTransferMixin):
         # checked inside the stream: the sender turns a refusal there into an abort every engine sees
         def stream():
             self._require_resident("a weight update")
-            yield from self.backend.iter_hf_tensors()
+            yield from self.backend.iter_update_tensors()
 
         return stream()
 
     def hf_tensors_resident(self) -> bool:
         return bool(getattr(self.backend, "yields_resident_tensors", False))
 
+    def hf_update_shapes(self):
+        return getattr(self.backend, "update_hf_shapes", None) if self.hf_tensors_resident() else None
+
     def gather_for_update(self) -> int:
         """Ranks other than 0: take part in the collective gathers of an update; returns tensors seen."""
         self._require_resident("a weight update")
-        return sum(1 for _ in self.backend.iter_hf_tensors())
+        return sum(1 for _ in self.backend.iter_update_tensors())
 
     def hf_checksums(self) -> dict[str, str]:
         """Per-tensor checksums of the weights as the trainer holds them (collective)."""

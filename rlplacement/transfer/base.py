@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 NamedTensor = tuple[str, "torch.Tensor"]
 ApplyFn = Callable[[list[NamedTensor]], None]
+HFShapes = dict[str, tuple[int, ...]]
+"""Name -> HF shape of the resident tensors held in another shape (a fused parameter's rows, grouped as
+the trainer holds them): each such tensor's elements in C order are the HF tensor's."""
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -213,6 +216,14 @@ def _hash_pending(digest, pending) -> None:
     digest.update(host[:length].numpy().data)
 
 
+def hf_shaped(named_tensors: Iterable[NamedTensor], hf_shapes: HFShapes | None) -> Iterable[NamedTensor]:
+    """The tensors in their HF shapes: those named in ``hf_shapes`` reshaped (a copy where the grouping
+    is not a view), lazily, so a stream stays a stream."""
+    if not hf_shapes:
+        return named_tensors
+    return ((n, t.reshape(hf_shapes[n]) if n in hf_shapes else t) for n, t in named_tensors)
+
+
 class WeightSender(abc.ABC):
     """Trainer side: lives in the process holding the full HF-named tensors (trainer rank 0).
 
@@ -230,10 +241,13 @@ class WeightSender(abc.ABC):
     def connect(self) -> None: ...
 
     @abc.abstractmethod
-    def update(self, version: int, named_tensors: Iterable[NamedTensor], *, resident: bool = False) -> UpdateReport:
+    def update(self, version: int, named_tensors: Iterable[NamedTensor], *, resident: bool = False,
+               hf_shapes: HFShapes | None = None) -> UpdateReport:
         """Send every tensor as version ``version``. ``resident``: the tensors are views of the
         trainer's own device memory that stays allocated and unchanged until this returns, so a mode
-        may read them in place (``cuda_ipc``) instead of copying them first."""
+        may read them in place (``cuda_ipc``) instead of copying them first. ``hf_shapes``: resident
+        tensors not in their HF shape (:data:`HFShapes`); a mode that does not read them in place
+        sends them reshaped (:func:`hf_shaped`), so engines always receive HF shapes."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -266,6 +280,12 @@ class WeightReceiver(abc.ABC):
     @property
     @abc.abstractmethod
     def version(self) -> int: ...
+
+    @property
+    def staged_hf_shapes(self) -> HFShapes:
+        """Staged tensors not in their HF shapes (:data:`HFShapes`), as the trainer holds them: only a
+        direct ``cuda_ipc`` update stages such tensors; the engine copies them group by group."""
+        return {}
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, ClassVar, Iterable, Iterator
 
 from rlplacement.rendezvous import host_store, join_store
 from rlplacement.transfer import group as groups
-from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, Instants, NamedTensor, TransferEndpoint,
-                                       TransferError, UpdateAborted, UpdateRefused, UpdateReport,
-                                       WeightSender)
+from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, HFShapes, Instants, NamedTensor,
+                                       TransferEndpoint, TransferError, UpdateAborted, UpdateRefused, UpdateReport,
+                                       WeightSender, hf_shaped)
 from rlplacement.transfer.bucket import (FlatBuffers, GroupFn, as_bytes, fused_group_of, iter_buckets,
                                          plan_manifest, unpack)
 from rlplacement.transfer.staging import StagingReceiver
@@ -105,7 +105,8 @@ class BroadcastSender(WeightSender):
         self._broken = None
         self._sent_manifests = {}
 
-    def update(self, version: int, named_tensors: Iterable[NamedTensor], *, resident: bool = False) -> UpdateReport:
+    def update(self, version: int, named_tensors: Iterable[NamedTensor], *, resident: bool = False,
+               hf_shapes: HFShapes | None = None) -> UpdateReport:
         if self._group is None:
             raise TransferError("update() before connect(): call listen() and connect() first")
         if self._broken:
@@ -114,7 +115,8 @@ class BroadcastSender(WeightSender):
         self.instants = Instants()
         self.instants.mark("start")
         try:
-            num_tensors, num_buckets, nbytes, checksums, path = self._send_update(version, named_tensors, resident)
+            num_tensors, num_buckets, nbytes, checksums, path = self._send_update(version, named_tensors, resident,
+                                                                                hf_shapes)
         except _AbortUpdate as exc:
             self._forget_sent()
             try:
@@ -135,9 +137,12 @@ class BroadcastSender(WeightSender):
         return UpdateReport(version, num_tensors, num_buckets, nbytes, time.perf_counter() - start, checksums, path,
                             dict(self.instants))
 
-    def _send_update(self, version: int, named_tensors: Iterable[NamedTensor], resident: bool):
+    def _send_update(self, version: int, named_tensors: Iterable[NamedTensor], resident: bool,
+                     hf_shapes: HFShapes | None = None):
         """Every bucket, then END: ``(tensors, buckets, bytes, checksums or None, path)``. ``resident``
-        (the tensors are the trainer's own memory) lets a mode read them in place; here it changes nothing."""
+        (the tensors are the trainer's own memory) lets a mode read them in place; here it changes nothing
+        but that the tensors of ``hf_shapes`` are packed in their HF shapes."""
+        named_tensors = hf_shaped(named_tensors, hf_shapes)
         num_tensors = num_buckets = nbytes = 0
         checksums: dict[str, str] | None = {} if self.check_equal else None
         for index, bucket in enumerate(iter_buckets(_guard(named_tensors), self.buffer_size, self.group_of)):

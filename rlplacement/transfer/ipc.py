@@ -103,14 +103,14 @@ class IpcSender(BroadcastSender):
         super()._forget_sent()
         self._direct_sent = self._direct_kept = None
 
-    def _send_update(self, version: int, named_tensors, resident: bool):
+    def _send_update(self, version: int, named_tensors, resident: bool, hf_shapes=None):
         if not resident or self.exports is None:
-            return super()._send_update(version, named_tensors, resident)
+            return super()._send_update(version, named_tensors, resident, hf_shapes)
         tensors = list(_guard(named_tensors))  # resident: listing them holds no extra memory
         self.instants.mark("listed")
-        blob, self.direct_refusal = self.exports.manifest(tensors)
+        blob, self.direct_refusal = self.exports.manifest(tensors, hf_shapes)
         if blob is None:
-            return super()._send_update(version, tensors, resident)
+            return super()._send_update(version, tensors, resident, hf_shapes)
         import torch
 
         self.instants.mark("manifest")
@@ -235,6 +235,10 @@ class IpcReceiver(BroadcastReceiver):
         self._held = False  # a direct update is staged: the sender waits for our commit-or-drop ack
         self.last_path = ""
         self.verified_checksums: dict[str, str] | None = None  # this receiver's own hashes of a checked direct update
+
+    @property
+    def staged_hf_shapes(self):
+        return self.direct.hf_shapes if self.last_path == "direct" else {}
 
     def _stage(self) -> tuple[list[NamedTensor], int, int]:
         self._failure = None

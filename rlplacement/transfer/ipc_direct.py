@@ -10,14 +10,16 @@ parameters' dtype) and every tensor sits in an allocation that a legacy CUDA IPC
 * Sender (:class:`AllocationExports`): the tensors are grouped by allocation (a caching-allocator
   segment; the trainer's hand-off reloads its state into one, see ``backends/offload.py``), one
   handle per allocation, and a JSON manifest: allocations (key, handle, size) and per tensor its
-  allocation, byte offset, dtype, shape and strides. Exports are kept while each allocation's
+  allocation, byte offset, dtype, shape and strides, and its HF shape where the tensor is held in
+  another (``base.HFShapes``: q, k, v as row groups of a Megatron trainer's fused QKV). Exports are kept while each allocation's
   driver buffer id is unchanged, and the manifest bytes while no tensor moved. Asking the driver
   about every allocation costs ~2 ms per update (~200 of them), so it is asked only when torch's
   caching allocator has allocated or freed a segment on the device since it last was: the trainer's
   tensors live in that allocator's segments (the backends that claim resident tensors use it), and a
   segment that was neither freed nor replaced is the allocation that was exported.
-* Receiver (:class:`MappedAllocations`): maps each allocation, makes typed views of the tensors,
-  and by default unmaps everything when the update is committed or dropped, before acknowledging:
+* Receiver (:class:`MappedAllocations`): maps each allocation, makes typed views of the tensors (in
+  their HF shapes where that is a view; grouped ones stay grouped and are named in ``hf_shapes``, for
+  the engine's copy plan to copy group by group), and by default unmaps everything when the update is committed or dropped, before acknowledging:
   the trainer may free that memory as soon as its ``update`` returns (the driver leaves freeing a
   still-mapped allocation undefined). Views are rebuilt only when a mapping lands elsewhere.
 * ``keep_mapped`` (the sender's, carried in the manifest): receivers keep the mappings between
@@ -32,13 +34,14 @@ from __future__ import annotations
 import base64
 import bisect
 import json
+import math
 import os
 import socket
 import weakref
 from typing import TYPE_CHECKING
 
 from rlplacement.transfer import cuda_driver
-from rlplacement.transfer.base import NamedTensor, TensorMeta, TransferError
+from rlplacement.transfer.base import HFShapes, NamedTensor, TensorMeta, TransferError
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +60,7 @@ class AllocationExports:
         self.device = device
         self._allocs: list[tuple[int, int, str, dict]] = []  # sorted (base, end, key, segment entry)
         self._segments_checked_at: tuple | None = None  # the allocator's segment counts at the last driver check
-        self._signature: tuple | None = None  # (keep_mapped, per-tensor layout) the manifest bytes were made from
+        self._signature: tuple | None = None  # (keep_mapped, HF shapes, per-tensor layout) the manifest bytes were made from
         self._blob: bytes | None = None
         # (name, weak reference to the tensor) the blob was made from, and their addresses; weak, so a
         # trainer that drops its parameters does not keep their memory through us
@@ -116,16 +119,17 @@ class AllocationExports:
         return (len(refs) == len(tensors) and all(n == name and ref() is t for (n, t), (name, ref) in zip(tensors, refs))
                 and [t.data_ptr() for _, t in tensors] == ptrs)
 
-    def manifest(self, tensors: list[NamedTensor]) -> tuple[bytes | None, str]:
+    def manifest(self, tensors: list[NamedTensor], hf_shapes: HFShapes | None = None) -> tuple[bytes | None, str]:
         """``(manifest JSON, "")``, or ``(None, why)`` when some tensor cannot be read in place. The
         JSON is the same bytes object as last time when nothing moved (the caller then sends none)."""
         cuda_driver.bind_context(self.device.index or 0)
         self._refresh()
-        if self._blob is not None and self._signature is not None and self._signature[0] == self.keep_mapped \
-                and self._unchanged(tensors):
+        hf_shapes = hf_shapes or {}
+        if self._blob is not None and self._signature is not None and self._signature[:2] == (
+                self.keep_mapped, hf_shapes) and self._unchanged(tensors):
             return self._blob, ""
         signature = [(n, t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in tensors]
-        if self._blob is not None and (self.keep_mapped, signature) == self._signature:
+        if self._blob is not None and (self.keep_mapped, hf_shapes, signature) == self._signature:
             self._remember(tensors, signature)
             return self._blob, ""
         used: dict[str, int] = {}
@@ -142,12 +146,14 @@ class AllocationExports:
             if index is None:
                 index = used[entry["key"]] = len(segments)
                 segments.append({k: entry[k] for k in ("key", "size", "handle")})
-            rows.append([name, str(dtype).removeprefix("torch."), list(shape), list(stride), index, ptr - base])
+            hf_shape = hf_shapes.get(name)
+            rows.append([name, str(dtype).removeprefix("torch."), list(shape), list(stride), index, ptr - base,
+                         None if hf_shape is None else list(hf_shape)])
         blob = json.dumps({"host": socket.gethostname(), "keep_mapped": self.keep_mapped, "segments": segments,
                            "tensors": rows}).encode()
         if blob == self._blob:
             blob = self._blob
-        self._signature, self._blob = (self.keep_mapped, signature), blob
+        self._signature, self._blob = (self.keep_mapped, dict(hf_shapes), signature), blob
         self._remember(tensors, signature)
         return blob, ""
 
@@ -170,6 +176,7 @@ class MappedAllocations:
         self._last_addresses: dict[str, int] = {}
         self._views: list[NamedTensor] | None = None
         self.metas: list[TensorMeta] = []
+        self.hf_shapes: HFShapes = {}  # the views :meth:`map` returns grouped, not in their HF shapes
         self.handles_opened = 0
 
     def parse(self, blob: bytes) -> None:
@@ -189,7 +196,7 @@ class MappedAllocations:
                                 f"{manifest['host']!r}, this engine worker runs on {here!r}; place every "
                                 f"engine on trainer rank 0's node, or drop --colocate and use broadcast_packed")
         self.metas = [TensorMeta(n, d, tuple(s), off, _span_bytes(s, st, getattr(torch, d).itemsize))
-                      for n, d, s, st, _, off in manifest["tensors"]]
+                      for n, d, s, st, _, off, _ in manifest["tensors"]]
         self._manifest = manifest
 
     def map(self) -> list[NamedTensor]:
@@ -214,8 +221,8 @@ class MappedAllocations:
 
         typed: dict[tuple[int, str], torch.Tensor] = {}
         segments = self._manifest["segments"]
-        views = []
-        for name, dtype_name, shape, stride, index, offset in self._manifest["tensors"]:
+        views, self.hf_shapes = [], {}
+        for name, dtype_name, shape, stride, index, offset, hf_shape in self._manifest["tensors"]:
             dtype = getattr(torch, dtype_name)
             key = (index, dtype_name)
             base = typed.get(key)
@@ -227,7 +234,16 @@ class MappedAllocations:
             itemsize = base.element_size()
             if offset % itemsize or offset + _span_bytes(shape, stride, itemsize) > segments[index]["size"]:
                 raise TransferError(f"tensor {name!r} does not lie inside its allocation in the trainer's manifest")
-            views.append((name, base.as_strided(shape, stride, offset // itemsize)))
+            view = base.as_strided(shape, stride, offset // itemsize)
+            if hf_shape is not None:
+                try:
+                    view = view.view(hf_shape)
+                except RuntimeError:  # grouped rows: the copy plan copies them group by group
+                    if view.numel() != math.prod(hf_shape):
+                        raise TransferError(f"tensor {name!r} of shape {tuple(shape)} cannot hold its HF shape "
+                                            f"{tuple(hf_shape)} in the trainer's manifest") from None
+                    self.hf_shapes[name] = tuple(hf_shape)
+            views.append((name, view))
         return views
 
     @property
@@ -269,4 +285,4 @@ class MappedAllocations:
             raise TransferError(f"closing the trainer's mapped allocations failed: {'; '.join(failures)}")
 
     def forget(self) -> None:
-        self._manifest, self._views, self._last_addresses = None, None, {}
+        self._manifest, self._views, self._last_addresses, self.hf_shapes = None, None, {}, {}

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable
 
 from rlplacement.atomic_files import write_synced
 from rlplacement.transfer import delta_codec as codec
-from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, NamedTensor, TransferEndpoint, TransferError, UpdateAborted,
-                                       UpdateReport, WeightSender)
+from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, HFShapes, NamedTensor, TransferEndpoint, TransferError,
+                                       UpdateAborted, UpdateReport, WeightSender, hf_shaped)
 from rlplacement.transfer.disk_delta import folder_format
 from rlplacement.transfer.disk_delta.folder_format import MODE
 from rlplacement.transfer.options import DiskDeltaOptions
@@ -112,7 +112,7 @@ class DiskDeltaSender(WeightSender):
         self._load_base()  # read the base checkpoint now, not inside the first timed update
 
     def update(self, version: int, named_tensors: Iterable[NamedTensor], *,
-               resident: bool = False) -> DeltaUpdateReport:
+               resident: bool = False, hf_shapes: HFShapes | None = None) -> DeltaUpdateReport:
         if self._endpoint is None:
             raise TransferError("update() before listen()/connect()")
         if self._held_version is not None and version <= self._held_version:
@@ -122,7 +122,7 @@ class DiskDeltaSender(WeightSender):
         self._clean_leftovers()
         writer = folder_format.VersionWriter(self.root, version, self.buffer_size)
         try:
-            index, new_held, new_sums = self._write_version(writer, version, named_tensors)
+            index, new_held, new_sums = self._write_version(writer, version, hf_shaped(named_tensors, hf_shapes))
             writer.publish(index)
         except BaseException as exc:
             writer.discard()
