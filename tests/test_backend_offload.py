@@ -111,3 +111,25 @@ def test_a_copy_failing_half_way_frees_nothing_and_the_next_offload_works(monkey
     assert report["bytes"] == 12000 and all(t.untyped_storage().nbytes() == 0 for t in tensors)
     host.reload()
     assert all(torch.equal(t, w) for t, w in zip(tensors, want))
+
+
+def test_fused_adam_state_to_come_is_counted_in_its_own_dtypes_cpu_stand_in():
+    """megatron's Adam on a GPU is TransformerEngine's FusedAdam (GPU only; a stand-in with its attributes
+    here): the pinned buffer reserved at start must hold its moments in their dtypes (and master copies
+    with master_weights), or the first hand-off grows it mid-step."""
+    from types import SimpleNamespace
+
+    from rlplacement.backends.base import TrainerBackend
+
+    class FusedAdam(torch.optim.Optimizer):
+        def __init__(self, params, exp_avg_dtype, exp_avg_sq_dtype, master_weights=False):
+            super().__init__(params, {})
+            self.exp_avg_dtype, self.exp_avg_sq_dtype, self.master_weights = exp_avg_dtype, exp_avg_sq_dtype, master_weights
+
+    param = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
+    backend = SimpleNamespace(device=torch.device("cpu"), _stepped_by=lambda p: True)
+    assert TrainerBackend._state_to_come(backend, FusedAdam([param], torch.float32, torch.bfloat16)) == 10 * (4 + 2)
+    assert TrainerBackend._state_to_come(backend, FusedAdam([param], torch.float32, torch.float32, True)) == 10 * 12
+    stepped = FusedAdam([param], torch.float32, torch.float32)
+    stepped.state[param] = {"exp_avg": torch.zeros(10)}
+    assert TrainerBackend._state_to_come(backend, stepped) == 0  # state that exists is counted where it lives

@@ -317,8 +317,10 @@ class TrainerBackend(abc.ABC):
     def host_state_bytes(self) -> int:
         """Bytes :meth:`offload_to_host` will move once the optimizer has its state: what is resident now,
         plus the state torch's AdamW (two moments like each parameter; three with amsgrad; its float32 step
-        counter where it lives on the training device) or SGD with momentum (one buffer) makes at its first step
-        for each parameter that has none yet. Another optimizer's state is counted once it exists."""
+        counter where it lives on the training device), SGD with momentum (one buffer) or the FusedAdam
+        megatron uses on a GPU (TransformerEngine's: two moments in its ``exp_avg_dtype``s, plus master copies
+        with ``master_weights``; apex's: two like the parameter) makes at its first step for each parameter
+        that has none yet. Another optimizer's state is counted once it exists."""
         from rlplacement.backends.offload import unique_storages
 
         total = sum(s.nbytes() for s in unique_storages(self._resident_tensors()).values())
@@ -336,7 +338,7 @@ class TrainerBackend(abc.ABC):
 
         total = 0
         for group in opt.param_groups:
-            per_param, counter = 0, 0
+            per_param, counter, fixed_bytes = 0, 0, None  # moments like the parameter, or bytes per element
             if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
                 per_param = 3 if group.get("amsgrad") else 2
                 # the step counter is a CPU scalar unless fused or capturable: on the device where that is
@@ -344,10 +346,17 @@ class TrainerBackend(abc.ABC):
                 counter = 4 if on_device else 0
             elif isinstance(opt, torch.optim.SGD) and group.get("momentum", 0):
                 per_param = 1
+            elif type(opt).__name__ == "FusedAdam":  # megatron's Adam on a GPU: TransformerEngine's (or apex's)
+                if hasattr(opt, "exp_avg_dtype"):  # TE: moments in their own dtypes, fp32 master copies if asked
+                    fixed_bytes = opt.exp_avg_dtype.itemsize + opt.exp_avg_sq_dtype.itemsize + (
+                        getattr(opt, "master_weight_dtype", torch.float32).itemsize if opt.master_weights else 0)
+                else:
+                    per_param = 2
             for p in group["params"]:
                 local = local_tensor(p)
                 if self._stepped_by(p) and not opt.state.get(p) and local.device == self.device:
-                    total += per_param * local.numel() * local.element_size() + counter
+                    element = local.element_size() * per_param if fixed_bytes is None else fixed_bytes
+                    total += element * local.numel() + counter
         return total
 
     def _stepped_by(self, param) -> bool:
