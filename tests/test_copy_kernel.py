@@ -127,11 +127,20 @@ def test_a_plan_replayed_through_the_kernel_equals_copies_one_by_one():
         assert plan.fused_failure is None and "5 of 8 copies in one launch" in plan.chunk_kernel_summary()
         assert plan.mismatches(staged) == [], step
     assert "by graph replay; first launch timed" in plan.chunk_kernel_summary()  # every variant, the fastest kept
-    chosen = plan._fused.variant
-    for s in srcs:  # the trainer's memory moved (a hand-off): new sources, new table, the same variant untimed
+    fused, graph = plan._fused, plan._fused.graph
+    for s in srcs:  # the trainer's memory moved (a hand-off): the same table and graph, retargeted in place
         s.data = s.clone()
     plan.forget_staged()
     staged = [(f"t{i}", s) for i, s in enumerate(srcs)]
     plan.replay(staged)
     torch.cuda.synchronize()
-    assert plan._fused.variant == chosen and plan._fused.timings_ms == {} and plan.mismatches(staged) == []
+    assert plan._fused is fused and fused.graph is graph and plan.mismatches(staged) == []
+    chosen = fused.variant
+    moved = [(f"t{i}", torch.empty(s.numel() * s.element_size() + 8, dtype=torch.uint8, device="cuda")[8:]
+              .view(s.dtype).view(s.shape)) for i, s in enumerate(srcs)]  # 8 bytes off the vectors' alignment
+    for (_, m), s in zip(moved, srcs):
+        m.copy_(torch.randn(s.shape, device="cuda").to(s.dtype))
+    plan.replay(moved)  # a source the kernel cannot read: a new table (the same variant, untimed) or copies
+    torch.cuda.synchronize()
+    assert plan._fused is not fused and plan.mismatches(moved) == []
+    assert plan._fused is None or (plan._fused.variant == chosen and plan._fused.timings_ms == {})

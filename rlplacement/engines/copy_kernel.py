@@ -142,12 +142,33 @@ class FusedCopies:
         self.nbytes = sum(end - start for start, end in spans)
         self.device = dsts[0].device if len(dsts) else None
         copies = [(srcs[i].data_ptr(), start, end - start) for i, (start, end) in zip(picked, spans)]
+        self._dst_and_bytes = [(start, end - start) for start, end in spans]
         self._tables = {v: torch.from_numpy(chunk_table(copies, v.chunk_bytes)).to(self.device)
                         for v in variants} if picked else {}
         self.variant: Variant | None = None if len(self._tables) != 1 else next(iter(self._tables))
         self.timings_ms: dict[str, float] = {}
         self.graph = None
         self.graph_failure: str | None = None
+
+    def retarget(self, srcs: Sequence["torch.Tensor"]) -> bool:
+        """The same copies out of sources that moved (the trainer's memory after a hand-off, mapped anew
+        every step under --colocate): each table's source column is rewritten in place, so the chosen
+        variant and the captured graph, which reads the table where it is, stay; rebuilding them cost
+        ~2-5 us of Python per copy (a Megatron model's grouped q/k/v make ~3x the copies) plus a capture.
+        ``srcs`` are views of the same shapes and strides as before (the plan's recorded layout), so only
+        their alignment can change. False (nothing changed) when a source is no longer 16-byte aligned."""
+        import numpy as np
+        import torch
+
+        if not self._tables:
+            return False
+        ptrs = np.fromiter((srcs[i].data_ptr() for i in self.fused), dtype=np.int64, count=len(self.fused))
+        if (ptrs % ALIGN).any():
+            return False
+        dst, nbytes = (np.asarray(col, dtype=np.int64) for col in zip(*self._dst_and_bytes))
+        for variant, table in self._tables.items():
+            table.copy_(torch.from_numpy(chunk_table(list(zip(ptrs, dst, nbytes)), variant.chunk_bytes)))
+        return True
 
     @property
     def num_chunks(self) -> int:

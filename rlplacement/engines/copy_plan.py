@@ -149,7 +149,8 @@ class CopyPlan:
     _pairs: tuple[list, list] | None = None
     _owners: tuple = ()  # (the owner's parameter or buffer table, key, tensor, data_ptr) of every destination
     _by_size: tuple[list[int], list[int]] = ([], [])  # indices of the copies of at least / under LARGE_COPY_BYTES
-    _fused: object = None  # copy_kernel.FusedCopies of the current pairs, once built
+    _fused: object = None  # copy_kernel.FusedCopies of the plan's copies, once built
+    _sources_moved: bool = False  # the pairs were rebuilt since _fused's table was written: retarget it
     _variant: object = None  # the kernel variant the first launch chose: kept when the pairs are rebuilt
     fused_failure: str | None = None  # why the commit does not run through one chunk kernel (None: it does, or untried)
 
@@ -200,12 +201,12 @@ class CopyPlan:
         # keep the staged objects alive with the views, so their ids cannot be reused by others
         self._staged_ids, self._pairs = tuple(id(t) for _, t in staged), (dsts, srcs)
         self._staged_keep = [t for _, t in staged]
-        self._fused = None  # its chunk table holds the old sources' addresses
+        self._sources_moved = True  # the chunk table holds the old sources' addresses: retargeted at replay
         return self._pairs
 
     def forget_staged(self) -> None:
         """Drop the views of the staged buffers (the receiver freed them); the next update rebuilds them."""
-        self._staged_ids, self._pairs, self._staged_keep, self._fused = (), None, [], None
+        self._staged_ids, self._pairs, self._staged_keep, self._sources_moved = (), None, [], True
 
     def replay(self, staged: Sequence[NamedTensor]) -> None:
         """On a GPU, every eligible copy in one chunk-kernel launch (``copy_kernel``); the others, and
@@ -227,6 +228,9 @@ class CopyPlan:
     def _fused_copies(self, dsts: list, srcs: list):
         from rlplacement.engines import copy_kernel
 
+        if self._fused is not None and self._sources_moved and not self._fused.retarget(srcs):
+            self._fused = None
+        self._sources_moved = False
         if self._fused is None and self.fused_failure is None and dsts and dsts[0].is_cuda:
             # the sources move whenever the trainer's memory does (a colocated hand-off every step): the
             # choice of variant, once measured, stays
