@@ -169,7 +169,8 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
                   help="Megatron: shard the fp32 main parameters and optimizer moments over the data-parallel "
                        "ranks (megatron's DistributedOptimizer)."),
             _flag("--log-probs-chunk-size", type=int, default=default_of(TrainConfig, "log_probs_chunk_size"),
-                  help="Tokens per chunk of the output layer (fp32 logits exist for one chunk at a time)."),
+                  help="Tokens per chunk of the output layer (fp32 logits exist for one chunk at a time; megatron: "
+                       "its output layer runs whole, the fp32 logits and cross-entropy go by chunks)."),
             _flag("--eps-clip", type=float, default=default_of(TrainConfig, "eps_clip"),
                   help="PPO clip range of the importance ratio (lower side, and upper unless --eps-clip-high)."),
             _flag("--eps-clip-high", type=float, default=default_of(TrainConfig, "eps_clip_high"),

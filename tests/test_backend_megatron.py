@@ -130,3 +130,39 @@ def test_one_rank_updates_from_its_parameters_in_place_as_hf_tensors(tmp_path, s
         assert [n for (n, a), (_, b) in zip(reshaped, exported) if not torch.equal(a, b)] == []
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_log_probs_go_by_chunks_of_fp32_logits_and_equal_one_piece(tmp_path, single_rank, with_entropy):
+    """--log-probs-chunk-size: the fp32 logits, their masking and megatron's vocab-parallel cross-entropy
+    exist one chunk of positions at a time (forward and the recomputing backward), and log-probs,
+    entropies and their gradients equal the whole-piece ones."""
+    from tests.test_backend_base import _Fp32VocabAllocations
+
+    hf_dir = make_tiny_model(tmp_path / "hf", SPECS["qwen3-untied-gqa"])
+    backend = make_backend(_cfg(hf_dir), SGD)
+    try:
+        padded, chunk = backend.shape.padded_vocab_size, 5
+        torch.manual_seed(0)
+        logits = torch.randn(3, 7, padded, dtype=torch.bfloat16, requires_grad=True)
+        ids = torch.randint(0, backend.shape.vocab_size, (3, 7))
+        results = {}
+        for size in (10 ** 6, chunk):
+            backend.train_config = dataclasses.replace(backend.train_config, log_probs_chunk_size=size,
+                                                       rollout_temperature=0.7)
+            with _Fp32VocabAllocations(padded, backend.hf_config.hidden_size) as seen:
+                stats = backend._logits_to_stats(logits, ids, with_entropy=with_entropy)
+                total = stats.logp.sum() + (stats.entropy.sum() if with_entropy else 0)
+                grad, = torch.autograd.grad(total, logits)
+            results[size] = (stats, grad, max(seen.rows))
+        (whole, g_whole, rows_whole), (chunked, g_chunked, rows_chunked) = results.values()
+        assert rows_whole == 3 * 7 and rows_chunked <= chunk
+        torch.testing.assert_close(chunked.logp, whole.logp, rtol=0, atol=1e-6)
+        torch.testing.assert_close(g_chunked, g_whole, rtol=0, atol=1e-6)
+        if with_entropy:
+            torch.testing.assert_close(chunked.entropy, whole.entropy, rtol=0, atol=1e-6)
+        want = torch.log_softmax(logits.float()[..., :backend.shape.vocab_size] / 0.7, -1)
+        torch.testing.assert_close(chunked.logp[:, 1:], want[:, :-1].gather(-1, ids[:, 1:, None])[..., 0],
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        backend.close()

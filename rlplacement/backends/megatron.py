@@ -160,26 +160,48 @@ class MegatronBackend(TrainerBackend):
 
     def _logits_to_stats(self, logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False) -> TokenStats:
         """``[B, T]`` log-probs (and entropies) from this TP rank's vocabulary shard of the logits, the padded
-        vocabulary columns masked out; differentiable, each sum over the vocabulary all-reduced over TP."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        vocabulary columns masked out; differentiable, each sum over the vocabulary all-reduced over TP.
 
-        fresh = logits.dtype != torch.float32  # the fp32 copy below is ours to mask in place
-        logits = logits.float()  # [B, T, V_padded / TP]
-        if self.train_config.rollout_temperature != 1.0:
-            logits, fresh = logits / self.train_config.rollout_temperature, True
-        shard = logits.shape[-1]
+        ``--log-probs-chunk-size`` positions at a time: the fp32 logits of a chunk, their masking and
+        megatron's vocab-parallel cross-entropy exist for one chunk at once (with gradients each chunk runs
+        under activation checkpointing and is recomputed in backward). The output layer's own logits are
+        whole: megatron's ``Float16Module`` hands the last stage's output back in fp32."""
+        from megatron.core import parallel_state as ps
+        from torch.utils.checkpoint import checkpoint
+
+        b, t, shard = logits.shape
         first = ps.get_tensor_model_parallel_rank() * shard
         padding = torch.arange(first, first + shard, device=logits.device) >= self.shape.vocab_size
-        # a micro-batch's logits are [tokens, vocabulary] fp32 (10 GB at 16k tokens of a 152k vocabulary):
-        # masking in place saves one such copy
-        logits = (logits.masked_fill_ if fresh else logits.masked_fill)(padding, float("-inf"))[:, :-1]
-        zero = logits.new_zeros(input_ids.shape[0], 1)
-        # the entropy first: megatron's cross-entropy overwrites its input in place, and ``contiguous()`` is
-        # that same tensor when it already is (one sample)
-        entropy = torch.cat([zero, _vocab_parallel_entropy(logits, padding)], dim=1) if with_entropy else None
-        nll = vocab_parallel_cross_entropy(logits.contiguous(), input_ids[:, 1:].contiguous())
-        return TokenStats(torch.cat([zero, -nll], dim=1), entropy)
+        rows = logits.reshape(-1, shard)  # a view: the model's output is contiguous
+        # position p predicts token p + 1; each sample's last position predicts nothing (any target, dropped)
+        targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).reshape(-1)
+        grad = torch.is_grad_enabled() and logits.requires_grad
+        chunk = self.train_config.log_probs_chunk_size
+        logps, entropies = [], []
+        for start in range(0, rows.shape[0], chunk):
+            piece = (rows[start:start + chunk], targets[start:start + chunk], padding, with_entropy)
+            logp, entropy = (checkpoint(self._chunk_stats, *piece, use_reentrant=False) if grad
+                             else self._chunk_stats(*piece))
+            logps.append(logp)
+            entropies.append(entropy)
+        zero = logits.new_zeros(b, 1, dtype=torch.float32)
+        logp = torch.cat([zero, torch.cat(logps).reshape(b, t)[:, :-1]], dim=1)
+        entropy = torch.cat([zero, torch.cat(entropies).reshape(b, t)[:, :-1]], dim=1) if with_entropy else None
+        return TokenStats(logp, entropy)
+
+    def _chunk_stats(self, logits: torch.Tensor, targets: torch.Tensor, padding: torch.Tensor,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of ``targets`` (and entropies) for ``[rows, V_padded / TP]`` logits of one chunk."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        fresh = logits.dtype != torch.float32  # then the fp32 copy below is ours to mask in place
+        logits = logits.float()
+        if self.train_config.rollout_temperature != 1.0:
+            logits, fresh = logits / self.train_config.rollout_temperature, True
+        logits = (logits.masked_fill_ if fresh else logits.masked_fill)(padding, float("-inf"))
+        # the entropy first: megatron's cross-entropy overwrites its input in place
+        entropy = _vocab_parallel_entropy(logits, padding) if with_entropy else None
+        return -vocab_parallel_cross_entropy(logits, targets), entropy
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -404,9 +426,10 @@ class MegatronBackend(TrainerBackend):
 
 
 def _vocab_parallel_entropy(logits: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` entropy of the softmax over the whole vocabulary from this TP rank's shard of ``logits``
-    (``-inf`` in ``padding``'s columns): log Z - sum p l, each vocabulary sum all-reduced over TP by megatron's
-    differentiable reduction (forward: sum; backward: each rank's own share), the max taken out first."""
+    """Per row of ``logits`` (``[..., V_padded / TP]``, this TP rank's vocabulary shard, ``-inf`` in
+    ``padding``'s columns), the entropy of the softmax over the whole vocabulary: log Z - sum p l, each
+    vocabulary sum all-reduced over TP by megatron's differentiable reduction (forward: sum; backward: each
+    rank's own share), the max taken out first."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
