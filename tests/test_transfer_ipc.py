@@ -116,3 +116,35 @@ def test_resident_row_groups_on_cpu_reach_the_engines_in_their_hf_shapes():
             assert all(torch.equal(got[n], t) for n, t in named[:-1])
     finally:
         s.close()
+
+
+def test_direct_manifest_views_keep_row_groups_and_name_their_hf_shapes_cpu_stand_in(monkeypatch):
+    """The receiver's side of a direct manifest (GPU memory on a real run; here a CPU buffer stands in for
+    the mapped allocation): tensors in their HF shapes where that is a view, q/k/v row groups kept as
+    ``[groups, rows, ...]`` and named with their HF shapes, anything else refused by name."""
+    import json
+    import socket
+
+    from rlplacement.transfer import ipc_direct
+    from rlplacement.transfer.base import TransferError
+
+    fused = torch.randn(24, 8)  # a fused QKV of two query groups: 12 rows each, its 8 q rows first
+    memory = fused.view(-1).view(torch.uint8)
+    monkeypatch.setattr(ipc_direct.cuda_driver, "DeviceBytes", lambda ptr, nbytes: memory[ptr:ptr + nbytes])
+
+    def views(rows):
+        m = ipc_direct.MappedAllocations(torch.device("cpu"))
+        m.parse(json.dumps({"host": socket.gethostname(), "keep_mapped": False,
+                            "segments": [{"key": "k", "size": memory.numel(), "handle": ""}],
+                            "tensors": rows}).encode())
+        m._mapped = {"k": 0}
+        return m._make_views(), m.hf_shapes
+
+    q = ["q", "float32", [2, 8, 8], [96, 8, 1], 0, 0, [16, 8]]  # rows 0-7 and 12-19
+    norm = ["norm", "float32", [1, 8], [8, 1], 0, 8 * 8 * 4, [8]]  # contiguous: a view in its HF shape
+    got, shapes = views([q, norm])
+    assert shapes == {"q": (16, 8)} and tuple(got[0][1].shape) == (2, 8, 8)
+    assert torch.equal(got[0][1].reshape(16, 8), torch.cat([fused[0:8], fused[12:20]]))
+    assert tuple(got[1][1].shape) == (8,) and torch.equal(got[1][1], fused[8])
+    with pytest.raises(TransferError, match="'q' of shape \\(2, 8, 8\\) is not its HF shape \\(8, 16\\)"):
+        views([q[:6] + [[8, 16]]])

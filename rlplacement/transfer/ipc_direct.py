@@ -236,13 +236,15 @@ class MappedAllocations:
                 raise TransferError(f"tensor {name!r} does not lie inside its allocation in the trainer's manifest")
             view = base.as_strided(shape, stride, offset // itemsize)
             if hf_shape is not None:
-                try:
+                grouped = len(shape) >= 2 and [shape[0] * shape[1], *shape[2:]] == list(hf_shape)
+                if view.is_contiguous() and view.numel() == math.prod(hf_shape):
                     view = view.view(hf_shape)
-                except RuntimeError:  # grouped rows: the copy plan copies them group by group
-                    if view.numel() != math.prod(hf_shape):
-                        raise TransferError(f"tensor {name!r} of shape {tuple(shape)} cannot hold its HF shape "
-                                            f"{tuple(hf_shape)} in the trainer's manifest") from None
+                elif grouped:  # [groups, rows, ...]: the copy plan copies them group by group
                     self.hf_shapes[name] = tuple(hf_shape)
+                else:
+                    raise TransferError(f"tensor {name!r} of shape {tuple(shape)} is not its HF shape "
+                                        f"{tuple(hf_shape)} in rows grouped along its first dimension, in the "
+                                        f"trainer's manifest")
             views.append((name, view))
         return views
 
