@@ -114,23 +114,30 @@ def test_unknown_family_and_unsupported_features_are_named():
 @pytest.mark.parametrize("groups", [2, 1])
 def test_hf_views_are_views_equal_to_the_export_and_name_the_grouped_ones(groups):
     """The colocated direct path reads the parameters in place: every HF tensor a view of the fused
-    parameter, q/k/v of several query groups as [groups, rows, ...] whose C order is the HF tensor's."""
+    parameter, q/k/v of several query groups as [groups, rows, ...] whose C order is the HF tensor's;
+    the export is the same tensors, contiguous in their HF shapes."""
     import dataclasses
 
     shape = dataclasses.replace(SHAPE, num_query_groups=groups)
     fam = family_for(type("C", (), {"model_type": "qwen2"})())
-    for mname, rows in [("decoder.layers.1.self_attention.linear_qkv.weight", (shape.num_heads + 2 * groups) * 3),
-                        ("decoder.layers.1.self_attention.linear_qkv.bias", None),
-                        ("decoder.layers.0.mlp.linear_fc1.weight", 12), ("embedding.word_embeddings.weight", 384)]:
-        full = torch.randn(rows or (shape.num_heads + 2 * groups) * 3, *([] if rows is None else [8]))
-        want = mapping.megatron_to_hf(mname, full, shape, fam)
+    d, kv = shape.head_dim, groups * shape.head_dim
+    q, k, v = torch.randn(shape.num_heads * d, 8), torch.randn(kv, 8), torch.randn(kv, 8)
+    gate, up, emb = torch.randn(6, 8), torch.randn(6, 8), torch.randn(300, 8)
+    cases = {  # megatron name -> (full tensor, the HF tensors it holds)
+        "decoder.layers.1.self_attention.linear_qkv.weight": (mapping.fuse_qkv(q, k, v, shape), [q, k, v]),
+        "decoder.layers.1.self_attention.linear_qkv.bias": (mapping.fuse_qkv(q[:, 0], k[:, 0], v[:, 0], shape),
+                                                            [q[:, 0], k[:, 0], v[:, 0]]),
+        "decoder.layers.0.mlp.linear_fc1.weight": (torch.cat([gate, up]), [gate, up]),
+        "embedding.word_embeddings.weight": (torch.cat([emb, torch.zeros(84, 8)]), [emb])}
+    for mname, (full, want) in cases.items():
         got = mapping.hf_views(mname, full, shape, fam)
-        assert [n for n, _, _ in got] == [n for n, _ in want]
-        for (name, view, hf_shape), (_, exported) in zip(got, want):
+        exported = mapping.megatron_to_hf(mname, full, shape, fam)
+        assert [n for n, _, _ in got] == [n for n, _ in exported] and len(got) == len(want)
+        for (name, view, hf_shape), (_, out), expected in zip(got, exported, want):
             assert view.untyped_storage().data_ptr() == full.untyped_storage().data_ptr(), name  # no copy
             grouped = "linear_qkv" in mname and groups > 1
             assert (hf_shape is not None) == grouped, name
-            assert tuple(view.reshape(hf_shape or view.shape).shape) == tuple(exported.shape)
-            assert torch.equal(view.reshape(exported.shape), exported), name
+            assert torch.equal(view.reshape(expected.shape), expected), name
+            assert out.is_contiguous() and torch.equal(out, expected), name
             if grouped:
-                assert view.shape[0] == groups and not view.is_contiguous()
+                assert hf_shape == tuple(expected.shape) and view.shape[0] == groups and not view.is_contiguous()

@@ -93,15 +93,25 @@ def fuse_qkv(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", shape: Mod
     return torch.cat(parts, dim=1).reshape(g * (shape.q_per_group + 2) * d, *rest)
 
 
-def split_qkv(qkv: "torch.Tensor", shape: ModelShape) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
-    import torch
-
+def qkv_row_groups(qkv: "torch.Tensor", shape: ModelShape) -> list[tuple["torch.Tensor", tuple[int, ...] | None]]:
+    """q, k and v of a full fused QKV without copies: ``(view, HF shape or None)`` each. With one query
+    group the views have their HF shapes (None); with more, each group's rows are contiguous and the
+    groups are not, so they are ``[groups, rows per group, *rest]`` views whose C-order elements are the
+    HF tensor's, with that HF shape."""
     g, d, qpg = shape.num_query_groups, shape.head_dim, shape.q_per_group
-    rest = qkv.shape[1:]
+    rest = tuple(qkv.shape[1:])
     grouped = qkv.reshape(g, (qpg + 2) * d, *rest)
-    q, k, v = torch.split(grouped, [qpg * d, d, d], dim=1)
-    return (q.reshape(g * qpg * d, *rest).contiguous(), k.reshape(g * d, *rest).contiguous(),
-            v.reshape(g * d, *rest).contiguous())
+    out = []
+    for start, rows in ((0, qpg * d), (qpg * d, d), ((qpg + 1) * d, d)):
+        view, hf_shape = grouped[:, start:start + rows], (g * rows, *rest)
+        out.append((view.view(hf_shape), None) if g == 1 else (view, hf_shape))
+    return out
+
+
+def split_qkv(qkv: "torch.Tensor", shape: ModelShape) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    q, k, v = ((view if hf_shape is None else view.reshape(hf_shape)).contiguous()
+               for view, hf_shape in qkv_row_groups(qkv, shape))
+    return q, k, v
 
 
 def hf_to_megatron(mname: str, read_hf: Callable[[str], "torch.Tensor"], shape: ModelShape,
@@ -124,45 +134,25 @@ def hf_to_megatron(mname: str, read_hf: Callable[[str], "torch.Tensor"], shape: 
 
 def megatron_to_hf(mname: str, full: "torch.Tensor", shape: ModelShape,
                    family: DenseFamily) -> list[tuple[str, "torch.Tensor"]]:
-    """Un-fuse, strip vocabulary padding and rename one full Megatron tensor; [] for a tied output layer."""
-    import torch
-
-    if mname == "output_layer.weight" and shape.tied:
-        return []
-    src = hf_sources(mname, family)
-    if isinstance(src, Fused):
-        parts = split_qkv(full, shape) if src.kind == "qkv" else torch.chunk(full, 2, dim=0)
-        return [(n, p.contiguous()) for n, p in zip(src.hf, parts)]
-    if src in VOCAB_HF_NAMES:
-        full = full[: shape.vocab_size].contiguous()
-    return [(src, full)]
+    """Un-fuse, strip vocabulary padding and rename one full Megatron tensor; [] for a tied output layer:
+    :func:`hf_views`, each contiguous in its HF shape (a copy where it is not a view)."""
+    return [(name, (view if hf_shape is None else view.reshape(hf_shape)).contiguous())
+            for name, view, hf_shape in hf_views(mname, full, shape, family)]
 
 
 def hf_views(mname: str, full: "torch.Tensor", shape: ModelShape,
              family: DenseFamily) -> list[tuple[str, "torch.Tensor", tuple[int, ...] | None]]:
-    """:func:`megatron_to_hf` without copies: ``(HF name, view of full, HF shape or None)``.
-
-    Every HF tensor is a view of ``full`` except q, k and v of a ``linear_qkv`` with more than one
-    query group: each group's q (or k, v) rows are contiguous, the groups are not, so those come as
-    ``[groups, rows per group, *rest]`` views whose C-order elements are the HF tensor's, with the HF
-    shape as third item (None: the view has the HF shape). A reader in place (the colocated direct
-    path) copies them group by group; anything else reshapes them, which copies."""
+    """``(HF name, view of full, HF shape or None)`` for one full Megatron tensor, renamed, un-fused and
+    without vocabulary padding, copying nothing: every HF tensor is a view of ``full`` in its HF shape
+    (None), except q, k and v of a ``linear_qkv`` with more than one query group, which are row groups
+    (:func:`qkv_row_groups`) with their HF shapes. A reader in place (the colocated direct path) copies
+    those group by group; anything else reshapes them, which copies."""
     if mname == "output_layer.weight" and shape.tied:
         return []
     src = hf_sources(mname, family)
-    if isinstance(src, Fused) and src.kind == "qkv":
-        g, d, qpg = shape.num_query_groups, shape.head_dim, shape.q_per_group
-        rest = tuple(full.shape[1:])
-        grouped = full.view(g, (qpg + 2) * d, *rest)
-        out = []
-        for name, (start, rows) in zip(src.hf, ((0, qpg * d), (qpg * d, d), ((qpg + 1) * d, d))):
-            view, hf_shape = grouped[:, start:start + rows], (g * rows, *rest)
-            if g == 1:
-                view, hf_shape = view.view(hf_shape), None
-            out.append((name, view, hf_shape))
-        return out
     if isinstance(src, Fused):
-        return [(n, p, None) for n, p in zip(src.hf, full.chunk(2, dim=0))]
+        parts = qkv_row_groups(full, shape) if src.kind == "qkv" else [(p, None) for p in full.chunk(2, dim=0)]
+        return [(n, view, hf_shape) for n, (view, hf_shape) in zip(src.hf, parts)]
     if src in VOCAB_HF_NAMES:
         full = full[: shape.vocab_size]
     return [(src, full, None)]

@@ -152,7 +152,7 @@ class TrainerWorker(TrainerTransferMixin):
         return bool(getattr(self.backend, "yields_resident_tensors", False))
 
     def hf_update_shapes(self):
-        return getattr(self.backend, "update_hf_shapes", None) if self.hf_tensors_resident() else None
+        return getattr(self.backend, "update_hf_shapes", None)  # None unless its tensors are resident
 
     def gather_for_update(self) -> int:
         """Ranks other than 0: take part in the collective gathers of an update; returns tensors seen."""
