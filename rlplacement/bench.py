@@ -158,6 +158,7 @@ class Bench:
         self._closers: list[Callable[[], None]] = []
         self._local: set[str] = set()  # contenders timed in this process alone (no receiver involved)
         self.paths: dict[str, str] = {}  # each mode's last update: "buckets" or "direct"
+        self.fallbacks: dict[str, str] = {}  # each mode's last update: why it did not go in place ("" if it did)
         self.senders: dict = {}
 
     def _ack(self) -> None:
@@ -171,8 +172,7 @@ class Bench:
         from rlplacement.transfer import registry
 
         sender = registry.sender_class(mode)(buffer_size, timeout_s=self.timeout_s, device=self.device)
-        if getattr(sender, "exports", None) is not None:  # as a trainer actor runs it: engines keep the mappings
-            sender.exports.keep_mapped = True
+        sender.keep_mapped_between_updates()  # as a trainer actor runs it: engines keep the mappings
         endpoint = sender.listen(2, host="127.0.0.1")
         self.conn.send(("join", mode, endpoint.to_dict(), 0))
         sender.connect()
@@ -181,7 +181,9 @@ class Bench:
         resident = mode == "cuda_ipc"
 
         def send(version: int) -> None:
-            self.paths[mode] = sender.update(version, named, resident=resident).path
+            report = sender.update(version, named, resident=resident)
+            self.paths[mode] = report.path
+            self.fallbacks[mode] = report.fallback
 
         self._send[mode] = send
         self.senders[mode] = sender
@@ -335,7 +337,7 @@ def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, devic
                           "buffer_size": buffer_size, "transport": transport_of(mode, bench.device)}
             if mode == "cuda_ipc":  # buckets (pack, copy to staging, copy at commit) or direct (one copy)
                 rows[mode].update(path=bench.paths[mode],
-                                  direct_refusal=getattr(bench.senders[mode], "direct_refusal", ""))
+                                  direct_refusal=bench.fallbacks[mode])
         return rows
     finally:
         bench.close()

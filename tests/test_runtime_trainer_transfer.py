@@ -115,18 +115,25 @@ def test_the_trainer_refuses_to_free_weights_engines_may_map_until_told_they_let
     import torch
 
     from rlplacement.runtime.trainer_worker import TrainerWorker
+    from rlplacement.transfer.ipc import IpcSender
     from rlplacement.transfer.ipc_direct import AllocationExports
 
     offloads = []
     worker = TrainerWorker(0, 1)
-    worker.backend = types.SimpleNamespace(offload_to_host=lambda: offloads.append(1) or {"seconds": 0.0})
-    exports = AllocationExports(torch.device("cuda", 0))
-    worker.transfer_sender = types.SimpleNamespace(exports=exports, close=lambda: None)
-    exports.mapped_elsewhere = True
+    worker.backend = types.SimpleNamespace(offload_to_host=lambda: offloads.append(1) or {"seconds": 0.0},
+                                           offloaded_to_host=False)
+    sender = IpcSender(1 << 20, device="cpu")
+    assert not sender.keep_mapped_between_updates()  # on CPU nothing of the trainer is mapped elsewhere
+    sender.exports = AllocationExports(torch.device("cuda", 0))  # as on a GPU; nothing here touches CUDA
+    assert sender.keep_mapped_between_updates()
+    worker.transfer_sender = sender
+    sender.exports.mapped_elsewhere = True  # what a direct update with kept mappings leaves
     with pytest.raises(RuntimeError, match=r"engines may still map this trainer's weights.*unmap_trainer_memory\(\)"):
         worker.offload_to_host()
-    assert offloads == [] and exports.mapped_elsewhere
+    assert offloads == [] and sender.mapped_elsewhere
     worker.offload_to_host(engines_unmapped=True)
-    assert offloads == [1] and not exports.mapped_elsewhere
+    assert offloads == [1] and not sender.mapped_elsewhere
     worker.offload_to_host()  # nothing mapped since: no unmap needed
     assert offloads == [1, 1]
+    sender.exports = None
+    sender.close()

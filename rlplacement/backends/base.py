@@ -73,6 +73,8 @@ class TrainerBackend(abc.ABC):
     # with yields_resident_tensors: the tensors iter_update_tensors yields in another shape than HF's
     # (rows grouped as a fused parameter holds them; transfer.base.HFShapes), else None
     update_hf_shapes: dict[str, tuple[int, ...]] | None = None
+    # collectives this rank issued in its TP/PP groups to stream the last update (None: not counted)
+    last_stream_collectives: int | None = None
 
     @property
     def is_source(self) -> bool:

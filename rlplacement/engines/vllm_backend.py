@@ -78,7 +78,8 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         return self.receiver.version if self.receiver is not None else 0
 
     def _where(self) -> str:
-        return f"engine worker rank {self.receiver._group.rank if self.receiver and self.receiver._group else '?'}"
+        rank = self.receiver.rank if self.receiver is not None else None
+        return f"engine worker rank {'?' if rank is None else rank}"
 
     def init_transfer_engine(self, init_info: RlplacementInitInfo) -> None:
         endpoint = TransferEndpoint.from_dict(dataclasses.asdict(init_info))
@@ -97,11 +98,10 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self._receiving = update_info.version
         self.receiver.begin(update_info.version)
         try:
-            self.receiver.receive()
+            report = self.receiver.receive()
             staged = self.receiver.staged
             if self.check_equal:
-                direct = getattr(self.receiver, "last_path", "") == "direct"
-                own = getattr(self.receiver, "verified_checksums", None) if direct else None
+                own = report.checksums  # the receiver's own, where they stand for the served bytes
                 # a direct update's tensors are the trainer's memory, which cannot change before it is
                 # released: the receiver's own hashes of them stand. Anything staged is hashed again after
                 # the whole update landed: a bucket overwritten after its check (a stray remote write) is caught
@@ -239,9 +239,8 @@ def load_path(worker: Any) -> dict:
     out = {"path": engine.last_load_path, "plan_failure": engine.plan_failure}
     if engine._plan is not None:
         out["chunk_kernel"] = engine._plan.chunk_kernel_summary()
-    direct = getattr(engine.receiver, "direct", None)
-    if getattr(engine.receiver, "last_path", "") == "direct" and direct is not None:
-        out["mapped_allocations"] = direct.num_allocations  # the trainer's, each mapped once per update
+    if engine.receiver is not None and engine.receiver.mapped_allocations:
+        out["mapped_allocations"] = engine.receiver.mapped_allocations  # the trainer's, each mapped once per update
     return out
 
 
@@ -273,7 +272,7 @@ def unmap_trainer_memory(worker: Any) -> int:
     updates, before the trainer frees it; returns how many allocations were mapped."""
     engine = getattr(worker, "weight_transfer_engine", None)
     receiver = getattr(engine, "receiver", None) if isinstance(engine, RlplacementWeightTransferEngine) else None
-    return receiver.unmap() if hasattr(receiver, "unmap") else 0
+    return receiver.unmap() if receiver is not None else 0
 
 
 def shutdown_transfer(worker: Any) -> None:

@@ -20,6 +20,8 @@ def register() -> bool:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # vLLM < 0.16: no native weight-transfer API
         return False
-    if BACKEND_NAME not in WeightTransferEngineFactory._registry:  # register_engine raises on duplicates
+    try:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, BACKEND_MODULE, BACKEND_CLASS)
+    except ValueError:  # registered already (this process ran the plugin before): vLLM refuses a second time
+        pass
     return True

@@ -31,6 +31,10 @@ class TrainerTransferMixin:
         grouped as a fused parameter holds them), read in place by ``cuda_ipc``, reshaped by other modes."""
         return None
 
+    def stream_collectives(self) -> int | None:
+        """Collectives this rank issued in its TP/PP groups to stream the last update (None: not counted)."""
+        return None
+
     def transfer_setup(self, mode: str, buffer_size: int, *, check_equal: bool = False,
                        timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **mode_options) -> None:
         """``mode_options`` go to the mode's sender only (disk-delta: disk_dir, delta_encoding, base_dir)."""
@@ -73,7 +77,7 @@ class TrainerTransferMixin:
             for _ in tensors:
                 pass
             raise
-        collectives = getattr(getattr(self, "backend", None), "last_stream_collectives", None)
+        collectives = self.stream_collectives()
         return report if collectives is None else dataclasses.replace(report, stream_collectives=collectives)
 
     def transfer_close(self) -> None:

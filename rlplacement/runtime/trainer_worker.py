@@ -95,13 +95,13 @@ class TrainerWorker(TrainerTransferMixin):
         ``engines_unmapped``: every engine has let go of this trainer's memory (``unmap_trainer_memory``);
         while cuda_ipc may still have it mapped there, offloading (which frees it) is refused."""
         started_at = time.time()
-        exports = getattr(self.transfer_sender, "exports", None)
-        if exports is not None and exports.mapped_elsewhere:
+        sender = self.transfer_sender
+        if sender is not None and sender.mapped_elsewhere:
             if not engines_unmapped:
                 raise RuntimeError(f"trainer rank {self.rank}: engines may still map this trainer's weights (cuda_ipc "
                                    "keeps them mapped between updates), and offloading frees them: call every "
                                    "engine's unmap_trainer_memory() first, then offload_to_host(engines_unmapped=True)")
-            exports.mapped_elsewhere = False
+            sender.receivers_unmapped()
         report = self.backend.offload_to_host()
         read_at = time.perf_counter()
         report = {**report, **gpu_memory(), "reading_seconds": time.perf_counter() - read_at}
@@ -114,9 +114,8 @@ class TrainerWorker(TrainerTransferMixin):
 
     def transfer_setup(self, *args, **kwargs) -> None:
         super().transfer_setup(*args, **kwargs)
-        exports = getattr(self.transfer_sender, "exports", None)
-        if exports is not None:  # cuda_ipc on a GPU: engines keep our weights mapped (offload_to_host guards)
-            exports.keep_mapped = True
+        # cuda_ipc on a GPU: engines keep our weights mapped between updates (offload_to_host guards)
+        self.transfer_sender.keep_mapped_between_updates()
 
     def reload_from_host(self) -> dict:
         """Before training or an update: everything offloaded comes back, bit-exact."""
@@ -135,7 +134,7 @@ class TrainerWorker(TrainerTransferMixin):
     def _require_resident(self, what: str) -> None:
         """Offloaded storages have size 0: reading them fails deep in CUDA ("invalid argument") or,
         worse, reads nothing. Refuse first, saying how a caller outside the job's phases gets them back."""
-        if getattr(self.backend, "offloaded_to_host", False):  # a backend registered from outside may lack it
+        if self.backend.offloaded_to_host:
             raise RuntimeError(f"trainer rank {self.rank}: {what} needs the trainer's weights, which are in host "
                                "memory (--offload-train, after a colocated hand-off to rollout): call "
                                "RLJob.prepare_update() or prepare_train() first")
@@ -148,11 +147,14 @@ class TrainerWorker(TrainerTransferMixin):
 
         return stream()
 
+    def stream_collectives(self) -> int | None:
+        return self.backend.last_stream_collectives
+
     def hf_tensors_resident(self) -> bool:
-        return bool(getattr(self.backend, "yields_resident_tensors", False))
+        return bool(self.backend.yields_resident_tensors)
 
     def hf_update_shapes(self):
-        return getattr(self.backend, "update_hf_shapes", None)  # None unless its tensors are resident
+        return self.backend.update_hf_shapes  # None unless its tensors are resident
 
     def gather_for_update(self) -> int:
         """Ranks other than 0: take part in the collective gathers of an update; returns tensors seen."""

@@ -109,6 +109,7 @@ class UpdateReport:
     path: str = ""  # how the bytes went, where a mode has more than one way ("buckets", "direct")
     instants: dict[str, float] = dataclasses.field(default_factory=dict)  # see Instants
     stream_collectives: int | None = None  # the trainer's collectives in its TP/PP groups to stream the weights
+    fallback: str = ""  # why a resident update did not take the mode's in-place path ("" when it did or has none)
 
     @property
     def gbps(self) -> float:
@@ -237,6 +238,22 @@ class WeightSender(abc.ABC):
     @abc.abstractmethod
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint: ...
 
+    def keep_mapped_between_updates(self) -> bool:
+        """Let receivers keep what they map of this process's memory from one update to the next (a
+        trainer whose memory moves only at a hand-off, which first asks every engine to ``unmap``).
+        True where this mode maps the trainer's memory and will do so; False (the default): nothing of
+        this process is mapped elsewhere, so there is nothing to keep."""
+        return False
+
+    @property
+    def mapped_elsewhere(self) -> bool:
+        """Receivers may hold mappings of this process's memory now: freeing or moving it first needs
+        every receiver's ``unmap`` and then :meth:`receivers_unmapped`."""
+        return False
+
+    def receivers_unmapped(self) -> None:
+        """Every receiver has let go of its mappings (each called ``unmap``): the memory may move."""
+
     @abc.abstractmethod
     def connect(self) -> None: ...
 
@@ -261,9 +278,38 @@ class WeightReceiver(abc.ABC):
     """
 
     mode: ClassVar[str]
+    last_path: str = ""
+    """How the last update's bytes arrived, where a mode has more than one way (``cuda_ipc``: ``buckets``
+    or ``direct``); also the ``path`` of :meth:`receive`'s report."""
+    verified_checksums: dict[str, str] | None = None
+    """This receiver's own checksums of the last update where they stand for the bytes the engine will
+    serve (a checked direct ``cuda_ipc`` update reads the trainer's memory, which cannot change before
+    the update is released); None: the engine hashes what was staged. Also the ``checksums`` of
+    :meth:`receive`'s report."""
 
     @abc.abstractmethod
     def connect(self, endpoint: TransferEndpoint, rank: int) -> None: ...
+
+    @property
+    def rank(self) -> int | None:
+        """This receiver's rank in the transfer group (None before ``connect``)."""
+        return None
+
+    @property
+    def mapped_allocations(self) -> int:
+        """Allocations of the trainer the last update read in place (a direct ``cuda_ipc`` update); 0 for
+        every update whose bytes were copied into this receiver's own buffers."""
+        return 0
+
+    def unmap(self) -> int:
+        """Let go of the trainer's memory kept mapped between updates (before the trainer frees it);
+        returns how many allocations were mapped. Only between updates; 0 where a mode maps nothing."""
+        return 0
+
+    def release_staging(self) -> int:
+        """Let kept staging buffers go before the engine sleeps (the next update allocates them again);
+        returns the bytes let go. A mode that keeps none between updates has nothing to free."""
+        return 0
 
     @abc.abstractmethod
     def begin(self, version: int) -> None: ...

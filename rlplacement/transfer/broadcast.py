@@ -86,6 +86,7 @@ class BroadcastSender(WeightSender):
         self._in_flight: dict = {}  # slot -> work of a payload still on the wire (overlapping modes)
         self._sent_manifests: dict[int, bytes] = {}  # bucket index -> manifest the group already has
         self.instants = Instants()  # of the last update
+        self.fallback = ""  # of the last update: why a resident update did not go in place (UpdateReport.fallback)
 
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint:
         if world_size < 2:
@@ -114,6 +115,7 @@ class BroadcastSender(WeightSender):
         start = time.perf_counter()
         self.instants = Instants()
         self.instants.mark("start")
+        self.fallback = ""
         try:
             num_tensors, num_buckets, nbytes, checksums, path = self._send_update(version, named_tensors, resident,
                                                                                 hf_shapes)
@@ -135,7 +137,7 @@ class BroadcastSender(WeightSender):
             raise
         self.instants.mark("end")
         return UpdateReport(version, num_tensors, num_buckets, nbytes, time.perf_counter() - start, checksums, path,
-                            dict(self.instants))
+                            dict(self.instants), fallback=self.fallback)
 
     def _send_update(self, version: int, named_tensors: Iterable[NamedTensor], resident: bool,
                      hf_shapes: HFShapes | None = None):

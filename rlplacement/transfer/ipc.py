@@ -92,12 +92,25 @@ class IpcSender(BroadcastSender):
         self.exports = AllocationExports(self.device) if self.device.type == "cuda" else None
         self._direct_sent: bytes | None = None  # the direct manifest every receiver holds
         self._direct_kept: bytes | None = None  # the direct manifest every receiver mapped and kept mapped
-        self.direct_refusal = ""  # why the last resident update went by buckets ("" when it went direct)
         self.last_direct_rounds = 0  # acknowledgement rounds of the last direct update (2, or 1 when kept)
 
     def connect(self) -> None:
         super().connect()
         self._direct_sent = self._direct_kept = None
+
+    def keep_mapped_between_updates(self) -> bool:
+        if self.exports is None:  # on CPU the direct path does not run: nothing is mapped elsewhere
+            return False
+        self.exports.keep_mapped = True
+        return True
+
+    @property
+    def mapped_elsewhere(self) -> bool:
+        return self.exports is not None and self.exports.mapped_elsewhere
+
+    def receivers_unmapped(self) -> None:
+        if self.exports is not None:
+            self.exports.mapped_elsewhere = False
 
     def _forget_sent(self) -> None:
         super()._forget_sent()
@@ -108,7 +121,7 @@ class IpcSender(BroadcastSender):
             return super()._send_update(version, named_tensors, resident, hf_shapes)
         tensors = list(_guard(named_tensors))  # resident: listing them holds no extra memory
         self.instants.mark("listed")
-        blob, self.direct_refusal = self.exports.manifest(tensors, hf_shapes)
+        blob, self.fallback = self.exports.manifest(tensors, hf_shapes)
         if blob is None:
             return super()._send_update(version, tensors, resident, hf_shapes)
         import torch
@@ -233,15 +246,18 @@ class IpcReceiver(BroadcastReceiver):
         self.handles_opened = 0
         self.direct = MappedAllocations(self.device)
         self._held = False  # a direct update is staged: the sender waits for our commit-or-drop ack
-        self.last_path = ""
-        self.verified_checksums: dict[str, str] | None = None  # this receiver's own hashes of a checked direct update
 
     @property
     def staged_hf_shapes(self):
         return self.direct.hf_shapes if self.last_path == "direct" else {}
 
+    @property
+    def mapped_allocations(self) -> int:
+        return self.direct.num_allocations if self.last_path == "direct" else 0
+
     def _stage(self) -> tuple[list[NamedTensor], int, int]:
         self._failure = None
+        self.verified_checksums = None  # set again only by a checked direct update
         kind, version, blob = frame = self._recv_frame()
         self.instants.mark("first_frame")
         if kind == KIND_DIRECT_COMMIT:

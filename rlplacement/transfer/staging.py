@@ -35,12 +35,17 @@ class StagingReceiver(WeightReceiver):
         self.device = torch.device(device)
         self._version = version
         self._pending: int | None = None
+        self._rank: int | None = None
         self._staged: list[NamedTensor] | None = None
         self.instants = Instants()  # of the update begun last (``begin`` .. ``applied``)
 
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def rank(self) -> int | None:
+        return self._rank
 
     @property
     def staged(self) -> list[NamedTensor] | None:
@@ -61,6 +66,7 @@ class StagingReceiver(WeightReceiver):
             raise TransferError(f"endpoint is for mode {endpoint.mode!r}, receiver is {self.mode!r}")
         if not 0 < rank < endpoint.world_size:
             raise TransferError(f"receiver rank {rank} outside 1..{endpoint.world_size - 1}")
+        self._rank = rank
 
     def begin(self, version: int) -> None:
         if not self._joined():
@@ -84,7 +90,7 @@ class StagingReceiver(WeightReceiver):
         self._staged = staged
         self.instants.mark("staged")
         return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start,
-                            instants=dict(self.instants))
+                            self.verified_checksums, self.last_path, dict(self.instants))
 
     def commit(self, apply: ApplyFn) -> int:
         """Hand the staged update to ``apply`` (the engine's loader); on success serve its version."""
@@ -99,11 +105,6 @@ class StagingReceiver(WeightReceiver):
 
     def abort(self) -> None:
         self._staged = self._pending = None
-
-    def release_staging(self) -> int:
-        """Let kept staging buffers go before the engine sleeps (the next update allocates them again);
-        returns the bytes let go. A mode that keeps none between updates has nothing to free."""
-        return 0
 
     @staticmethod
     def first_mismatch(manifest: BucketManifest, tensors: list[NamedTensor], where: str) -> WeightMismatchError | None:
