@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlplacement.bench import qwen3_shaped_tensors  # noqa: E402
 from rlplacement.transfer.base import TransferEndpoint  # noqa: E402
-from rlplacement.transfer.disk_delta import DiskDeltaReceiver, DiskDeltaSender  # noqa: E402
+from rlplacement.transfer.disk_delta.receiver import DiskDeltaReceiver  # noqa: E402
+from rlplacement.transfer.disk_delta.sender import DiskDeltaSender  # noqa: E402
 
 
 def perturb(named, fraction: float, seed: int) -> None:

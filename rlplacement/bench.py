@@ -3,7 +3,7 @@
 Real updates of a Qwen3-shaped model built from a config (random bf16 weights, HF names and
 order) from this process to a receiver in a second process, over the mode's real transport,
 next to the ceiling: the raw transfer of the same bytes on the same transport, measured in the
-same run. One row per mode (contract "rlplacement bench" in DESIGN.md):
+same run. One row per mode:
 ``{"mode", "bytes", "num_tensors", "seconds", "gbps", "ceiling", "ceiling_gbps", "ratio"}``.
 
 The receiver stages and commits into a no-op loader: this measures the wire and the staging,
@@ -20,14 +20,23 @@ import statistics
 import time
 from typing import Callable
 
-BENCH_MODES = ("broadcast", "broadcast_packed", "cuda_ipc", "p2p")
-# same transport, one buffer; cuda_ipc (colocated: both processes on one device) moves bytes by copying
-# through shared memory, so its ceiling is one raw in-memory copy of the same bytes on that device
-# p2p's ceiling: one raw Mooncake batch write of the same bytes (same slices) between the same processes
-CEILING_OF = {"broadcast": "flat broadcast", "broadcast_packed": "flat broadcast", "cuda_ipc": "raw in-memory copy",
-              "p2p": "raw Mooncake write"}
-CEILING_KEY = {"broadcast": "ceiling", "broadcast_packed": "ceiling", "cuda_ipc": "copy_ceiling",
-               "p2p": "mooncake_ceiling"}
+# each mode names its ceiling (``ModeSpec.bench``): one flat broadcast on the same transport, one raw
+# copy of the same bytes on the sender's device (a colocated mode moves bytes by copying through shared
+# memory), or one raw Mooncake batch write of the same bytes (same slices) between the same processes
+CEILING_NAMES = {"broadcast": "flat broadcast", "copy": "raw in-memory copy", "mooncake": "raw Mooncake write"}
+
+
+def bench_modes() -> tuple[str, ...]:
+    """Every registered mode with a benchmark (its spec's ``bench``), in registration order."""
+    from rlplacement.transfer import registry
+
+    return tuple(name for name, s in registry.specs().items() if s.bench is not None)
+
+
+def _bench_spec(mode: str):
+    from rlplacement.transfer import registry
+
+    return registry.spec(mode).bench
 
 
 def qwen3_shaped_tensors(size_mb: float, num_tensors: int, *, seed: int = 0):
@@ -75,15 +84,20 @@ class _Served:
         torch._foreach_copy_(self.tensors, [t for _, t in staged])
 
 
-def _receiver_main(conn, device: str) -> None:
+def _receiver_main(conn, device: str, extra_specs: tuple = ()) -> None:
     """Child process: join groups on command, then do one transfer per "go" and ack it (after the
-    device has finished it, for CUDA)."""
+    device has finished it, for CUDA). ``extra_specs``: modes the parent registered beyond the built-in
+    ones, registered here too."""
     import torch
 
     from rlplacement.rendezvous import join_store
     from rlplacement.transfer import group as groups
     from rlplacement.transfer import registry
     from rlplacement.transfer.base import TransferEndpoint
+
+    for extra in extra_specs:
+        if extra.name not in registry.specs():
+            registry.register_mode(extra)
 
     torch.set_num_threads(1)
     cuda = device.startswith("cuda")
@@ -100,9 +114,9 @@ def _receiver_main(conn, device: str) -> None:
         if cmd[0] == "join":
             _, key, endpoint, nbytes = cmd
             if endpoint.get("mode") == "raw_mooncake":  # the p2p ceiling: a registered buffer, written to
-                from rlplacement.transfer.p2p import _Engine
+                from rlplacement.transfer.p2p.mooncake import MooncakeEngine
 
-                engine = _Engine("127.0.0.1", endpoint["protocol"])
+                engine = MooncakeEngine("127.0.0.1", endpoint["protocol"])
                 buf = torch.zeros(nbytes, dtype=torch.uint8)  # pre-faulted
                 joined[key] = ("none", engine, buf)
                 conn.send(("joined", engine.session, engine.register(buf)))
@@ -116,7 +130,7 @@ def _receiver_main(conn, device: str) -> None:
             else:
                 receiver = registry.receiver_class(e.mode)(device)
                 receiver.connect(e, 1)
-                joined[key] = ("mode", receiver, _Served() if e.mode == "cuda_ipc" else None)
+                joined[key] = ("mode", receiver, _Served() if registry.spec(e.mode).bench.copies_at_commit else None)
             conn.send("joined")
         elif cmd[0] == "go":
             _, key, version = cmd
@@ -137,7 +151,8 @@ class Bench:
     """A receiver process holding one group per contender; contenders take turns each repeat, so
     a busy machine slows them alike."""
 
-    def __init__(self, timeout_s: float = 60.0, device: str = "cpu", *, same_device: bool = False):
+    def __init__(self, timeout_s: float = 60.0, device: str = "cpu", *, same_device: bool = False,
+                 extra_specs: tuple = ()):
         """``device``: where the sender's tensors live (cpu: gloo; cuda: NCCL, receiver on the
         next GPU when there is one, or on the same GPU with ``same_device``, as for cuda_ipc)."""
         import multiprocessing as mp
@@ -151,7 +166,7 @@ class Bench:
             recv_device = "cuda:0" if same_device else f"cuda:{1 % torch.cuda.device_count()}"
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_main, args=(child, recv_device), daemon=True)
+        self.proc = ctx.Process(target=_receiver_main, args=(child, recv_device, extra_specs), daemon=True)
         self.proc.start()
         self.timeout_s = timeout_s
         self._send: dict[str, Callable[[int], None]] = {}
@@ -178,7 +193,7 @@ class Bench:
         sender.connect()
         self._ack()
         # the bench's tensors are its own, unchanged while a transfer runs: resident, as a trainer's parameters
-        resident = mode == "cuda_ipc"
+        resident = _bench_spec(mode).resident
 
         def send(version: int) -> None:
             report = sender.update(version, named, resident=resident)
@@ -214,13 +229,13 @@ class Bench:
         registered buffer here into a registered buffer in the receiver process."""
         import torch
 
-        from rlplacement.transfer.p2p import SLICE_BYTES, _Engine
+        from rlplacement.transfer.p2p.mooncake import SLICE_BYTES, MooncakeEngine
 
         self.conn.send(("join", key, {"mode": "raw_mooncake", "protocol": protocol}, nbytes))
         if not self.conn.poll(self.timeout_s):
             raise TimeoutError(f"receiver process gave no answer within {self.timeout_s}s")
         _, session, dst = self.conn.recv()
-        engine = _Engine("127.0.0.1", protocol)
+        engine = MooncakeEngine("127.0.0.1", protocol)
         src = torch.ones(nbytes, dtype=torch.uint8)
         ptr = engine.register(src)
         offsets = list(range(0, nbytes, SLICE_BYTES))
@@ -300,31 +315,37 @@ def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int,
     """One row per mode, in ``modes`` order. The colocated mode runs in its own receiver process on
     the sender's device (NCCL refuses two ranks on one GPU), next to its own ceiling."""
     named = qwen3_shaped_tensors(size_mb, num_tensors)
-    wire_device, ipc_device = resolve_device(device)
+    wire_device, same_device = resolve_device(device)
     rows: dict[str, dict] = {}
-    # p2p measures host memory: the Mooncake build installed here is the CPU one (mooncake tcp)
-    for group, dev in (([m for m in modes if m in ("broadcast", "broadcast_packed")], wire_device),
-                       ([m for m in modes if m == "cuda_ipc"], ipc_device),
-                       ([m for m in modes if m == "p2p"], "cpu")):
+    # each mode's spec says where its tensors live: the broadcast device, its own (colocated) device, or the
+    # host (p2p: the Mooncake build installed here is the CPU one, mooncake tcp)
+    for where, dev in (("wire", wire_device), ("same", same_device), ("cpu", "cpu")):
+        group = [m for m in modes if _bench_spec(m).device == where]
         if group:
-            rows.update(_run_group(group, named, buffer_size=buffer_size, repeats=repeats, device=dev))
+            rows.update(_run_group(group, named, buffer_size=buffer_size, repeats=repeats, device=dev,
+                                   same_device=where == "same"))
     return [rows[m] for m in modes]
 
 
-def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, device: str) -> dict[str, dict]:
-    bench = Bench(device=device, same_device="cuda_ipc" in modes)
+def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, device: str,
+               same_device: bool) -> dict[str, dict]:
+    from rlplacement.transfer import registry
+
+    extra = tuple(registry.spec(m) for m in modes if registry.spec(m).sender.partition(":")[0].rpartition(".")[0]
+                  not in registry.BUILTIN_PACKAGES)
+    bench = Bench(device=device, same_device=same_device, extra_specs=extra)
     named = [(n, t.to(bench.device)) for n, t in named]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     try:
-        for key in dict.fromkeys(CEILING_KEY[m] for m in modes):
-            {"ceiling": bench.add_ceiling, "copy_ceiling": bench.add_copy_ceiling,
-             "mooncake_ceiling": bench.add_mooncake_ceiling}[key](key, nbytes)
+        for key in dict.fromkeys(_bench_spec(m).ceiling for m in modes):
+            {"broadcast": bench.add_ceiling, "copy": bench.add_copy_ceiling,
+             "mooncake": bench.add_mooncake_ceiling}[key](key, nbytes)
         for mode in modes:
             bench.add_mode(mode, named, buffer_size)
         rounds = bench.time_all(repeats)
         rows = {}
         for mode in modes:
-            ceiling = rounds[CEILING_KEY[mode]]
+            ceiling = rounds[_bench_spec(mode).ceiling]
             seconds, ceiling_seconds = statistics.median(rounds[mode]), statistics.median(ceiling)
             # each round's run over its own ceiling run, moments apart: the spread says how far one number
             # can be trusted on a shared machine (the gloo ceiling alone spans 2.0-3.0 GB/s on 2 cores)
@@ -335,33 +356,30 @@ def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, devic
                           "ratio_per_round_quartiles": [paired[len(paired) // 4], statistics.median(paired),
                                                         paired[(3 * len(paired)) // 4]],
                           "buffer_size": buffer_size, "transport": transport_of(mode, bench.device)}
-            if mode == "cuda_ipc":  # buckets (pack, copy to staging, copy at commit) or direct (one copy)
-                rows[mode].update(path=bench.paths[mode],
-                                  direct_refusal=bench.fallbacks[mode])
+            if _bench_spec(mode).resident:  # it may read them in place: which path it took (cuda_ipc: buckets or direct)
+                rows[mode].update(path=bench.paths[mode], direct_refusal=bench.fallbacks[mode])
         return rows
     finally:
         bench.close()
 
 
 def transport_of(mode: str, device: str) -> str:
-    """What a row measured: nccl or gloo for the broadcast modes, cuda ipc or shared memory for cuda_ipc."""
-    cuda = device.startswith("cuda")
-    if mode == "cuda_ipc":
-        return "cuda ipc" if cuda else "shared memory"
-    if mode == "p2p":
-        return "mooncake tcp"
-    return "nccl" if cuda else "gloo"
+    """What a row measured, by the sender's device type (the mode's spec: gloo or nccl for the broadcast
+    modes, shared memory or cuda ipc for cuda_ipc, mooncake tcp for p2p)."""
+    return _bench_spec(mode).transport["cuda" if device.startswith("cuda") else "cpu"]
 
 
 def ceiling_name(mode: str, device: str) -> str:
-    if mode == "cuda_ipc":
-        return "raw in-GPU copy" if device.startswith("cuda") else "raw in-memory copy"
-    return CEILING_OF[mode]
+    ceiling = _bench_spec(mode).ceiling
+    if ceiling == "copy" and device.startswith("cuda"):
+        return "raw in-GPU copy"
+    return CEILING_NAMES[ceiling]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="time weight-transfer modes against the raw transport")
-    p.add_argument("--mode", default="all", help=f"one of {', '.join(BENCH_MODES)}, or all (default)")
+    p.add_argument("--mode", default="all", help="a mode with a benchmark (broadcast, broadcast_packed, cuda_ipc, "
+                                                 "p2p, or one registered with a bench), or all (default)")
     p.add_argument("--size-mb", type=float, default=400.0, help="model size in MB (bf16)")
     p.add_argument("--num-tensors", type=int, default=311, help="about this many tensors (11 per layer + 3)")
     p.add_argument("--bucket-mb", type=float, default=64.0,
@@ -376,10 +394,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from rlplacement.errors import CliError
 
-    modes = list(BENCH_MODES) if args.mode == "all" else [args.mode]
-    unknown = [m for m in modes if m not in BENCH_MODES]
+    known = bench_modes()
+    modes = list(known) if args.mode == "all" else [args.mode]
+    unknown = [m for m in modes if m not in known]
     if unknown:
-        raise CliError(f"--mode {unknown[0]!r} has no benchmark: use one of {', '.join(BENCH_MODES)} or all")
+        raise CliError(f"--mode {unknown[0]!r} has no benchmark: use one of {', '.join(known)} or all")
     for flag, value in (("--size-mb", args.size_mb), ("--num-tensors", args.num_tensors),
                         ("--bucket-mb", args.bucket_mb), ("--repeats", args.repeats)):
         if value <= 0:

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_BUFFER_SIZE = 512 * 1024 * 1024
-DEFAULT_P2P_TRANSFER_TIMEOUT_S = 30.0
 ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -80,25 +79,21 @@ class PlacementConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransferConfig:
-    """How weights reach the engines after every optimizer step."""
+    """How weights reach the engines after every optimizer step: the settings every mode shares, and the
+    requested mode's own options (its ``ModeSpec.options`` dataclass, ``rlplacement.transfer.spec``)."""
 
     mode: str
-    """The transfer mode that runs: ``cuda_ipc`` under ``--colocate``, else ``requested_mode``."""
+    """The transfer mode that runs: the colocated one (``cuda_ipc``) under ``--colocate``, else ``requested_mode``."""
     requested_mode: str = "broadcast"
-    """What ``--update-weight-transfer-mode`` asked for (under ``--colocate`` a broadcast mode, which the
-    colocated IPC path replaces; a framework plug-in emitting a split layout uses it)."""
+    """What ``--update-weight-transfer-mode`` asked for (under ``--colocate`` a mode the colocated path
+    replaces; a framework plug-in emitting a split layout uses it)."""
     buffer_size: int = DEFAULT_BUFFER_SIZE
     """Bucket size in bytes: tensors are packed into buckets of at most this (a larger tensor goes alone)."""
-    disk_dir: str | None = None
-    """disk-delta: the folder every engine reads versions from (required for that mode)."""
-    delta_encoding: str = "xor"
-    """disk-delta: ``xor`` (apply exactly once) or ``overwrite`` (idempotent)."""
-    p2p_protocol: str = "tcp"
-    """p2p: the Mooncake transport, resolved (``rdma`` where the host has an RDMA device, else ``tcp``)."""
-    p2p_timeout_s: float = DEFAULT_P2P_TRANSFER_TIMEOUT_S
-    """p2p: seconds one bucket's writes may take before the update fails naming the engine."""
     check_equal: bool = False
     """After every update, compare per-tensor checksums of trainer and engines; a mismatch fails the update."""
+    options: Any = None
+    """``requested_mode``'s options (a frozen dataclass, validated and resolved for this run: disk-delta's
+    folder, p2p's transport); None for a mode that has none."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ def test_defaults_follow_miles():
     assert cfg.placement.actor_num_nodes == 1 and cfg.placement.actor_num_gpus_per_node == 8
     assert cfg.placement.rollout_num_gpus_per_engine == 1 and cfg.placement.num_gpus_per_node == 8
     assert cfg.transfer.mode == "broadcast" and cfg.transfer.buffer_size == 512 * 1024 * 1024
-    assert cfg.transfer.p2p_timeout_s == 30.0 and cfg.backend.name == "megatron"
+    assert cfg.transfer.options is None and cfg.backend.name == "megatron"  # broadcast has no options of its own
 
 
 def test_add_arguments_skips_flags_the_parser_has():
@@ -140,7 +140,8 @@ def test_rljob_refuses_a_mode_not_built_before_any_process_starts(tmp_path, monk
 
     config = config_from_args(build_parser().parse_args(
         ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--update-weight-transfer-mode", "p2p"]))
-    monkeypatch.delitem(registry.MODES, "p2p")  # a config made before the mode left this build
+    registry.specs()  # the built-in modes registered
+    monkeypatch.delitem(registry._SPECS, "p2p")  # a config made before the mode left this build
     was_up = ray.is_initialized()
     with pytest.raises(ConfigError, match=r"weight transfer 'p2p' \(from --update-weight-transfer-mode\) is not "
                                           r"available in this build: use one of broadcast, broadcast_packed, cuda_ipc, "
@@ -161,7 +162,7 @@ def test_p2p_protocol_defaults_to_the_hosts_transport_and_keeps_a_set_value(monk
         with pytest.raises(ConfigError, match=r"--p2p-protocol rdma: this host has no RDMA device .* use --p2p-protocol tcp"):
             config_from_args(build_parser().parse_args(argv))
     else:
-        assert config_from_args(build_parser().parse_args(argv)).transfer.p2p_protocol == want
+        assert config_from_args(build_parser().parse_args(argv)).transfer.options.protocol == want
 
 
 def test_every_flag_works_on_a_base_install():
@@ -184,7 +185,8 @@ def test_choice_flags_follow_their_registries(monkeypatch, capsys):
     cfg = config_from_args(parse("--rollout-num-gpus", "8", "--train-backend", "my_backend"))
     assert cfg.backend.name == "my_backend"
     assert "my_backend" in build_parser().format_help()
-    monkeypatch.delitem(modes.MODES, "p2p")
+    modes.specs()  # the built-in modes registered
+    monkeypatch.delitem(modes._SPECS, "p2p")
     with pytest.raises(SystemExit):
         parse("--update-weight-transfer-mode", "p2p")
     assert "invalid choice: 'p2p'" in capsys.readouterr().err
@@ -197,11 +199,12 @@ def test_each_flag_default_is_its_config_field_default():
     """Defaults are written once, on the configs; the flags read them."""
     from rlplacement.args import flag_default
     from rlplacement.config import BackendConfig, PlacementConfig, TransferConfig, default_of
+    from rlplacement.transfer.p2p import P2POptions
 
     pairs = {("actor_num_gpus_per_node", PlacementConfig, "actor_num_gpus_per_node"),
              ("update_weight_transfer_mode", TransferConfig, "requested_mode"),
              ("update_weight_buffer_size", TransferConfig, "buffer_size"),
-             ("p2p_transfer_timeout", TransferConfig, "p2p_timeout_s"),
+             ("p2p_transfer_timeout", P2POptions, "transfer_timeout_s"),
              ("train_backend", BackendConfig, "name")}
     for dest, cls, field in pairs:
         assert flag_default(dest) == default_of(cls, field), dest

@@ -108,7 +108,7 @@ def test_emit_miles_flags_load_our_protocol(capsys):
     assert module == "rlplacement.integrations.miles"
     getattr(miles, attr).validate_args(args)
     protocol = getattr(miles, attr)(args)
-    assert protocol.mode == "p2p" and protocol.config.check_equal and protocol.config.p2p_protocol == "tcp"
+    assert protocol.mode == "p2p" and protocol.config.check_equal and protocol.config.options.protocol == "tcp"
 
 
 def test_plan_describes_a_cluster_so_it_does_not_check_this_hosts_rdma(capsys):

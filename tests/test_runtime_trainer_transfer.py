@@ -115,8 +115,8 @@ def test_the_trainer_refuses_to_free_weights_engines_may_map_until_told_they_let
     import torch
 
     from rlplacement.runtime.trainer_worker import TrainerWorker
-    from rlplacement.transfer.ipc import IpcSender
-    from rlplacement.transfer.ipc_direct import AllocationExports
+    from rlplacement.transfer.cuda_ipc.sender import IpcSender
+    from rlplacement.transfer.cuda_ipc.direct import AllocationExports
 
     offloads = []
     worker = TrainerWorker(0, 1)

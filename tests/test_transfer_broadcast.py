@@ -13,7 +13,7 @@ from rlplacement.errors import PeerError
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import (TransferError, UpdateAborted, WeightMismatchError, WeightUpdateError,
                                        tensor_checksum)
-from rlplacement.transfer.broadcast import BroadcastReceiver
+from rlplacement.transfer.broadcast.receiver import BroadcastReceiver
 
 MODES = ("broadcast", "broadcast_packed", "cuda_ipc", "p2p")  # p2p: real Mooncake over loopback TCP
 

@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 from rlplacement.transfer import delta_codec as codec
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import TransferEndpoint, TransferError, UpdateAborted, WeightMismatchError
-from rlplacement.transfer.disk_delta import (INDEX_NAME, DeltaUpdateReport, DiskDeltaReceiver, DiskDeltaSender,
-                                             index_checksum, read_pointer, version_folder)
+from rlplacement.transfer.disk_delta.folder_format import INDEX_NAME, index_checksum, read_pointer, version_folder
+from rlplacement.transfer.disk_delta.receiver import DiskDeltaReceiver
+from rlplacement.transfer.disk_delta.sender import DeltaUpdateReport, DiskDeltaSender
 
 SHARD = 4096  # several shards per version
 

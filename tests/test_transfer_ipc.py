@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlplacement.transfer.base import TransferError, UpdateAborted
-from rlplacement.transfer.shared_buffers import OpenedBuffer, SharedSlots, leftover_shm_files
+from rlplacement.transfer.cuda_ipc.buckets import OpenedBuffer, SharedSlots, leftover_shm_files
 from tests.test_transfer_broadcast import Session, _model
 
 
@@ -125,7 +125,7 @@ def test_direct_manifest_views_keep_row_groups_and_name_their_hf_shapes_cpu_stan
     import json
     import socket
 
-    from rlplacement.transfer import ipc_direct
+    from rlplacement.transfer.cuda_ipc import direct as ipc_direct
     from rlplacement.transfer.base import TransferError
 
     fused = torch.randn(24, 8)  # a fused QKV of two query groups: 12 rows each, its 8 q rows first

@@ -47,7 +47,7 @@ def _connected_sender(endpoint_q, keep_mapped: bool, check_equal: bool):
     for _ in range(N_RECEIVERS):
         endpoint_q.put(endpoint.to_dict())
     sender.connect()
-    sender.exports.keep_mapped = keep_mapped
+    sender.exports.keep_mapped = keep_mapped  # as keep_mapped_between_updates() sets it, or not
     return sender
 
 
@@ -72,7 +72,7 @@ def _sender(alloc_conf, endpoint_q, result_q, fault, keep_mapped, check_equal):
                 out["failed"][v] = f"{type(exc).__name__}: {exc}"
             out["rounds"][v] = sender.last_direct_rounds
             out["sums"][v] = {n: tensor_checksum(t) for n, t in named}
-        from rlplacement.transfer.cuda_driver import allocation_of
+        from rlplacement.transfer.cuda_ipc.driver import allocation_of
 
         out.update(exported=sender.exports.handles_exported, refusal=sender.direct_refusal,
                    allocations=len({allocation_of(t.data_ptr()).buffer_id for _, t in named}))
@@ -206,7 +206,7 @@ def test_expandable_segments_fall_back_to_buckets_and_say_why():
 
 def test_reloaded_trainer_state_lies_in_one_allocation():
     from rlplacement.backends.offload import HostOffload
-    from rlplacement.transfer.cuda_driver import allocation_of
+    from rlplacement.transfer.cuda_ipc.driver import allocation_of
 
     tensors = [torch.randn(n, device="cuda") for n in (300_000, 2_000_000, 5_000_000, 700_000, 64)]
     before = [t.cpu() for t in tensors]  # nothing else on the GPU: every segment is free once offloaded
@@ -221,8 +221,8 @@ def test_reloaded_trainer_state_lies_in_one_allocation():
 def test_the_driver_is_asked_again_only_after_the_allocator_freed_or_made_a_segment(monkeypatch):
     """Exports are re-checked with the driver only when torch's allocator changed its segments; a
     tensor re-made in a new allocation (even at the same address) is then exported afresh."""
-    from rlplacement.transfer import cuda_driver
-    from rlplacement.transfer.ipc_direct import AllocationExports
+    from rlplacement.transfer.cuda_ipc import driver as cuda_driver
+    from rlplacement.transfer.cuda_ipc.direct import AllocationExports
 
     asked = []
     real = cuda_driver.allocation_of

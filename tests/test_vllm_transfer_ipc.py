@@ -18,7 +18,7 @@ from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
 from rlplacement.runtime import transfer_driver as driver  # noqa: E402
 from tests.transfer_helpers.cluster import outputs, start_trainer_and_engines  # noqa: E402
 from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
-from rlplacement.transfer.shared_buffers import leftover_shm_files  # noqa: E402
+from rlplacement.transfer.cuda_ipc.buckets import leftover_shm_files  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -49,7 +49,9 @@ import dataclasses
 import math
 
 from rlplacement.advisor.measure import Measurement, Placement
-from rlplacement.advisor.thresholds import MODE_EFFICIENCY, ModelAssumptions
+from rlplacement.advisor.thresholds import ModelAssumptions
+from rlplacement.transfer import registry
+from rlplacement.transfer.spec import DISK, IPC
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,17 +79,21 @@ class Prediction:
 
 
 def transfer_path(p: Placement, mode: str, num_gpus_per_node: int, a: ModelAssumptions) -> tuple[str, float]:
-    """(path name, achieved Gb/s) of ``mode`` in layout ``p``: CUDA IPC colocated, the disk for
-    disk-delta, NVLink when the layout fits one node, the network otherwise."""
+    """(path name, achieved Gb/s) of ``mode`` in layout ``p``: the colocated mode's CUDA IPC colocated,
+    the disk for a mode whose spec says so, NVLink when the layout fits one node, the network otherwise;
+    scaled by the mode's ``advisor_efficiency`` (its spec's estimate)."""
     if p.colocate:
+        mode = registry.colocated_mode()
+    spec = registry.spec(mode)
+    if p.colocate or spec.advisor_path == IPC:
         name, gbps = "cuda_ipc", a.ipc_gbps
-    elif mode == "disk-delta":
+    elif spec.advisor_path == DISK:
         name, gbps = "disk", a.disk_gbps
     elif p.total_gpus <= num_gpus_per_node:
         name, gbps = "nvlink", a.nvlink_gbps
     else:
         name, gbps = "network", a.link_gbps
-    return f"{name}/{mode}", gbps * MODE_EFFICIENCY[mode]
+    return f"{name}/{mode}", gbps * spec.advisor_efficiency
 
 
 def _harmonic(n: float) -> float:
@@ -103,8 +109,8 @@ class StepModel:
     # ---- sync ------------------------------------------------------------------------------
     def _mode(self, p: Placement) -> str:
         if p.colocate:
-            return "cuda_ipc"
-        if not self.m.placement.colocate and self.m.transfer_mode in MODE_EFFICIENCY:
+            return registry.colocated_mode()
+        if not self.m.placement.colocate and self.m.transfer_mode in registry.selectable_modes():
             return self.m.transfer_mode
         return self.assumptions.transfer_mode
 

@@ -40,14 +40,6 @@ class Thresholds:
                                  f"{field_help(Thresholds)[name]}")
 
 
-# Achieved share of the path's bandwidth per transfer mode: estimates, kept conservative. Sources:
-# verl's NCCL receive at ~16% of a NIC (shared/ANCHORS.md) for broadcast; for the whole update on
-# 2 H200s benchmarks/gpu/results/split_h200.json measured broadcast 0.49-0.56 and broadcast_packed
-# 0.55-0.64 of a flat NCCL broadcast at 4B-8B, and colocate_h200.json cuda_ipc 0.16-0.27 of an in-GPU
-# copy at 4B-8B (direct path; fixed costs of ~14-20 ms dominate there); p2p measured 0.82-0.85 of a raw Mooncake TCP write on
-# CPU (no RDMA run yet: an estimate); disk-delta's share is
-# taken against disk_gbps.
-MODE_EFFICIENCY = {"broadcast": 0.2, "broadcast_packed": 0.5, "p2p": 0.5, "disk-delta": 1.0, "cuda_ipc": 0.5}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,9 +75,10 @@ class ModelAssumptions:
         for name in ("link_gbps", "nvlink_gbps", "ipc_gbps", "disk_gbps", "host_gbps", "handoff_bytes_ratio"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.transfer_mode not in MODE_EFFICIENCY or self.transfer_mode == "cuda_ipc":
-            modes = [m for m in MODE_EFFICIENCY if m != "cuda_ipc"]
-            raise ValueError(f"--transfer-mode {self.transfer_mode!r} is unknown: use one of {modes}")
+        from rlplacement.transfer.registry import selectable_modes
+
+        if self.transfer_mode not in selectable_modes():
+            raise ValueError(f"--transfer-mode {self.transfer_mode!r} is unknown: use one of {list(selectable_modes())}")
         if not 1 <= self.rollout_length_exponent <= 2:
             raise ValueError(f"--rollout-length-exponent {self.rollout_length_exponent} must be in [1, 2]")
 

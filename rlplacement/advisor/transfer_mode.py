@@ -3,9 +3,9 @@
 Each candidate's sync time = the run's fixed cost (its measured sync minus its own wire time,
 as the step-time model splits it) + the bytes that mode puts on its path / that path's achieved
 bandwidth (``ModelAssumptions``: ``--link-gbps`` for a cluster's links, NVLink inside a node,
-``--disk-gbps`` for disk-delta, ``MODE_EFFICIENCY`` per mode). disk-delta moves only the changed
-bytes: the run's measured ``perf/update_weights_density`` when it ran disk-delta, else
-``--delta-density`` (an estimate). A colocated run has one path (CUDA IPC): nothing to choose.
+``--disk-gbps`` for a mode on the disk path, each mode's ``ModeSpec.advisor_efficiency``). A mode
+that moves only the changed bytes (disk-delta) is scaled by the run's measured
+``perf/update_weights_density`` when it ran that mode, else ``--delta-density`` (an estimate). A colocated run has one path (CUDA IPC): nothing to choose.
 The measured mode keeps its measured sync time; the recommendation is the fastest candidate when
 it saves at least ``min_gain`` of the measured sync (``--min-gain``), else the current mode.
 """
@@ -17,8 +17,8 @@ import dataclasses
 from rlplacement.advisor.measure import Measurement
 from rlplacement.advisor.model import transfer_path
 from rlplacement.advisor.thresholds import ModelAssumptions
+from rlplacement.transfer import registry
 
-SPLIT_MODES = ("broadcast", "broadcast_packed", "p2p", "disk-delta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,17 +29,19 @@ class ModeAdvice:
 
 
 def advise_transfer_mode(m: Measurement, a: ModelAssumptions = ModelAssumptions(), min_gain: float = 0.05) -> ModeAdvice:
-    current = "cuda_ipc" if m.placement.colocate else (m.transfer_mode or a.transfer_mode)
-    if m.placement.colocate or not m.sync_bytes or current not in SPLIT_MODES:
+    split_modes = registry.selectable_modes()
+    current = registry.colocated_mode() if m.placement.colocate else (m.transfer_mode or a.transfer_mode)
+    if m.placement.colocate or not m.sync_bytes or current not in split_modes:
         return ModeAdvice(current, 0.0, {current: m.sync_time})
-    density = m.sync_density if (current == "disk-delta" and m.sync_density) else a.delta_density
+    changed_only = {mode for mode in split_modes if registry.spec(mode).moves_changed_bytes_only}
+    density = m.sync_density if (current in changed_only and m.sync_density) else a.delta_density
 
     def wire(mode: str) -> float:
-        nbytes = m.sync_bytes * (density if mode == "disk-delta" else 1.0)
+        nbytes = m.sync_bytes * (density if mode in changed_only else 1.0)
         return nbytes * 8 / (transfer_path(m.placement, mode, m.num_gpus_per_node, a)[1] * 1e9)
 
     fixed = max(0.0, m.sync_time - wire(current))
-    predicted = {mode: (m.sync_time if mode == current else fixed + wire(mode)) for mode in SPLIT_MODES}
+    predicted = {mode: (m.sync_time if mode == current else fixed + wire(mode)) for mode in split_modes}
     best = min(predicted, key=lambda mode: (predicted[mode], mode != current))
     if m.sync_time - predicted[best] < min_gain * m.sync_time:
         best = current

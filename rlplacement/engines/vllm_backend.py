@@ -41,7 +41,7 @@ class RlplacementInitInfo(WeightTransferInitInfo):
     rank_offset: int
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_equal: bool = False
-    p2p_protocol: str = "tcp"
+    mode_info: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

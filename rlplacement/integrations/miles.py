@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 from rlplacement.config import DEFAULT_BUFFER_SIZE
 from rlplacement.errors import ConfigError
-from rlplacement.integrations.options import TRANSFER_OPTION_KEYS, transfer_config
+from rlplacement.integrations.options import transfer_config, transfer_option_keys
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, NamedTensor, TransferError, WeightUpdateError
 
@@ -56,7 +56,8 @@ except ImportError:  # pragma: no cover - exercised wherever Miles is absent (CI
             metrics, self.update_weight_metrics = self.update_weight_metrics, {}
             return metrics
 
-MODES = {"broadcast": "broadcast", "broadcast_packed": "broadcast_packed", "p2p": "p2p", "disk_delta": "disk-delta"}
+# factory name -> our transfer mode (every mode whose spec names a Miles factory)
+MODES = {s.miles_factory: name for name, s in registry.specs().items() if s.miles_factory}
 _END = object()
 
 
@@ -77,7 +78,7 @@ def _mode_config(mode: str, args):
     if getattr(args, "lora_rank", 0):
         raise ConfigError("--lora-rank: rlplacement's protocols carry full weights, not LoRA adapters; "
                           "drop --lora-rank or use Miles' own transfer modes.")
-    options = {k: getattr(args, k) for k in TRANSFER_OPTION_KEYS if getattr(args, k, None) is not None}
+    options = {k: getattr(args, k) for k in transfer_option_keys() if getattr(args, k, None) is not None}
     return transfer_config(mode, getattr(args, "update_weight_buffer_size", DEFAULT_BUFFER_SIZE), options,
                            where="Miles args")
 
@@ -111,7 +112,6 @@ class RlplacementProtocol(_Base):
         if not self.is_sender:
             return
         from rlplacement.runtime.transfer_driver import engine_infos, group_size, join_refs, wait_all
-        from rlplacement.transfer.options import mode_options
 
         for i, engine in enumerate(self.rollout_engines):
             if not hasattr(engine, "init_transfer"):
@@ -122,7 +122,7 @@ class RlplacementProtocol(_Base):
         infos = engine_infos(self.rollout_engines, self.timeout_s)
         self._sender = registry.sender_class(self.mode)(
             self.config.buffer_size, check_equal=self.config.check_equal, timeout_s=self.timeout_s,
-            **mode_options(self.config, self.mode))
+            **registry.sender_options(self.config, self.mode))
         refs = join_refs(self.rollout_engines, infos, self._sender.listen(group_size(infos)).to_dict())
         try:
             self._sender.connect()  # returns once every engine worker has joined
@@ -231,7 +231,9 @@ def _factory(factory_name: str, mode: str) -> Callable[[Any], RlplacementProtoco
     return build
 
 
-broadcast = _factory("broadcast", "broadcast")
-broadcast_packed = _factory("broadcast_packed", "broadcast_packed")
-p2p = _factory("p2p", "p2p")
-disk_delta = _factory("disk_delta", "disk-delta")
+def __getattr__(name: str):
+    """``rlplacement.integrations.miles.<factory>`` for every mode whose spec names a Miles factory
+    (``--custom-weight-transfer-protocol-path`` points here)."""
+    if name in MODES:
+        return _factory(name, MODES[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

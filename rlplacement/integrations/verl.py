@@ -41,15 +41,9 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from rlplacement.integrations.options import transfer_config
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, NamedTensor, TransferEndpoint, TransferError
-from rlplacement.transfer.options import mode_options
 
-# verl backend name -> our transfer mode
-BACKENDS = {
-    "rlplacement_broadcast": "broadcast",
-    "rlplacement_broadcast_packed": "broadcast_packed",
-    "rlplacement_disk_delta": "disk-delta",
-    "rlplacement_p2p": "p2p",
-}
+# verl backend name -> our transfer mode (every mode whose spec names a verl backend)
+BACKENDS = {s.verl_backend: name for name, s in registry.specs().items() if s.verl_backend}
 VERL_KWARGS = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs"
 # options of this adapter itself, beside our transfer flags
 ADAPTER_KEYS = ("rebuild_group", "timeout_s", "hf_checkpoint")
@@ -174,7 +168,7 @@ class RlplacementCheckpointEngine(CheckpointEngine):
 
     def _join_as_sender(self, world_size: int, group: str) -> None:
         if self._sender is None:  # one sender for the engine's life: disk-delta keeps its history
-            options = mode_options(self.config, self.mode, self.base_dir)
+            options = registry.sender_options(self.config, self.mode, self.base_dir)
             self._sender = registry.sender_class(self.mode)(
                 self.config.buffer_size, check_equal=self.config.check_equal, timeout_s=self.timeout_s, **options)
         store, host, _ = self._rendezvous
@@ -224,4 +218,4 @@ def _register(backend: str, mode: str) -> type[RlplacementCheckpointEngine]:
     return CheckpointEngineRegistry.register(backend)(cls)
 
 
-ENGINES = {backend: _register(backend, mode) for backend, mode in BACKENDS.items() if mode in registry.MODES}
+ENGINES = {backend: _register(backend, mode) for backend, mode in BACKENDS.items()}

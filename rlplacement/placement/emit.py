@@ -14,13 +14,11 @@ from rlplacement.args import flag_default
 from rlplacement.config import DEFAULT_BUFFER_SIZE, Config
 from rlplacement.errors import ConfigError
 from rlplacement.placement.layout import compute_layout
+from rlplacement.transfer import registry
+from rlplacement.transfer.spec import flag_dest
 
 MIB = 1 << 20
 VERL_CE = "actor_rollout_ref.rollout.checkpoint_engine"
-VERL_BACKENDS = {"broadcast": "rlplacement_broadcast", "broadcast_packed": "rlplacement_broadcast_packed",
-                 "disk-delta": "rlplacement_disk_delta", "p2p": "rlplacement_p2p"}
-MILES_FACTORIES = {"broadcast": "broadcast", "broadcast_packed": "broadcast_packed", "disk-delta": "disk_delta",
-                   "p2p": "p2p"}
 # our transfer flags Miles defines itself (miles/utils/arguments.py); the others need
 # parse_args(add_custom_arguments=rlplacement.args.add_arguments) in the driver script
 MILES_OWN_FLAGS = {"update_weight_disk_dir", "update_weight_delta_encoding", "check_weight_update_equal",
@@ -28,12 +26,15 @@ MILES_OWN_FLAGS = {"update_weight_disk_dir", "update_weight_delta_encoding", "ch
 
 
 def _mode_options(config: Config, args) -> dict[str, object]:
-    """Our transfer options that differ from their defaults, by flag dest. ``--p2p-protocol`` only
-    as the user set it: the default is picked on each host (rdma where a device is), not here."""
+    """Our transfer options that differ from their defaults, by flag dest: the equality check and the
+    mode's own options (its spec's). An option whose flag is unset by default and resolved on each host
+    (``--p2p-protocol``: rdma where a device is) only as the user set it, not as this host resolved it."""
     t = config.transfer
-    values = {"update_weight_disk_dir": t.disk_dir, "update_weight_delta_encoding": t.delta_encoding,
-              "check_weight_update_equal": t.check_equal, "p2p_transfer_timeout": t.p2p_timeout_s,
-              "p2p_protocol": getattr(args, "p2p_protocol", None) if t.mode == "p2p" else None}
+    values: dict[str, object] = {"check_weight_update_equal": t.check_equal}
+    for field in registry.spec(t.mode).option_fields:
+        dest = flag_dest(field)
+        host_resolved = field.metadata["flag_default"] is None and field.default is not None
+        values[dest] = getattr(args, dest, None) if host_resolved else getattr(t.options, field.name)
     return {k: v for k, v in values.items() if v is not None and v != flag_default(k)}
 
 
@@ -66,7 +67,10 @@ def emit_verl(config: Config, args=None) -> list[str]:
     if t.buffer_size % MIB:
         raise ConfigError(f"--update-weight-buffer-size {t.buffer_size} is not a whole number of MiB: verl takes "
                           f"{VERL_CE}.update_weights_bucket_megabytes; use a multiple of {MIB}.")
-    backend = VERL_BACKENDS[t.mode]
+    backend = registry.spec(t.mode).verl_backend
+    if backend is None:
+        raise ConfigError(f"--update-weight-transfer-mode {t.mode} has no verl checkpoint-engine backend: use one of "
+                          f"{', '.join(n for n, s in registry.specs().items() if s.verl_backend)}.")
     overrides[:0] = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false"]
     overrides += [f"actor_rollout_ref.rollout.nnodes={split[0]}", f"actor_rollout_ref.rollout.n_gpus_per_node={split[1]}",
                   f"{VERL_CE}.backend={backend}", f"{VERL_CE}.custom_backend_module=rlplacement.integrations.verl",
@@ -89,8 +93,12 @@ def emit_miles(config: Config, args=None) -> list[str]:
         flags.append("--colocate")
         notes.append("# --colocate: Miles moves colocated weights with its own CUDA IPC path; no external protocol runs")
         return [" ".join(flags), *notes]
+    factory = registry.spec(t.mode).miles_factory
+    if factory is None:
+        raise ConfigError(f"--update-weight-transfer-mode {t.mode} has no Miles protocol factory: use one of "
+                          f"{', '.join(n for n, s in registry.specs().items() if s.miles_factory)}.")
     flags += ["--update-weight-transfer-mode external",
-              f"--custom-weight-transfer-protocol-path rlplacement.integrations.miles.{MILES_FACTORIES[t.mode]}"]
+              f"--custom-weight-transfer-protocol-path rlplacement.integrations.miles.{factory}"]
     if t.buffer_size != DEFAULT_BUFFER_SIZE:
         flags.append(f"--update-weight-buffer-size {t.buffer_size}")
     extra = []

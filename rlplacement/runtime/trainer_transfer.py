@@ -2,7 +2,7 @@
 the trainer worker (:mod:`rlplacement.runtime.trainer_worker`); the actor implements
 ``hf_named_tensors()`` (an iterator of full HF-named tensors, streamed; the backend may gather
 lazily) and the driver (:mod:`rlplacement.runtime.transfer_driver`) calls the ``transfer_*`` methods.
-Which options reach the sender is :func:`rlplacement.transfer.options.mode_options`."""
+Which options reach the sender is :func:`rlplacement.transfer.registry.sender_options`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Iterable
 
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, HFShapes, NamedTensor, TransferError, UpdateReport
-from rlplacement.transfer.options import mode_options
 
 
 class TrainerTransferMixin:
@@ -48,12 +47,12 @@ class TrainerTransferMixin:
                                    check_equal: bool | None = None) -> None:
         """Set up from ``rlplacement.config.TransferConfig``: the mode that runs (``cuda_ipc`` under
         --colocate) unless ``mode`` overrides it, with every option of that mode from the config
-        (:func:`mode_options`), so none is dropped on the way. ``base_dir``: the checkpoint the
+        (:func:`registry.sender_options`), so none is dropped on the way. ``base_dir``: the checkpoint the
         engines started from (disk-delta's version 0)."""
         mode = mode or transfer_config.mode
         check = transfer_config.check_equal if check_equal is None else check_equal
         self.transfer_setup(mode, transfer_config.buffer_size, check_equal=check, timeout_s=timeout_s, device=device,
-                            **mode_options(transfer_config, mode, base_dir))
+                            **registry.sender_options(transfer_config, mode, base_dir))
 
     def transfer_listen(self, world_size: int, host: str | None = None) -> dict:
         if self.transfer_sender is None:

@@ -85,7 +85,9 @@ class TransferEndpoint:
     group_name: str
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_equal: bool = False
-    p2p_protocol: str = "tcp"  # mode p2p: the Mooncake transport every receiver initialises
+    mode_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The mode's own init record (its ``ModeSpec.init_record``, e.g. p2p's Mooncake transport) as plain
+    data; every other field is every mode's."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

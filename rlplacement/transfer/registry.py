@@ -1,47 +1,101 @@
-"""Mode name -> (sender class, receiver class), imported lazily. Unknown names raise, listing
-the known ones: there is no default mode here (the flag's default lives in args.py)."""
+"""Mode name -> :class:`~rlplacement.transfer.spec.ModeSpec`. A mode's package registers its spec when
+imported (:func:`register_mode`); the built-in packages are imported on the first lookup, in the
+order ``--update-weight-transfer-mode`` offers them. Unknown names raise, listing the known ones:
+there is no default mode here (the flag's default lives in the config).
+
+Torch-free: a mode package's ``__init__`` defines its spec and options and imports its sender and
+receiver only when they are asked for.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from typing import Any
 
-# mode -> (module, sender class, receiver class); the modes a user picks with
-# --update-weight-transfer-mode first, in the order the flag offers them
-MODES: dict[str, tuple[str, str, str]] = {
-    "broadcast": ("rlplacement.transfer.broadcast", "BroadcastSender", "BroadcastReceiver"),
-    "broadcast_packed": ("rlplacement.transfer.broadcast_packed", "PackedBroadcastSender",
-                         "PackedBroadcastReceiver"),
-    # Mooncake Transfer Engine writes (RDMA, or TCP where RDMA is missing)
-    "p2p": ("rlplacement.transfer.p2p", "P2PSender", "P2PReceiver"),
-    "disk-delta": ("rlplacement.transfer.disk_delta", "DiskDeltaSender", "DiskDeltaReceiver"),
-    # --colocate: CUDA IPC handles on GPU, /dev/shm mappings on CPU (same protocol)
-    "cuda_ipc": ("rlplacement.transfer.ipc", "IpcSender", "IpcReceiver"),
-}
-COLOCATE_MODE = "cuda_ipc"  # chosen by --colocate, never by name
+from rlplacement.transfer.spec import COLOCATE, SPLIT, ModeSpec
+
+BUILTIN_PACKAGES = ("rlplacement.transfer.broadcast", "rlplacement.transfer.broadcast_packed",
+                    "rlplacement.transfer.p2p", "rlplacement.transfer.disk_delta", "rlplacement.transfer.cuda_ipc")
+_SPECS: dict[str, ModeSpec] = {}
+_builtins_loaded = False
+
+
+def register_mode(spec: ModeSpec) -> ModeSpec:
+    """Add ``spec`` (its package calls this where the spec is defined); a name taken already raises."""
+    if spec.name in _SPECS:
+        raise ValueError(f"transfer mode {spec.name!r} is already registered (known: {', '.join(sorted(_SPECS))})")
+    if not spec.layouts or not spec.layouts <= {SPLIT, COLOCATE}:
+        raise ValueError(f"transfer mode {spec.name!r}: layouts must be a non-empty subset of {{{SPLIT!r}, {COLOCATE!r}}}")
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def unregister_mode(name: str) -> None:
+    """Remove a mode (a plug-in's going away; a test's dummy mode after the test)."""
+    _load_builtins()
+    _SPECS.pop(name, None)
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for package in BUILTIN_PACKAGES:
+            importlib.import_module(package)
+
+
+def specs() -> dict[str, ModeSpec]:
+    """Every registered mode: the built-in ones in :data:`BUILTIN_PACKAGES` order (whichever package was
+    imported first), then the others in the order they registered."""
+    _load_builtins()
+
+    def rank(spec: ModeSpec) -> int:
+        package = spec.sender.partition(":")[0].rpartition(".")[0]
+        return BUILTIN_PACKAGES.index(package) if package in BUILTIN_PACKAGES else len(BUILTIN_PACKAGES)
+
+    return {s.name: s for s in sorted(_SPECS.values(), key=rank)}  # sorted() keeps registration order in a tie
+
+
+def spec(mode: str) -> ModeSpec:
+    known = specs()
+    if mode not in known:
+        raise ValueError(f"transfer mode {mode!r} is unknown: use one of {', '.join(sorted(known))} "
+                         f"(--update-weight-transfer-mode)")
+    return known[mode]
 
 
 def selectable_modes() -> tuple[str, ...]:
-    """The registered modes a user may name with --update-weight-transfer-mode (all but the colocated one)."""
-    return tuple(m for m in MODES if m != COLOCATE_MODE)
+    """The modes a user may name with ``--update-weight-transfer-mode`` (those serving split layouts)."""
+    return tuple(name for name, s in specs().items() if SPLIT in s.layouts)
 
 
-def register_mode(mode: str, module: str, sender: str, receiver: str) -> None:
-    if mode in MODES:
-        raise ValueError(f"transfer mode {mode!r} is already registered (known: {', '.join(sorted(MODES))})")
-    MODES[mode] = (module, sender, receiver)
+def colocated_mode() -> str:
+    """The mode ``--colocate`` runs (the one registered for colocated layouts)."""
+    found = [name for name, s in specs().items() if COLOCATE in s.layouts]
+    if len(found) != 1:
+        raise ValueError(f"exactly one transfer mode must serve colocated layouts, found {found or 'none'}")
+    return found[0]
 
 
-def _lookup(mode: str, which: int):
-    if mode not in MODES:
-        raise ValueError(f"transfer mode {mode!r} is unknown: use one of {', '.join(sorted(MODES))} "
-                         f"(--update-weight-transfer-mode)")
-    entry = MODES[mode]
-    return getattr(importlib.import_module(entry[0]), entry[which])
+def sender_class(mode: str) -> type:
+    return spec(mode).sender_class()
 
 
-def sender_class(mode: str):
-    return _lookup(mode, 1)
+def receiver_class(mode: str) -> type:
+    return spec(mode).receiver_class()
 
 
-def receiver_class(mode: str):
-    return _lookup(mode, 2)
+def sender_options(transfer_config, mode: str, base_dir: str | None = None) -> dict[str, Any]:
+    """The keyword arguments ``mode``'s sender takes from a ``rlplacement.config.TransferConfig``: the
+    fields of its options (a sender takes them by name and builds its options dataclass again, which
+    validates them), from the flags, or the mode's defaults when the config was built for another mode;
+    ``base_dir`` (the checkpoint the engines started from) where the options have such a field."""
+    s = spec(mode)
+    if s.options is None:
+        return {}
+    options = transfer_config.options if isinstance(transfer_config.options, s.options) else s.options()
+    kwargs = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    if base_dir is not None and "base_dir" in kwargs:
+        kwargs["base_dir"] = base_dir
+    return kwargs

@@ -1,6 +1,6 @@
 """Read-only probes run inside engine workers and actors (tests of mode ``cuda_ipc``)."""
 
-from rlplacement.transfer.shared_buffers import SHM_PREFIX
+from rlplacement.transfer.cuda_ipc.buckets import SHM_PREFIX
 
 
 def receiver_stats(worker) -> dict:

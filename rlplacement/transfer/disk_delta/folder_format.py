@@ -38,7 +38,6 @@ from rlplacement.transfer.base import TransferError, UpdateAborted
 if TYPE_CHECKING:
     import numpy as np
 
-MODE = "disk-delta"
 INDEX_NAME = "model.safetensors.index.json"
 POINTER_NAME = "latest"
 TMP_PREFIX = ".tmp-"

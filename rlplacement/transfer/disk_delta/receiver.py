@@ -20,7 +20,7 @@ from rlplacement.transfer import delta_codec as codec
 from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, ApplyFn, NamedTensor, TransferEndpoint, TransferError,
                                        WeightMismatchError)
 from rlplacement.transfer.disk_delta import folder_format
-from rlplacement.transfer.disk_delta.folder_format import MODE
+from rlplacement.transfer.disk_delta import MODE
 from rlplacement.transfer.staging import StagingReceiver
 
 if TYPE_CHECKING:
@@ -45,7 +45,6 @@ class DiskDeltaReceiver(StagingReceiver):
         super().__init__(device, version=version)
         self.base_dir = Path(base_dir) if base_dir is not None else None
         self.root: Path | None = None
-        self.rank: int | None = None
         self._group = None  # no process group; kept for callers that print the group's rank
         self._timeout_s = DEFAULT_TIMEOUT_S
         self._held: dict[str, tuple[str, tuple[int, ...], "np.ndarray"]] | None = None
@@ -65,7 +64,7 @@ class DiskDeltaReceiver(StagingReceiver):
         if not root.is_dir():
             raise TransferError(f"--update-weight-disk-dir {root} is not a folder this engine can read "
                                 f"(disk-delta needs a folder shared by the trainer and the engines)")
-        self.root, self.rank, self._timeout_s = root, rank, endpoint.timeout_s
+        self.root, self._timeout_s = root, endpoint.timeout_s
         cached = _COMMITTED.get((str(root), rank))
         if self._held is None and cached is not None and cached[0] == self._version:
             _, self._held, self._held_sums = cached

@@ -25,8 +25,7 @@ from rlplacement.transfer import delta_codec as codec
 from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, HFShapes, NamedTensor, TransferEndpoint, TransferError,
                                        UpdateAborted, UpdateReport, WeightSender, hf_shaped)
 from rlplacement.transfer.disk_delta import folder_format
-from rlplacement.transfer.disk_delta.folder_format import MODE
-from rlplacement.transfer.options import DiskDeltaOptions
+from rlplacement.transfer.disk_delta import MODE, DiskDeltaOptions
 
 if TYPE_CHECKING:
     import numpy as np

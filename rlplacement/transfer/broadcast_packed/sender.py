@@ -1,25 +1,19 @@
-"""Mode ``broadcast_packed``: the ``broadcast`` wire with one broadcast of the whole flat bucket
-instead of one per tensor (mixed dtypes share the uint8 buffer; offsets are in the manifest).
-
-The sender packs into two buffers it keeps across updates and alternates between them: bucket
-i+1 is packed (before its header is sent) while bucket i is on the wire; a slot is reused only
-after its broadcast has completed. The receiver receives straight into its staging buffer, so each bucket costs one
-collective and no copy on that side.
-"""
+"""Trainer side of ``broadcast_packed``: pack bucket i+1 into the other kept slot while bucket i is
+on the wire; a slot is refilled only after its broadcast completed."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
 from rlplacement.transfer.base import BucketManifest, NamedTensor
-from rlplacement.transfer.broadcast import BroadcastReceiver, BroadcastSender
+from rlplacement.transfer.wire import FramedSender
 from rlplacement.transfer.bucket import pack_into
 
 if TYPE_CHECKING:
     import torch
 
 
-class PackedBroadcastSender(BroadcastSender):
+class PackedBroadcastSender(FramedSender):
     mode: ClassVar[str] = "broadcast_packed"
     NUM_SLOTS = 2
 
@@ -42,11 +36,3 @@ class PackedBroadcastSender(BroadcastSender):
         in_flight = self._in_flight
         while in_flight:
             in_flight.pop(min(in_flight)).wait()
-
-
-class PackedBroadcastReceiver(BroadcastReceiver):
-    mode: ClassVar[str] = "broadcast_packed"
-
-    def _recv_payload(self, buf: "torch.Tensor", manifest: BucketManifest) -> None:
-        if manifest.nbytes:
-            self._group.broadcast(buf[:manifest.nbytes])

@@ -1,30 +1,37 @@
-"""Mode ``broadcast``: a private group of trainer rank 0 + every engine worker; per bucket the
-manifest goes first, then one broadcast per tensor.
+"""The framed wire four modes share (``broadcast``, ``broadcast_packed``, ``p2p``, ``cuda_ipc``): a
+private group of trainer rank 0 + every engine worker, control frames as broadcasts from rank 0, and
+the frame loop on both sides. A mode subclasses :class:`FramedSender` and :class:`FramedReceiver` and
+changes how one bucket's bytes travel (``_send_payload`` / ``_recv_payload``) and, where it must
+answer per bucket, ``_take_bucket``.
 
 Wire, per update (every frame is a broadcast from rank 0):
-``header`` int64[4] = (kind, version, manifest_len, aux), then for a BUCKET the JSON manifest
-as uint8 and the payload; after the last bucket an END header (aux = tensor count); an ABORT
-header (plus a message) when the trainer's weight source failed. The payload step is the only
-thing ``broadcast_packed`` changes.
 
-Receivers drain to END even after spotting a checksum mismatch, so one engine's refusal never
-stalls the group for the others; they raise only once the update is fully off the wire.
+| frame | header int64[4] = (kind, version, manifest_len, aux) | then |
+|---|---|---|
+| :data:`KIND_BUCKET` | aux = the bucket's padded bytes | its JSON manifest as uint8 (empty when the group holds this very manifest for this bucket index), then the mode's payload |
+| :data:`KIND_END` | aux = tensors sent | nothing: the update is off the wire |
+| :data:`KIND_ABORT` | aux = 0 | the reason as UTF-8: the trainer's weight source failed, or a receiver said it could not stage |
+
+Kinds 4-6 belong to ``cuda_ipc`` (its package docstring has them). Receivers drain to END even after
+spotting a checksum mismatch, so one engine's refusal never stalls the group for the others; they
+raise only once the update is fully off the wire. :class:`AbortUpdate` is how a sender stops an
+update cleanly: every receiver gets an ABORT frame and the group stays usable.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, ClassVar, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from rlplacement.rendezvous import host_store, join_store
 from rlplacement.transfer import group as groups
 from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, HFShapes, Instants, NamedTensor,
                                        TransferEndpoint, TransferError, UpdateAborted, UpdateRefused, UpdateReport,
                                        WeightSender, hf_shaped)
-from rlplacement.transfer.bucket import (FlatBuffers, GroupFn, as_bytes, fused_group_of, iter_buckets,
-                                         plan_manifest, unpack)
+from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, iter_buckets, plan_manifest, unpack
 from rlplacement.transfer.staging import StagingReceiver
 
 if TYPE_CHECKING:
@@ -33,7 +40,7 @@ if TYPE_CHECKING:
 KIND_BUCKET, KIND_END, KIND_ABORT = 1, 2, 3
 
 
-class _AbortUpdate(Exception):
+class AbortUpdate(Exception):
     """Stop this update cleanly: every receiver gets an ABORT frame and the group stays usable."""
 
     what = "update"
@@ -42,13 +49,14 @@ class _AbortUpdate(Exception):
         return f"{self.what}: {self}"
 
 
-class _SourceFailed(_AbortUpdate):
+class SourceFailed(AbortUpdate):
     """The trainer's tensor iterator raised."""
 
     what = "the trainer's weight source failed"
 
 
-def _guard(named_tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
+def guard(named_tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
+    """``named_tensors`` with a failure of the trainer's source turned into :class:`SourceFailed`."""
     it = iter(named_tensors)
     while True:
         try:
@@ -56,20 +64,19 @@ def _guard(named_tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
         except StopIteration:
             return
         except Exception as exc:
-            raise _SourceFailed(f"{type(exc).__name__}: {exc}") from exc
+            raise SourceFailed(f"{type(exc).__name__}: {exc}") from exc
         yield item
 
 
-def _wire_device(backend: str, device: "torch.device") -> "torch.device":
+def wire_device(backend: str, device: "torch.device") -> "torch.device":
+    """Where frames and payloads live: host memory for gloo, the tensors' device for NCCL."""
     import torch
 
     return torch.device("cpu") if backend == "gloo" else device
 
 
-class BroadcastSender(WeightSender):
-    """Trainer rank 0: tensors -> buckets -> manifest + one broadcast per tensor."""
-
-    mode: ClassVar[str] = "broadcast"
+class FramedSender(WeightSender):
+    """Trainer rank 0: tensors -> buckets -> header + manifest frame, then the mode's payload per bucket."""
 
     def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: "torch.device | str | None" = None, group_of: GroupFn = fused_group_of):
@@ -78,7 +85,7 @@ class BroadcastSender(WeightSender):
         self.buffer_size, self.check_equal, self.timeout_s = buffer_size, check_equal, timeout_s
         self.device = torch.device(device) if device is not None else groups.default_device()
         self.backend = groups.backend_for(self.device)
-        self.wire_device = _wire_device(self.backend, self.device)
+        self.wire_device = wire_device(self.backend, self.device)
         self.group_of = group_of
         self.buffers = FlatBuffers(self.wire_device)
         self._store = self._endpoint = self._group = None
@@ -94,8 +101,12 @@ class BroadcastSender(WeightSender):
         host = host or groups.local_host()
         self._store, port = host_store(host, world_size, self.timeout_s)
         self._endpoint = TransferEndpoint(self.mode, host, port, world_size, self.backend,
-                                          uuid.uuid4().hex[:12], self.timeout_s, self.check_equal)
+                                          uuid.uuid4().hex[:12], self.timeout_s, self.check_equal, self._mode_info())
         return self._endpoint
+
+    def _mode_info(self) -> dict:
+        """The mode's own init record (``ModeSpec.init_record``) as the endpoint carries it."""
+        return {}
 
     def connect(self) -> None:
         if self._endpoint is None:
@@ -119,7 +130,7 @@ class BroadcastSender(WeightSender):
         try:
             num_tensors, num_buckets, nbytes, checksums, path = self._send_update(version, named_tensors, resident,
                                                                                 hf_shapes)
-        except _AbortUpdate as exc:
+        except AbortUpdate as exc:
             self._forget_sent()
             try:
                 self._drain_quietly()
@@ -147,7 +158,7 @@ class BroadcastSender(WeightSender):
         named_tensors = hf_shaped(named_tensors, hf_shapes)
         num_tensors = num_buckets = nbytes = 0
         checksums: dict[str, str] | None = {} if self.check_equal else None
-        for index, bucket in enumerate(iter_buckets(_guard(named_tensors), self.buffer_size, self.group_of)):
+        for index, bucket in enumerate(iter_buckets(guard(named_tensors), self.buffer_size, self.group_of)):
             manifest = plan_manifest(index, bucket, self.check_equal)
             prepared = self._prepare_payload(bucket, manifest)  # before the header: overlaps the last send
             self._send_frame(KIND_BUCKET, version, self._manifest_blob(manifest, prepared), manifest.nbytes)
@@ -194,10 +205,9 @@ class BroadcastSender(WeightSender):
         """Work done before the bucket's header goes out (packing, in overlapping modes)."""
         return None
 
+    @abc.abstractmethod
     def _send_payload(self, bucket: list[NamedTensor], manifest: BucketManifest, prepared) -> None:
-        for (_, tensor), meta in zip(bucket, manifest.tensors):
-            if meta.nbytes:
-                self._group.broadcast(as_bytes(tensor).to(self.wire_device))
+        """The bucket's bytes on their way (``prepared``: what :meth:`_prepare_payload` returned)."""
 
     def _drain(self) -> None:
         """Wait for payloads still in flight (modes that overlap packing with sending)."""
@@ -212,16 +222,14 @@ class BroadcastSender(WeightSender):
         self._group = self._store = self._endpoint = None
 
 
-class BroadcastReceiver(StagingReceiver):
+class FramedReceiver(StagingReceiver):
     """One engine worker: stage every bucket into kept buffers, verify, hand over on commit.
 
-    The frame loop (:meth:`_stage`) is shared by every mode on this wire (``broadcast_packed``,
-    ``cuda_ipc``, ``p2p``); a mode changes how a bucket's bytes arrive (:meth:`_recv_payload`) and,
-    where it must answer per bucket, :meth:`_take_bucket`. A checksum mismatch is deferred
-    (``self._failure``) so the receiver drains to END and never stalls the group for the others.
+    The frame loop (:meth:`_stage`) is every framed mode's; a mode changes how a bucket's bytes arrive
+    (:meth:`_recv_payload`) and, where it must answer per bucket, :meth:`_take_bucket`. A checksum
+    mismatch is deferred (``self._failure``) so the receiver drains to END and never stalls the group
+    for the others.
     """
-
-    mode: ClassVar[str] = "broadcast"
 
     def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0):
         import torch
@@ -240,13 +248,13 @@ class BroadcastReceiver(StagingReceiver):
         return self._group is not None
 
     def _where(self) -> str:
-        return f"receiver rank {self._group.rank}"
+        return f"receiver rank {self.rank}"
 
     def connect(self, endpoint: TransferEndpoint, rank: int) -> None:
         self._check_endpoint(endpoint, rank)
         self.close()
         store = join_store(endpoint.host, endpoint.port, endpoint.world_size, endpoint.timeout_s)
-        wire = _wire_device(endpoint.backend, self.device)
+        wire = wire_device(endpoint.backend, self.device)
         self._group = groups.TransferGroup(store, endpoint.group_name, rank, endpoint.world_size,
                                            endpoint.backend, wire, endpoint.timeout_s)
         self._wire = wire
@@ -351,10 +359,9 @@ class BroadcastReceiver(StagingReceiver):
         self._views = {}
         return freed
 
+    @abc.abstractmethod
     def _recv_payload(self, buf: "torch.Tensor", manifest: BucketManifest) -> None:
-        for meta in manifest.tensors:
-            if meta.nbytes:
-                self._group.broadcast(buf[meta.offset:meta.offset + meta.nbytes])
+        """The bucket's bytes into ``buf`` (its staging buffer)."""
 
     def close(self) -> None:
         if self._group is not None:

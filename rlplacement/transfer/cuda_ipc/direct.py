@@ -40,7 +40,7 @@ import socket
 import weakref
 from typing import TYPE_CHECKING
 
-from rlplacement.transfer import cuda_driver
+from rlplacement.transfer.cuda_ipc import driver as cuda_driver
 from rlplacement.transfer.base import HFShapes, NamedTensor, TensorMeta, TransferError
 
 if TYPE_CHECKING:

@@ -1,0 +1,140 @@
+"""Train-step flags (precision, batching, recompute, the objective, checkpoints) and their validation."""
+
+from __future__ import annotations
+
+import argparse
+
+from rlplacement.args.common import flag, get, require_choice, require_positive
+from rlplacement.config import KL_LOSS_TYPES, BackendConfig, PlacementConfig, TrainConfig, default_of
+from rlplacement.errors import ConfigError
+
+TITLE = "rlplacement: train step"
+FLAGS = (
+    flag("--bf16", action=argparse.BooleanOptionalAction, default=default_of(TrainConfig, "bf16"),
+          help="Mixed precision: fp32 master weights and AdamW state, bf16 compute, fp32 gradient "
+               "reduction (on by default where the trainer is on a GPU; --no-bf16 keeps fp32)."),
+    flag("--global-batch-size", type=int, default=default_of(TrainConfig, "global_batch_size"),
+          help="Samples per optimizer step over all data-parallel ranks (default: the whole rollout batch)."),
+    flag("--micro-batch-size", type=int, default=default_of(TrainConfig, "micro_batch_size"),
+          help="Samples per forward/backward on one rank; gradients accumulate into one step."),
+    flag("--use-dynamic-batch-size", action="store_true",
+          default=default_of(TrainConfig, "use_dynamic_batch_size"),
+          help="Pack samples into micro-batches by token count (--max-tokens-per-gpu)."),
+    flag("--max-tokens-per-gpu", type=int, default=default_of(TrainConfig, "max_tokens_per_gpu"),
+          help="With --use-dynamic-batch-size: most tokens (samples x padded length) per micro-batch."),
+    flag("--gradient-checkpointing", action="store_true",
+          default=default_of(TrainConfig, "gradient_checkpointing"),
+          help="Recompute each decoder layer's activations in the backward pass."),
+    flag("--recompute-granularity", choices=("full", "selective"),
+          default=default_of(TrainConfig, "recompute_granularity"),
+          help="Megatron: recompute activations in backward: full layers (with --recompute-method and "
+               "--recompute-num-layers) or selective (core attention only)."),
+    flag("--recompute-method", choices=("uniform", "block"), default=default_of(TrainConfig, "recompute_method"),
+          help="Megatron, with --recompute-granularity full: uniform (every --recompute-num-layers layers "
+               "as one unit) or block (the first --recompute-num-layers layers of each pipeline stage)."),
+    flag("--recompute-num-layers", type=int, default=default_of(TrainConfig, "recompute_num_layers"),
+          help="Megatron, with --recompute-granularity full: layers per unit (uniform) or recomputed (block)."),
+    flag("--use-distributed-optimizer", action="store_true",
+          default=default_of(TrainConfig, "use_distributed_optimizer"),
+          help="Megatron: shard the fp32 main parameters and optimizer moments over the data-parallel "
+               "ranks (megatron's DistributedOptimizer)."),
+    flag("--log-probs-chunk-size", type=int, default=default_of(TrainConfig, "log_probs_chunk_size"),
+          help="Tokens per chunk of the output layer (fp32 logits exist for one chunk at a time; megatron: "
+               "its output layer runs whole, the fp32 logits and cross-entropy go by chunks)."),
+    flag("--eps-clip", type=float, default=default_of(TrainConfig, "eps_clip"),
+          help="PPO clip range of the importance ratio (lower side, and upper unless --eps-clip-high)."),
+    flag("--eps-clip-high", type=float, default=default_of(TrainConfig, "eps_clip_high"),
+          help="Upper clip range (clip-higher)."),
+    flag("--use-kl-loss", action="store_true", default=default_of(TrainConfig, "use_kl_loss"),
+          help="Add a KL penalty to a frozen reference model (the starting weights)."),
+    flag("--kl-loss-coef", type=float, default=default_of(TrainConfig, "kl_loss_coef")),
+    flag("--kl-loss-type", type=str, default=None, choices=KL_LOSS_TYPES,
+          help=f"Per-token KL estimator (with --use-kl-loss; default "
+               f"{default_of(TrainConfig, 'kl_loss_type')})."),
+    flag("--entropy-coef", type=float, default=default_of(TrainConfig, "entropy_coef")),
+    flag("--save", type=str, default=default_of(TrainConfig, "save"),
+          help="Folder for training checkpoints (model, optimizer, schedule, step, RNG, weight version)."),
+    flag("--save-interval", type=int, default=default_of(TrainConfig, "save_interval"),
+          help="Save every N train steps (with --save)."),
+)
+
+
+def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backend: BackendConfig) -> TrainConfig:
+    require_positive(args, ("global_batch_size", "micro_batch_size", "max_tokens_per_gpu", "log_probs_chunk_size",
+                             "rollout_temperature", "save_interval"))
+    require_choice(args, ("kl_loss_type",))
+    dynamic, max_tokens = bool(get(args, "use_dynamic_batch_size")), get(args, "max_tokens_per_gpu")
+    micro, global_batch = get(args, "micro_batch_size"), get(args, "global_batch_size")
+    if dynamic and max_tokens is None:
+        raise ConfigError("--use-dynamic-batch-size packs micro-batches by token count: set --max-tokens-per-gpu "
+                          "(the most tokens one micro-batch may hold).")
+    if max_tokens is not None and not dynamic:
+        raise ConfigError("--max-tokens-per-gpu applies to --use-dynamic-batch-size: add it, or drop "
+                          "--max-tokens-per-gpu and set --micro-batch-size.")
+    if dynamic and micro is not None:
+        raise ConfigError("--micro-batch-size and --use-dynamic-batch-size both size micro-batches: keep one.")
+    dp = placement.trainer_num_gpus // (backend.tensor_model_parallel_size * backend.pipeline_model_parallel_size)
+    if global_batch is not None and global_batch % dp:
+        raise ConfigError(f"--global-batch-size {global_batch} does not split over the trainer's {dp} data-parallel "
+                          f"ranks: use a multiple of {dp}.")
+    if global_batch is not None and micro is not None and micro > global_batch // dp:
+        raise ConfigError(f"--micro-batch-size {micro} is larger than a rank's share of an optimizer step "
+                          f"(--global-batch-size {global_batch} over {dp} data-parallel ranks = {global_batch // dp}): "
+                          f"lower --micro-batch-size to {global_batch // dp} or less.")
+    use_kl, kl_type = bool(get(args, "use_kl_loss")), get(args, "kl_loss_type")
+    if kl_type is not None and not use_kl:
+        raise ConfigError(f"--kl-loss-type {kl_type} chooses the KL estimator of --use-kl-loss: add --use-kl-loss, "
+                          f"or drop --kl-loss-type.")
+    coefs = {d: float(get(args, d)) for d in ("kl_loss_coef", "entropy_coef", "eps_clip")}
+    high = get(args, "eps_clip_high")
+    if any(v < 0 for v in coefs.values()) or (high is not None and high < 0):
+        raise ConfigError(f"--kl-loss-coef, --entropy-coef, --eps-clip and --eps-clip-high must be 0 or more, got "
+                          f"{coefs} and {high}.")
+    if coefs["kl_loss_coef"] and not use_kl:
+        raise ConfigError("--kl-loss-coef weighs the KL term of --use-kl-loss: add --use-kl-loss, or drop "
+                          "--kl-loss-coef.")
+    save, interval, bf16 = get(args, "save"), get(args, "save_interval"), get(args, "bf16")
+    recompute = _recompute_from_args(args, backend)
+    distributed_optimizer = bool(get(args, "use_distributed_optimizer"))
+    if distributed_optimizer and backend.name != "megatron":
+        raise ConfigError(f"--use-distributed-optimizer is megatron's DistributedOptimizer; the {backend.name} backend "
+                          f"shards its optimizer state its own way: drop the flag, or use --train-backend megatron.")
+    if interval is not None and not save:
+        raise ConfigError("--save-interval says how often to write a checkpoint: set --save to a folder, or drop "
+                          "--save-interval.")
+    return TrainConfig(bf16=bf16, global_batch_size=global_batch, micro_batch_size=micro,
+                       use_dynamic_batch_size=dynamic, max_tokens_per_gpu=max_tokens,
+                       gradient_checkpointing=bool(get(args, "gradient_checkpointing")),
+                       use_distributed_optimizer=distributed_optimizer, **recompute,
+                       log_probs_chunk_size=int(get(args, "log_probs_chunk_size")), eps_clip=coefs["eps_clip"],
+                       eps_clip_high=None if high is None else float(high), use_kl_loss=use_kl,
+                       kl_loss_coef=coefs["kl_loss_coef"], kl_loss_type=kl_type or default_of(TrainConfig, "kl_loss_type"),
+                       entropy_coef=coefs["entropy_coef"],
+                       rollout_temperature=float(get(args, "rollout_temperature")), save=save, save_interval=interval)
+
+
+def _recompute_from_args(args: argparse.Namespace, backend) -> dict:
+    """Activation recompute, each backend's own way: megatron's three flags, or FSDP's and torchtitan's
+    --gradient-checkpointing; the other backend's flag is refused, naming this backend's."""
+    granularity, method, layers = (get(args, d) for d in ("recompute_granularity", "recompute_method",
+                                                            "recompute_num_layers"))
+    if backend.name == "megatron":
+        if get(args, "gradient_checkpointing"):
+            raise ConfigError("--gradient-checkpointing is the fsdp and torchtitan backends' recompute; megatron "
+                              "recomputes through its own flags: use --recompute-granularity full --recompute-method "
+                              "uniform --recompute-num-layers 1 (every layer), or --recompute-granularity selective.")
+        if granularity == "full" and (method is None or layers is None):
+            raise ConfigError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                              "--recompute-num-layers N: add both (uniform with 1 recomputes every layer).")
+        if granularity != "full" and (method is not None or layers is not None):
+            said = " and ".join(f for f, v in (("--recompute-method", method), ("--recompute-num-layers", layers))
+                                if v is not None)
+            raise ConfigError(f"{said} apply only with --recompute-granularity full (got "
+                              f"{granularity or 'no --recompute-granularity'}): add --recompute-granularity full, or "
+                              f"drop {said}.")
+        if layers is not None and layers < 1:  # the bound above (a stage's layers) is checked with the model
+            raise ConfigError(f"--recompute-num-layers {layers}: use 1 or more.")
+    elif granularity is not None or method is not None or layers is not None:
+        raise ConfigError(f"--recompute-granularity, --recompute-method and --recompute-num-layers are megatron's; "
+                          f"the {backend.name} backend recomputes with --gradient-checkpointing: use that instead.")
+    return {"recompute_granularity": granularity, "recompute_method": method, "recompute_num_layers": layers}

@@ -1,0 +1,71 @@
+"""Weight-transfer flags: the ones every mode shares, then each registered mode's own (read from its
+``ModeSpec.options``, so a mode's flags are defined once, where the mode is), and their validation."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from rlplacement.args.common import TRANSFER_MODES, Flag, flag, get, require_choice, require_positive
+from rlplacement.config import TransferConfig, default_of
+from rlplacement.errors import ConfigError
+from rlplacement.transfer import registry
+from rlplacement.transfer.spec import ModeSpec, flag_dest
+
+TITLE = "rlplacement: weight transfer"
+SHARED_FLAGS = (
+    flag("--update-weight-transfer-mode", type=str, default=default_of(TransferConfig, "requested_mode"),
+         choices=TRANSFER_MODES,
+         help="How weights reach the engines in a split layout. Under --colocate the "
+              "in-GPU CUDA IPC path is used (broadcast modes only)."),
+    flag("--update-weight-buffer-size", type=int, default=default_of(TransferConfig, "buffer_size"),
+         help="Bucket size in bytes for packing tensors."),
+    flag("--check-weight-update-equal", action="store_true", default=default_of(TransferConfig, "check_equal"),
+         help="After each update compare engine and trainer weights; raise on mismatch."),
+)
+
+
+def option_flag(field: dataclasses.Field) -> Flag:
+    """The flag of one field of a mode's options (``spec.flag_field``)."""
+    meta = field.metadata
+    kwargs = {"type": meta["type"], "default": meta["flag_default"], "help": meta["help"]}
+    if meta["choices"]:
+        kwargs["choices"] = meta["choices"]
+    return Flag((meta["flag"],), kwargs)
+
+
+def flags() -> tuple[Flag, ...]:
+    """The shared flags, then every registered mode's option flags, in registration order."""
+    return SHARED_FLAGS + tuple(option_flag(f) for s in registry.specs().values() for f in s.option_fields)
+
+
+def _mode_options(args: argparse.Namespace, spec: ModeSpec, *, resolve: bool, this_host: bool):
+    """``spec``'s options from the flags, validated by its dataclass (every mode's flags are checked
+    whichever mode runs); ``resolve``: the requested mode's, resolved for this run."""
+    require_choice(args, tuple(flag_dest(f) for f in spec.option_fields if f.metadata["choices"]))
+    given = {f.name: get(args, flag_dest(f)) for f in spec.option_fields}
+    options = spec.build_options(given)
+    if options is None or not resolve:
+        return options
+    return options.resolved(frozenset(name for name, value in given.items() if value is None), this_host=this_host)
+
+
+def transfer_from_args(args: argparse.Namespace, *, this_host: bool = True) -> TransferConfig:
+    require_positive(args, ("update_weight_buffer_size",))
+    require_choice(args, ("update_weight_transfer_mode",))
+    mode = get(args, "update_weight_transfer_mode")
+    colocate = bool(get(args, "colocate"))
+    specs = registry.specs()
+    if colocate and not specs[mode].named_under_colocate:
+        usable = " or ".join(name for name, s in specs.items() if s.named_under_colocate)
+        raise ConfigError(
+            f"--update-weight-transfer-mode {mode} cannot be used with --colocate (the engines share the "
+            f"trainer's GPUs and get weights by CUDA IPC): use {usable}, or drop --colocate.")
+    options = None
+    for name, spec in specs.items():
+        built = _mode_options(args, spec, resolve=name == mode, this_host=this_host)
+        if name == mode:
+            options = built
+    return TransferConfig(mode=registry.colocated_mode() if colocate else mode, requested_mode=mode,
+                          buffer_size=get(args, "update_weight_buffer_size"),
+                          check_equal=bool(get(args, "check_weight_update_equal")), options=options)

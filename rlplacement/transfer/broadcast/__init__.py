@@ -1,0 +1,18 @@
+"""Mode ``broadcast``: the framed wire (:mod:`rlplacement.transfer.wire`) with one broadcast per tensor
+after each bucket's manifest, in a private group of trainer rank 0 + every engine worker (NCCL between
+GPUs, gloo on CPU). The engines' loaders re-fuse and re-shard what arrives. :mod:`.sender` and
+:mod:`.receiver` hold its two classes; this package registers its spec.
+"""
+
+from rlplacement.transfer.registry import register_mode
+from rlplacement.transfer.spec import LINK, SPLIT, BenchSpec, ModeSpec
+
+SPEC = register_mode(ModeSpec(
+    name="broadcast", sender="rlplacement.transfer.broadcast.sender:BroadcastSender",
+    receiver="rlplacement.transfer.broadcast.receiver:BroadcastReceiver",
+    summary="one broadcast per tensor from trainer rank 0 to every engine worker",
+    layouts=frozenset({SPLIT}), named_under_colocate=True, advisor_path=LINK,
+    # verl's NCCL receive ran at ~16% of a NIC (its published Qwen3-30B-A3B figure); on two H200s the
+    # whole update reached 0.49-0.56 of a flat NCCL broadcast at 4B-8B (benchmarks/gpu/results/split_h200.json)
+    advisor_efficiency=0.2, bench=BenchSpec(ceiling="broadcast"),
+    verl_backend="rlplacement_broadcast", miles_factory="broadcast"))

@@ -1,0 +1,19 @@
+"""Engine side of ``broadcast_packed``: the flat bucket received straight into its staging buffer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from rlplacement.transfer.base import BucketManifest
+from rlplacement.transfer.wire import FramedReceiver
+
+if TYPE_CHECKING:
+    import torch
+
+
+class PackedBroadcastReceiver(FramedReceiver):
+    mode: ClassVar[str] = "broadcast_packed"
+
+    def _recv_payload(self, buf: "torch.Tensor", manifest: BucketManifest) -> None:
+        if manifest.nbytes:
+            self._group.broadcast(buf[:manifest.nbytes])

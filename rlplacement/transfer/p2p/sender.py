@@ -1,0 +1,135 @@
+"""Trainer side of ``p2p``: pack bucket i+1 into the other registered slot while bucket i's batched
+writes fly to every engine worker; a failed or late write aborts the update everywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, ClassVar
+
+from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferError
+from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, pack_into
+from rlplacement.transfer.p2p import DEFAULT_TRANSFER_TIMEOUT_S, P2PInit, P2POptions
+from rlplacement.transfer.p2p.mooncake import SLICE_BYTES, MooncakeEngine, address_toward, session_key
+from rlplacement.transfer.wire import AbortUpdate, FramedSender
+
+if TYPE_CHECKING:
+    import torch
+
+POLL_S = 0.0002
+
+
+class _WriteFailed(AbortUpdate):
+    what = "a p2p write failed"
+
+
+class P2PSender(FramedSender):
+    """Trainer rank 0: two registered host (or GPU) slots; writes bucket i while packing bucket i+1."""
+
+    mode: ClassVar[str] = "p2p"
+    NUM_SLOTS = 2
+
+    def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 device: "torch.device | str | None" = None, group_of: GroupFn = fused_group_of,
+                 protocol: str = "tcp", transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S):
+        import torch
+
+        super().__init__(buffer_size, check_equal=check_equal, timeout_s=timeout_s, device=device, group_of=group_of)
+        self.options = P2POptions(protocol, transfer_timeout_s)  # validates
+        self.protocol, self.transfer_timeout_s = protocol, transfer_timeout_s
+        self.backend, self.wire_device = "gloo", torch.device("cpu")  # control only; bytes go by Mooncake
+        self.buffers = FlatBuffers(self.device)
+        self._engine: MooncakeEngine | None = None
+        self._sessions: list[str] = []
+        self._pending: tuple[int, list[tuple[int, int]]] | None = None  # (bucket index, [(rank, batch id)])
+
+    def _mode_info(self) -> dict:
+        return dataclasses.asdict(P2PInit(self.protocol))
+
+    def connect(self) -> None:
+        super().connect()  # the gloo group: every receiver has published its session id by now
+        e = self._endpoint
+        if self._engine is not None:
+            self._engine.close()
+        self._engine = MooncakeEngine(address_toward(e.host), self.protocol)
+        self._sessions = [""] + [self._store.get(session_key(e.group_name, r)).decode() for r in range(1, e.world_size)]
+        self._pending = None
+
+    def _prepare_payload(self, bucket: list[NamedTensor], manifest: BucketManifest):
+        """Pack into the slot bucket i-1 used (its writes are done), then finish bucket i's writes:
+        packing overlaps the writes in flight."""
+        if not manifest.nbytes:
+            return None
+        slot = manifest.index % self.NUM_SLOTS
+        flat = pack_into(self.buffers.get(slot, manifest.nbytes), bucket, manifest)
+        if flat.device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(flat.device).synchronize()  # Mooncake reads it from its own threads
+        self._complete_pending()
+        return flat
+
+    def _send_payload(self, bucket: list[NamedTensor], manifest: BucketManifest, prepared) -> None:
+        import torch
+
+        if prepared is None:
+            return
+        src = self._engine.register(self.buffers.get(manifest.index % self.NUM_SLOTS, manifest.nbytes))
+        addresses = torch.zeros(self._endpoint.world_size, dtype=torch.int64)
+        self._group.all_reduce_sum(addresses)
+        batches = []
+        n = manifest.nbytes
+        offsets = list(range(0, n, SLICE_BYTES))
+        lens = [min(SLICE_BYTES, n - o) for o in offsets]
+        for rank in range(1, self._endpoint.world_size):
+            dst = int(addresses[rank])
+            batch = self._engine.te.batch_transfer_async_write(
+                self._sessions[rank], [src + o for o in offsets], [dst + o for o in offsets], lens)
+            batches.append((rank, batch))
+        self._pending = (manifest.index, batches)
+
+    def _complete_pending(self, *, failed: str | None = None) -> None:
+        """Wait for the pending bucket's writes, then tell every receiver whether they landed."""
+        import torch
+
+        if self._pending is None:
+            return
+        index, batches = self._pending
+        self._pending = None
+        deadline = time.monotonic() + self.transfer_timeout_s
+        for rank, batch in batches:  # wait for every write even when failing: the slot is reused next
+            why = self._wait(batch, deadline)
+            if why is not None and failed is None:
+                failed = f"engine worker rank {rank}: bucket {index} {why}"
+        landed = torch.zeros(self._endpoint.world_size, dtype=torch.int64)
+        landed[0] = int(failed is not None)
+        self._group.all_reduce_sum(landed)
+        if failed is not None:
+            raise _WriteFailed(failed)
+
+    def _wait(self, batch, deadline: float) -> str | None:
+        """None once ``batch`` completed, else why not."""
+        if batch is None or int(batch) <= 0:
+            return f"could not be submitted (batch id {batch})"
+        while True:
+            status = self._engine.te.get_batch_transfer_status([batch])
+            if status == 0:
+                return None
+            if status < 0:
+                return f"failed to write (Mooncake status {status})"
+            if time.monotonic() > deadline:
+                return f"was not written within --p2p-transfer-timeout {self.transfer_timeout_s:g}s"
+            time.sleep(POLL_S)
+
+    def _drain(self) -> None:
+        self._complete_pending()
+
+    def _drain_quietly(self) -> None:
+        self._complete_pending(failed="the update was aborted")
+
+    def close(self) -> None:
+        super().close()
+        self._pending = None
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
