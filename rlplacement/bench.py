@@ -3,7 +3,7 @@
 Real updates of a Qwen3-shaped model built from a config (random bf16 weights, HF names and
 order) from this process to a receiver in a second process, over the mode's real transport,
 next to the ceiling: the raw transfer of the same bytes on the same transport, measured in the
-same run. One row per mode:
+same run. One row per mode (docs/transfer/README.md, "Measuring a mode"):
 ``{"mode", "bytes", "num_tensors", "seconds", "gbps", "ceiling", "ceiling_gbps", "ratio"}``.
 
 The receiver stages and commits into a no-op loader: this measures the wire and the staging,

@@ -30,7 +30,7 @@ class Advice:
     transfer: ModeAdvice
 
     def to_json(self) -> dict:
-        """The ``rlplacement advise --json`` object (DESIGN.md "contract: rlplacement advise")."""
+        """The ``rlplacement advise --json`` object (its fields: docs/advisor.md)."""
         m = self.measurement
         return {
             "diagnosis": self.diagnosis.label,

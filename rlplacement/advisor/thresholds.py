@@ -51,9 +51,9 @@ class ModelAssumptions:
     ipc_gbps: float = _field(16800.0, "In-GPU copy through a CUDA IPC handle in Gb/s (colocated; 2.1 TB/s: the "
                                       "device-to-device copy in benchmarks/gpu/results/colocate_h200.json).")
     disk_gbps: float = _field(11.2, "Shared disk write + fsync in Gb/s for disk-delta (1.4 GB/s: an estimate "
-                                    "from one H200 machine's local disk, shared/ANCHORS.md; measure yours).")
+                                    "from one H200 machine's local disk; measure yours).")
     delta_density: float = _field(0.03, "disk-delta: share of the bytes that change per step when the run did not "
-                                        "measure it (an estimate: ~1-3% of bf16 bytes, shared/ANCHORS.md).")
+                                        "measure it (verl's published delta-sync estimate: ~1-3% of bf16 bytes).")
     transfer_mode: str = _field("broadcast", "Transfer mode assumed for split layouts when the measured run "
                                              "was colocated (a split run keeps its own mode).")
     host_gbps: float = _field(430.0, "GPU <-> pinned host memory in Gb/s per GPU for the colocated hand-off, as "

@@ -1,7 +1,7 @@
 """Step telemetry: phase timers per role, wait times derived from intervals, one JSONL row per step.
 
 Pure Python (NVML through ``nvidia-ml-py`` only where importable and a GPU exists). The row
-names follow DESIGN.md "contract: telemetry"; see :mod:`.recorder` for the invariants. Beyond the
+names follow the telemetry contract in docs/telemetry.md; see :mod:`.recorder` for the invariants. Beyond the
 contract each row carries ``rollout/logprob_abs_diff_max`` (``rollout/logprob_abs_diff`` is the
 mean), ``num_gpus_per_node``, ``transfer_mode``, ``max_response_len``, ``group_size`` (what the
 advisor models with), ``perf/update_weights_bytes`` when the loop passes it to ``end_step``, and

@@ -47,7 +47,7 @@ from rlplacement.telemetry.gpu_util import PhaseUtilSampler
 from rlplacement.telemetry.intervals import ROLES, Interval, idle_time, phase_time, roles_for
 from rlplacement.telemetry.jsonl import append_row
 
-# names of the telemetry contract (DESIGN.md "contract: telemetry")
+# names of the telemetry contract (docs/telemetry.md)
 STEP_TIME = "perf/step_time"
 ROLLOUT_TIME = "perf/rollout_time"
 SYNC_TIME = "perf/update_weights_time"
