@@ -65,7 +65,7 @@ def _reserve_one_segment(storages: list[tuple[torch.device, int]]) -> None:
     """Allocate and free at once one block the size of the large storages about to be re-made: the
     caching allocator keeps it cached as one segment and carves each of them from it (it splits a
     cached block on request). A colocated engine then maps the trainer's weights with one IPC handle
-    (``transfer/ipc_direct.py``) instead of one per segment. Without room for one block, nothing
+    (``transfer/cuda_ipc/direct.py``) instead of one per segment. Without room for one block, nothing
     changes: the storages get segments of their own, as before."""
     total: dict[torch.device, int] = {}
     for device, n in storages:

@@ -277,6 +277,10 @@ class WeightReceiver(abc.ABC):
 
     ``receive`` returns only when the whole update is staged and validated; nothing reaches the
     model before ``commit``. ``abort`` drops a staged update. ``version`` is what is served.
+    Every mode today stages the whole model on every worker: ``receive`` is one call for the whole
+    update and ``commit`` one hand-over. A receiver that commits bucket by bucket, or receives only its
+    worker's shard, adds to this contract (what it stages and when it hands over) rather than
+    changing these calls' meaning for the whole-update modes.
     """
 
     mode: ClassVar[str]

@@ -2,7 +2,7 @@
 share the GPU(s), so a bucket is handed over as a memory handle instead of being sent.
 
 Per bucket the sender packs the flat buffer (``bucket.pack_into``) into one of two exportable
-slot buffers (``shared_buffers.SharedSlots``: CUDA IPC on GPU, a /dev/shm mapping on CPU) and
+slot buffers (``buckets.SharedSlots``: CUDA IPC on GPU, a /dev/shm mapping on CPU) and
 broadcasts the bucket's JSON manifest with the slot's handle descriptor; each receiver opens the
 handle (once per slot buffer, kept open across buckets and updates), copies the bucket into its
 own staging buffer, checks checksums, and acknowledges. The sender refills a slot only after
@@ -21,7 +21,7 @@ fails, checksum differs) keeps acknowledging with its failure flag set; the send
 and broadcasts ABORT, so every engine keeps its previous version whole and the group stays
 usable. The failing receiver raises its own error, the others ``UpdateAborted`` naming its rank.
 
-Direct path (``ipc_direct``): when the trainer's tensors are resident (``update(..., resident=True)``)
+Direct path (:mod:`.direct`): when the trainer's tensors are resident (``update(..., resident=True)``)
 and exportable, one DIRECT frame carries a manifest of the trainer's own allocations instead of
 buckets. Receivers map them, verify (with check_equal the trainer sends its checksums in a frame of
 their own after the manifest, so both sides hash at once), and acknowledge (all or nothing, as above); after END each
