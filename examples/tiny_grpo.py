@@ -38,7 +38,7 @@ DIGITS = "0123456789"  # reward: fraction of response tokens that are digits
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = rlplacement.args.ArgumentParser(description=__doc__.splitlines()[0])  # "did you mean" for a typo
     rlplacement.add_arguments(parser)
     parser.set_defaults(**EXAMPLE_DEFAULTS)
     g = parser.add_argument_group("example loop")

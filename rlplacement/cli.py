@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from rlplacement.args.common import ArgumentParser
 from rlplacement.errors import CliError, ConfigError
 
 # subcommand -> module holding add_parser(subparsers) and main(args)
@@ -28,7 +29,7 @@ def _chosen(argv: list[str]) -> str | None:
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlplacement", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="rlplacement", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="|".join(SUBCOMMANDS))
     chosen = _chosen(argv)
     for name, module in SUBCOMMANDS.items():

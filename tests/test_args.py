@@ -97,7 +97,7 @@ def test_config_is_frozen():
     (["--rollout-num-gpus", "0"], r"--rollout-num-gpus must be positive, got 0"),
     (["--rollout-num-gpus", "2", "--actor-num-nodes", "-1"], r"--actor-num-nodes must be positive"),
     (["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "0"], r"--rollout-num-gpus-per-engine must be positive"),
-    (["--rollout-num-gpus", "2", "--update-weight-buffer-size", "0"], r"--update-weight-buffer-size must be positive"),
+    (["--rollout-num-gpus", "2", "--update-weight-buffer-size", "0B"], r"--update-weight-buffer-size must be positive"),
     (["--rollout-num-gpus", "2", "--p2p-transfer-timeout", "0"], r"--p2p-transfer-timeout must be positive"),
     (["--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "8", "--num-gpus-per-node", "4"],
      r"--actor-num-gpus-per-node 8 is larger than --num-gpus-per-node 4"),
@@ -335,3 +335,44 @@ def test_sequence_parallel_needs_transformer_engine_and_says_so_before_building_
     with pytest.raises(Refused, match=r"--sequence-parallel needs TP > 1 and the TransformerEngine layer spec, and the "
                                       r"layer spec is 'local', not TransformerEngine's"):
         transformer_config(hf, family_for(hf), 2, 1, torch.float32, "local", sequence_parallel=True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rollout-temperature", "0"], r"--rollout-temperature 0.0: the trainer divides its logits by the temperature, "
+                                     r"so it must be above 0"),
+    (["--eps-clip", "-1"], r"^--eps-clip -1.0 must be 0 or more: set --eps-clip to 0 or a positive value\.$"),
+    (["--eps-clip-high", "-0.1"], r"^--eps-clip-high -0.1 must be 0 or more"),
+    (["--kl-loss-coef", "-1", "--use-kl-loss"], r"^--kl-loss-coef -1.0 must be 0 or more"),
+    (["--p2p-transfer-timeout", "0.0"], r"--p2p-transfer-timeout must be positive, got 0.0: set --p2p-transfer-timeout "
+                                        r"to a value above 0\."),
+])
+def test_a_bad_value_is_named_alone_with_what_to_set(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_args(parse("--rollout-num-gpus", "2", *argv))
+
+
+@pytest.mark.parametrize("given, size", [("512MiB", 512 << 20), ("2GB", 2_000_000_000), ("64KiB", 64 << 10),
+                                         ("1.5GiB", 3 << 29), ("1048576", 1 << 20), ("100B", 100)])
+def test_buffer_sizes_take_units(given, size):
+    assert config_from_args(parse("--rollout-num-gpus", "2", "--update-weight-buffer-size", given)).transfer.buffer_size == size
+
+
+def test_a_bare_buffer_size_under_a_mebibyte_is_refused_naming_the_unit(capsys):
+    with pytest.raises(SystemExit):
+        parse("--rollout-num-gpus", "2", "--update-weight-buffer-size", "512")
+    assert ("argument --update-weight-buffer-size: 512 is 512 bytes, smaller than a bucket usefully is: write the "
+            "unit, e.g. 512MiB (or 512B if you mean bytes)") in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--update-weight-buffer-size", "lots")
+    assert "'lots' is not a size: write bytes with a unit, e.g. 512MiB or 2GB" in capsys.readouterr().err
+
+
+def test_a_misspelled_flag_gets_the_flag_it_resembles(capsys):
+    from rlplacement.cli import main
+
+    with pytest.raises(SystemExit):
+        parse("--rollout-num-gpus", "2", "--update-weights-transfer-mode", "p2p")
+    assert "--update-weights-transfer-mode: did you mean --update-weight-transfer-mode?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a subcommand's flags too
+        main(["plan", "--rolout-num-gpus", "2"])
+    assert "--rolout-num-gpus: did you mean --rollout-num-gpus?" in capsys.readouterr().err

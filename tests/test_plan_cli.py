@@ -82,7 +82,7 @@ def test_emit_verl_says_what_it_cannot_express(capsys):
     # trainer 8 GPUs on node 0, rollout 12 on nodes 1 and 2 as 8 + 4: not [n] * nnodes
     proc = run_cli("plan", "--rollout-num-gpus", "12", "--emit", "verl")
     assert proc.returncode == 2 and "--rollout-num-gpus 12 lands on nodes with different rollout GPU counts" in proc.stderr
-    proc = run_cli("plan", "--rollout-num-gpus", "4", "--update-weight-buffer-size", "1000", "--emit", "verl")
+    proc = run_cli("plan", "--rollout-num-gpus", "4", "--update-weight-buffer-size", "1000KB", "--emit", "verl")
     assert proc.returncode == 2 and "not a whole number of MiB" in proc.stderr
 
 

@@ -17,7 +17,7 @@ def _transfer_config(*flags):
 def test_disk_delta_flags_reach_the_sender(tmp_path):
     config = _transfer_config("--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir",
                               str(tmp_path / "deltas"), "--update-weight-delta-encoding", "overwrite",
-                              "--update-weight-buffer-size", "12345", "--check-weight-update-equal")
+                              "--update-weight-buffer-size", "12345B", "--check-weight-update-equal")
     trainer = TrainerTransferMixin()
     trainer.transfer_setup_from_config(config, device="cpu", base_dir=str(tmp_path / "hf"))
     try:
@@ -31,7 +31,7 @@ def test_disk_delta_flags_reach_the_sender(tmp_path):
 
 
 def test_a_mode_override_keeps_the_other_flags():
-    config = _transfer_config("--update-weight-buffer-size", "4096")
+    config = _transfer_config("--update-weight-buffer-size", "4KiB")
     trainer = TrainerTransferMixin()
     trainer.transfer_setup_from_config(config, device="cpu", mode="broadcast_packed", check_equal=True)
     try:

@@ -24,7 +24,8 @@ from typing import Any
 
 from rlplacement.args import backend, optim, placement, rollout, train, transfer
 from rlplacement.args.backend import backend_from_args
-from rlplacement.args.common import TRAIN_BACKENDS, TRANSFER_MODES, Flag, RegistryChoices  # noqa: F401
+from rlplacement.args.common import (TRAIN_BACKENDS, TRANSFER_MODES, ArgumentParser, Flag,  # noqa: F401
+                                     RegistryChoices, size_in_bytes)
 from rlplacement.args.optim import optim_from_args
 from rlplacement.args.placement import placement_from_args
 from rlplacement.args.rollout import rollout_from_args
@@ -76,7 +77,7 @@ def add_flag(parser: argparse.ArgumentParser, name: str, **overrides: Any) -> No
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    return add_arguments(argparse.ArgumentParser(prog=prog))
+    return add_arguments(ArgumentParser(prog=prog))
 
 
 def flag_default(dest: str) -> Any:

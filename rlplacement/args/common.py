@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import re
 from typing import Any, Callable, Iterable
 
 from rlplacement.backends import registry as backend_registry
@@ -50,6 +52,44 @@ def flag(*names: str, **kwargs: Any) -> Flag:
     return Flag(names, kwargs)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser that answers a misspelled flag with the flag it most resembles ("did you
+    mean"), its subcommands' parsers too (argparse makes them of this class)."""
+
+    def error(self, message: str):
+        hints = []
+        if "unrecognized arguments:" in message:
+            known = sorted(_option_strings(self))
+            for given in re.findall(r"(?<!\S)(--?[A-Za-z][\w-]*)", message.partition("unrecognized arguments:")[2]):
+                close = difflib.get_close_matches(given, known, n=1, cutoff=0.75)
+                if close:
+                    hints.append(f"{given}: did you mean {close[0]}?")
+        super().error("; ".join([message, *hints]))
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    names = set(parser._option_string_actions)  # argparse keeps no public view of this
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                names |= _option_strings(sub)
+    return names
+
+
+def size_in_bytes(text: str | int) -> int:
+    """A byte count from the command line: a bare number is bytes (Miles' own flag takes bytes); a unit
+    may follow: B, KB, MB, GB (powers of 1000) or KiB, MiB, GiB (powers of 1024), e.g. ``512MiB``."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), flags=re.I)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write bytes with a unit, e.g. 512MiB or 2GB")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}[unit]
+    return int(number * scale)
+
+
 def get(args: argparse.Namespace, dest: str) -> Any:
     """Flags another parser owns may be missing from ``args``; fall back to our default."""
     if hasattr(args, dest):
@@ -64,7 +104,8 @@ def require_positive(args: argparse.Namespace, dests: Iterable[str]) -> None:
         value = get(args, dest)
         if value is not None and value <= 0:
             name = "--" + dest.replace("_", "-")
-            raise ConfigError(f"{name} must be positive, got {value}: set {name} to 1 or more.")
+            least = "1 or more" if isinstance(value, int) else "a value above 0"
+            raise ConfigError(f"{name} must be positive, got {value}: set {name} to {least}.")
 
 
 def require_choice(args: argparse.Namespace, dests: Iterable[str]) -> None:

@@ -60,8 +60,13 @@ FLAGS = (
 
 
 def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backend: BackendConfig) -> TrainConfig:
+    temperature = get(args, "rollout_temperature")
+    if temperature is not None and temperature <= 0:
+        raise ConfigError(f"--rollout-temperature {temperature}: the trainer divides its logits by the temperature, so "
+                          f"it must be above 0 (sampling needs a distribution; for near-greedy rollouts use e.g. "
+                          f"--rollout-temperature 0.1).")
     require_positive(args, ("global_batch_size", "micro_batch_size", "max_tokens_per_gpu", "log_probs_chunk_size",
-                             "rollout_temperature", "save_interval"))
+                             "save_interval"))
     require_choice(args, ("kl_loss_type",))
     dynamic, max_tokens = bool(get(args, "use_dynamic_batch_size")), get(args, "max_tokens_per_gpu")
     micro, global_batch = get(args, "micro_batch_size"), get(args, "global_batch_size")
@@ -87,9 +92,10 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
                           f"or drop --kl-loss-type.")
     coefs = {d: float(get(args, d)) for d in ("kl_loss_coef", "entropy_coef", "eps_clip")}
     high = get(args, "eps_clip_high")
-    if any(v < 0 for v in coefs.values()) or (high is not None and high < 0):
-        raise ConfigError(f"--kl-loss-coef, --entropy-coef, --eps-clip and --eps-clip-high must be 0 or more, got "
-                          f"{coefs} and {high}.")
+    for dest, value in (*coefs.items(), ("eps_clip_high", high)):
+        if value is not None and value < 0:
+            name = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{name} {value} must be 0 or more: set {name} to 0 or a positive value.")
     if coefs["kl_loss_coef"] and not use_kl:
         raise ConfigError("--kl-loss-coef weighs the KL term of --use-kl-loss: add --use-kl-loss, or drop "
                           "--kl-loss-coef.")

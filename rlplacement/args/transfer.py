@@ -6,7 +6,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from rlplacement.args.common import TRANSFER_MODES, Flag, flag, get, require_choice, require_positive
+from rlplacement.args.common import TRANSFER_MODES, Flag, flag, get, require_choice, require_positive, size_in_bytes
+
+MIB = 1 << 20
+
+
+def bucket_size(text: str) -> int:
+    """``--update-weight-buffer-size`` from the command line: a size with a unit, or a bare number of
+    bytes of at least 1 MiB (a smaller bare number is a size written without its unit: ``512`` meant
+    512 MiB, not 512 bytes). Values a program or a framework passes as ints are bytes, taken as they are."""
+    value = size_in_bytes(text)
+    if str(text).strip().isdigit() and value < MIB:
+        raise argparse.ArgumentTypeError(
+            f"{text} is {value} bytes, smaller than a bucket usefully is: write the unit, e.g. {text}MiB "
+            f"(or {text}B if you mean bytes)")
+    return value
 from rlplacement.config import TransferConfig, default_of
 from rlplacement.errors import ConfigError
 from rlplacement.transfer import registry
@@ -18,8 +32,8 @@ SHARED_FLAGS = (
          choices=TRANSFER_MODES,
          help="How weights reach the engines in a split layout. Under --colocate the "
               "in-GPU CUDA IPC path is used (broadcast modes only)."),
-    flag("--update-weight-buffer-size", type=int, default=default_of(TransferConfig, "buffer_size"),
-         help="Bucket size in bytes for packing tensors."),
+    flag("--update-weight-buffer-size", type=bucket_size, default=default_of(TransferConfig, "buffer_size"),
+         help="Bucket size with its unit (512MiB, 2GB, 64KiB); a bare number is bytes and must be at least 1 MiB."),
     flag("--check-weight-update-equal", action="store_true", default=default_of(TransferConfig, "check_equal"),
          help="After each update compare engine and trainer weights; raise on mismatch."),
 )
@@ -52,6 +66,7 @@ def _mode_options(args: argparse.Namespace, spec: ModeSpec, *, resolve: bool, th
 
 def transfer_from_args(args: argparse.Namespace, *, this_host: bool = True) -> TransferConfig:
     require_positive(args, ("update_weight_buffer_size",))
+    buffer_size = size_in_bytes(get(args, "update_weight_buffer_size"))
     require_choice(args, ("update_weight_transfer_mode",))
     mode = get(args, "update_weight_transfer_mode")
     colocate = bool(get(args, "colocate"))
@@ -67,5 +82,5 @@ def transfer_from_args(args: argparse.Namespace, *, this_host: bool = True) -> T
         if name == mode:
             options = built
     return TransferConfig(mode=registry.colocated_mode() if colocate else mode, requested_mode=mode,
-                          buffer_size=get(args, "update_weight_buffer_size"),
+                          buffer_size=buffer_size,
                           check_equal=bool(get(args, "check_weight_update_equal")), options=options)

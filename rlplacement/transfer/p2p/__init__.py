@@ -59,7 +59,8 @@ class P2POptions(OptionsBase):
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"--p2p-protocol {self.protocol!r} is unknown: use one of {', '.join(PROTOCOLS)}")
         if self.transfer_timeout_s <= 0:
-            raise ConfigError(f"--p2p-transfer-timeout must be positive, got {self.transfer_timeout_s}")
+            raise ConfigError(f"--p2p-transfer-timeout must be positive, got {self.transfer_timeout_s}: set "
+                              f"--p2p-transfer-timeout to a value above 0.")
 
     def resolved(self, unset: frozenset[str], *, this_host: bool) -> "P2POptions":
         if not this_host:
