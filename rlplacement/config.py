@@ -111,6 +111,12 @@ class BackendConfig:
     """Megatron tensor-parallel size; the trainer's GPUs are a multiple of TP x PP."""
     pipeline_model_parallel_size: int = 1
     """Megatron pipeline-parallel size."""
+    context_parallel_size: int = 1
+    """Megatron context parallelism (``--context-parallel-size``): only 1 is built; a larger size is refused."""
+    expert_model_parallel_size: int = 1
+    """Megatron expert parallelism (``--expert-model-parallel-size``): dense models only so far, so only 1."""
+    expert_tensor_parallel_size: int | None = None
+    """Megatron's TP inside experts (``--expert-tensor-parallel-size``): dense models only so far (None or 1)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: the activations outside attention and MLP split along the sequence over
     the TP ranks (needs TP > 1 and the TransformerEngine layer spec); micro-batches are padded to a multiple
@@ -226,6 +232,13 @@ class TrainConfig:
     one unit) or ``block`` (the first ``recompute_num_layers`` layers of each pipeline stage)."""
     recompute_num_layers: int | None = None
     """With ``recompute_granularity`` full: layers per recompute unit (uniform) or recomputed layers (block)."""
+    accumulate_allreduce_grads_in_fp32: bool = True
+    """Megatron under ``--bf16``: DDP accumulates and all-reduces gradients in fp32 (megatron's
+    ``grad_reduce_in_fp32``); False: in the parameters' dtype. On by default here, as Miles' launch scripts
+    set it; FSDP always reduces in fp32 (its ``MixedPrecisionPolicy``)."""
+    attention_softmax_in_fp32: bool = True
+    """Megatron: the attention softmax in fp32 (``TransformerConfig.attention_softmax_in_fp32``, megatron's
+    default)."""
     use_distributed_optimizer: bool = False
     """Megatron: fp32 main parameters and optimizer moments sharded over the data-parallel ranks
     (megatron's ``DistributedOptimizer``; gradients reduce-scattered, parameters all-gathered)."""

@@ -21,6 +21,12 @@ FLAGS = (
           default=default_of(BackendConfig, "tensor_model_parallel_size")),
     flag("--pipeline-model-parallel-size", type=int,
           default=default_of(BackendConfig, "pipeline_model_parallel_size")),
+    flag("--context-parallel-size", type=int, default=default_of(BackendConfig, "context_parallel_size"),
+         help="Megatron context parallelism: only 1 is supported."),
+    flag("--expert-model-parallel-size", type=int, default=default_of(BackendConfig, "expert_model_parallel_size"),
+         help="Megatron expert parallelism: dense models only so far, so 1."),
+    flag("--expert-tensor-parallel-size", type=int, default=default_of(BackendConfig, "expert_tensor_parallel_size"),
+         help="Megatron's tensor parallelism inside experts: dense models only so far, so 1 (or unset)."),
     flag("--sequence-parallel", action="store_true", default=default_of(BackendConfig, "sequence_parallel"),
           help="Megatron: split the activations outside attention and MLP along the sequence over the TP "
                "ranks (needs --tensor-model-parallel-size > 1 and TransformerEngine)."),
@@ -48,6 +54,17 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
     if sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks, and "
                           "--tensor-model-parallel-size is 1: set it to 2 or more, or drop --sequence-parallel.")
+    require_positive(args, ("context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"))
+    cp, ep, etp = (get(args, d) for d in ("context_parallel_size", "expert_model_parallel_size",
+                                          "expert_tensor_parallel_size"))
+    if cp != 1:
+        raise ConfigError(f"--context-parallel-size {cp}: context parallelism is not built in rlplacement's trainers; "
+                          f"use --context-parallel-size 1 (split long sequences with --max-tokens-per-gpu instead).")
+    for flag_name, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
+        if value not in (None, 1):
+            raise ConfigError(f"{flag_name} {value}: expert parallelism needs a mixture-of-experts model, and "
+                              f"rlplacement trains dense models only so far: use {flag_name} 1.")
     return BackendConfig(name=name, hf_checkpoint=get(args, "hf_checkpoint"), load=get(args, "load"),
-                         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                          sequence_parallel=sequence_parallel)

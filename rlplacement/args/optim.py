@@ -9,6 +9,8 @@ from rlplacement.config import LR_DECAY_STYLES, OptimConfig, default_of
 
 TITLE = "rlplacement: optimizer"
 FLAGS = (
+    flag("--optimizer", type=str, default="adam", choices=("adam", "sgd"),
+         help="adam: AdamW (decoupled weight decay, as Megatron's adam), or sgd."),
     flag("--lr", type=float, default=default_of(OptimConfig, "lr")),
     flag("--min-lr", type=float, default=default_of(OptimConfig, "min_lr")),
     flag("--lr-decay-style", type=str, default=default_of(OptimConfig, "lr_decay_style"),
@@ -27,9 +29,10 @@ FLAGS = (
 
 def optim_from_args(args: argparse.Namespace) -> OptimConfig:
     require_positive(args, ("lr", "adam_eps"))
-    require_choice(args, ("lr_decay_style",))
+    require_choice(args, ("lr_decay_style", "optimizer"))
     clip = get(args, "clip_grad")
-    return OptimConfig(lr=float(require_set(args, "lr")), min_lr=float(require_set(args, "min_lr")),
+    name = "sgd" if get(args, "optimizer") == "sgd" else "adamw"  # megatron's adam is AdamW (decoupled decay)
+    return OptimConfig(name=name, lr=float(require_set(args, "lr")), min_lr=float(require_set(args, "min_lr")),
                        lr_decay_style=require_set(args, "lr_decay_style"), lr_decay_iters=get(args, "lr_decay_iters"),
                        lr_warmup_iters=int(get(args, "lr_warmup_iters") or 0),
                        weight_decay=float(require_set(args, "weight_decay")),

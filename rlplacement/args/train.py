@@ -34,6 +34,17 @@ FLAGS = (
                "as one unit) or block (the first --recompute-num-layers layers of each pipeline stage)."),
     flag("--recompute-num-layers", type=int, default=default_of(TrainConfig, "recompute_num_layers"),
           help="Megatron, with --recompute-granularity full: layers per unit (uniform) or recomputed (block)."),
+    flag("--accumulate-allreduce-grads-in-fp32", action=argparse.BooleanOptionalAction,
+         default=default_of(TrainConfig, "accumulate_allreduce_grads_in_fp32"),
+         help="Megatron under --bf16: accumulate and all-reduce gradients in fp32 (on by default; "
+              "--no-accumulate-allreduce-grads-in-fp32: in bf16)."),
+    flag("--attention-softmax-in-fp32", action=argparse.BooleanOptionalAction,
+         default=default_of(TrainConfig, "attention_softmax_in_fp32"),
+         help="Megatron: the attention softmax in fp32 (megatron's default; --no-attention-softmax-in-fp32 to turn off)."),
+    flag("--attention-dropout", type=float, default=0.0,
+         help="Megatron's dropout flags are accepted at 0 only: dropout would make the trainer's log-probs differ "
+              "from the engines'."),
+    flag("--hidden-dropout", type=float, default=0.0, help="As --attention-dropout: 0 only."),
     flag("--use-distributed-optimizer", action="store_true",
           default=default_of(TrainConfig, "use_distributed_optimizer"),
           help="Megatron: shard the fp32 main parameters and optimizer moments over the data-parallel "
@@ -101,6 +112,19 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
                           "--kl-loss-coef.")
     save, interval, bf16 = get(args, "save"), get(args, "save_interval"), get(args, "bf16")
     recompute = _recompute_from_args(args, backend)
+    for dest in ("attention_dropout", "hidden_dropout"):
+        value = get(args, dest)
+        if value:
+            name = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{name} {value}: dropout makes the trainer's log-probs of a sample differ from the "
+                              f"engines' (which run without it), so the PPO ratio would be off from the first step: "
+                              f"use {name} 0.")
+    fp32_flags = {d: bool(get(args, d)) for d in ("accumulate_allreduce_grads_in_fp32", "attention_softmax_in_fp32")}
+    turned_off = [f"--no-{d.replace('_', '-')}" for d, on in fp32_flags.items() if not on]
+    if turned_off and backend.name != "megatron":
+        raise ConfigError(f"{' and '.join(turned_off)} configure megatron; the {backend.name} backend reduces gradients "
+                          f"in fp32 (FSDP2's mixed precision) and leaves the softmax to its attention kernel: drop "
+                          f"{' and '.join(turned_off)}, or use --train-backend megatron.")
     distributed_optimizer = bool(get(args, "use_distributed_optimizer"))
     if distributed_optimizer and backend.name != "megatron":
         raise ConfigError(f"--use-distributed-optimizer is megatron's DistributedOptimizer; the {backend.name} backend "
@@ -111,7 +135,7 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
     return TrainConfig(bf16=bf16, global_batch_size=global_batch, micro_batch_size=micro,
                        use_dynamic_batch_size=dynamic, max_tokens_per_gpu=max_tokens,
                        gradient_checkpointing=bool(get(args, "gradient_checkpointing")),
-                       use_distributed_optimizer=distributed_optimizer, **recompute,
+                       use_distributed_optimizer=distributed_optimizer, **recompute, **fp32_flags,
                        log_probs_chunk_size=int(get(args, "log_probs_chunk_size")), eps_clip=coefs["eps_clip"],
                        eps_clip_high=None if high is None else float(high), use_kl_loss=use_kl,
                        kl_loss_coef=coefs["kl_loss_coef"], kl_loss_type=kl_type or default_of(TrainConfig, "kl_loss_type"),

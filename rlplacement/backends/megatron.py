@@ -53,7 +53,8 @@ class MegatronBackend(TrainerBackend):
 
         overlap = not cuda_absent() if overlap_grad_reduce is None else overlap_grad_reduce
         self._training = MegatronTraining(model, optim, use_distributed_optimizer=self.train_config.use_distributed_optimizer,
-                                          overlap_grad_reduce=overlap)
+                                          overlap_grad_reduce=overlap,
+                                          grad_reduce_in_fp32=self.train_config.accumulate_allreduce_grads_in_fp32)
         self.optimizer = self._training.optimizer
 
     @classmethod
@@ -98,7 +99,8 @@ class MegatronBackend(TrainerBackend):
                      "recompute_num_layers": t.recompute_num_layers}
         def built(**extra):
             stage = mm.build_model(hf_config, padded, tp, pp, spec, dtype=dtype,
-                                   sequence_parallel=cfg.sequence_parallel, **extra)
+                                   sequence_parallel=cfg.sequence_parallel,
+                                   attention_softmax_in_fp32=t.attention_softmax_in_fp32, **extra)
             if cfg.load and not resume:  # a resumed run's whole state comes after, from load_checkpoint
                 mm.load_torch_dist(stage, layout.checkpoint_dir(cfg.load))
             elif not cfg.load:

@@ -95,7 +95,7 @@ def load_hf_config(hf_dir: str | os.PathLike):
 
 def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dtype: torch.dtype,
                        spec: str = "local", on_gpu: bool | None = None, recompute: dict | None = None,
-                       sequence_parallel: bool = False):
+                       sequence_parallel: bool = False, attention_softmax_in_fp32: bool = True):
     """megatron's ``TransformerConfig`` for this HF model and layout, with :func:`fusions` for ``spec`` on a
     GPU (``on_gpu``, default: where CUDA is). ``recompute``: ``recompute_granularity``, ``recompute_method``,
     ``recompute_num_layers`` (None entries left to megatron's defaults)."""
@@ -130,7 +130,8 @@ def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dt
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=cpu, perform_initialization=False, sequence_parallel=sequence_parallel, **recompute,
+        use_cpu_initialization=cpu, perform_initialization=False, sequence_parallel=sequence_parallel,
+        attention_softmax_in_fp32=attention_softmax_in_fp32, **recompute,
     )
     return TransformerConfig(**kwargs, **fusions(spec, on_gpu=not cpu, wgrad_kernel=wgrad_kernel_available()))
 
@@ -162,7 +163,8 @@ def layer_spec(family: DenseFamily, spec: str):
 
 
 def build_model(hf_config: Any, padded_vocab: int, tp: int, pp: int, spec: str = "auto",
-                dtype: torch.dtype | None = None, recompute: dict | None = None, sequence_parallel: bool = False):
+                dtype: torch.dtype | None = None, recompute: dict | None = None, sequence_parallel: bool = False,
+                attention_softmax_in_fp32: bool = True):
     """This rank's ``GPTModel`` stage, uninitialised (weights come from a load); ``recompute`` as
     :func:`transformer_config` takes it."""
     from megatron.core import parallel_state as ps
@@ -176,7 +178,8 @@ def build_model(hf_config: Any, padded_vocab: int, tp: int, pp: int, spec: str =
     rope = rope_parameters(hf_config)
     model = GPTModel(
         transformer_config(hf_config, family, tp, pp, dtype, spec, recompute=recompute,
-                           sequence_parallel=sequence_parallel), layer_spec(family, spec),
+                           sequence_parallel=sequence_parallel, attention_softmax_in_fp32=attention_softmax_in_fp32),
+        layer_spec(family, spec),
         vocab_size=padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=True),

@@ -27,7 +27,8 @@ import torch.distributed as dist
 class MegatronTraining:
     """The DDP wrapper and megatron optimizer of one model stage; :meth:`step` runs one optimizer step."""
 
-    def __init__(self, model, optim, *, use_distributed_optimizer: bool, overlap_grad_reduce: bool):
+    def __init__(self, model, optim, *, use_distributed_optimizer: bool, overlap_grad_reduce: bool,
+                 grad_reduce_in_fp32: bool = True):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -38,7 +39,7 @@ class MegatronTraining:
             model = Float16Module(config, model)
         self.ddp = DistributedDataParallel(
             config=config, module=model,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
                                                      use_distributed_optimizer=use_distributed_optimizer))
         limit = optim.max_grad_norm
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
