@@ -113,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
     if (args.prompts_per_step * group_size) % dp:
         raise ConfigError(f"--prompts-per-step x --n-samples-per-prompt = {args.prompts_per_step * group_size} "
                           f"samples must split evenly over {dp} data-parallel trainer ranks")
+    if config.backend.hf_checkpoint:  # a folder given: checked (named, no traceback) before its tokenizer is read
+        from rlplacement.backends import preflight
+
+        preflight(config.backend)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tiny_grpo_"))
     hf_dir = config.backend.hf_checkpoint or str(make_tiny_model(work / "model", TinySpec(**TINY_MODEL,
                                                                                          dtype=tiny_model_dtype())))

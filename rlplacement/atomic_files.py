@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from rlplacement.errors import ConfigError
+
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make the entries of folder ``path`` (renames, new files) durable."""
@@ -39,3 +41,17 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, *, tmp: str | os.Pa
     write_synced(tmp, data.encode() if isinstance(data, str) else data)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def check_writable(path: str, flag: str) -> None:
+    """``path`` is a folder this process may write into, or can be created as one (its nearest existing
+    ancestor is a writable folder)."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{flag} {path} is a file, not a folder: pass a folder")
+    probe = target
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {probe} is not writable by this user: choose a folder you can write, or "
+                          f"change its permissions")

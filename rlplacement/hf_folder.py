@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rlplacement.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -70,3 +73,49 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     for item in Path(src).iterdir():
         if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name != INDEX_NAME:
             shutil.copy2(item, dst / item.name)
+
+
+def check_safetensors(hf: str, flag: str = "--hf-checkpoint") -> None:
+    """Every ``*.safetensors`` file of ``hf`` opens: its header is JSON of a sane length and every tensor's
+    bytes lie inside the file; the index names only shards that exist. Reads headers only (a few KB per
+    file), so a truncated or garbage file is named here instead of by an engine aborting minutes later."""
+    folder = Path(hf)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{flag} {hf}: no *.safetensors weights there; save the model with safe_serialization=True")
+    for file in files:
+        _check_safetensors_file(file)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc}); restore the file or "
+                              f"save the model again") from None
+        missing = sorted(s for s in shards if not (folder / s).is_file())
+        if missing:
+            raise ConfigError(f"{index} names shard(s) that are not in {hf}: {', '.join(missing)}; copy the whole "
+                              f"model folder")
+
+
+def _check_safetensors_file(file: Path) -> None:
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if header_len is None or header_len > size - 8 or header_len > 100 * 2**20:
+            raise ConfigError(f"{file}: not a safetensors file (its {size} bytes hold no valid header: truncated or "
+                              f"another format); save the model again with safe_serialization=True")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{file}: its safetensors header is not valid JSON ({exc}): the file is damaged; copy "
+                              f"or save it again") from None
+    data_bytes = size - 8 - header_len
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        end = entry.get("data_offsets", [0, 0])[1] if isinstance(entry, dict) else None
+        if not isinstance(end, int) or end > data_bytes:
+            raise ConfigError(f"{file}: tensor {name!r} ends at byte {end} of {data_bytes} the file holds: the file is "
+                              f"truncated; copy or save it again")

@@ -129,6 +129,10 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
     if distributed_optimizer and backend.name != "megatron":
         raise ConfigError(f"--use-distributed-optimizer is megatron's DistributedOptimizer; the {backend.name} backend "
                           f"shards its optimizer state its own way: drop the flag, or use --train-backend megatron.")
+    if save:
+        from rlplacement.atomic_files import check_writable
+
+        check_writable(save, "--save")
     if interval is not None and not save:
         raise ConfigError("--save-interval says how often to write a checkpoint: set --save to a folder, or drop "
                           "--save-interval.")

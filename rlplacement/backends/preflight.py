@@ -20,6 +20,7 @@ from rlplacement.config import BackendConfig
 from rlplacement.backends import megatron_checkpoint
 from rlplacement.backends.registry import known_backends
 from rlplacement.errors import ConfigError
+from rlplacement.hf_folder import check_safetensors
 from rlplacement.families import family_for
 from rlplacement.families.torchtitan_mapping import FAMILIES as TORCHTITAN_FAMILIES
 from rlplacement.families.torchtitan_mapping import NEEDS_CUDA as TORCHTITAN_NEEDS_CUDA
@@ -50,9 +51,7 @@ def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: 
             raise ConfigError(f"--train-backend {cfg.name} needs --hf-checkpoint (an HF model folder)"
                               + (" or --load (a folder from `rlplacement convert`)" if cfg.name == "megatron" else ""))
         hf_config, source = read_hf_config(hf, hf_flag)
-        if not any(Path(hf).glob("*.safetensors")):
-            raise ConfigError(f"{hf_flag} {hf}: no *.safetensors weights there; save the model with "
-                              f"safe_serialization=True")
+        check_safetensors(hf, hf_flag)
     family = _family(hf_config, source)
 
     if cfg.name == "megatron":
@@ -71,7 +70,10 @@ def read_hf_config(hf: str, flag: str = "--hf-checkpoint") -> tuple[Any, str]:
     """``config.json`` as an attribute namespace (what the family checks read), and its path for messages."""
     path = Path(hf)
     if not path.is_dir():
-        raise ConfigError(f"{flag} {hf}: no such folder; pass a Hugging Face model folder")
+        hub_like = not path.is_absolute() and len(path.parts) == 2 and not str(hf).startswith(".")
+        raise ConfigError(f"{flag} {hf}: no such folder; pass a local Hugging Face model folder"
+                          + (" (models are read from disk, never fetched from a hub: download it first, e.g. "
+                             f"`huggingface-cli download {hf} --local-dir /models/{path.name}`)" if hub_like else ""))
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{flag} {hf}: no config.json there; pass a Hugging Face model folder")

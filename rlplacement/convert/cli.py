@@ -53,14 +53,13 @@ def _convert_rank(rank: int, world: int, hf: str, save: str, tp: int, pp: int, s
 def validate(args: argparse.Namespace) -> None:
     """Refuse bad input from config.json alone (no torch.distributed, no megatron import)."""
     from rlplacement.config import BackendConfig
+    from rlplacement.atomic_files import check_writable
     from rlplacement.backends.preflight import preflight
 
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be 1 or more, got {getattr(args, flag)}")
-    save = Path(args.save)
-    if save.exists() and not save.is_dir():
-        raise ConfigError(f"--save {save} is a file; pass a folder")
+    check_writable(args.save, "--save")
     preflight(BackendConfig(name="megatron", hf_checkpoint=args.hf_checkpoint,
                             tensor_model_parallel_size=args.tensor_model_parallel_size,
                             pipeline_model_parallel_size=args.pipeline_model_parallel_size))
@@ -71,7 +70,14 @@ def main(args: argparse.Namespace) -> int:
     from rlplacement.convert.run import run_collective
 
     if layout.state(args.save) == "finished":  # fast path: no torch.distributed, no megatron import
-        print(f"rlplacement convert: {args.save} is already converted ({layout.MARKER} present); nothing to do")
+        padded, tp = int(layout.read_meta(args.save)["padded_vocab_size"]), args.tensor_model_parallel_size
+        if padded % tp:
+            raise ConfigError(f"--save {args.save} holds a conversion whose padded vocabulary ({padded}) does not split "
+                              f"over --tensor-model-parallel-size {tp}: convert into another folder, or remove "
+                              f"{args.save} first")
+        print(f"rlplacement convert: {args.save} is already converted ({layout.MARKER} present); a torch_dist "
+              f"checkpoint loads at any TP that divides its padded vocabulary ({padded}), so it serves "
+              f"--tensor-model-parallel-size {tp} as it is: nothing to do")
         return 0
     validate(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

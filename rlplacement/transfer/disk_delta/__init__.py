@@ -51,6 +51,9 @@ class DiskDeltaOptions(OptionsBase):
         if not self.disk_dir:
             raise ConfigError("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir: set it to a "
                               "folder every engine can read.")
+        from rlplacement.atomic_files import check_writable
+
+        check_writable(str(self.disk_dir), "--update-weight-disk-dir")  # the trainer writes there, from the start
         return self
 
 
