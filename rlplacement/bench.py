@@ -61,7 +61,11 @@ def qwen3_shaped_tensors(size_mb: float, num_tensors: int, *, seed: int = 0):
         return 2 * (layers * per_layer + 2 * c["vocab_size"] * h + h)
 
     hidden = min((128 * k for k in range(1, 129)), key=lambda h: abs(nbytes(shape_for(h)) - target))
-    cfg = transformers.Qwen3Config(**shape_for(hidden), tie_word_embeddings=False)
+    shape = shape_for(hidden)
+    # then the MLP width, which moves the size in steps of 6 x hidden bytes per layer, to land on the size asked
+    fixed = nbytes({**shape, "intermediate_size": 0})
+    shape["intermediate_size"] = max(16, round((target - fixed) / (2 * layers * 3 * hidden)))
+    cfg = transformers.Qwen3Config(**shape, tie_word_embeddings=False)
     with torch.device("meta"):
         meta_model = transformers.AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed)
@@ -412,7 +416,7 @@ def main(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(row))
         else:
-            print(f"{row['mode']:>17}: {row['bytes'] / 1e6:.0f} MB in {row['num_tensors']} tensors, "
+            print(f"{row['mode']:>17}: {row['bytes'] / 1e6:.1f} MB (asked {args.size_mb:g}) in {row['num_tensors']} tensors, "
                   f"{row['seconds']:.3f} s, {row['gbps']:.2f} GB/s = {row['ratio']:.0%} of {row['ceiling']} "
                   f"({row['ceiling_gbps']:.2f} GB/s) over {row['transport']}")
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from typing import Any
 
 from rlplacement.config import PlacementConfig
@@ -47,6 +48,10 @@ def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cp
         return
     address = address or os.environ.get("RAY_ADDRESS")
     level = logging.INFO if verbose else logging.WARNING
+    if not sys.stdout.isatty():  # actors' lines reach a file or a pipe: no colour codes in them
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    if not verbose:  # the trainer ranks drop their libraries' notices to developers (backends.quiet)
+        os.environ.setdefault("RLPLACEMENT_QUIET_TRAINER_NOTICES", "1")
     if address:
         ray.init(address=address, log_to_driver=True, logging_level=level)
     else:

@@ -32,6 +32,9 @@ def node_ip() -> str:
 @one_call_at_a_time  # a compiled update graph calls transfer_send from another thread
 class TrainerWorker(TrainerTransferMixin):
     def __init__(self, rank: int, world_size: int):
+        from rlplacement.backends.quiet import quiet_trainer_notices
+
+        quiet_trainer_notices()  # before megatron or TransformerEngine is imported here
         self.rank, self.world_size = rank, world_size
         self.backend = None
         self._store = None  # rank 0: the trainer's rendezvous, bound in ``address``

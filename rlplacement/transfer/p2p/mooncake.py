@@ -3,6 +3,7 @@ the slice size, the route to a peer, the rendezvous key of a receiver's session 
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,9 @@ class MooncakeEngine:
     """One Mooncake TransferEngine and the memory it registered (unregistered on close)."""
 
     def __init__(self, host: str, protocol: str):
+        # Mooncake logs every connection at INFO (~40 lines a run, one an "E" line on success): WARNING unless
+        # the user chose a level
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         from mooncake.engine import TransferEngine
 
         if protocol not in PROTOCOLS:
