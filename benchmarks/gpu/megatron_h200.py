@@ -14,8 +14,8 @@ decoding of random weights repeats at all); an error there is recorded, the othe
 
 Results contract (``megatron_h200.json``): ``backends`` {megatron, fsdp}: ``command``, ``commit``, ``argv``
 (the job's flags), ``startup_s``, ``steps`` rows (``train_s``, ``update_s``, ``trainer_update_s``, ``path``
-direct|buckets, ``bytes``, ``engine_load_s``, ``load_path`` (the engine's commit, ``vllm_backend.load_path``),
-``loss``, ``grad_norm``, ``handoff_to_rollout_s``, ``handoff_to_train_s``, ``trainer_peak_gb_in_train`` (the
+direct|buckets, ``bytes``, ``engine_load_s``, ``load_path`` (the engine's commit, its workers'
+``rlplacement_load_path``), ``loss``, ``grad_norm``, ``handoff_to_rollout_s``, ``handoff_to_train_s``, ``trainer_peak_gb_in_train`` (the
 trainer's torch peak over the step's training and update), every ``perf/*`` of the step, ``bit_exact``),
 ``update_s`` (median over steps >= 1), ``train_s`` (median), ``path`` (the last update's), ``peak_train_gb``
 (largest), ``fresh`` {``generation_equal``, ``fresh_repeats_itself``, ``first_divergence``,
@@ -131,7 +131,6 @@ def run(backend: str, model_dir: Path, root: Path, args) -> dict:
 
     from rlplacement import OptimConfig, RLJob
     from rlplacement.args import build_parser, config_from_args
-    from rlplacement.engines.vllm_backend import load_path
 
     cuda = torch.cuda.is_available()
     engine_kwargs = {"dtype": "bfloat16" if cuda else "float32", "max_model_len": 512}
@@ -168,7 +167,7 @@ def run(backend: str, model_dir: Path, root: Path, args) -> dict:
             report = job.update_weights()  # checked: raises naming the tensor on any mismatch
             update_s = time.perf_counter() - u0
             perf.update(job.pop_handoff_metrics())
-            commit = ray.get(job.engines[0].call_workers.remote(load_path), timeout=120)
+            commit = ray.get(job.engines[0].call_workers.remote("rlplacement_load_path"), timeout=120)
             rows.append({"step": step, "rollout_s": rollout_s, "train_s": train_s, "update_s": update_s,
                          "trainer_update_s": report.trainer.seconds, "path": report.trainer.path,
                          "bytes": report.trainer.bytes, "engine_load_s": report.engines[0].load,

