@@ -1,11 +1,13 @@
 """A rollout engine: one in-process ``vllm.LLM`` with rlplacement's weight-transfer backend.
 
-The class is plain Python (tests and scripts may use it directly); ``ray_engines`` runs it as a
-Ray actor. Generation runs on the engine's own thread (``request_stepper``): :meth:`submit` starts a
-batch and returns, :meth:`poll` hands back samples as each finishes, :meth:`abort` ends requests in
-flight; the last two are control calls that run beside anything else. Every other public method
-takes turns (``runtime.one_at_a_time``), also across the thread a compiled update graph runs
-``update_weights`` on and Ray's own.
+:class:`VllmRolloutEngine` is the vLLM kind of :class:`~rlplacement.engines.base.RolloutEngine`; the class
+is plain Python (tests and scripts may use it directly), and ``ray_engines`` runs it as a Ray actor.
+Generation runs on the engine's own thread (``request_stepper``): :meth:`submit` starts a batch and
+returns, :meth:`poll` hands back samples as each finishes, :meth:`abort` ends requests in flight,
+:meth:`pause` and :meth:`resume` hold and release generation between two engine steps; these are
+control calls that run beside anything else. Every other public method takes turns
+(``runtime.one_at_a_time``), also across the thread a compiled update graph runs ``update_weights`` on
+and Ray's own.
 
 The engine reaches its workers only by method name (``collective_rpc("rlplacement_...")``) on the worker
 extension vLLM mixes into each worker (``vllm_worker.RlplacementWorkerExtension``): no function is
@@ -27,14 +29,15 @@ import time
 from typing import Any
 
 
-from rlplacement.runtime.one_at_a_time import control_call, one_call_at_a_time
+from rlplacement.engines.base import RolloutEngine
+from rlplacement.runtime.one_at_a_time import one_call_at_a_time
 from rlplacement.transfer.base import EngineUpdateReport, Instants, TransferError
 
 BACKEND = "rlplacement"
 
 
 @one_call_at_a_time  # a compiled update graph calls update_weights from another thread than generate
-class VllmRolloutEngine:
+class VllmRolloutEngine(RolloutEngine):
     def __init__(self, model_dir: str, *, engine_index: int = 0, dtype: str = "auto",
                  max_model_len: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
                  sleep_mode: bool = False, enforce_eager: bool = False,
@@ -305,9 +308,10 @@ class VllmRolloutEngine:
     # ---- generation ------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[list[int]], sampling: list[dict]) -> str:
         """Start one request per prompt, ``sampling[i]`` being prompt i's ``vllm.SamplingParams`` keywords
-        (``max_tokens`` required); returns the batch id :meth:`poll` and :meth:`abort` take. Log-probs of
-        the sampled tokens are always returned (``logprobs=0`` is forced). A request that does not fit
-        the context is refused (``ContextLengthError``) before any starts."""
+        (``base.SAMPLING_KEYS`` are vLLM's names already; ``max_tokens`` required); returns the batch id
+        :meth:`poll` and :meth:`abort` take. Log-probs of the sampled tokens are always returned
+        (``logprobs=0`` is forced). A request that does not fit the context is refused
+        (``ContextLengthError``) before any starts."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -324,7 +328,7 @@ class VllmRolloutEngine:
         self._prefix_cache_filled = True
         return self._stepper.submit(prompts, params, served)
 
-    @control_call
+    # poll, abort, pause and resume are control calls (``base.CONTROL_CALLS``): they run beside the others
     def poll(self, batch: str, timeout_s: float = 1.0) -> tuple[list[dict], bool]:
         """Samples of ``batch`` finished since the last poll, each with its ``index`` in the batch (waits up
         to ``timeout_s`` for one), and whether the batch is done. Each sample: token ids (int64 array),
@@ -335,35 +339,17 @@ class VllmRolloutEngine:
         what the generation thread hands over)."""
         return self._stepper.poll(batch, timeout_s)
 
-    @control_call
     def abort(self, batch: str | None = None) -> int:
         """End ``batch``'s requests in flight (every batch's: None) now; their partial samples come out of
         :meth:`poll` marked ``aborted``. Runs beside a running generation; the engine stays ready."""
         return self._stepper.abort(batch)
 
-    def generate(self, prompt_token_ids: list[list[int]], *, max_tokens: int | list[int] = 16,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 stop_token_ids: list[int] | None = None, exact_lengths: bool = False,
-                 sampling: dict | None = None) -> list[dict]:
-        """One completion per prompt, in prompt order (the samples :meth:`poll` describes), in one call:
-        for scripts and tests. ``seed``: prompt i samples with ``seed + i``; ``max_tokens`` may be one per
-        prompt; ``exact_lengths``: each completion exactly that long (no early stop); ``sampling``: any
-        other ``SamplingParams`` keywords, for every prompt."""
-        n = len(prompt_token_ids)
-        lengths = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * n
-        if len(lengths) != n:
-            raise ValueError(f"max_tokens has {len(lengths)} entries for {n} prompts")
-        specs = [{"temperature": temperature, "top_p": top_p, "stop_token_ids": stop_token_ids, **(sampling or {}),
-                  "max_tokens": lengths[i], "seed": None if seed is None else seed + i,
-                  **({"min_tokens": lengths[i]} if exact_lengths else {})} for i in range(n)]
-        batch = self.submit(prompt_token_ids, specs)
-        results: list[dict | None] = [None] * n
-        done = False
-        while not done:
-            new, done = self._stepper.poll(batch, 60.0)
-            for r in new:
-                results[r["index"]] = r
-        return results  # type: ignore[return-value]
+    def pause(self) -> int:
+        """Hold generation between two engine steps; the number of requests held (``RolloutEngine.pause``)."""
+        return self._stepper.pause()
+
+    def resume(self) -> None:
+        self._stepper.resume()
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
