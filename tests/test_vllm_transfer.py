@@ -77,13 +77,11 @@ def test_update_lands_bit_exact(cluster, mode, n_engines):
 @pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed"])
 def test_staging_let_go_before_a_sleep_is_rebuilt_and_the_next_update_is_bit_exact(cluster, mode):
     """What a sleeping colocated engine frees (--offload-rollout): the kept staging buffers."""
-    from rlplacement.engines.vllm_backend import release_staging
-
     engines = cluster["engines"]
     _update(cluster, mode, engines, seed=cluster["version"] + 1)
-    freed = ray.get([e.call_workers.remote(release_staging) for e in engines])
+    freed = ray.get([e.call_workers.remote("rlplacement_release_staging") for e in engines])
     assert all(b > 0 for per_worker in freed for b in per_worker), freed
-    assert ray.get([e.call_workers.remote(release_staging) for e in engines]) == [[0], [0]]  # nothing left
+    assert ray.get([e.call_workers.remote("rlplacement_release_staging") for e in engines]) == [[0], [0]]  # nothing left
     version = _update(cluster, mode, engines, seed=cluster["version"] + 1, connect=False)
     want = ray.get(cluster["trainer"].checksums.remote())
     assert ray.get([e.weight_version.remote() for e in engines]) == [version, version]
@@ -150,13 +148,11 @@ def test_trainer_abort_leaves_every_engine_on_the_old_version(cluster, fail_at):
 
 
 def test_receiver_failing_mid_update_leaves_no_engine_half_updated(cluster):
-    from tests.transfer_helpers.faults import fail_receive_after_buckets
-
     e0, e1 = cluster["engines"]
     old = ray.get(e1.weight_version.remote())
     old_out = outputs(e1, PROMPTS, 6)
     _connect(cluster, "broadcast", [e0, e1], timeout_s=15)
-    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(fail_receive_after_buckets, args=(2,))))
+    ray.get(e1.call_workers.remote("hook_fail_receive_after_buckets", 2))
     with pytest.raises(WeightUpdateError, match="engine 1: .*injected receiver fault after 2 buckets"):
         _update(cluster, "broadcast", [e0, e1], seed=88, timeout_s=15, connect=False)
     new = cluster["version"]
@@ -175,12 +171,10 @@ def test_receiver_failing_mid_update_leaves_no_engine_half_updated(cluster):
 def test_a_corrupted_byte_reaches_the_driver_naming_the_tensor(cluster, mode):
     """The engine's WeightMismatchError crosses vLLM's RPC and Ray whole: the driver's error names
     the engine and the tensor, and the engine stays on its version."""
-    from tests.transfer_helpers.faults import flip_first_byte_of_next_update
-
     e0 = cluster["engines"][0]
     old = ray.get(e0.weight_version.remote())
     _connect(cluster, mode, [e0])
-    ray.get(e0.__ray_call__.remote(lambda self: self.llm.collective_rpc(flip_first_byte_of_next_update)))
+    ray.get(e0.call_workers.remote("hook_flip_first_byte_of_next_update"))
     with pytest.raises(WeightUpdateError, match=r"engine 0: .*weight mismatch.*tensor 'model\.embed_tokens\.weight'"):
         _update(cluster, mode, [e0], seed=55, connect=False)
     assert ray.get(e0.weight_version.remote()) == old
@@ -193,12 +187,10 @@ def test_an_engine_that_stops_answering_is_named_within_the_timeout(cluster):
     did not answer, no engine serves a mix of versions, and a new group carries the next update."""
     import time
 
-    from tests.transfer_helpers.faults import stall_next_receive
-
     e0, e1 = cluster["engines"]
     old = ray.get([e.weight_version.remote() for e in (e0, e1)])
     _connect(cluster, "broadcast_packed", [e0, e1], check_equal=False, timeout_s=8.0)
-    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(stall_next_receive, args=(20.0,))))
+    ray.get(e1.call_workers.remote("hook_stall_next_receive", 20.0))
     version = cluster["version"] + 1
     cluster["version"] = version
     start = time.monotonic()
@@ -257,13 +249,12 @@ def test_an_engine_that_stops_answering_a_compiled_graph_is_named_with_what_it_i
     import time
 
     from rlplacement.runtime.update_graph import CompiledUpdate
-    from tests.transfer_helpers.faults import stall_next_receive
 
     e0, e1 = cluster["engines"]
     old = ray.get([e.weight_version.remote() for e in (e0, e1)])
     _connect(cluster, "broadcast_packed", [e0, e1], check_equal=False, timeout_s=6.0)
     graph = CompiledUpdate(cluster["trainer"], [e0, e1], timeout_s=4.0)
-    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(stall_next_receive, args=(10.0,))))
+    ray.get(e1.call_workers.remote("hook_stall_next_receive", 10.0))
     cluster["version"] += 1
     start = time.monotonic()
     try:

@@ -55,9 +55,7 @@ def _sender_stats(cluster):
 
 
 def _receiver_stats(engine):
-    from tests.transfer_helpers.ipc_probes import receiver_stats
-
-    return ray.get(engine.__ray_call__.remote(lambda self: self.llm.collective_rpc(receiver_stats)[0]))
+    return ray.get(engine.call_workers.remote("hook_receiver_stats"))[0]
 
 
 def _shm_mappings(actor) -> list[str]:
@@ -112,15 +110,13 @@ def test_buffers_and_handles_are_reused_across_updates(cluster):
 
 
 def test_receiver_failing_mid_update_leaves_every_engine_wholly_old(cluster):
-    from tests.transfer_helpers.faults import fail_receive_after_buckets
-
     e0, e1 = cluster["engines"]
     if cluster["version"] == 0:
         _update(cluster, seed=5)
     old = cluster["version"]
     old_out = [outputs(e, PROMPTS, 6) for e in (e0, e1)]
     old_sums = ray.get([e.received_checksums.remote() for e in (e0, e1)])
-    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(fail_receive_after_buckets, args=(2,))))
+    ray.get(e1.call_workers.remote("hook_fail_receive_after_buckets", 2))
     with pytest.raises(WeightUpdateError, match="engine 1: .*injected receiver fault after 2 buckets") as info:
         _update(cluster, seed=6)
     # engine 0 was told to abort (rank 2 = engine 1's worker), the trainer names the failing rank
@@ -155,17 +151,16 @@ def test_cpu_standin_discarded_weights_refuse_generation_through_a_failed_update
     through the receiver): generate is refused by name, still after a failed update, and the next full
     update serves the trainer's weights bit for bit, generating as a fresh engine of them does."""
     from rlplacement.errors import WeightsUnavailableError
-    from tests.transfer_helpers.faults import cpu_standin_discard_weights, fail_receive_after_buckets
 
     e0, e1 = cluster["engines"]
     if cluster["version"] == 0:
         _update(cluster, seed=8)
     old = cluster["version"]
     for e in (e0, e1):
-        ray.get(e.call_workers.remote(cpu_standin_discard_weights))
+        ray.get(e.call_workers.remote("hook_cpu_standin_discard_weights"))
     with pytest.raises(WeightsUnavailableError, match="engine 0 cannot generate: a level-2 sleep discarded them"):
         ray.get(e0.generate.remote(PROMPTS, max_tokens=4))
-    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(fail_receive_after_buckets, args=(2,))))
+    ray.get(e1.call_workers.remote("hook_fail_receive_after_buckets", 2))
     with pytest.raises(WeightUpdateError, match="injected receiver fault"):
         _update(cluster, seed=9)
     for i, e in enumerate((e0, e1)):  # neither serves the previous version any more, nor a half-written one
@@ -186,10 +181,9 @@ def test_a_load_failing_part_way_refuses_generation_until_a_full_update(cluster)
     """A load that wrote part of a version (the copy into the model failed) leaves no whole version: the
     engine refuses to generate, by name, instead of serving a mix; the next update restores it."""
     from rlplacement.errors import WeightsUnavailableError
-    from tests.transfer_helpers.faults import fail_next_load_part_way
 
     e0, e1 = cluster["engines"]
-    ray.get(e1.__ray_call__.remote(lambda self: self.llm.collective_rpc(fail_next_load_part_way)))
+    ray.get(e1.call_workers.remote("hook_fail_next_load_part_way"))
     with pytest.raises(WeightUpdateError, match="injected load fault part-way"):
         _update(cluster, seed=11)
     with pytest.raises(WeightsUnavailableError, match=r"engine 1 cannot generate: the load of version \d+ failed"):

@@ -208,7 +208,6 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
     import torch
 
     from rlplacement.engines.ray_engines import create_engine_actor
-    from rlplacement.engines.vllm_backend import load_path
     from rlplacement import OptimConfig, RLJob
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -229,7 +228,7 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
             row["bytes"], row["num_tensors"] = checked.trainer.bytes, checked.trainer.num_tensors
             row[mode] = {"whole": whole, "wire": wire, "load": load, "bit_exact": True,
                          "timeline_ms": median_timeline(timelines), "compiled_update": job.updates.compiled,
-                         "commit": ray.get(job.engines[0].call_workers.remote(load_path), timeout=60)}
+                         "commit": ray.get(job.engines[0].call_workers.remote("rlplacement_load_path"), timeout=60)}
             if job.updates.compiled:  # the same updates through plain Ray calls, in the same run: what the graph saves
                 job.updates.compiled = False
                 plain, _, _, plain_timelines = timed_updates(job, args.repeats)

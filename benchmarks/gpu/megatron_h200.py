@@ -14,8 +14,8 @@ decoding of random weights repeats at all); an error there is recorded, the othe
 
 Results contract (``megatron_h200.json``): ``backends`` {megatron, fsdp}: ``command``, ``commit``, ``argv``
 (the job's flags), ``startup_s``, ``steps`` rows (``train_s``, ``update_s``, ``trainer_update_s``, ``path``
-direct|buckets, ``bytes``, ``engine_load_s``, ``load_path`` (the engine's commit, ``vllm_backend.load_path``),
-``loss``, ``grad_norm``, ``handoff_to_rollout_s``, ``handoff_to_train_s``, ``trainer_peak_gb_in_train`` (the
+direct|buckets, ``bytes``, ``engine_load_s``, ``load_path`` (the engine's commit, its workers'
+``rlplacement_load_path``), ``loss``, ``grad_norm``, ``handoff_to_rollout_s``, ``handoff_to_train_s``, ``trainer_peak_gb_in_train`` (the
 trainer's torch peak over the step's training and update), every ``perf/*`` of the step, ``bit_exact``),
 ``update_s`` (median over steps >= 1), ``train_s`` (median), ``path`` (the last update's), ``peak_train_gb``
 (largest), ``fresh`` {``generation_equal``, ``fresh_repeats_itself``, ``first_divergence``,
@@ -98,7 +98,7 @@ def fresh_check(job, config, engine_kwargs: dict, prompts: list[list[int]], fold
     import ray
 
     from rlplacement.engines.ray_engines import create_engine_actor
-    from rlplacement.job import engine_log_env
+    from rlplacement.engines.registry import engine_class
     from rlplacement.placement import ray_groups
     from rlplacement.runtime.waits import get_all
 
@@ -109,8 +109,9 @@ def fresh_check(job, config, engine_kwargs: dict, prompts: list[list[int]], fold
     job.close()
     wait_for_gpu_memory(engine_kwargs.get("gpu_memory_utilization", 0.0))  # the killed actors' memory back
     placement = ray_groups.place(config.placement, verbose=False)
-    engine = create_engine_actor(0, saved, options=placement.engine_options(0), env=engine_log_env(False),
-                                 **{**config.rollout.engine_kwargs(), **engine_kwargs, "use_tqdm_on_load": False})
+    engine = create_engine_actor(0, saved, options=placement.engine_options(0),
+                                 env=engine_class().process_env(False),
+                                 **{**config.rollout.engine_kwargs(), **engine_kwargs, "verbose": False})
     try:
         fresh = [tokens(common.greedy(engine, prompts)) for _ in range(2)]
     finally:
@@ -131,7 +132,6 @@ def run(backend: str, model_dir: Path, root: Path, args) -> dict:
 
     from rlplacement import OptimConfig, RLJob
     from rlplacement.args import build_parser, config_from_args
-    from rlplacement.engines.vllm_backend import load_path
 
     cuda = torch.cuda.is_available()
     engine_kwargs = {"dtype": "bfloat16" if cuda else "float32", "max_model_len": 512}
@@ -168,7 +168,7 @@ def run(backend: str, model_dir: Path, root: Path, args) -> dict:
             report = job.update_weights()  # checked: raises naming the tensor on any mismatch
             update_s = time.perf_counter() - u0
             perf.update(job.pop_handoff_metrics())
-            commit = ray.get(job.engines[0].call_workers.remote(load_path), timeout=120)
+            commit = ray.get(job.engines[0].call_workers.remote("rlplacement_load_path"), timeout=120)
             rows.append({"step": step, "rollout_s": rollout_s, "train_s": train_s, "update_s": update_s,
                          "trainer_update_s": report.trainer.seconds, "path": report.trainer.path,
                          "bytes": report.trainer.bytes, "engine_load_s": report.engines[0].load,

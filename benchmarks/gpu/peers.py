@@ -10,6 +10,9 @@
 
 Bit-exactness of a peer is checked on tensors vLLM keeps unfused (embedding, final norm, every
 ``down_proj``): the trainer perturbs its weights, sends, and those checksums must match.
+
+The peer engine reaches its workers by method name (:class:`PeerWorkerExtension`, vLLM's
+``worker_extension_cls``), as rlplacement's engine does: nothing is pickled into vLLM's engine core.
 """
 
 from __future__ import annotations
@@ -78,10 +81,10 @@ class PeerEngine:
     """A vLLM engine with vLLM's own transfer machinery (or none, for the IPC baseline)."""
 
     def __init__(self, model_dir: str, backend: str | None, **llm_kwargs):
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         from vllm import LLM
 
-        kwargs = dict(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=512, **llm_kwargs)
+        kwargs = dict(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=512,
+                      worker_extension_cls=PEER_WORKER_EXTENSION, **llm_kwargs)
         if backend:
             kwargs["weight_transfer_config"] = {"backend": backend}
         self.llm = LLM(**kwargs)
@@ -103,26 +106,34 @@ class PeerEngine:
 
     def ipc_update(self, handles: list) -> dict:
         t0 = time.perf_counter()
-        self.llm.collective_rpc(_load_from_handles, args=(handles,))
+        self.llm.collective_rpc("peer_load_from_handles", args=(handles,))
         self.llm.reset_prefix_cache()
         return {"load": time.perf_counter() - t0}
 
     def unfused_checksums(self) -> dict[str, str]:
-        return self.llm.collective_rpc(_unfused_checksums)[0]
+        return self.llm.collective_rpc("peer_unfused_checksums")[0]
 
 
-def _load_from_handles(worker, handles: list) -> None:
-    import pickle
-
-    import torch
-
-    model = worker.model_runner.get_model()
-    for name, blob in handles:
-        rebuild, args = pickle.loads(blob)
-        model.load_weights([(name, rebuild(*args))])
-    torch.cuda.synchronize()
+PEER_WORKER_EXTENSION = f"{__name__}.PeerWorkerExtension"
+"""Importable in vLLM's processes: common.py puts this folder on their PYTHONPATH."""
 
 
-def _unfused_checksums(worker) -> dict[str, str]:
-    model = worker.model_runner.get_model()
-    return {n: tensor_checksum(p) for n, p in model.named_parameters() if _unfused(n)}
+class PeerWorkerExtension:
+    """The peers' worker calls; vLLM mixes this into each worker, so ``self`` is the worker."""
+
+    def peer_load_from_handles(self, handles: list) -> None:
+        """Each (name, pickled CUDA IPC rebuild args) -> ``model.load_weights``, one tensor at a time (the
+        baseline's own data: the trainer pickled the handles for it)."""
+        import pickle
+
+        import torch
+
+        model = self.model_runner.get_model()
+        for name, blob in handles:
+            rebuild, args = pickle.loads(blob)
+            model.load_weights([(name, rebuild(*args))])
+        torch.cuda.synchronize()
+
+    def peer_unfused_checksums(self) -> dict[str, str]:
+        model = self.model_runner.get_model()
+        return {n: tensor_checksum(p) for n, p in model.named_parameters() if _unfused(n)}

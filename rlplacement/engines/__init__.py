@@ -1,4 +1,8 @@
-"""Receivers inside real engines. vLLM: a native weight-transfer backend (``vllm_backend``)
-registered by the ``vllm.general_plugins`` entry point (``vllm_plugin``), the loader that puts
-staged tensors into the model (``vllm_loader``), and the rollout engine that wraps ``vllm.LLM``
-(``vllm_engine``; run as a Ray actor through ``ray_engines``)."""
+"""Rollout engines. What the job asks of one: ``base.RolloutEngine``; the kinds by name: ``registry``;
+their Ray actors: ``ray_engines``.
+
+The vLLM kind: the rollout engine that wraps ``vllm.LLM`` (``vllm_engine``), the worker extension vLLM
+mixes into each of its workers, which the engine calls by name (``vllm_worker``), the native
+weight-transfer backend hosting rlplacement's receivers (``vllm_backend``) registered by the
+``vllm.general_plugins`` entry point (``vllm_plugin``), and the loader that puts staged tensors into
+the model (``vllm_loader``)."""

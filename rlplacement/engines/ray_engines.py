@@ -6,30 +6,29 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-# vLLM's engine core runs in its own process where CUDA is (as in production); VllmRolloutEngine
-# keeps it in-process on CPU only, where a separate process costs ~35 s of start-up per engine.
+from rlplacement.engines.registry import DEFAULT_ENGINE_KIND, engine_class
+
 DEFAULT_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 CONTROL_GROUP = "control"
 CONTROL_THREADS = 4
-"""Threads for the engine's control calls (``one_at_a_time.control_call``: poll, abort, current_call), so
+"""Threads for the engine's control calls (``engines.base.CONTROL_CALLS`` and ``current_call``), so
 a driver streaming two rollouts can still abort while the actor's main thread runs a blocking call."""
 
 
-@functools.cache  # one actor class for the job: Ray exports a class once, not once per engine
-def engine_actor_class():
-    """``VllmRolloutEngine`` as a Ray actor class whose control calls run in their own concurrency group
-    (Ray runs an actor's other calls one at a time, so a poll or an abort would otherwise wait behind
-    a running generate or update)."""
+@functools.cache  # one actor class per kind for the job: Ray exports a class once, not once per engine
+def engine_actor_class(kind: str = DEFAULT_ENGINE_KIND):
+    """The engine class of ``kind`` (``registry``) as a Ray actor class whose control calls run in their own
+    concurrency group (Ray runs an actor's other calls one at a time, so a poll, an abort or a pause would
+    otherwise wait behind a running generate or update)."""
     import ray
 
-    from rlplacement.engines.vllm_engine import VllmRolloutEngine
-
+    engine_cls = engine_class(kind)
     members = {}
-    for name in dir(VllmRolloutEngine):
-        fn = getattr(VllmRolloutEngine, name)
+    for name in dir(engine_cls):
+        fn = getattr(engine_cls, name)
         if getattr(fn, "__control_call__", False):
             members[name] = ray.method(concurrency_group=CONTROL_GROUP)(_forward(fn))
-    cls = type("VllmRolloutEngineActor", (VllmRolloutEngine,), members)
+    cls = type(f"{engine_cls.__name__}Actor", (engine_cls,), members)
     return ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_THREADS})(cls)
 
 
@@ -43,10 +42,11 @@ def _forward(fn):
     return method
 
 
-def create_engine_actor(index: int, model_dir: str, *, options: dict | None = None,
+def create_engine_actor(index: int, model_dir: str, *, kind: str = DEFAULT_ENGINE_KIND, options: dict | None = None,
                         env: dict[str, str] | None = None, **engine_kwargs: Any):
-    """Start engine ``index`` as a Ray actor; ``options`` are ``.options(**options)`` from placement,
-    ``env`` environment variables for its process (e.g. vLLM's log level).
+    """Start engine ``index`` of ``kind`` as a Ray actor; ``options`` are ``.options(**options)`` from
+    placement, ``env`` environment variables for its process (the job gives the kind's
+    ``RolloutEngine.process_env``: its log levels); ``engine_kwargs`` go to the engine class.
 
     Without placement options the actor takes no CPU reservation (tests on 2 cores start several).
     """
@@ -54,4 +54,4 @@ def create_engine_actor(index: int, model_dir: str, *, options: dict | None = No
     runtime_env = dict(opts.get("runtime_env") or {})
     runtime_env["env_vars"] = {**DEFAULT_ENV, **(env or {}), **runtime_env.get("env_vars", {})}
     opts["runtime_env"] = runtime_env
-    return engine_actor_class().options(**opts).remote(model_dir, engine_index=index, **engine_kwargs)
+    return engine_actor_class(kind).options(**opts).remote(model_dir, engine_index=index, **engine_kwargs)

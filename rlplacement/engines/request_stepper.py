@@ -13,9 +13,13 @@ step builds no output object for a request that has not finished, so stepping he
 ``LLM.generate`` costs. An aborted request's partial sample is read from vLLM's own record of it
 just before the abort (the output vLLM's async engine hands its callers on abort).
 
+:meth:`pause` holds the stepping thread between two steps (it returns once no step runs) and
+:meth:`resume` lets it go on; requests in flight, submits, polls and aborts are unaffected otherwise.
+
 Invariant the engine's update relies on: after :meth:`wait_idle` returns (and while no
 :meth:`submit` runs), no request is in flight, so the model's weights may change without any sample
-seeing two versions.
+seeing two versions. While paused with requests in flight, :meth:`wait_idle` raises at once instead of
+waiting for requests that cannot finish.
 """
 
 from __future__ import annotations
@@ -86,6 +90,9 @@ class RequestStepper:
         self._requests: dict[str, _Request] = {}
         self._batches: dict[str, _Batch] = {}
         self._error: BaseException | None = None
+        self._paused = False
+        self.steps = 0
+        """Engine steps taken so far."""
         self._ids = itertools.count()
         self._wall_minus_monotonic = time.time() - time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"{name}-stepper", daemon=True)
@@ -164,12 +171,37 @@ class RequestStepper:
         return len(ids)
 
     def wait_idle(self) -> None:
-        """Block until no request is in flight (the caller's own wait on the engine bounds it)."""
+        """Block until no request is in flight (the caller's own wait on the engine bounds it); raises at
+        once while paused with requests in flight, which could not finish."""
         with self._changed:
             while self._requests:
                 self._raise_if_failed()
+                if self._paused:
+                    raise RuntimeError(f"generation is paused with {len(self._requests)} request(s) in flight, "
+                                       f"which cannot finish: resume() or abort() them first")
                 self._changed.wait()
             self._raise_if_failed()
+
+    def pause(self) -> int:
+        """Hold generation between two steps: returns once no step runs, with the number of requests in
+        flight (they wait, as do requests submitted meanwhile, until :meth:`resume`)."""
+        with self._changed:
+            self._paused = True
+            self._changed.notify_all()  # a wait_idle in progress raises rather than wait
+        with self._engine_lock:  # a step in progress ends first; the next one sees the pause
+            pass
+        with self._changed:
+            return len(self._requests)
+
+    def resume(self) -> None:
+        """Let generation go on after :meth:`pause`."""
+        with self._changed:
+            self._paused = False
+            self._changed.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` (anything that calls into the vLLM engine) between two steps."""
@@ -180,15 +212,19 @@ class RequestStepper:
     def _run(self) -> None:
         while True:
             with self._changed:
-                while not self._requests:
+                while not self._requests or self._paused:
                     self._changed.wait()
             try:
                 with self._engine_lock:
+                    with self._changed:
+                        if self._paused:  # paused after the check above: pause() waits on this lock, then no step
+                            continue
                     if not self._engine.has_unfinished_requests():
                         self._drop_orphans()
                         continue
                     outputs = self._engine.step()
-                self._take(outputs)
+                    self.steps += 1
+                    self._take(outputs)  # under the engine lock: once pause() has it, the count it returns holds
             except BaseException as exc:  # noqa: BLE001 - every waiter hears it; the engine is not usable after
                 with self._changed:
                     self._error = exc

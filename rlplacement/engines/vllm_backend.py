@@ -10,6 +10,9 @@ Invariant: a worker never serves a partly written or discarded version. ``weight
 weights are not a whole version (a level-2 sleep discarded them, or a load failed part-way); it is set
 before the weights go and cleared only by a load that wrote every tensor, and the engine refuses to
 generate while any worker has it set.
+
+The engine reaches this backend's state on each worker through the worker extension
+(``vllm_worker.RlplacementWorkerExtension``), by method name.
 """
 
 from __future__ import annotations
@@ -184,6 +187,11 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         """vLLM 0.26 declares the trainer side on the engine class; ours is rlplacement.transfer."""
         raise NotImplementedError("rlplacement's trainer side is rlplacement.runtime.trainer_transfer (TrainerTransferMixin)")
 
+    def chunk_kernel_summary(self) -> str | None:
+        """How the recorded copy plan's last replay ran (``CopyPlan.chunk_kernel_summary``); None
+        without a plan."""
+        return self._plan.chunk_kernel_summary() if self._plan is not None else None
+
     def release_staging(self) -> int:
         """Free the kept staging buffers and the views of them kept here (rebuilt by the next update):
         they live outside vLLM's sleep pool, so sleeping alone would keep ~one model's bytes on the GPU.
@@ -204,81 +212,3 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         # never wait on peers here: shutdown runs on error paths, and waiting would turn an error into a hang
         if self.receiver is not None:
             self.receiver.close()
-
-
-def serving_state(worker: Any) -> dict:
-    """For ``collective_rpc``: the version this worker serves and, when its weights are not that whole
-    version, why (``weights_lost``)."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    if not isinstance(engine, RlplacementWeightTransferEngine):
-        return {"version": 0, "weights_lost": None}
-    return {"version": engine.served_version, "weights_lost": engine.weights_lost}
-
-
-def mark_weights_lost(worker: Any, reason: str) -> None:
-    """For ``collective_rpc``: this worker's weights are about to stop being a whole version (a level-2
-    sleep discards them); generation is refused until a full update lands."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    if not isinstance(engine, RlplacementWeightTransferEngine):
-        raise TransferError("this engine was not started with weight_transfer_config={'backend': 'rlplacement'}: "
-                            "nothing could refill its weights after they are discarded")
-    engine.weights_lost = reason
-
-
-def received_checksums(worker: Any) -> dict[str, str]:
-    """For ``collective_rpc``: checksums of the tensors of the last update (with check_equal on)."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    return dict(engine.received_checksums) if isinstance(engine, RlplacementWeightTransferEngine) else {}
-
-
-def load_path(worker: Any) -> dict:
-    """For ``collective_rpc``: how the last update was committed ("copy-plan", "recorded", "generic")."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    if not isinstance(engine, RlplacementWeightTransferEngine):
-        return {}
-    out = {"path": engine.last_load_path, "plan_failure": engine.plan_failure}
-    if engine._plan is not None:
-        out["chunk_kernel"] = engine._plan.chunk_kernel_summary()
-    if engine.receiver is not None and engine.receiver.mapped_allocations:
-        out["mapped_allocations"] = engine.receiver.mapped_allocations  # the trainer's, each mapped once per update
-    return out
-
-
-def receive_and_commit(worker: Any, version: int) -> dict:
-    """For ``collective_rpc``: one whole update on this worker in one round trip (start, receive and
-    stage, load) instead of vLLM's three worker calls; the backend's steps and their all-or-nothing
-    contract are the same. Returns this worker's receive and load seconds."""
-    import time
-
-    engine = worker.weight_transfer_engine
-    if not isinstance(engine, RlplacementWeightTransferEngine):
-        raise TransferError("this engine was not started with weight_transfer_config={'backend': 'rlplacement'}")
-    t0 = time.perf_counter()
-    engine.start_weight_update()
-    engine.receive_weights(RlplacementUpdateInfo(version=int(version)))
-    t1 = time.perf_counter()
-    engine.finish_weight_update()
-    return {"receive": t1 - t0, "load": time.perf_counter() - t1, "instants": dict(engine.receiver.instants)}
-
-
-def release_staging(worker: Any) -> int:
-    """For ``collective_rpc``: this worker's staging freed before the engine sleeps (bytes let go)."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    return engine.release_staging() if isinstance(engine, RlplacementWeightTransferEngine) else 0
-
-
-def unmap_trainer_memory(worker: Any) -> int:
-    """For ``collective_rpc``: let go of the trainer's memory that mode cuda_ipc keeps mapped between
-    updates, before the trainer frees it; returns how many allocations were mapped."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    receiver = getattr(engine, "receiver", None) if isinstance(engine, RlplacementWeightTransferEngine) else None
-    return receiver.unmap() if receiver is not None else 0
-
-
-def shutdown_transfer(worker: Any) -> None:
-    """For ``collective_rpc``: close this worker's transfer group (aborts NCCL: never waits on peers).
-    vLLM 0.26's GPU worker has no ``shutdown_weight_transfer_engine`` method (0.32 has), so the
-    engine's own ``shutdown`` is reached directly."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    if isinstance(engine, RlplacementWeightTransferEngine):
-        engine.shutdown()

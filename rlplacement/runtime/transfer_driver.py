@@ -2,8 +2,8 @@
 concurrently with a bounded wait.
 
 The trainer actor mixes in :class:`rlplacement.runtime.trainer_transfer.TrainerTransferMixin`; engine
-actors are :class:`rlplacement.engines.vllm_engine.VllmRolloutEngine` (any actor with ``info``,
-``init_transfer``, ``update_weights``, ``received_checksums`` works).
+actors are of any :class:`rlplacement.engines.base.RolloutEngine` kind, of which this calls ``info``,
+``init_transfer``, ``update_weights`` and ``received_checksums``.
 
 Failure contract: ``run_update`` raises :class:`WeightUpdateError` naming every party that
 failed or did not answer (engines first: a trainer error is usually the echo of an engine's).

@@ -8,17 +8,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def start_trainer_and_engines(model_dir: str, num_engines: int = 2):
-    """Return ``(trainer, engines)`` on a fresh local Ray (never a neighbour's via RAY_ADDRESS)."""
+    """Return ``(trainer, engines)`` on a fresh local Ray (never a neighbour's via RAY_ADDRESS); the engines'
+    workers take the tests' hooks (``worker_hooks``)."""
     import ray
 
     from rlplacement.engines.ray_engines import create_engine_actor
     from tests.transfer_helpers.trainer_actor import HFTrainer
+    from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
     trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
-    return trainer, [create_engine_actor(i, model_dir) for i in range(num_engines)]
+    return trainer, [create_engine_actor(i, model_dir, worker_extension_cls=HOOKED_WORKER_EXTENSION)
+                     for i in range(num_engines)]
 
 
 def outputs(engine, prompts, max_tokens: int):

@@ -1,4 +1,5 @@
-"""Faults injected into a live engine worker (tests only), through ``collective_rpc``."""
+"""Faults injected into a live engine worker (tests only): each takes the worker, and is reached by name
+as a method of ``worker_hooks.HookedWorkerExtension``."""
 
 
 def fail_receive_after_buckets(worker, n_buckets: int = 2) -> None:
@@ -54,10 +55,8 @@ def cpu_standin_discard_weights(worker) -> None:
     so writing the parameters directly would not reach what it serves)."""
     import torch
 
-    from rlplacement.engines.vllm_backend import mark_weights_lost
-
     engine = worker.weight_transfer_engine
-    mark_weights_lost(worker, "a level-2 sleep discarded them")
+    worker.rlplacement_mark_weights_lost("a level-2 sleep discarded them")
     garbage = [(name, torch.full(shape, 0.5, dtype=engine.model_config.dtype))
                for name, shape in engine._expected.items()
                if not (engine._tied and name == "lm_head.weight")]

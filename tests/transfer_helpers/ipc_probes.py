@@ -4,7 +4,7 @@ from rlplacement.transfer.cuda_ipc.buckets import SHM_PREFIX
 
 
 def receiver_stats(worker) -> dict:
-    """For ``collective_rpc``: how often this worker's receiver opened handles and grew staging."""
+    """On a worker (``worker_hooks``): how often its receiver opened handles and grew staging."""
     r = worker.weight_transfer_engine.receiver
     return {"handles_opened": r.handles_opened, "staging_allocations": r.buffers.allocations,
             "open_keys": sorted(o.key for o in r._opened.values())}

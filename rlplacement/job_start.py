@@ -1,0 +1,114 @@
+"""Starting a job's processes and tearing them down: the wiring behind ``RLJob.start`` and ``RLJob.close``.
+
+Order of start: flags checked and the backend's preflight (before any process starts), the placement
+group, the trainer actors, the engine actors (of the engine kind chosen, ``engines.registry``), the
+trainers' set-up and the engines' ``info`` (both bounded by the job's timeout), the colocated hand-off,
+the update dispatch. Whatever fails, every actor started and the placement group are released, and a
+GPU out-of-memory error under ``--colocate`` names the offload flag that would free the memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from rlplacement.errors import GpuMemoryError
+
+if TYPE_CHECKING:
+    from rlplacement.config import Config
+    from rlplacement.runtime.handoff import ColocatedHandOff
+    from rlplacement.runtime.update_dispatch import UpdateDispatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StartedActors:
+    """What :func:`start_actors` started: the placement group, the trainer ranks and the engines."""
+
+    placement: Any
+    trainers: list
+    engines: list
+    trainer_names: list[str]
+    backend_config: Any
+    engine_dtype: str
+
+
+def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
+                 engine_kwargs: dict[str, Any] | None) -> StartedActors:
+    """Check the flags, place the job and start every trainer rank and engine (returning at once: Ray
+    starts them in the background). ``engine_kwargs``: over ``config.rollout.engine_kwargs()``."""
+    import ray
+
+    from rlplacement.args import require_available
+    from rlplacement.backends import preflight
+    from rlplacement.engines.engine_settings import resolve_dtype
+    from rlplacement.engines.ray_engines import create_engine_actor
+    from rlplacement.engines.registry import engine_class
+    from rlplacement.placement import ray_groups
+    from rlplacement.runtime.trainer_worker import TrainerWorker
+
+    require_available(config)  # before any process starts
+    backend_cfg = dataclasses.replace(config.backend, hf_checkpoint=config.backend.hf_checkpoint or hf_dir)
+    preflight(backend_cfg)
+    engine_cls = engine_class(engine_kind)  # an unknown kind is refused before any process starts
+    verbose = config.rollout.verbose
+    engine_args = {**config.rollout.engine_kwargs(), **(engine_kwargs or {})}
+    engine_args["dtype"] = resolve_dtype(hf_dir, engine_args.get("dtype", "auto"))
+    engine_args.setdefault("verbose", verbose)
+    placement = ray_groups.place(config.placement, verbose=verbose)
+    layout = placement.layout
+    world = len(layout.trainer_gpus)
+    worker_cls = ray.remote(TrainerWorker)
+    trainers = [worker_cls.options(**placement.trainer_options(r)).remote(r, world) for r in range(world)]
+    engines = [create_engine_actor(i, hf_dir, kind=engine_kind, options=placement.engine_options(i),
+                                   env=engine_cls.process_env(verbose), tensor_parallel_size=layout.gpus_per_engine,
+                                   sleep_mode=config.placement.offload_rollout is not False, **engine_args)
+               for i in range(len(layout.engines))]
+    return StartedActors(placement, trainers, engines, [f"trainer rank {r}" for r in range(world)], backend_cfg,
+                         engine_args["dtype"])
+
+
+def make_handoff(config: "Config", trainers: list, engines: list, trainer_device: str, timeout_s: float,
+                 trainer_names: list[str]) -> "ColocatedHandOff | None":
+    """The colocated hand-off the flags ask for, its host memory reserved; None where it does not run."""
+    from rlplacement.runtime.handoff import ColocatedHandOff, skipped_reason
+
+    p = config.placement
+    reason = skipped_reason(p.offload_train, p.offload_rollout, trainer_device)
+    if reason:
+        log.warning(reason)
+        return None
+    if not p.colocate or (p.offload_train is False and p.offload_rollout is False):
+        return None
+    handoff = ColocatedHandOff(trainers, engines, offload_train=p.offload_train, offload_rollout=p.offload_rollout,
+                               keep_engine_weights=p.offload_rollout_keep_weights, timeout_s=timeout_s,
+                               trainer_names=trainer_names)
+    handoff.reserve_host_memory()
+    return handoff
+
+
+def raise_with_offload_hint(config: "Config", exc: BaseException) -> None:
+    """Out of GPU memory under --colocate with a hand-off turned off: say which flag frees it."""
+    from rlplacement.runtime.handoff import offload_hint
+
+    hint = offload_hint(config.placement, str(exc))
+    if hint:
+        raise GpuMemoryError(f"{hint}\n(the error: {exc})") from exc
+
+
+def release(updates: "UpdateDispatch | None", trainers: list, engines: list, placement) -> None:
+    """Tear down what a job started; never raises, so it cannot hide the error that led here."""
+    import ray
+
+    if updates is not None:  # before its actors go: a graph's loops run on them
+        updates.close()
+    for actor in engines:
+        try:
+            ray.get(actor.shutdown.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - closing must not hide the error that led here
+            pass
+    for actor in trainers + engines:
+        ray.kill(actor)
+    placement.remove()

@@ -1,0 +1,180 @@
+"""Rollouts over the job's engines: what a sample is (:class:`RolloutSample`), a rollout in flight
+(:class:`PendingRollout`), and how one is requested, spread, streamed back and aborted.
+
+Engine-neutral: the engines are Ray actors of any ``engines.base.RolloutEngine`` kind, reached only through
+its ``submit``, ``poll`` and ``abort`` and sent only the sampling keys every kind takes
+(``engines.base.SAMPLING_KEYS``) besides a caller's own. ``RLJob`` holds the job's engines and timeout
+and calls these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from rlplacement.errors import ConfigError
+from rlplacement.runtime.waits import get_all
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from rlplacement.config import Config
+
+POLL_WAIT_S = 1.0
+"""How long one poll waits on an engine for a sample to finish before the driver asks again."""
+
+
+@dataclasses.dataclass
+class RolloutSample:
+    """One generated sample and where it came from."""
+
+    prompt_ids: list[int]
+    token_ids: "np.ndarray"
+    """int64 generated token ids."""
+    logprobs: "np.ndarray"
+    """float32 log-prob of each generated token under the sampling distribution (after temperature)."""
+    finish_reason: str
+    """``stop`` (end of sequence, a stop string or token), ``length`` (max tokens) or ``abort``."""
+    weight_version: int
+    """The weight version that generated every token of it."""
+    engine: int
+    finished_at: float
+    """Wall time its last token was produced (stamped on the engine as it came out)."""
+    first_token_at: float | None = None
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended it, if one did."""
+    aborted: bool = False
+    """Ended by :meth:`RLJob.abort` before it finished: a partial sample, not to train on unless meant."""
+    index: int = 0
+    """Its place in the call's samples: prompt ``index // n``, that prompt's sample ``index % n``."""
+
+
+@dataclasses.dataclass
+class PendingRollout:
+    """A rollout started by :meth:`RLJob.generate_async`: :meth:`RLJob.stream` yields its samples as
+    they finish, :meth:`RLJob.collect` returns them all, :meth:`RLJob.abort` ends it."""
+
+    prompts: list[list[int]]
+    """The prompt of each sample."""
+    batches: dict[tuple[int, str], list[int]]
+    """(engine index, the engine's batch id) -> the sample indices it generates."""
+    samples: list["RolloutSample | None"]
+    """Samples received so far, by index."""
+    polls: dict = dataclasses.field(default_factory=dict)
+    """Ray ref of an outstanding poll -> (engine index, batch id)."""
+
+    @property
+    def done(self) -> bool:
+        return not self.batches
+
+
+def sampling_defaults(config: "Config") -> dict[str, Any]:
+    """The sampling keys every generate starts from: the ``--rollout-*`` flags."""
+    r = config.rollout
+    return {"temperature": config.train.rollout_temperature, "top_p": r.top_p, "top_k": r.top_k,
+            "max_tokens": r.max_response_len, "stop": list(r.stop) or None,
+            "stop_token_ids": list(r.stop_token_ids) or None}
+
+
+@dataclasses.dataclass
+class RolloutRequest:
+    """Every sample of one generate call, one request each: its prompt and its sampling keys."""
+
+    prompts: list[list[int]]
+    specs: list[dict[str, Any]]
+
+
+def rollout_request(config: "Config", prompts: Sequence[Sequence[int]], sampling: dict[str, Any] | None, *,
+                    n_samples_per_prompt: int | None, max_tokens: int | Sequence[int] | None, seed: int | None,
+                    exact_lengths: bool, call_index: int, context: int) -> RolloutRequest:
+    """The requests of ``RLJob.generate_async``'s arguments (see there); ``call_index``: how many generate
+    calls the job made before (the default seed moves with it); ``context``: the smallest engine's.
+    Refuses bad sizes, and requests that cannot fit the context, before any engine is asked."""
+    from rlplacement.engines.engine_settings import check_context
+
+    n = config.rollout.n_samples_per_prompt if n_samples_per_prompt is None else int(n_samples_per_prompt)
+    if n < 1:
+        raise ConfigError(f"n_samples_per_prompt {n}: use 1 or more")
+    spec = {**sampling_defaults(config), **(sampling or {})}
+    per_sample = [list(map(int, p)) for p in prompts for _ in range(n)]
+    if max_tokens is None:
+        lengths = [int(spec["max_tokens"])] * len(per_sample)
+    elif isinstance(max_tokens, Sequence):
+        lengths = [int(m) for m in max_tokens]
+        if len(lengths) != len(per_sample):
+            raise ConfigError(f"max_tokens has {len(lengths)} entries for {len(per_sample)} samples "
+                              f"({len(prompts)} prompts x {n}): give one per sample, or one for all")
+    else:
+        lengths = [int(max_tokens)] * len(per_sample)
+    for ids, m in zip(per_sample, lengths):
+        check_context(len(ids), m, context, "RLJob.generate")
+    if seed is None and "seed" not in (sampling or {}):
+        seed = config.rollout.seed + 1_000_003 * call_index
+    elif seed is None:
+        seed = spec["seed"]
+
+    def spec_of(j: int) -> dict[str, Any]:
+        one = {**spec, "max_tokens": lengths[j], "seed": None if seed is None else seed + j}
+        if exact_lengths:
+            one["min_tokens"] = lengths[j]
+        return one
+
+    return RolloutRequest(per_sample, [spec_of(j) for j in range(len(per_sample))])
+
+
+def submit(engines: Sequence, request: RolloutRequest, timeout_s: float) -> PendingRollout:
+    """Start ``request`` on the engines, balanced over them by tokens with each prompt's samples on one
+    engine (``runtime.rollout_shares``), and return at once."""
+    from rlplacement.runtime.rollout_shares import engine_shares
+
+    lengths = [int(s["max_tokens"]) for s in request.specs]
+    shares = engine_shares(request.prompts, lengths, len(engines))
+    used = [i for i, idx in enumerate(shares) if idx]
+    batch_ids = get_all([engines[i].submit.remote([request.prompts[j] for j in shares[i]],
+                                                  [request.specs[j] for j in shares[i]]) for i in used],
+                        timeout_s, "starting generation", [f"engine {i}" for i in used])
+    return PendingRollout(request.prompts, {(i, b): shares[i] for i, b in zip(used, batch_ids)},
+                          [None] * len(request.prompts))
+
+
+def stream(engines: Sequence, pending: PendingRollout, timeout_s: float) -> Iterator[RolloutSample]:
+    """Yield ``pending``'s samples as each finishes (any order; ``RolloutSample.index`` says which),
+    waiting at most ``timeout_s`` for the next (naming the engines that did not answer)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while pending.batches:
+        for key in pending.batches:
+            if key not in pending.polls.values():
+                pending.polls[engines[key[0]].poll.remote(key[1], POLL_WAIT_S)] = key
+        done, _ = ray.wait(list(pending.polls), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            late = ", ".join(f"engine {i}" for i, _ in pending.batches)
+            raise TimeoutError(f"generation: {late} produced no sample within {timeout_s:.0f}s")
+        key = pending.polls.pop(done[0])
+        results, finished = ray.get(done[0], timeout=timeout_s)
+        if finished:
+            idx = pending.batches.pop(key)
+        else:
+            idx = pending.batches[key]
+        if results:
+            deadline = time.monotonic() + timeout_s
+        for out in results:
+            j = idx[out["index"]]
+            sample = RolloutSample(pending.prompts[j], out["token_ids"], out["logprobs"], out["finish_reason"],
+                                   out["weight_version"], key[0], out["finished_at"], out["first_token_at"],
+                                   out["stop_reason"], out["aborted"], j)
+            pending.samples[j] = sample
+            yield sample
+
+
+def abort(engines: Sequence, pending: PendingRollout | None, timeout_s: float) -> list[RolloutSample]:
+    """End ``pending``'s requests still generating (every engine's: None); ``pending``'s partial samples,
+    marked ``aborted``."""
+    keys = list(pending.batches) if pending is not None else [(i, None) for i in range(len(engines))]
+    get_all([engines[i].abort.remote(b) for i, b in keys], timeout_s, "aborting generation",
+            [f"engine {i}" for i, _ in keys])
+    if pending is None:
+        return []
+    return [s for s in stream(engines, pending, timeout_s) if s.aborted]
