@@ -308,7 +308,7 @@ class RolloutConfig:
     """vLLM and Ray log at INFO (``--verbose``); by default at WARNING, and the loop prints a line a step."""
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """The vLLM engine arguments these settings make (``VllmRolloutEngine``'s keywords)."""
+        """The engine arguments these settings make (the ``vllm`` engine kind's keywords)."""
         kwargs: dict[str, Any] = {"dtype": self.dtype, "max_model_len": self.max_model_len,
                                   "enforce_eager": self.enforce_eager}
         if self.gpu_memory_utilization is not None:
