@@ -74,7 +74,7 @@ def _sender(alloc_conf, endpoint_q, result_q, fault, keep_mapped, check_equal):
             out["sums"][v] = {n: tensor_checksum(t) for n, t in named}
         from rlplacement.transfer.cuda_ipc.driver import allocation_of
 
-        out.update(exported=sender.exports.handles_exported, refusal=sender.direct_refusal,
+        out.update(exported=sender.exports.handles_exported, refusal=sender.fallback,
                    allocations=len({allocation_of(t.data_ptr()).buffer_id for _, t in named}))
         result_q.put(("sender", out))
         sender.close()
@@ -275,7 +275,7 @@ def _backend_sender(hf_dir, endpoint_q, result_q, fault, keep_mapped, check_equa
             out["paths"].append(report.path)
             out["rounds"][v] = sender.last_direct_rounds
             out["sums"][v] = {n: tensor_checksum(t) for n, t in named}
-        out["refusal"] = sender.direct_refusal
+        out["refusal"] = sender.fallback
         result_q.put(("sender", out))
         sender.close()
     except BaseException as exc:  # noqa: BLE001
@@ -321,7 +321,7 @@ def _megatron_sender(hf_dir, endpoint_q, result_q, fault, keep_mapped, check_equ
             report = sender.update(v, named, resident=backend.yields_resident_tensors, hf_shapes=shapes)
             out["paths"].append(report.path)
             out["sums"][v] = {n: tensor_checksum(t) for n, t in named}
-        out["refusal"], out["hf_shapes"] = sender.direct_refusal, shapes
+        out["refusal"], out["hf_shapes"] = sender.fallback, shapes
         result_q.put(("sender", out))
         sender.close()
         backend.close()
