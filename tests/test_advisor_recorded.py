@@ -1,0 +1,61 @@
+"""The advisor on telemetry recorded from the example loop (tests/data/advisor_*.jsonl, CPU, 2 cores).
+
+Recorded with, on this branch:
+
+* ``advisor_split_gloo.jsonl``: ``python examples/tiny_grpo.py --steps 6 --telemetry ...`` (1:1 on a
+  4-GPU logical node, broadcast over gloo: CPU tensors);
+* ``advisor_one_step_off_gloo.jsonl``: the same with ``--one-step-off --rollout-max-response-len 48
+  --prompts-per-step 4``.
+
+Step 0 of each is the warm-up (model load, first compilation): ten times a later step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlplacement.telemetry import read_rows
+
+DATA = Path(__file__).parent / "data"
+SPLIT = DATA / "advisor_split_gloo.jsonl"
+ONE_STEP_OFF = DATA / "advisor_one_step_off_gloo.jsonl"
+
+
+def test_the_recorded_rows_say_which_transport_ran_and_which_placement_flags_were_given():
+    """What the fixes below read: the loop writes the update's transport (from the sender) and the
+    placement flags that refuse layouts (from the config) on every row."""
+    split, one_step_off = read_rows(SPLIT), read_rows(ONE_STEP_OFF)
+    assert {r["transfer_transport"] for r in split + one_step_off} == {"gloo"}
+    assert {r["one_step_off"] for r in split} == {False} and {r["one_step_off"] for r in one_step_off} == {True}
+    assert {(r["offload_train"], r["offload_rollout"], r["offload_rollout_keep_weights"]) for r in split} == \
+        {(False, False, False)}
+
+
+def test_each_sender_reports_what_carries_its_bytes(tmp_path):
+    from rlplacement.transfer.base import UpdateReport
+    from rlplacement.transfer.broadcast.sender import BroadcastSender
+    from rlplacement.transfer.cuda_ipc.sender import IpcSender
+    from rlplacement.transfer.disk_delta.sender import DiskDeltaSender
+
+    assert BroadcastSender(1 << 20, device="cpu").transport == "gloo"
+    ipc = IpcSender(1 << 20, device="cpu")
+    try:
+        assert ipc.transport == "shared memory"
+    finally:
+        ipc.close()
+    assert DiskDeltaSender(1 << 20, disk_dir=tmp_path).transport == "file"
+    assert UpdateReport(1, 1, 1, 8, 0.1, transport="nccl").metrics["transfer_transport"] == "nccl"
+    assert "transfer_transport" not in UpdateReport(1, 1, 1, 8, 0.1).metrics  # a receiver's report says nothing
+
+
+def test_the_layout_carries_the_placement_flags_as_given():
+    from rlplacement.config import PlacementConfig
+    from rlplacement.telemetry import RunLayout
+
+    colocated = RunLayout.from_placement(PlacementConfig(colocate=True, actor_num_gpus_per_node=2, rollout_num_gpus=2,
+                                                         offload_train=True, offload_rollout=None))
+    assert (colocated.one_step_off, colocated.offload_train, colocated.offload_rollout) == (False, True, None)
+    split = RunLayout.from_placement(PlacementConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1, one_step_off=True))
+    assert split.one_step_off is True
