@@ -12,10 +12,12 @@ Step 0 of each is the warm-up (model load, first compilation): ten times a later
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from rlplacement.cli import main as cli_main
 from rlplacement.telemetry import read_rows
 
 DATA = Path(__file__).parent / "data"
@@ -59,3 +61,34 @@ def test_the_layout_carries_the_placement_flags_as_given():
     assert (colocated.one_step_off, colocated.offload_train, colocated.offload_rollout) == (False, True, None)
     split = RunLayout.from_placement(PlacementConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1, one_step_off=True))
     assert split.one_step_off is True
+
+
+def _warm_up_only(tmp_path) -> Path:
+    """The recorded split run cut to its first row: what a run stopped after one step leaves."""
+    path = tmp_path / "warm_up_only.jsonl"
+    path.write_text(SPLIT.read_text().splitlines()[0] + "\n")
+    return path
+
+
+def test_a_file_of_warm_up_rows_only_is_advised_with_a_warning_that_names_the_flag(tmp_path, capsys):
+    path = _warm_up_only(tmp_path)
+    assert cli_main(["advise", "--metrics", str(path), "--json"]) == 0
+    out = capsys.readouterr()
+    advice = json.loads(out.out)
+    [warning] = [w for w in advice["warnings"] if "warm-up" in w]
+    assert "holds 1 row(s), all inside the warm-up (--skip-steps 1)" in warning and "--skip-steps 0" in warning
+    assert f"rlplacement advise: warning: {warning}" in out.err  # said where a person reads, too
+    assert advice["measured"]["steps"] == 1
+    assert advice["measured_step_time"] == pytest.approx(read_rows(path)[0]["perf/step_time"])
+    assert cli_main(["advise", "--metrics", str(path)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[1] == f"warning: {warning}"  # before the diagnosis, not after the recommendation
+
+
+def test_the_whole_recorded_run_is_advised_without_a_warm_up_warning(capsys):
+    assert cli_main(["advise", "--metrics", str(SPLIT), "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)
+    assert not [w for w in advice["warnings"] if "warm-up" in w]
+    assert advice["measured"]["steps"] == len(read_rows(SPLIT)) - 1
+    # the warm-up step was left out: the median step is a steady one, far below step 0's
+    assert advice["measured_step_time"] < 0.2 * read_rows(SPLIT)[0]["perf/step_time"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 from rlplacement.advisor.measure import measure
 from rlplacement.advisor.model import Workload
@@ -59,6 +60,7 @@ def render(advice: Advice) -> str:
     lines = [f"run: {m.placement} (engines of {m.gpus_per_engine}, nodes of {m.num_gpus_per_node}), "
              f"{m.steps} step(s): step {m.step_time:.3g} s = rollout {m.rollout_time:.3g} / sync {m.sync_time:.3g} / "
              f"train {m.train_time:.3g}; waits trainer {m.train_wait:.3g} rollout {m.rollout_wait:.3g}",
+             *(f"warning: {w}" for w in advice.warnings),
              f"diagnosis: {advice.diagnosis.label}",
              f"{'layout':>16} {'step':>9} {'rollout':>9} {'train':>9} {'sync':>9}  path"]
     for c in advice.candidates:
@@ -94,5 +96,8 @@ def main(args: argparse.Namespace) -> int:
         from rlplacement.advisor.plot import plot
 
         plot(rows, args.plot, title=f"{args.metrics}: {advice.diagnosis.label}")
+    if args.json:
+        for w in advice.warnings:  # also where a person reads, since the JSON may go to a file or a program
+            print(f"rlplacement advise: warning: {w}", file=sys.stderr)
     print(json.dumps(advice.to_json()) if args.json else render(advice))
     return 0

@@ -1,7 +1,9 @@
 """Telemetry rows -> one :class:`Measurement`: the layout and the median step in phases.
 
 Medians over steps (after the warm-up steps) rather than means: on a shared machine one slow
-step should not move the advice. Rows must carry the layout fields of the telemetry contract;
+step should not move the advice. A file holding only warm-up steps is still measured (from
+them), with a warning in ``Measurement.warnings``: warm-up steps load and compile, so advice
+from them is not advice about the run. Rows must carry the layout fields of the telemetry contract;
 a missing one is an error naming the field, because guessing the layout would make every
 prediction wrong.
 """
@@ -72,6 +74,7 @@ class Measurement:
     handoff_time: float | None = None  # colocated --offload-*: seconds per step handing the GPU over (both ways)
     handoff_bytes: float | None = None  # of which bytes over PCIe per step, on the busiest GPU (perf/handoff_bytes_*)
     handoff_move_time: float | None = None  # and the seconds spent moving them (the rest does not scale with bytes)
+    warnings: tuple[str, ...] = ()  # what makes this measurement a poor basis for advice, said to the user
 
 
 def _median(rows: Sequence[dict], key: str) -> float:
@@ -179,6 +182,13 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
     used = list(rows[skip_steps:]) if len(rows) > skip_steps else list(rows)
     colocate = bool(first["colocate"])
     placement = Placement(colocate, int(first["trainer_gpus"]), int(first["rollout_gpus"]))
+    warnings = []
+    if skip_steps and len(rows) <= skip_steps:
+        warnings.append(
+            f"{source} holds {len(rows)} row(s), all inside the warm-up (--skip-steps {skip_steps}): this advice is "
+            f"from warm-up steps, which load and compile and are not the run's steady state; record at least "
+            f"{skip_steps + 2} steps (a few after the warm-up give a median), or pass --skip-steps 0 to advise "
+            f"on warm-up rows knowingly")
     tail, p50, p99 = _tail_stats(used, bulk_quantile)
     rollout_time = _median(used, PHASE_KEYS["rollout"])
     lengths = tuple(int(x) for r in used for x in (r.get("rollout/response_lengths") or []))
@@ -216,6 +226,7 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         prompt_len=float(first["prompt_len"]) if first.get("prompt_len") else None,
         handoff_time=_handoff_time(used),
         **_handoff_moves(used),
+        warnings=tuple(warnings),
     )
 
 

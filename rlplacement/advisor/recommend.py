@@ -28,6 +28,7 @@ class Advice:
     measurement: Measurement
     reason: str
     transfer: ModeAdvice
+    warnings: tuple[str, ...] = ()  # printed before the advice, in the JSON as "warnings"
 
     def to_json(self) -> dict:
         """The ``rlplacement advise --json`` object (its fields: docs/advisor.md)."""
@@ -35,6 +36,7 @@ class Advice:
         return {
             "diagnosis": self.diagnosis.label,
             "reason": self.reason,
+            "warnings": list(self.warnings),
             "current": self.current.placement.to_json(),
             "recommended": self.recommended.placement.to_json(),
             "predicted_step_time": {"current": self.current.step_time, "recommended": self.recommended.step_time},
@@ -105,4 +107,5 @@ def recommend(m: Measurement, *, thresholds: Thresholds = Thresholds(),
         change = best.step_time / current.step_time - 1 if current.step_time > 0 else 0.0
         reason = (f"{diag.label}: {diag.why}; {_describe_change(m.placement, best.placement)} is predicted to take "
                   f"the step from {current.step_time:.3g} s to {best.step_time:.3g} s ({change:+.0%}).")
-    return Advice(diag, current, best, preds, m, reason, advise_transfer_mode(m, assumptions, thresholds.min_gain))
+    return Advice(diag, current, best, preds, m, reason, advise_transfer_mode(m, assumptions, thresholds.min_gain),
+                  warnings=m.warnings)
