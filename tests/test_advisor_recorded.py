@@ -92,3 +92,35 @@ def test_the_whole_recorded_run_is_advised_without_a_warm_up_warning(capsys):
     assert advice["measured"]["steps"] == len(read_rows(SPLIT)) - 1
     # the warm-up step was left out: the median step is a steady one, far below step 0's
     assert advice["measured_step_time"] < 0.2 * read_rows(SPLIT)[0]["perf/step_time"]
+
+
+def test_a_run_whose_update_went_over_gloo_is_labelled_gloo_never_nvlink(capsys):
+    """The recorded 1:1 split on CPU: its broadcast ran over gloo (host memory), and colocating would
+    hand the weights over in shared memory; neither has an assumed rate, so every candidate keeps the
+    measured sync and the transfer modes are not compared."""
+    assert cli_main(["advise", "--metrics", str(SPLIT), "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)
+    paths = {(c["colocate"], c["trainer_gpus"]): c["sync_path"] for c in advice["candidates"]}
+    assert paths[(False, 1)] == "gloo/broadcast"
+    assert paths[(True, 2)] == "shared memory/cuda_ipc"
+    assert not any(p.startswith(("nvlink", "network", "cuda ipc")) for p in paths.values())
+    assert {c["sync_time"] for c in advice["candidates"]} == {advice["measured"]["sync_time"]}
+    assert advice["recommended_transfer_mode"] == "broadcast" and advice["transfer_mode_saving_s"] == 0.0
+    assert not [w for w in advice["warnings"] if "transport" in w]
+    assert cli_main(["advise", "--metrics", str(SPLIT)]) == 0
+    assert "transfer: keep broadcast (no rate is assumed for gloo, so no mode can be compared)" in \
+        capsys.readouterr().out
+
+
+def test_rows_that_do_not_say_their_transport_are_assumed_a_gpu_run_with_a_warning(tmp_path, capsys):
+    """The same rows without transfer_transport (as recorded before it existed): the label is the
+    layout's GPU assumption, and the output says that it is one."""
+    path = tmp_path / "no_transport.jsonl"
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "transfer_transport"}) + "\n"
+                            for r in read_rows(SPLIT)))
+    assert cli_main(["advise", "--metrics", str(path), "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)
+    current = next(c for c in advice["candidates"] if not c["colocate"])
+    assert current["sync_path"] == "nvlink/broadcast"
+    [warning] = [w for w in advice["warnings"] if "transport" in w]
+    assert "no transfer_transport" in warning and "assumed to be a GPU run's" in warning

@@ -75,7 +75,7 @@ def render(advice: Advice) -> str:
         lines.append(f"transfer: {t.recommended} is predicted to sync in {t.predicted_sync_s[t.recommended]:.3g} s, "
                      f"saving {t.saving_s:.3g} s per step")
     else:
-        lines.append(f"transfer: keep {t.recommended} (no mode is predicted to sync faster)")
+        lines.append(f"transfer: keep {t.recommended} ({t.why_kept or 'no mode is predicted to sync faster'})")
     return "\n".join(lines)
 
 

@@ -5,7 +5,8 @@ step should not move the advice. A file holding only warm-up steps is still meas
 them), with a warning in ``Measurement.warnings``: warm-up steps load and compile, so advice
 from them is not advice about the run. Rows must carry the layout fields of the telemetry contract;
 a missing one is an error naming the field, because guessing the layout would make every
-prediction wrong.
+prediction wrong. ``transfer_transport`` (what carried the update) may be absent from rows recorded
+before it existed: the transport is then assumed from the layout, with a warning.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class Measurement:
     handoff_bytes: float | None = None  # of which bytes over PCIe per step, on the busiest GPU (perf/handoff_bytes_*)
     handoff_move_time: float | None = None  # and the seconds spent moving them (the rest does not scale with bytes)
     warnings: tuple[str, ...] = ()  # what makes this measurement a poor basis for advice, said to the user
+    transport: str | None = None  # what carried the update (transfer_transport); None: not recorded
 
 
 def _median(rows: Sequence[dict], key: str) -> float:
@@ -189,6 +191,13 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
             f"from warm-up steps, which load and compile and are not the run's steady state; record at least "
             f"{skip_steps + 2} steps (a few after the warm-up give a median), or pass --skip-steps 0 to advise "
             f"on warm-up rows knowingly")
+    transports = [r["transfer_transport"] for r in used if r.get("transfer_transport")]
+    transport = transports[-1] if transports else None
+    if transport is None:
+        warnings.append(
+            f"{source} does not say which transport carried the weight update (no transfer_transport: rows recorded "
+            f"before it existed, or a loop that does not pass the update's metrics to end_step): sync paths are "
+            f"assumed to be a GPU run's (NVLink inside a node, the network across nodes, CUDA IPC colocated)")
     tail, p50, p99 = _tail_stats(used, bulk_quantile)
     rollout_time = _median(used, PHASE_KEYS["rollout"])
     lengths = tuple(int(x) for r in used for x in (r.get("rollout/response_lengths") or []))
@@ -227,6 +236,7 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         handoff_time=_handoff_time(used),
         **_handoff_moves(used),
         warnings=tuple(warnings),
+        transport=transport,
     )
 
 

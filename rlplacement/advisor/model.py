@@ -17,10 +17,12 @@ rollout/trainer GPUs, ``l`` = max-response-length ratio, ``g`` = group-size rati
   start; the fixed part scales by waves(layout) / waves(measured) (1 when the run did not record
   its capacity).
 * train = train0 * (N_t0 / N_t) * g * l: data parallel over the trainer's GPUs, linear in tokens.
-* sync = fixed + bytes / bandwidth(path, mode): the path is CUDA IPC when colocated, NVLink when
-  a split fits one node, the ``--link-gbps`` network otherwise (disk for disk-delta); ``fixed``
+* sync = fixed + bytes / bandwidth(path, mode): the path follows the transport that ran
+  (``transfer_transport``; :func:`transfer_path`): NCCL is NVLink when a split fits one node and the
+  ``--link-gbps`` network otherwise, CUDA IPC when colocated, the disk for disk-delta; ``fixed``
   (pause, resume, RPC) is what the measured sync had beyond its own wire time. Without the byte
-  count, sync scales by the bandwidth ratio of the two paths.
+  count, sync scales by the bandwidth ratio of the two paths. A path without an assumed rate (gloo
+  or shared memory on CPU tensors) keeps the measured sync: there is nothing to scale it by.
 * handoff (colocated only: engines sleep, trainer state to host memory and back) = for a colocated
   run, its own fixed part (what the hand-off cost beyond moving bytes) + its measured bytes per GPU x
   N_t0 / N_t (each GPU moves its own shard) at the rate the run moved them (``perf/handoff_bytes_*``
@@ -78,22 +80,43 @@ class Prediction:
                 "sync_time": self.sync_time, "sync_path": self.sync_path, "handoff_time": self.handoff_time}
 
 
-def transfer_path(p: Placement, mode: str, num_gpus_per_node: int, a: ModelAssumptions) -> tuple[str, float]:
-    """(path name, achieved Gb/s) of ``mode`` in layout ``p``: the colocated mode's CUDA IPC colocated,
-    the disk for a mode whose spec says so, NVLink when the layout fits one node, the network otherwise;
-    scaled by the mode's ``advisor_efficiency`` (its spec's estimate)."""
+DEVICE_OF_TRANSPORT = {"nccl": "cuda", "cuda ipc": "cuda", "gloo": "cpu", "shared memory": "cpu"}
+"""The tensors' device a recorded ``transfer_transport`` implies (other transports serve both)."""
+
+
+def expected_transport(mode: str, colocate: bool, device: str | None) -> str | None:
+    """What would carry ``mode``'s bytes on ``device``'s tensors (the transport names of the modes'
+    ``BenchSpec.transport``, which the senders report); None when the device is not known."""
+    spec = registry.spec(registry.colocated_mode() if colocate else mode)
+    if spec.advisor_path == DISK:
+        return "file"
+    if device is None or spec.bench is None:
+        return None
+    return spec.bench.transport[device]
+
+
+def transfer_path(p: Placement, mode: str, num_gpus_per_node: int, a: ModelAssumptions,
+                  transport: str | None = None) -> tuple[str, float | None]:
+    """(path name, achieved Gb/s) of ``mode`` in layout ``p``, the name as ``link/mode``.
+
+    The link follows the transport that carries the bytes: ``nccl`` is NVLink when the layout fits one
+    node and the network across nodes, ``file`` the disk, ``cuda ipc`` a handle on the same GPU,
+    ``mooncake rdma`` the network; any other transport (``gloo``, ``shared memory``, ``mooncake tcp``:
+    host memory and TCP) is named as it is and has no assumed rate (None: the measured sync stands).
+    ``transport`` None (not recorded) assumes GPUs: CUDA IPC colocated, the disk for a mode whose spec
+    says so, NCCL otherwise. Rates are scaled by the mode's ``advisor_efficiency`` (its spec's estimate).
+    """
     if p.colocate:
         mode = registry.colocated_mode()
     spec = registry.spec(mode)
-    if p.colocate or spec.advisor_path == IPC:
-        name, gbps = "cuda_ipc", a.ipc_gbps
-    elif spec.advisor_path == DISK:
-        name, gbps = "disk", a.disk_gbps
-    elif p.total_gpus <= num_gpus_per_node:
-        name, gbps = "nvlink", a.nvlink_gbps
-    else:
-        name, gbps = "network", a.link_gbps
-    return f"{name}/{mode}", gbps * spec.advisor_efficiency
+    if transport is None:
+        transport = ("cuda ipc" if p.colocate or spec.advisor_path == IPC else
+                     "file" if spec.advisor_path == DISK else "nccl")
+    one_node = p.total_gpus <= num_gpus_per_node
+    name = {"nccl": "nvlink" if one_node else "network", "file": "disk"}.get(transport, transport)
+    gbps = {"nvlink": a.nvlink_gbps, "network": a.link_gbps, "cuda ipc": a.ipc_gbps, "disk": a.disk_gbps,
+            "mooncake rdma": a.link_gbps}.get(name)
+    return f"{name}/{mode}", (gbps * spec.advisor_efficiency if gbps is not None else None)
 
 
 def _harmonic(n: float) -> float:
@@ -114,14 +137,21 @@ class StepModel:
             return self.m.transfer_mode
         return self.assumptions.transfer_mode
 
-    def _path(self, p: Placement) -> tuple[str, float]:
-        """(path name, achieved Gb/s) that weights take to reach the engines in ``p``."""
-        return transfer_path(p, self._mode(p), self.m.num_gpus_per_node, self.assumptions)
+    def _path(self, p: Placement) -> tuple[str, float | None]:
+        """(path name, achieved Gb/s or None) that weights take to reach the engines in ``p``: the run's
+        recorded transport for its own mode and kind of layout, else what that mode uses on the device
+        the recorded transport implies."""
+        m, mode = self.m, self._mode(p)
+        if p.colocate == m.placement.colocate and mode == self._mode(m.placement):
+            transport = m.transport
+        else:
+            transport = expected_transport(mode, p.colocate, DEVICE_OF_TRANSPORT.get(m.transport or ""))
+        return transfer_path(p, mode, m.num_gpus_per_node, self.assumptions, transport)
 
     def sync_time(self, p: Placement) -> tuple[float, str]:
         path0, gbps0 = self._path(self.m.placement)
         path, gbps = self._path(p)
-        if path == path0:
+        if path == path0 or gbps is None or gbps0 is None:  # same path, or no rate to scale by: as measured
             return self.m.sync_time, path
         if self.m.sync_bytes:
             wire0 = self.m.sync_bytes * 8 / (gbps0 * 1e9)
