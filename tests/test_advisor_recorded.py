@@ -5,7 +5,9 @@ Recorded with, on this branch:
 * ``advisor_split_gloo.jsonl``: ``python examples/tiny_grpo.py --steps 6 --telemetry ...`` (1:1 on a
   4-GPU logical node, broadcast over gloo: CPU tensors);
 * ``advisor_one_step_off_gloo.jsonl``: the same with ``--one-step-off --rollout-max-response-len 48
-  --prompts-per-step 4``.
+  --prompts-per-step 4``;
+* ``advisor_colocated_offload_train.jsonl``: ``--steps 5 --colocate --offload-train`` (colocated on 1; on
+  CPU the hand-off is skipped, the flag is recorded as given).
 
 Step 0 of each is the warm-up (model load, first compilation): ten times a later step.
 """
@@ -23,6 +25,7 @@ from rlplacement.telemetry import read_rows
 DATA = Path(__file__).parent / "data"
 SPLIT = DATA / "advisor_split_gloo.jsonl"
 ONE_STEP_OFF = DATA / "advisor_one_step_off_gloo.jsonl"
+COLOCATED = DATA / "advisor_colocated_offload_train.jsonl"
 
 
 def test_the_recorded_rows_say_which_transport_ran_and_which_placement_flags_were_given():
@@ -124,3 +127,74 @@ def test_rows_that_do_not_say_their_transport_are_assumed_a_gpu_run_with_a_warni
     assert current["sync_path"] == "nvlink/broadcast"
     [warning] = [w for w in advice["warnings"] if "transport" in w]
     assert "no transfer_transport" in warning and "assumed to be a GPU run's" in warning
+
+
+def _advise_json(capsys, *argv) -> dict:
+    assert cli_main(["advise", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _refused(advice: dict) -> dict[tuple[bool, int, int], str | None]:
+    return {(c["colocate"], c["trainer_gpus"], c["rollout_gpus"]): c["refused"] for c in advice["candidates"]}
+
+
+@pytest.mark.parametrize("num_gpus", [None, "4"])
+def test_a_one_step_off_run_is_never_told_to_colocate(tmp_path, capsys, num_gpus):
+    """--colocate refuses --one-step-off (rlplacement/args/placement.py): the colocated candidate is
+    predicted and shown, marked with the flag, and never recommended; on 4 GPUs a split is."""
+    what_if = ["--num-gpus", num_gpus] if num_gpus else []
+    advice = _advise_json(capsys, "--metrics", str(ONE_STEP_OFF), *what_if)
+    refused = _refused(advice)
+    total = int(num_gpus or 2)
+    why = refused[(True, total, total)]
+    assert why.startswith("--colocate refuses --one-step-off, which this run used") and \
+        "measure a run without --one-step-off" in why
+    assert [k for k, v in refused.items() if v] == [(True, total, total)]  # the splits stay allowed
+    assert advice["recommended"]["colocate"] is False
+    assert advice["recommended"]["trainer_gpus"] + advice["recommended"]["rollout_gpus"] == total
+    assert cli_main(["advise", "--metrics", str(ONE_STEP_OFF), *what_if]) == 0
+    text = capsys.readouterr().out
+    assert f"x colocated on {total}" in text and f"x (colocated on {total}): --colocate refuses --one-step-off" in text
+
+
+def test_a_one_step_off_run_recorded_without_the_flag_is_known_by_its_overlap(tmp_path, capsys):
+    """Rows recorded before one_step_off was written: rollout overlapping training in the timeline
+    (and the loop's rollout/staleness) says the run was one-step-off."""
+    path = tmp_path / "old.jsonl"
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "one_step_off"}) + "\n"
+                            for r in read_rows(ONE_STEP_OFF)))
+    advice = _advise_json(capsys, "--metrics", str(path))
+    assert advice["measured"]["overlapped"] is True
+    assert _refused(advice)[(True, 2, 2)].startswith("--colocate refuses --one-step-off")
+    assert advice["recommended"]["colocate"] is False
+
+
+def test_a_colocated_run_given_offload_train_is_never_told_to_split(capsys):
+    """A split refuses --offload-train: the recorded colocated run, asked about 2 GPUs, may colocate on
+    both but not split 1:1, however fast the split is predicted."""
+    advice = _advise_json(capsys, "--metrics", str(COLOCATED), "--num-gpus", "2")
+    refused = _refused(advice)
+    assert refused[(False, 1, 1)].startswith("a split layout refuses --offload-train, which this run was given")
+    assert refused[(True, 2, 2)] is None
+    assert advice["recommended"] == {"colocate": True, "trainer_gpus": 2, "rollout_gpus": 2}
+
+
+def test_a_split_run_whose_transfer_mode_colocating_refuses_is_not_told_to_colocate(tmp_path):
+    """--colocate refuses --update-weight-transfer-mode disk-delta (and p2p): rows written by the
+    recorder for a rollout-bound disk-delta split, where colocating would otherwise win."""
+    from tests.test_advisor import advise, synth
+
+    advice = advise(synth(tmp_path / "d.jsonl", trainer=1, rollout=1, gpe=1, gpn=4, R=10.0, T=1.0, S=0.1,
+                          overlapped=False, mode="disk-delta", transport="file"))
+    colocated = next(c for c in advice.candidates if c.placement.colocate)
+    assert colocated.step_time < advice.current.step_time  # predicted faster, and still not recommended
+    assert advice.refused[colocated.placement].startswith("--colocate refuses --update-weight-transfer-mode disk-delta")
+    assert not advice.recommended.placement.colocate
+
+
+def test_colocating_is_never_a_candidate_across_nodes():
+    """--colocate refuses --actor-num-nodes > 1: on two 8-GPU nodes only splits are candidates."""
+    from rlplacement.advisor import candidate_placements
+
+    assert not any(p.colocate for p in candidate_placements(16, 8, 2))
+    assert any(p.colocate for p in candidate_placements(8, 8, 2))

@@ -64,9 +64,11 @@ def render(advice: Advice) -> str:
              f"diagnosis: {advice.diagnosis.label}",
              f"{'layout':>16} {'step':>9} {'rollout':>9} {'train':>9} {'sync':>9}  path"]
     for c in advice.candidates:
-        mark = "*" if c.placement == advice.recommended.placement else " "
+        mark = "*" if c.placement == advice.recommended.placement else "x" if c.placement in advice.refused else " "
         lines.append(f"{mark}{str(c.placement):>15} {c.step_time:9.3g} {c.rollout_time:9.3g} {c.train_time:9.3g} "
                      f"{c.sync_time:9.3g}  {c.sync_path}")
+    for why in dict.fromkeys(advice.refused.values()):  # each reason once, in table order
+        lines.append(f"x ({', '.join(str(p) for p, w in advice.refused.items() if w == why)}): {why}")
     lines.append(f"current {m.placement}: measured {m.step_time:.3g} s, predicted {advice.current.step_time:.3g} s; "
                  f"recommended {advice.recommended.placement}: predicted {advice.recommended.step_time:.3g} s")
     lines.append(advice.reason)

@@ -77,6 +77,8 @@ class Measurement:
     handoff_move_time: float | None = None  # and the seconds spent moving them (the rest does not scale with bytes)
     warnings: tuple[str, ...] = ()  # what makes this measurement a poor basis for advice, said to the user
     transport: str | None = None  # what carried the update (transfer_transport); None: not recorded
+    one_step_off: bool = False  # the run's --one-step-off (recorded, else seen: rollout overlapped training)
+    split_refused_by: tuple[str, ...] = ()  # flags this colocated run was given that a split layout refuses
 
 
 def _median(rows: Sequence[dict], key: str) -> float:
@@ -198,6 +200,12 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
             f"{source} does not say which transport carried the weight update (no transfer_transport: rows recorded "
             f"before it existed, or a loop that does not pass the update's metrics to end_step): sync paths are "
             f"assumed to be a GPU run's (NVLink inside a node, the network across nodes, CUDA IPC colocated)")
+    overlapped = (not colocate) and _overlapped(rows)  # a property of the loop: warm-up steps show it too
+    recorded = first.get("one_step_off")  # absent from rows recorded before it: the loop's shape tells
+    one_step_off = bool(recorded) if recorded is not None else (overlapped or any("rollout/staleness" in r for r in rows))
+    split_refused_by = tuple(f"--{name.replace('_', '-')}" for name in
+                             ("offload_train", "offload_rollout", "offload_rollout_keep_weights")
+                             if colocate and first.get(name))
     tail, p50, p99 = _tail_stats(used, bulk_quantile)
     rollout_time = _median(used, PHASE_KEYS["rollout"])
     lengths = tuple(int(x) for r in used for x in (r.get("rollout/response_lengths") or []))
@@ -228,7 +236,7 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         sync_bytes=float(statistics.median(bytes_)) if bytes_ else None,
         sync_density=(float(statistics.median(densities)) if (densities := [
             r["perf/update_weights_density"] for r in used if r.get("perf/update_weights_density")]) else None),
-        overlapped=(not colocate) and _overlapped(rows),  # a property of the loop: warm-up steps show it too
+        overlapped=overlapped,
         response_lengths=lengths,
         kv_cache_tokens=int(first["kv_cache_tokens"]) if first.get("kv_cache_tokens") else None,
         max_num_seqs=int(first["max_num_seqs"]) if first.get("max_num_seqs") else None,
@@ -237,6 +245,8 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         **_handoff_moves(used),
         warnings=tuple(warnings),
         transport=transport,
+        one_step_off=one_step_off,
+        split_refused_by=split_refused_by,
     )
 
 
