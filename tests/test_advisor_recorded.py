@@ -198,3 +198,47 @@ def test_colocating_is_never_a_candidate_across_nodes():
 
     assert not any(p.colocate for p in candidate_placements(16, 8, 2))
     assert any(p.colocate for p in candidate_placements(8, 8, 2))
+
+
+@pytest.mark.parametrize("path", [SPLIT, ONE_STEP_OFF, COLOCATED])
+def test_the_model_reproduces_the_measured_step_of_each_recorded_run(capsys, path):
+    """The current layout's prediction is the measured step, so the table and the gain agree with it (a
+    residual clipped at 0 had the one-step-off run predicted 44% slower than measured)."""
+    advice = _advise_json(capsys, "--metrics", str(path))
+    assert advice["predicted_step_time"]["current"] == pytest.approx(advice["measured_step_time"], rel=1e-9)
+
+
+@pytest.mark.parametrize("path, num_gpus", [(SPLIT, None), (ONE_STEP_OFF, "4")])
+def test_the_gain_is_stated_against_the_measured_step(capsys, path, num_gpus):
+    what_if = ["--num-gpus", num_gpus] if num_gpus else []
+    advice = _advise_json(capsys, "--metrics", str(path), *what_if)
+    measured, recommended = advice["measured_step_time"], advice["predicted_step_time"]["recommended"]
+    assert advice["recommended"] != advice["current"]
+    assert advice["predicted_change_against"] == "measured_step_time"
+    assert advice["predicted_change"] == pytest.approx(recommended / measured - 1)
+    change = recommended / measured - 1
+    assert f"from the measured {measured:.3g} s to {recommended:.3g} s ({change:+.0%})" in advice["reason"]
+
+
+def test_the_min_gain_threshold_is_against_the_measured_step(capsys):
+    """The recorded split's best layout is predicted to cut the measured step by ``gain``: a threshold
+    just above it keeps the layout, just below it recommends the change."""
+    advice = _advise_json(capsys, "--metrics", str(SPLIT))
+    gain = 1 - advice["predicted_step_time"]["recommended"] / advice["measured_step_time"]
+    assert gain > 0.05
+    above = _advise_json(capsys, "--metrics", str(SPLIT), "--min-gain", f"{gain + 0.01:.4f}")
+    assert above["recommended"] == above["current"] and above["predicted_change"] == pytest.approx(0.0)
+    assert f"keep 1:1 (the measured {above['measured_step_time']:.3g} s)" in above["reason"]
+    below = _advise_json(capsys, "--metrics", str(SPLIT), "--min-gain", f"{gain - 0.01:.4f}")
+    assert below["recommended"] == advice["recommended"] != below["current"]
+
+
+def test_under_a_workload_what_if_the_gain_is_against_the_current_layouts_prediction(capsys):
+    """Longer responses change the job: its measured step is no baseline, the current layout's
+    prediction for the changed job is, and the output says so."""
+    advice = _advise_json(capsys, "--metrics", str(SPLIT), "--max-response-len", "64")
+    current, recommended = advice["predicted_step_time"]["current"], advice["predicted_step_time"]["recommended"]
+    assert advice["predicted_change_against"] == "predicted_step_time.current"
+    assert current > advice["measured_step_time"]
+    assert advice["predicted_change"] == pytest.approx(recommended / current - 1)
+    assert "(predicted for 1:1 under the what-if)" in advice["reason"]

@@ -31,9 +31,12 @@ rollout/trainer GPUs, ``l`` = max-response-length ratio, ``g`` = group-size rati
 * step = rollout + sync + train (+ handoff colocated; a split run synchronously); max(rollout, train)
   + sync for a split run one-step-off (the run's own loop shape; a colocated run's splits are
   assumed one-step-off, the reason to split at all).
-* other = what the measured step had beyond the modelled one (driver, reward), kept constant.
+* other = what the measured step had beyond the modelled one, either sign, kept constant: positive is
+  driver time the phases miss (reward, logging), negative is overlap the composition does not see.
+  A predicted step is never shorter than its longest phase.
 
-So the current layout is reproduced by construction; the model's claims are the *changes*.
+So the current layout is reproduced by construction (its prediction is the measured step); the
+model's claims are the *changes*, and the advisor states them against the measured step.
 
 What-if directions that follow (the seed's two claims): a longer response cap grows rollout
 faster than training (``e`` > 1, the latency-bound part follows the longest sample, and longer
@@ -215,7 +218,7 @@ class StepModel:
         train = m.train_time * (t0 / p.trainer_gpus) * group * length
         sync, path = self.sync_time(p)
         handoff = self.handoff_time(p)
-        step = self._compose(p, rollout, sync, train) + handoff + self.other_time
+        step = max(self._compose(p, rollout, sync, train) + handoff + self.other_time, rollout, train, sync)
         return Prediction(p, rollout, train, sync, step, path, handoff)
 
     def _compose(self, p: Placement, rollout: float, sync: float, train: float) -> float:
@@ -226,7 +229,10 @@ class StepModel:
 
 
 def fit(m: Measurement, assumptions: ModelAssumptions = ModelAssumptions()) -> StepModel:
-    """Fit to ``m``; the residual of the measured step over the modelled one is kept as 'other'."""
+    """Fit to ``m``; the residual of the measured step over the modelled one, either sign, is kept as
+    'other', so the current layout's prediction is the measured step (a residual clipped at 0 made a
+    run whose phases overlap more than the composition assumes look slower than measured, and every
+    gain against that prediction larger than against the measurement)."""
     bare = StepModel(m, assumptions, 0.0)
     modelled = bare._compose(m.placement, m.rollout_time, m.sync_time, m.train_time) + bare.handoff_time(m.placement)
-    return StepModel(m, assumptions, max(0.0, m.step_time - modelled))
+    return StepModel(m, assumptions, m.step_time - modelled)

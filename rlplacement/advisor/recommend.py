@@ -5,7 +5,9 @@ rollout side is whole engines; splits come from
 :func:`rlplacement.placement.layout.feasible_splits`, so node boundaries and the trainer's
 memory floor (``trainer_min_gpus``) and TP x PP multiple hold; colocating stays on one node (the
 flags refuse ``--colocate`` with ``--actor-num-nodes`` > 1); a ``long-tail`` run is never given
-more rollout GPUs; a change is proposed only when predicted to gain at least ``min_gain``.
+more rollout GPUs; a change is proposed only when predicted to cut the measured step by at least
+``min_gain``, and its gain is stated against the measured step (under a ``Workload`` what-if, which
+changes the job, against the current layout's prediction for it).
 
 Never a layout the run's own flags refuse (``rlplacement/args``): the recommendation changes only the
 layout flags, so a candidate that the run's other flags would refuse (colocating a ``--one-step-off``
@@ -36,7 +38,19 @@ class Advice:
     reason: str
     transfer: ModeAdvice
     warnings: tuple[str, ...] = ()  # printed before the advice, in the JSON as "warnings"
+    baseline: str = "measured"  # what the gain is against: "measured" (the measured step) or "what-if"
     refused: dict[Placement, str] = dataclasses.field(default_factory=dict)  # candidate -> the flag that refuses it
+
+    @property
+    def baseline_step_time(self) -> float:
+        """The step the gain is against: the measured one, or the current layout's under a what-if."""
+        return self.measurement.step_time if self.baseline == "measured" else self.current.step_time
+
+    @property
+    def predicted_change(self) -> float:
+        """Recommended step / baseline step - 1 (negative: faster)."""
+        base = self.baseline_step_time
+        return self.recommended.step_time / base - 1 if base > 0 else 0.0
 
     def to_json(self) -> dict:
         """The ``rlplacement advise --json`` object (its fields: docs/advisor.md)."""
@@ -49,6 +63,9 @@ class Advice:
             "recommended": self.recommended.placement.to_json(),
             "predicted_step_time": {"current": self.current.step_time, "recommended": self.recommended.step_time},
             "measured_step_time": m.step_time,
+            "predicted_change": self.predicted_change,
+            "predicted_change_against": ("measured_step_time" if self.baseline == "measured"
+                                         else "predicted_step_time.current"),
             "measured": {"steps": m.steps, "rollout_time": m.rollout_time, "train_time": m.train_time,
                          "sync_time": m.sync_time, "train_wait_time": m.train_wait,
                          "rollout_wait_time": m.rollout_wait, "rollout_tail": m.rollout_tail,
@@ -128,16 +145,22 @@ def recommend(m: Measurement, *, thresholds: Thresholds = Thresholds(),
         raise ValueError(f"every layout of {total} GPUs is refused by this run's flags: "
                          + "; ".join(sorted(set(refused.values()))))
     current = model.predict(m.placement, workload)
+    # the gain is against the measured step; a what-if of the workload changes the job, so there it is
+    # against the current layout's prediction for the changed job
+    baseline = "what-if" if workload != Workload() else "measured"
+    base = m.step_time if baseline == "measured" else current.step_time
+    base_text = (f"the measured {base:.3g} s" if baseline == "measured"
+                 else f"{base:.3g} s (predicted for {m.placement} under the what-if)")
     best = min(allowed, key=lambda p: (p.step_time, p.placement.colocate is False))
     keep = next((p for p in allowed if p.placement == m.placement), None)
-    if keep is not None and best.step_time > keep.step_time * (1 - thresholds.min_gain):
+    if keep is not None and best.step_time > base * (1 - thresholds.min_gain):
         best = keep
     if best.placement == m.placement:
-        reason = (f"{diag.label}: {diag.why}; keep {m.placement} (predicted {current.step_time:.3g} s): no feasible "
-                  f"layout that this run's flags allow is predicted to be {thresholds.min_gain:.0%} faster.")
+        reason = (f"{diag.label}: {diag.why}; keep {m.placement} ({base_text}): no feasible layout that this run's "
+                  f"flags allow is predicted to cut it by {thresholds.min_gain:.0%}.")
     else:
-        change = best.step_time / current.step_time - 1 if current.step_time > 0 else 0.0
+        change = best.step_time / base - 1 if base > 0 else 0.0
         reason = (f"{diag.label}: {diag.why}; {_describe_change(m.placement, best.placement)} is predicted to take "
-                  f"the step from {current.step_time:.3g} s to {best.step_time:.3g} s ({change:+.0%}).")
+                  f"the step from {base_text} to {best.step_time:.3g} s ({change:+.0%}).")
     return Advice(diag, current, best, preds, m, reason, advise_transfer_mode(m, assumptions, thresholds.min_gain),
-                  warnings=m.warnings, refused=refused)
+                  warnings=m.warnings, baseline=baseline, refused=refused)
