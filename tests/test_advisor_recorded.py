@@ -242,3 +242,32 @@ def test_under_a_workload_what_if_the_gain_is_against_the_current_layouts_predic
     assert current > advice["measured_step_time"]
     assert advice["predicted_change"] == pytest.approx(recommended / current - 1)
     assert "(predicted for 1:1 under the what-if)" in advice["reason"]
+
+
+def test_a_one_step_off_sync_is_measured_without_its_wait_for_the_engines_batch(capsys):
+    """In the recorded one-step-off run each update waits for the batch the engine is generating
+    (dispatched before training): ~0.13 s of its timed ~0.17 s is that rollout. Measured without it,
+    the run is rollout-bound, not sync-bound, and max(rollout, train) + sync nearly is the step."""
+    from rlplacement.advisor import fit, measure
+
+    rows = read_rows(ONE_STEP_OFF)
+    syncs = [[(s, e) for role, ph, s, e in r["timeline"]["intervals"] if ph == "sync" and role == "trainer"]
+             for r in rows]
+    rollouts = [(s, e) for r in rows for _, ph, s, e in r["timeline"]["intervals"] if ph == "rollout"]
+    outside = sorted(e - s - sum(max(0.0, min(e, re) - max(s, rs)) for rs, re in rollouts)
+                     for [(s, e)] in syncs[1:])  # step 0 is the warm-up; one sync per step
+    m = measure(rows)
+    assert m.sync_time == pytest.approx(outside[len(outside) // 2])
+    assert m.update_weights_time > 3 * m.sync_time  # what the loop timed, wait included
+    advice = _advise_json(capsys, "--metrics", str(ONE_STEP_OFF))
+    assert advice["diagnosis"] == "rollout-bound"
+    assert advice["measured"]["update_weights_time"] == pytest.approx(m.update_weights_time)
+    assert abs(fit(m).other_time) < 0.05 * m.step_time  # the composition accounts for the step
+
+
+def test_a_synchronous_sync_is_measured_as_the_loop_timed_it():
+    """Without overlap (the recorded synchronous split) nothing is taken off the timed update."""
+    from rlplacement.advisor import measure
+
+    m = measure(read_rows(SPLIT))
+    assert m.sync_time == pytest.approx(m.update_weights_time, rel=1e-6)

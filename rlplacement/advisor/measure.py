@@ -52,7 +52,7 @@ class Measurement:
     steps: int                     # rows used (after warm-up)
     step_time: float
     rollout_time: float
-    sync_time: float
+    sync_time: float               # the update's time outside rollout (perf/update_weights_time less waiting for a batch)
     train_time: float
     train_wait: float
     rollout_wait: float
@@ -79,6 +79,7 @@ class Measurement:
     transport: str | None = None  # what carried the update (transfer_transport); None: not recorded
     one_step_off: bool = False  # the run's --one-step-off (recorded, else seen: rollout overlapped training)
     split_refused_by: tuple[str, ...] = ()  # flags this colocated run was given that a split layout refuses
+    update_weights_time: float | None = None  # median perf/update_weights_time as the loop timed it
 
 
 def _median(rows: Sequence[dict], key: str) -> float:
@@ -101,16 +102,37 @@ def _require_layout(rows: Sequence[dict], source: str) -> dict:
     return first
 
 
+def _intervals(rows: Sequence[dict], phase: str) -> list[tuple[float, float]]:
+    """``phase``'s intervals in these rows' timelines (seconds after the run's t0, so rows line up);
+    sync is recorded once per role: the trainer's copy."""
+    return [(start, end) for r in rows for role, ph, start, end in (r.get("timeline") or {}).get("intervals", [])
+            if ph == phase and (phase != "sync" or role == "trainer")]
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    return union_length(a) + union_length(b) - union_length(a + b)
+
+
 def _overlapped(rows: Sequence[dict]) -> bool:
     """True when rollout and train intervals overlap in time somewhere in the run."""
-    rollout, train = [], []
-    for r in rows:
-        for role, phase, start, end in (r.get("timeline") or {}).get("intervals", []):
-            (rollout if phase == "rollout" else train if phase == "train" else []).append((start, end))
+    rollout, train = _intervals(rows, "rollout"), _intervals(rows, "train")
     if not rollout or not train:
         return False
-    both = union_length(rollout) + union_length(train) - union_length(rollout + train)
-    return both > 1e-3 * union_length(train)
+    return _overlap(rollout, train) > 1e-3 * union_length(train)
+
+
+def _sync_outside_rollout(used: Sequence[dict], rows: Sequence[dict]) -> float | None:
+    """Median per step of the weight update's time outside every rollout of the run; None without timelines.
+
+    An engine applies an update only after the batch it is generating (one-step-off: the next step's,
+    dispatched before training), so the loop's timed sync includes waiting for that rollout. The wait
+    is rollout, which the model already counts; left in, it made a one-step-off run look sync-bound
+    and the model's max(rollout, train) + sync count it twice. Rollouts of every row are used, since
+    the rollout a step's sync waits for is closed (and recorded) in the next step's row.
+    """
+    rollout = _intervals(rows, "rollout")
+    per_step = [union_length(sync) - _overlap(sync, rollout) for r in used if (sync := _intervals([r], "sync"))]
+    return statistics.median(per_step) if per_step else None
 
 
 def _tail_stats(rows: Sequence[dict], bulk_quantile: float) -> tuple[float, float | None, float | None]:
@@ -206,6 +228,8 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
     split_refused_by = tuple(f"--{name.replace('_', '-')}" for name in
                              ("offload_train", "offload_rollout", "offload_rollout_keep_weights")
                              if colocate and first.get(name))
+    update_weights_time = _median(used, PHASE_KEYS["sync"])
+    outside = _sync_outside_rollout(used, rows)
     tail, p50, p99 = _tail_stats(used, bulk_quantile)
     rollout_time = _median(used, PHASE_KEYS["rollout"])
     lengths = tuple(int(x) for r in used for x in (r.get("rollout/response_lengths") or []))
@@ -220,7 +244,7 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         steps=len(used),
         step_time=_median(used, PHASE_KEYS["step"]),
         rollout_time=rollout_time,
-        sync_time=_median(used, PHASE_KEYS["sync"]),
+        sync_time=update_weights_time if outside is None else outside,
         train_time=_median(used, PHASE_KEYS["train"]),
         train_wait=_median(used, PHASE_KEYS["train_wait"]),
         rollout_wait=_median(used, PHASE_KEYS["rollout_wait"]),
@@ -247,6 +271,7 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         transport=transport,
         one_step_off=one_step_off,
         split_refused_by=split_refused_by,
+        update_weights_time=update_weights_time,
     )
 
 

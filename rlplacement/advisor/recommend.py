@@ -67,7 +67,8 @@ class Advice:
             "predicted_change_against": ("measured_step_time" if self.baseline == "measured"
                                          else "predicted_step_time.current"),
             "measured": {"steps": m.steps, "rollout_time": m.rollout_time, "train_time": m.train_time,
-                         "sync_time": m.sync_time, "train_wait_time": m.train_wait,
+                         "sync_time": m.sync_time, "update_weights_time": m.update_weights_time,
+                         "train_wait_time": m.train_wait,
                          "rollout_wait_time": m.rollout_wait, "rollout_tail": m.rollout_tail,
                          "sample_finish_p50": m.finish_p50, "sample_finish_p99": m.finish_p99,
                          "overlapped": m.overlapped, "gpus_per_engine": m.gpus_per_engine,
