@@ -244,7 +244,7 @@ def test_measurement_refuses_rows_without_layout(tmp_path):
     with pytest.raises(ValueError, match="mixes layouts"):
         rows = synth(tmp_path / "a.jsonl", steps=2)
         measure(rows + [dict(rows[0], trainer_gpus=6)])
-    with pytest.raises(ValueError, match="--group-size needs the run's own group size"):
+    with pytest.raises(ValueError, match="--n-samples-per-prompt needs the run's own samples per prompt"):
         m = measure(synth(tmp_path / "g.jsonl", group=None, steps=2))
         recommend(m, workload=Workload(group_size=16))
 

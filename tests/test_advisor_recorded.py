@@ -236,7 +236,7 @@ def test_the_min_gain_threshold_is_against_the_measured_step(capsys):
 def test_under_a_workload_what_if_the_gain_is_against_the_current_layouts_prediction(capsys):
     """Longer responses change the job: its measured step is no baseline, the current layout's
     prediction for the changed job is, and the output says so."""
-    advice = _advise_json(capsys, "--metrics", str(SPLIT), "--max-response-len", "64")
+    advice = _advise_json(capsys, "--metrics", str(SPLIT), "--rollout-max-response-len", "64")
     current, recommended = advice["predicted_step_time"]["current"], advice["predicted_step_time"]["recommended"]
     assert advice["predicted_change_against"] == "predicted_step_time.current"
     assert current > advice["measured_step_time"]
@@ -271,3 +271,46 @@ def test_a_synchronous_sync_is_measured_as_the_loop_timed_it():
 
     m = measure(read_rows(SPLIT))
     assert m.sync_time == pytest.approx(m.update_weights_time, rel=1e-6)
+
+
+LIBRARY_NAMED = ("--rollout-max-response-len", "--n-samples-per-prompt", "--update-weight-transfer-mode",
+                 "--num-gpus-per-node")
+
+
+def test_the_what_if_flags_are_the_librarys_own_names(capsys):
+    """Each flag of advise that says what a library flag says is that flag's name in the library's
+    parser; the advisor's older names are aliases, and the help says so."""
+    import argparse
+
+    import rlplacement
+
+    library = argparse.ArgumentParser()
+    rlplacement.add_arguments(library)
+    assert set(LIBRARY_NAMED) <= set(library._option_string_actions)
+    with pytest.raises(SystemExit):
+        cli_main(["advise", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for name in LIBRARY_NAMED:
+        assert name in help_text
+    for old in ("--max-response-len", "--group-size", "--transfer-mode"):
+        assert f"({old}: the advisor's older name, kept as an alias)" in help_text
+
+
+@pytest.mark.parametrize("new, old, value", [("--rollout-max-response-len", "--max-response-len", "64"),
+                                             ("--n-samples-per-prompt", "--group-size", "16")])
+def test_a_what_if_by_the_librarys_name_and_by_the_alias_is_the_same_what_if(capsys, new, old, value):
+    measured = _advise_json(capsys, "--metrics", str(SPLIT))
+    by_new = _advise_json(capsys, "--metrics", str(SPLIT), new, value)
+    assert by_new == _advise_json(capsys, "--metrics", str(SPLIT), old, value)
+    assert by_new["predicted_step_time"]["current"] > 1.5 * measured["measured_step_time"]  # the what-if took
+
+
+def test_a_colocated_runs_split_mode_is_assumed_by_the_librarys_flag_name(capsys):
+    packed = _advise_json(capsys, "--metrics", str(COLOCATED), "--num-gpus", "2",
+                          "--update-weight-transfer-mode", "broadcast_packed")
+    split = next(c for c in packed["candidates"] if not c["colocate"])
+    assert split["sync_path"] == "gloo/broadcast_packed"
+    assert _advise_json(capsys, "--metrics", str(COLOCATED), "--num-gpus", "2", "--transfer-mode",
+                        "broadcast_packed") == packed
+    assert cli_main(["advise", "--metrics", str(COLOCATED), "--update-weight-transfer-mode", "nope"]) == 2
+    assert "--update-weight-transfer-mode 'nope' is unknown" in capsys.readouterr().err

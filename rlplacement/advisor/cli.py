@@ -2,7 +2,10 @@
 
 Reads a telemetry JSONL, prints the diagnosis, the predicted step time of every feasible layout,
 and the recommendation with its reason (``--json``: the contract object). Every field of
-:class:`Thresholds` and :class:`ModelAssumptions` is a flag of the same name.
+:class:`Thresholds` and :class:`ModelAssumptions` is a flag of the same name (:func:`flag_names`). A
+flag that says what the library's own flag says has the library's name (``--rollout-max-response-len``,
+``--n-samples-per-prompt``, ``--update-weight-transfer-mode``, ``--num-gpus-per-node``), so a what-if
+reads like the run it describes; the advisor's older names stay as aliases, said in the help.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import sys
 from rlplacement.advisor.measure import measure
 from rlplacement.advisor.model import Workload
 from rlplacement.advisor.recommend import Advice, recommend
-from rlplacement.advisor.thresholds import ModelAssumptions, Thresholds, field_help
+from rlplacement.advisor.thresholds import ModelAssumptions, Thresholds, field_help, flag_names
 
 
 def _positive_int(text: str) -> int:
@@ -39,12 +42,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                      help="GPUs per node (default: the telemetry's, else 8)")
     what = p.add_argument_group("what-if (default: as measured)")
     what.add_argument("--num-gpus", type=_positive_int, default=None, help="total GPUs to lay out")
-    what.add_argument("--max-response-len", type=_positive_int, default=None, help="response length cap (tokens)")
-    what.add_argument("--group-size", type=_positive_int, default=None, help="GRPO samples per prompt (G)")
+    what.add_argument("--rollout-max-response-len", "--max-response-len", dest="rollout_max_response_len",
+                      type=_positive_int, default=None,
+                      help="most tokens generated per sample, the library's --rollout-max-response-len "
+                           "(--max-response-len: the advisor's older name, kept as an alias)")
+    what.add_argument("--n-samples-per-prompt", "--group-size", dest="n_samples_per_prompt", type=_positive_int,
+                      default=None, help="samples per prompt (a GRPO group), the library's --n-samples-per-prompt "
+                                         "(--group-size: the advisor's older name, kept as an alias)")
     for title, cls in (("diagnosis thresholds", Thresholds), ("model assumptions", ModelAssumptions)):
         group = p.add_argument_group(title)
         for f in dataclasses.fields(cls):
-            group.add_argument("--" + f.name.replace("_", "-"), dest=f"{cls.__name__}.{f.name}", type=type(f.default),
+            group.add_argument(*flag_names(f), dest=f"{cls.__name__}.{f.name}", type=type(f.default),
                                metavar=f.name.split("_")[-1].upper(),
                                default=f.default,
                                help=f"{field_help(cls)[f.name]} (default {f.default})".replace("%", "%%"))
@@ -90,7 +98,8 @@ def main(args: argparse.Namespace) -> int:
         rows = read_rows(args.metrics)
         m = measure(rows, thresholds.skip_steps, thresholds.bulk_quantile, args.num_gpus_per_node, source=args.metrics)
         advice = recommend(m, thresholds=thresholds, assumptions=assumptions,
-                           workload=Workload(args.max_response_len, args.group_size), num_gpus=args.num_gpus,
+                           workload=Workload(args.rollout_max_response_len, args.n_samples_per_prompt),
+                           num_gpus=args.num_gpus,
                            trainer_min_gpus=args.trainer_min_gpus, trainer_multiple=args.trainer_multiple)
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None

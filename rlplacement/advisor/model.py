@@ -187,8 +187,9 @@ class StepModel:
         group = 1.0
         if w.group_size:
             if not m.group_size:
-                raise ValueError("--group-size needs the run's own group size: record group_size in the "
-                                 "telemetry rows (StepRecorder(group_size=...))")
+                raise ValueError("--n-samples-per-prompt needs the run's own samples per prompt, which its rows lack: "
+                                 "record group_size in the telemetry (StepRecorder(group_size=...); the example "
+                                 "loop writes --n-samples-per-prompt there)")
             group = w.group_size / m.group_size
         n = max(m.samples_per_step, 1.0)
         tail_growth = _harmonic(n * group) / _harmonic(n)
