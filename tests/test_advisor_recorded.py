@@ -314,3 +314,53 @@ def test_a_colocated_runs_split_mode_is_assumed_by_the_librarys_flag_name(capsys
                         "broadcast_packed") == packed
     assert cli_main(["advise", "--metrics", str(COLOCATED), "--update-weight-transfer-mode", "nope"]) == 2
     assert "--update-weight-transfer-mode 'nope' is unknown" in capsys.readouterr().err
+
+
+def _gantt_span(rows, skip_steps):
+    import matplotlib.pyplot as plt
+
+    from rlplacement.advisor.plot import figure
+
+    fig = figure(rows, skip_steps=skip_steps)
+    try:
+        gantt, hist = fig.axes
+        return gantt.get_xlim(), gantt.get_title(loc="left"), hist.get_title()
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.parametrize("path", [SPLIT, ONE_STEP_OFF])
+def test_the_plot_leaves_the_warm_up_step_out_by_default(path):
+    """In the recorded runs step 0 takes most of the run's time; the plot's axis starts where step 1
+    began and ends where the last step ended, and the histogram counts the same steps."""
+    rows = read_rows(path)
+    start, end = rows[1]["timeline"]["step_start"], rows[-1]["timeline"]["step_end"]
+    assert rows[0]["timeline"]["step_end"] > 0.6 * end  # the warm-up takes most of the whole axis
+    (left, right), gantt_title, hist_title = _gantt_span(rows, skip_steps=1)
+    assert (left, right) == (0.0, pytest.approx(end - start))
+    assert "1 warm-up step(s) left out, --plot-warmup draws them" in gantt_title
+    samples = sum(len(r["rollout/response_lengths"]) for r in rows[1:])
+    assert hist_title == f"response lengths over {len(rows) - 1} step(s), {samples} samples"
+    (left, right), gantt_title, _ = _gantt_span(rows, skip_steps=0)
+    assert (left, right) == (0.0, pytest.approx(end)) and "left out" not in gantt_title
+
+
+def test_the_plot_of_warm_up_rows_only_draws_them(tmp_path):
+    rows = read_rows(_warm_up_only(tmp_path))
+    (left, right), gantt_title, _ = _gantt_span(rows, skip_steps=1)
+    assert (left, right) == (0.0, pytest.approx(rows[0]["timeline"]["step_end"])) and "left out" not in gantt_title
+
+
+def test_advise_plots_without_the_warm_up_unless_asked(tmp_path, monkeypatch):
+    import rlplacement.advisor.plot as plot_module
+
+    drawn = []
+    real = plot_module.plot
+    monkeypatch.setattr(plot_module, "plot", lambda rows, path, title="", skip_steps=1: (
+        drawn.append(skip_steps), real(rows, path, title, skip_steps)))
+    png = tmp_path / "p.png"
+    assert cli_main(["advise", "--metrics", str(SPLIT), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli_main(["advise", "--metrics", str(SPLIT), "--plot", str(png), "--plot-warmup"]) == 0
+    assert cli_main(["advise", "--metrics", str(SPLIT), "--plot", str(png), "--skip-steps", "2"]) == 0
+    assert drawn == [1, 0, 2]

@@ -32,7 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("advise", help="diagnose a run's telemetry and recommend the trainer:rollout split")
     p.add_argument("--metrics", required=True, help="telemetry JSONL written by the loop (one row per step)")
     p.add_argument("--json", action="store_true", help="print the advice as one JSON object")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write a per-role timeline and a response-length histogram")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write a per-role timeline and a response-length histogram of the steps after the warm-up")
+    p.add_argument("--plot-warmup", action="store_true",
+                   help="--plot: draw the --skip-steps warm-up steps too (left out by default: a first step that "
+                        "loads and compiles can take most of the time axis)")
     lay = p.add_argument_group("layout limits")
     lay.add_argument("--trainer-min-gpus", type=_positive_int, default=1,
                      help="the trainer's memory floor: never recommend fewer trainer GPUs")
@@ -106,7 +110,8 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         from rlplacement.advisor.plot import plot
 
-        plot(rows, args.plot, title=f"{args.metrics}: {advice.diagnosis.label}")
+        plot(rows, args.plot, title=f"{args.metrics}: {advice.diagnosis.label}",
+             skip_steps=0 if args.plot_warmup else thresholds.skip_steps)
     if args.json:
         for w in advice.warnings:  # also where a person reads, since the JSON may go to a file or a program
             print(f"rlplacement advise: warning: {w}", file=sys.stderr)
