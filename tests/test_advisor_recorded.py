@@ -364,3 +364,13 @@ def test_advise_plots_without_the_warm_up_unless_asked(tmp_path, monkeypatch):
     assert cli_main(["advise", "--metrics", str(SPLIT), "--plot", str(png), "--plot-warmup"]) == 0
     assert cli_main(["advise", "--metrics", str(SPLIT), "--plot", str(png), "--skip-steps", "2"]) == 0
     assert drawn == [1, 0, 2]
+
+
+def test_the_example_in_docs_advisor_md_is_what_advise_prints(capsys, monkeypatch):
+    root = Path(__file__).parent.parent
+    monkeypatch.chdir(root)  # the example's path is the repository's
+    doc = (root / "docs" / "advisor.md").read_text()
+    block = doc.split("```\n$ rlplacement advise ", 1)[1].split("```\n", 1)[0]
+    command, printed = block.split("\n", 1)
+    assert cli_main(["advise", *command.split()]) == 0
+    assert capsys.readouterr().out == printed
