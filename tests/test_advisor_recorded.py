@@ -202,8 +202,7 @@ def test_colocating_is_never_a_candidate_across_nodes():
 
 @pytest.mark.parametrize("path", [SPLIT, ONE_STEP_OFF, COLOCATED])
 def test_the_model_reproduces_the_measured_step_of_each_recorded_run(capsys, path):
-    """The current layout's prediction is the measured step, so the table and the gain agree with it (a
-    residual clipped at 0 had the one-step-off run predicted 44% slower than measured)."""
+    """The current layout's prediction is the measured step, so the table and the gain agree with it."""
     advice = _advise_json(capsys, "--metrics", str(path))
     assert advice["predicted_step_time"]["current"] == pytest.approx(advice["measured_step_time"], rel=1e-9)
 

@@ -126,8 +126,8 @@ def _sync_outside_rollout(used: Sequence[dict], rows: Sequence[dict]) -> float |
 
     An engine applies an update only after the batch it is generating (one-step-off: the next step's,
     dispatched before training), so the loop's timed sync includes waiting for that rollout. The wait
-    is rollout, which the model already counts; left in, it made a one-step-off run look sync-bound
-    and the model's max(rollout, train) + sync count it twice. Rollouts of every row are used, since
+    is rollout, which the model already counts; left in, it would make a one-step-off run look
+    sync-bound and the model's max(rollout, train) + sync count it twice. Rollouts of every row are used, since
     the rollout a step's sync waits for is closed (and recorded) in the next step's row.
     """
     rollout = _intervals(rows, "rollout")

@@ -231,9 +231,9 @@ class StepModel:
 
 def fit(m: Measurement, assumptions: ModelAssumptions = ModelAssumptions()) -> StepModel:
     """Fit to ``m``; the residual of the measured step over the modelled one, either sign, is kept as
-    'other', so the current layout's prediction is the measured step (a residual clipped at 0 made a
-    run whose phases overlap more than the composition assumes look slower than measured, and every
-    gain against that prediction larger than against the measurement)."""
+    'other', so the current layout's prediction is the measured step: clipped at 0, a run whose phases
+    overlap more than the composition assumes would be predicted slower than measured, and every gain
+    against that prediction overstated."""
     bare = StepModel(m, assumptions, 0.0)
     modelled = bare._compose(m.placement, m.rollout_time, m.sync_time, m.train_time) + bare.handoff_time(m.placement)
     return StepModel(m, assumptions, m.step_time - modelled)
