@@ -6,7 +6,9 @@ them), with a warning in ``Measurement.warnings``: warm-up steps load and compil
 from them is not advice about the run. Rows must carry the layout fields of the telemetry contract;
 a missing one is an error naming the field, because guessing the layout would make every
 prediction wrong. ``transfer_transport`` (what carried the update) may be absent from rows recorded
-before it existed: the transport is then assumed from the layout, with a warning.
+before it existed: the transport is then assumed from the layout, with a warning. So may
+``one_step_off``: rollout overlapping training in the timeline (or the loop's ``rollout/staleness``)
+then says the run was one-step-off.
 """
 
 from __future__ import annotations
