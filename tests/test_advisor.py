@@ -37,12 +37,13 @@ def decode_finish(lengths: list[int], rollout: float, latency_share: float) -> l
 
 def synth(path, *, trainer=4, rollout=4, gpe=2, colocate=False, gpn=8, R=5.0, S=0.2, T=5.0, steps=4,
           lengths=None, latency_share=0.1, overlapped=True, mode="broadcast", nbytes=None, max_len=256, group=8,
-          handoff=None):
+          handoff=None, transport="gpu"):
     """Write telemetry of a loop with these phase times through StepRecorder; return its rows.
 
     Colocated or synchronous: rollout, sync, train in sequence. One-step-off: rollout k+1 starts
     after sync k and overlaps train k. ``handoff``: colocated seconds per step handing the GPU over,
-    outside the phases (as the loop times it), recorded half each way.
+    outside the phases (as the loop times it), recorded half each way. ``transport``: what the
+    sender reports (``"gpu"``: a GPU run's, CUDA IPC colocated and NCCL split; None: not recorded).
     """
     tel = StepRecorder(path, trainer_gpus=trainer, rollout_gpus=rollout, rollout_gpus_per_engine=gpe,
                        colocate=colocate, num_gpus_per_node=gpn, transfer_mode=mode, max_response_len=max_len,
@@ -69,6 +70,8 @@ def synth(path, *, trainer=4, rollout=4, gpe=2, colocate=False, gpn=8, R=5.0, S=
             t = w + S + T
         tel.record_samples(lengths, finish)
         extra = {"perf/update_weights_bytes": nbytes} if nbytes else {}
+        if transport:
+            extra["transfer_transport"] = ("cuda ipc" if colocate else "nccl") if transport == "gpu" else transport
         if handoff is not None:
             extra.update({"perf/handoff_to_train_time": handoff / 2, "perf/handoff_to_rollout_time": handoff / 2})
         tel.end_step(step, end=t, **extra)
@@ -241,7 +244,7 @@ def test_measurement_refuses_rows_without_layout(tmp_path):
     with pytest.raises(ValueError, match="mixes layouts"):
         rows = synth(tmp_path / "a.jsonl", steps=2)
         measure(rows + [dict(rows[0], trainer_gpus=6)])
-    with pytest.raises(ValueError, match="--group-size needs the run's own group size"):
+    with pytest.raises(ValueError, match="--n-samples-per-prompt needs the run's own samples per prompt"):
         m = measure(synth(tmp_path / "g.jsonl", group=None, steps=2))
         recommend(m, workload=Workload(group_size=16))
 

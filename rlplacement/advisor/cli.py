@@ -2,7 +2,10 @@
 
 Reads a telemetry JSONL, prints the diagnosis, the predicted step time of every feasible layout,
 and the recommendation with its reason (``--json``: the contract object). Every field of
-:class:`Thresholds` and :class:`ModelAssumptions` is a flag of the same name.
+:class:`Thresholds` and :class:`ModelAssumptions` is a flag of the same name (:func:`flag_names`). A
+flag that says what the library's own flag says has the library's name (``--rollout-max-response-len``,
+``--n-samples-per-prompt``, ``--update-weight-transfer-mode``, ``--num-gpus-per-node``), so a what-if
+reads like the run it describes; the advisor's older names stay as aliases, said in the help.
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 from rlplacement.advisor.measure import measure
 from rlplacement.advisor.model import Workload
 from rlplacement.advisor.recommend import Advice, recommend
-from rlplacement.advisor.thresholds import ModelAssumptions, Thresholds, field_help
+from rlplacement.advisor.thresholds import ModelAssumptions, Thresholds, field_help, flag_names
 
 
 def _positive_int(text: str) -> int:
@@ -28,7 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("advise", help="diagnose a run's telemetry and recommend the trainer:rollout split")
     p.add_argument("--metrics", required=True, help="telemetry JSONL written by the loop (one row per step)")
     p.add_argument("--json", action="store_true", help="print the advice as one JSON object")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write a per-role timeline and a response-length histogram")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write a per-role timeline and a response-length histogram of the steps after the warm-up")
+    p.add_argument("--plot-warmup", action="store_true",
+                   help="--plot: draw the --skip-steps warm-up steps too (left out by default: a first step that "
+                        "loads and compiles can take most of the time axis)")
     lay = p.add_argument_group("layout limits")
     lay.add_argument("--trainer-min-gpus", type=_positive_int, default=1,
                      help="the trainer's memory floor: never recommend fewer trainer GPUs")
@@ -38,12 +46,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                      help="GPUs per node (default: the telemetry's, else 8)")
     what = p.add_argument_group("what-if (default: as measured)")
     what.add_argument("--num-gpus", type=_positive_int, default=None, help="total GPUs to lay out")
-    what.add_argument("--max-response-len", type=_positive_int, default=None, help="response length cap (tokens)")
-    what.add_argument("--group-size", type=_positive_int, default=None, help="GRPO samples per prompt (G)")
+    what.add_argument("--rollout-max-response-len", "--max-response-len", dest="rollout_max_response_len",
+                      type=_positive_int, default=None,
+                      help="most tokens generated per sample, the library's --rollout-max-response-len "
+                           "(--max-response-len: the advisor's older name, kept as an alias)")
+    what.add_argument("--n-samples-per-prompt", "--group-size", dest="n_samples_per_prompt", type=_positive_int,
+                      default=None, help="samples per prompt (a GRPO group), the library's --n-samples-per-prompt "
+                                         "(--group-size: the advisor's older name, kept as an alias)")
     for title, cls in (("diagnosis thresholds", Thresholds), ("model assumptions", ModelAssumptions)):
         group = p.add_argument_group(title)
         for f in dataclasses.fields(cls):
-            group.add_argument("--" + f.name.replace("_", "-"), dest=f"{cls.__name__}.{f.name}", type=type(f.default),
+            group.add_argument(*flag_names(f), dest=f"{cls.__name__}.{f.name}", type=type(f.default),
                                metavar=f.name.split("_")[-1].upper(),
                                default=f.default,
                                help=f"{field_help(cls)[f.name]} (default {f.default})".replace("%", "%%"))
@@ -59,12 +72,15 @@ def render(advice: Advice) -> str:
     lines = [f"run: {m.placement} (engines of {m.gpus_per_engine}, nodes of {m.num_gpus_per_node}), "
              f"{m.steps} step(s): step {m.step_time:.3g} s = rollout {m.rollout_time:.3g} / sync {m.sync_time:.3g} / "
              f"train {m.train_time:.3g}; waits trainer {m.train_wait:.3g} rollout {m.rollout_wait:.3g}",
+             *(f"warning: {w}" for w in advice.warnings),
              f"diagnosis: {advice.diagnosis.label}",
              f"{'layout':>16} {'step':>9} {'rollout':>9} {'train':>9} {'sync':>9}  path"]
     for c in advice.candidates:
-        mark = "*" if c.placement == advice.recommended.placement else " "
+        mark = "*" if c.placement == advice.recommended.placement else "x" if c.placement in advice.refused else " "
         lines.append(f"{mark}{str(c.placement):>15} {c.step_time:9.3g} {c.rollout_time:9.3g} {c.train_time:9.3g} "
                      f"{c.sync_time:9.3g}  {c.sync_path}")
+    for why in dict.fromkeys(advice.refused.values()):  # each reason once, in table order
+        lines.append(f"x ({', '.join(str(p) for p, w in advice.refused.items() if w == why)}): {why}")
     lines.append(f"current {m.placement}: measured {m.step_time:.3g} s, predicted {advice.current.step_time:.3g} s; "
                  f"recommended {advice.recommended.placement}: predicted {advice.recommended.step_time:.3g} s")
     lines.append(advice.reason)
@@ -73,7 +89,7 @@ def render(advice: Advice) -> str:
         lines.append(f"transfer: {t.recommended} is predicted to sync in {t.predicted_sync_s[t.recommended]:.3g} s, "
                      f"saving {t.saving_s:.3g} s per step")
     else:
-        lines.append(f"transfer: keep {t.recommended} (no mode is predicted to sync faster)")
+        lines.append(f"transfer: keep {t.recommended} ({t.why_kept or 'no mode is predicted to sync faster'})")
     return "\n".join(lines)
 
 
@@ -86,13 +102,18 @@ def main(args: argparse.Namespace) -> int:
         rows = read_rows(args.metrics)
         m = measure(rows, thresholds.skip_steps, thresholds.bulk_quantile, args.num_gpus_per_node, source=args.metrics)
         advice = recommend(m, thresholds=thresholds, assumptions=assumptions,
-                           workload=Workload(args.max_response_len, args.group_size), num_gpus=args.num_gpus,
+                           workload=Workload(args.rollout_max_response_len, args.n_samples_per_prompt),
+                           num_gpus=args.num_gpus,
                            trainer_min_gpus=args.trainer_min_gpus, trainer_multiple=args.trainer_multiple)
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None
     if args.plot:
         from rlplacement.advisor.plot import plot
 
-        plot(rows, args.plot, title=f"{args.metrics}: {advice.diagnosis.label}")
+        plot(rows, args.plot, title=f"{args.metrics}: {advice.diagnosis.label}",
+             skip_steps=0 if args.plot_warmup else thresholds.skip_steps)
+    if args.json:
+        for w in advice.warnings:  # also where a person reads, since the JSON may go to a file or a program
+            print(f"rlplacement advise: warning: {w}", file=sys.stderr)
     print(json.dumps(advice.to_json()) if args.json else render(advice))
     return 0

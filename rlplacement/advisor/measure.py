@@ -1,9 +1,14 @@
 """Telemetry rows -> one :class:`Measurement`: the layout and the median step in phases.
 
 Medians over steps (after the warm-up steps) rather than means: on a shared machine one slow
-step should not move the advice. Rows must carry the layout fields of the telemetry contract;
+step should not move the advice. A file holding only warm-up steps is still measured (from
+them), with a warning in ``Measurement.warnings``: warm-up steps load and compile, so advice
+from them is not advice about the run. Rows must carry the layout fields of the telemetry contract;
 a missing one is an error naming the field, because guessing the layout would make every
-prediction wrong.
+prediction wrong. ``transfer_transport`` (what carried the update) may be absent from rows recorded
+before it existed: the transport is then assumed from the layout, with a warning. So may
+``one_step_off``: rollout overlapping training in the timeline (or the loop's ``rollout/staleness``)
+then says the run was one-step-off.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ class Measurement:
     steps: int                     # rows used (after warm-up)
     step_time: float
     rollout_time: float
-    sync_time: float
+    sync_time: float               # the update's time outside rollout (perf/update_weights_time less waiting for a batch)
     train_time: float
     train_wait: float
     rollout_wait: float
@@ -72,6 +77,11 @@ class Measurement:
     handoff_time: float | None = None  # colocated --offload-*: seconds per step handing the GPU over (both ways)
     handoff_bytes: float | None = None  # of which bytes over PCIe per step, on the busiest GPU (perf/handoff_bytes_*)
     handoff_move_time: float | None = None  # and the seconds spent moving them (the rest does not scale with bytes)
+    warnings: tuple[str, ...] = ()  # what makes this measurement a poor basis for advice, said to the user
+    transport: str | None = None  # what carried the update (transfer_transport); None: not recorded
+    one_step_off: bool = False  # the run's --one-step-off (recorded, else seen: rollout overlapped training)
+    split_refused_by: tuple[str, ...] = ()  # flags this colocated run was given that a split layout refuses
+    update_weights_time: float | None = None  # median perf/update_weights_time as the loop timed it
 
 
 def _median(rows: Sequence[dict], key: str) -> float:
@@ -94,16 +104,37 @@ def _require_layout(rows: Sequence[dict], source: str) -> dict:
     return first
 
 
+def _intervals(rows: Sequence[dict], phase: str) -> list[tuple[float, float]]:
+    """``phase``'s intervals in these rows' timelines (seconds after the run's t0, so rows line up);
+    sync is recorded once per role: the trainer's copy."""
+    return [(start, end) for r in rows for role, ph, start, end in (r.get("timeline") or {}).get("intervals", [])
+            if ph == phase and (phase != "sync" or role == "trainer")]
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    return union_length(a) + union_length(b) - union_length(a + b)
+
+
 def _overlapped(rows: Sequence[dict]) -> bool:
     """True when rollout and train intervals overlap in time somewhere in the run."""
-    rollout, train = [], []
-    for r in rows:
-        for role, phase, start, end in (r.get("timeline") or {}).get("intervals", []):
-            (rollout if phase == "rollout" else train if phase == "train" else []).append((start, end))
+    rollout, train = _intervals(rows, "rollout"), _intervals(rows, "train")
     if not rollout or not train:
         return False
-    both = union_length(rollout) + union_length(train) - union_length(rollout + train)
-    return both > 1e-3 * union_length(train)
+    return _overlap(rollout, train) > 1e-3 * union_length(train)
+
+
+def _sync_outside_rollout(used: Sequence[dict], rows: Sequence[dict]) -> float | None:
+    """Median per step of the weight update's time outside every rollout of the run; None without timelines.
+
+    An engine applies an update only after the batch it is generating (one-step-off: the next step's,
+    dispatched before training), so the loop's timed sync includes waiting for that rollout. The wait
+    is rollout, which the model already counts; left in, it would make a one-step-off run look
+    sync-bound and the model's max(rollout, train) + sync count it twice. Rollouts of every row are used, since
+    the rollout a step's sync waits for is closed (and recorded) in the next step's row.
+    """
+    rollout = _intervals(rows, "rollout")
+    per_step = [union_length(sync) - _overlap(sync, rollout) for r in used if (sync := _intervals([r], "sync"))]
+    return statistics.median(per_step) if per_step else None
 
 
 def _tail_stats(rows: Sequence[dict], bulk_quantile: float) -> tuple[float, float | None, float | None]:
@@ -179,6 +210,28 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
     used = list(rows[skip_steps:]) if len(rows) > skip_steps else list(rows)
     colocate = bool(first["colocate"])
     placement = Placement(colocate, int(first["trainer_gpus"]), int(first["rollout_gpus"]))
+    warnings = []
+    if skip_steps and len(rows) <= skip_steps:
+        warnings.append(
+            f"{source} holds {len(rows)} row(s), all inside the warm-up (--skip-steps {skip_steps}): this advice is "
+            f"from warm-up steps, which load and compile and are not the run's steady state; record at least "
+            f"{skip_steps + 2} steps (a few after the warm-up give a median), or pass --skip-steps 0 to advise "
+            f"on warm-up rows knowingly")
+    transports = [r["transfer_transport"] for r in used if r.get("transfer_transport")]
+    transport = transports[-1] if transports else None
+    if transport is None:
+        warnings.append(
+            f"{source} does not say which transport carried the weight update (no transfer_transport: rows recorded "
+            f"before it existed, or a loop that does not pass the update's metrics to end_step): sync paths are "
+            f"assumed to be a GPU run's (NVLink inside a node, the network across nodes, CUDA IPC colocated)")
+    overlapped = (not colocate) and _overlapped(rows)  # a property of the loop: warm-up steps show it too
+    recorded = first.get("one_step_off")  # absent from rows recorded before it: the loop's shape tells
+    one_step_off = bool(recorded) if recorded is not None else (overlapped or any("rollout/staleness" in r for r in rows))
+    split_refused_by = tuple(f"--{name.replace('_', '-')}" for name in
+                             ("offload_train", "offload_rollout", "offload_rollout_keep_weights")
+                             if colocate and first.get(name))
+    update_weights_time = _median(used, PHASE_KEYS["sync"])
+    outside = _sync_outside_rollout(used, rows)
     tail, p50, p99 = _tail_stats(used, bulk_quantile)
     rollout_time = _median(used, PHASE_KEYS["rollout"])
     lengths = tuple(int(x) for r in used for x in (r.get("rollout/response_lengths") or []))
@@ -193,7 +246,7 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         steps=len(used),
         step_time=_median(used, PHASE_KEYS["step"]),
         rollout_time=rollout_time,
-        sync_time=_median(used, PHASE_KEYS["sync"]),
+        sync_time=update_weights_time if outside is None else outside,
         train_time=_median(used, PHASE_KEYS["train"]),
         train_wait=_median(used, PHASE_KEYS["train_wait"]),
         rollout_wait=_median(used, PHASE_KEYS["rollout_wait"]),
@@ -209,13 +262,18 @@ def measure(rows: Sequence[dict], skip_steps: int = 1, bulk_quantile: float = 0.
         sync_bytes=float(statistics.median(bytes_)) if bytes_ else None,
         sync_density=(float(statistics.median(densities)) if (densities := [
             r["perf/update_weights_density"] for r in used if r.get("perf/update_weights_density")]) else None),
-        overlapped=(not colocate) and _overlapped(rows),  # a property of the loop: warm-up steps show it too
+        overlapped=overlapped,
         response_lengths=lengths,
         kv_cache_tokens=int(first["kv_cache_tokens"]) if first.get("kv_cache_tokens") else None,
         max_num_seqs=int(first["max_num_seqs"]) if first.get("max_num_seqs") else None,
         prompt_len=float(first["prompt_len"]) if first.get("prompt_len") else None,
         handoff_time=_handoff_time(used),
         **_handoff_moves(used),
+        warnings=tuple(warnings),
+        transport=transport,
+        one_step_off=one_step_off,
+        split_refused_by=split_refused_by,
+        update_weights_time=update_weights_time,
     )
 
 

@@ -17,10 +17,12 @@ rollout/trainer GPUs, ``l`` = max-response-length ratio, ``g`` = group-size rati
   start; the fixed part scales by waves(layout) / waves(measured) (1 when the run did not record
   its capacity).
 * train = train0 * (N_t0 / N_t) * g * l: data parallel over the trainer's GPUs, linear in tokens.
-* sync = fixed + bytes / bandwidth(path, mode): the path is CUDA IPC when colocated, NVLink when
-  a split fits one node, the ``--link-gbps`` network otherwise (disk for disk-delta); ``fixed``
+* sync = fixed + bytes / bandwidth(path, mode): the path follows the transport that ran
+  (``transfer_transport``; :func:`transfer_path`): NCCL is NVLink when a split fits one node and the
+  ``--link-gbps`` network otherwise, CUDA IPC when colocated, the disk for disk-delta; ``fixed``
   (pause, resume, RPC) is what the measured sync had beyond its own wire time. Without the byte
-  count, sync scales by the bandwidth ratio of the two paths.
+  count, sync scales by the bandwidth ratio of the two paths. A path without an assumed rate (gloo
+  or shared memory on CPU tensors) keeps the measured sync: there is nothing to scale it by.
 * handoff (colocated only: engines sleep, trainer state to host memory and back) = for a colocated
   run, its own fixed part (what the hand-off cost beyond moving bytes) + its measured bytes per GPU x
   N_t0 / N_t (each GPU moves its own shard) at the rate the run moved them (``perf/handoff_bytes_*``
@@ -29,9 +31,12 @@ rollout/trainer GPUs, ``l`` = max-response-length ratio, ``g`` = group-size rati
 * step = rollout + sync + train (+ handoff colocated; a split run synchronously); max(rollout, train)
   + sync for a split run one-step-off (the run's own loop shape; a colocated run's splits are
   assumed one-step-off, the reason to split at all).
-* other = what the measured step had beyond the modelled one (driver, reward), kept constant.
+* other = what the measured step had beyond the modelled one, either sign, kept constant: positive is
+  driver time the phases miss (reward, logging), negative is overlap the composition does not see.
+  A predicted step is never shorter than its longest phase.
 
-So the current layout is reproduced by construction; the model's claims are the *changes*.
+So the current layout is reproduced by construction (its prediction is the measured step); the
+model's claims are the *changes*, and the advisor states them against the measured step.
 
 What-if directions that follow (the seed's two claims): a longer response cap grows rollout
 faster than training (``e`` > 1, the latency-bound part follows the longest sample, and longer
@@ -78,22 +83,43 @@ class Prediction:
                 "sync_time": self.sync_time, "sync_path": self.sync_path, "handoff_time": self.handoff_time}
 
 
-def transfer_path(p: Placement, mode: str, num_gpus_per_node: int, a: ModelAssumptions) -> tuple[str, float]:
-    """(path name, achieved Gb/s) of ``mode`` in layout ``p``: the colocated mode's CUDA IPC colocated,
-    the disk for a mode whose spec says so, NVLink when the layout fits one node, the network otherwise;
-    scaled by the mode's ``advisor_efficiency`` (its spec's estimate)."""
+DEVICE_OF_TRANSPORT = {"nccl": "cuda", "cuda ipc": "cuda", "gloo": "cpu", "shared memory": "cpu"}
+"""The tensors' device a recorded ``transfer_transport`` implies (other transports serve both)."""
+
+
+def expected_transport(mode: str, colocate: bool, device: str | None) -> str | None:
+    """What would carry ``mode``'s bytes on ``device``'s tensors (the transport names of the modes'
+    ``BenchSpec.transport``, which the senders report); None when the device is not known."""
+    spec = registry.spec(registry.colocated_mode() if colocate else mode)
+    if spec.advisor_path == DISK:
+        return "file"
+    if device is None or spec.bench is None:
+        return None
+    return spec.bench.transport[device]
+
+
+def transfer_path(p: Placement, mode: str, num_gpus_per_node: int, a: ModelAssumptions,
+                  transport: str | None = None) -> tuple[str, float | None]:
+    """(path name, achieved Gb/s) of ``mode`` in layout ``p``, the name as ``link/mode``.
+
+    The link follows the transport that carries the bytes: ``nccl`` is NVLink when the layout fits one
+    node and the network across nodes, ``file`` the disk, ``cuda ipc`` a handle on the same GPU,
+    ``mooncake rdma`` the network; any other transport (``gloo``, ``shared memory``, ``mooncake tcp``:
+    host memory and TCP) is named as it is and has no assumed rate (None: the measured sync stands).
+    ``transport`` None (not recorded) assumes GPUs: CUDA IPC colocated, the disk for a mode whose spec
+    says so, NCCL otherwise. Rates are scaled by the mode's ``advisor_efficiency`` (its spec's estimate).
+    """
     if p.colocate:
         mode = registry.colocated_mode()
     spec = registry.spec(mode)
-    if p.colocate or spec.advisor_path == IPC:
-        name, gbps = "cuda_ipc", a.ipc_gbps
-    elif spec.advisor_path == DISK:
-        name, gbps = "disk", a.disk_gbps
-    elif p.total_gpus <= num_gpus_per_node:
-        name, gbps = "nvlink", a.nvlink_gbps
-    else:
-        name, gbps = "network", a.link_gbps
-    return f"{name}/{mode}", gbps * spec.advisor_efficiency
+    if transport is None:
+        transport = ("cuda ipc" if p.colocate or spec.advisor_path == IPC else
+                     "file" if spec.advisor_path == DISK else "nccl")
+    one_node = p.total_gpus <= num_gpus_per_node
+    name = {"nccl": "nvlink" if one_node else "network", "file": "disk"}.get(transport, transport)
+    gbps = {"nvlink": a.nvlink_gbps, "network": a.link_gbps, "cuda ipc": a.ipc_gbps, "disk": a.disk_gbps,
+            "mooncake rdma": a.link_gbps}.get(name)
+    return f"{name}/{mode}", (gbps * spec.advisor_efficiency if gbps is not None else None)
 
 
 def _harmonic(n: float) -> float:
@@ -114,14 +140,21 @@ class StepModel:
             return self.m.transfer_mode
         return self.assumptions.transfer_mode
 
-    def _path(self, p: Placement) -> tuple[str, float]:
-        """(path name, achieved Gb/s) that weights take to reach the engines in ``p``."""
-        return transfer_path(p, self._mode(p), self.m.num_gpus_per_node, self.assumptions)
+    def _path(self, p: Placement) -> tuple[str, float | None]:
+        """(path name, achieved Gb/s or None) that weights take to reach the engines in ``p``: the run's
+        recorded transport for its own mode and kind of layout, else what that mode uses on the device
+        the recorded transport implies."""
+        m, mode = self.m, self._mode(p)
+        if p.colocate == m.placement.colocate and mode == self._mode(m.placement):
+            transport = m.transport
+        else:
+            transport = expected_transport(mode, p.colocate, DEVICE_OF_TRANSPORT.get(m.transport or ""))
+        return transfer_path(p, mode, m.num_gpus_per_node, self.assumptions, transport)
 
     def sync_time(self, p: Placement) -> tuple[float, str]:
         path0, gbps0 = self._path(self.m.placement)
         path, gbps = self._path(p)
-        if path == path0:
+        if path == path0 or gbps is None or gbps0 is None:  # same path, or no rate to scale by: as measured
             return self.m.sync_time, path
         if self.m.sync_bytes:
             wire0 = self.m.sync_bytes * 8 / (gbps0 * 1e9)
@@ -154,8 +187,9 @@ class StepModel:
         group = 1.0
         if w.group_size:
             if not m.group_size:
-                raise ValueError("--group-size needs the run's own group size: record group_size in the "
-                                 "telemetry rows (StepRecorder(group_size=...))")
+                raise ValueError("--n-samples-per-prompt needs the run's own samples per prompt, which its rows lack: "
+                                 "record group_size in the telemetry (StepRecorder(group_size=...); the example "
+                                 "loop writes --n-samples-per-prompt there)")
             group = w.group_size / m.group_size
         n = max(m.samples_per_step, 1.0)
         tail_growth = _harmonic(n * group) / _harmonic(n)
@@ -185,7 +219,7 @@ class StepModel:
         train = m.train_time * (t0 / p.trainer_gpus) * group * length
         sync, path = self.sync_time(p)
         handoff = self.handoff_time(p)
-        step = self._compose(p, rollout, sync, train) + handoff + self.other_time
+        step = max(self._compose(p, rollout, sync, train) + handoff + self.other_time, rollout, train, sync)
         return Prediction(p, rollout, train, sync, step, path, handoff)
 
     def _compose(self, p: Placement, rollout: float, sync: float, train: float) -> float:
@@ -196,7 +230,10 @@ class StepModel:
 
 
 def fit(m: Measurement, assumptions: ModelAssumptions = ModelAssumptions()) -> StepModel:
-    """Fit to ``m``; the residual of the measured step over the modelled one is kept as 'other'."""
+    """Fit to ``m``; the residual of the measured step over the modelled one, either sign, is kept as
+    'other', so the current layout's prediction is the measured step: clipped at 0, a run whose phases
+    overlap more than the composition assumes would be predicted slower than measured, and every gain
+    against that prediction overstated."""
     bare = StepModel(m, assumptions, 0.0)
     modelled = bare._compose(m.placement, m.rollout_time, m.sync_time, m.train_time) + bare.handoff_time(m.placement)
-    return StepModel(m, assumptions, max(0.0, m.step_time - modelled))
+    return StepModel(m, assumptions, m.step_time - modelled)

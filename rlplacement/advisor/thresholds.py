@@ -3,7 +3,8 @@
 :class:`Thresholds` turns measurements into a diagnosis and a decision; :class:`ModelAssumptions`
 holds the physics the step-time model cannot measure from one run (link speeds, how much of a
 link each transfer mode achieves, how decode cost grows with length). ``rlplacement advise``
-exposes each field as ``--<field-name>`` (underscores -> dashes), with the help text below.
+exposes each field as ``--<field-name>`` (underscores -> dashes), with the help text below, except a
+field that says what a library flag says, which takes that flag's name (:func:`flag_names`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 
-def _field(default, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
+def _field(default, help: str, flags: tuple[str, ...] = ()):
+    """``flags``: the field's flag names when not ``--<field-name>`` (the first is the name, the rest aliases)."""
+    return dataclasses.field(default=default, metadata={"help": help, "flags": flags})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,7 +57,10 @@ class ModelAssumptions:
     delta_density: float = _field(0.03, "disk-delta: share of the bytes that change per step when the run did not "
                                         "measure it (verl's published delta-sync estimate: ~1-3% of bf16 bytes).")
     transfer_mode: str = _field("broadcast", "Transfer mode assumed for split layouts when the measured run "
-                                             "was colocated (a split run keeps its own mode).")
+                                             "was colocated (a split run keeps its own mode); the library's "
+                                             "--update-weight-transfer-mode (--transfer-mode: the advisor's older "
+                                             "name, kept as an alias).",
+                                flags=("--update-weight-transfer-mode", "--transfer-mode"))
     host_gbps: float = _field(430.0, "GPU <-> pinned host memory in Gb/s per GPU for the colocated hand-off, as "
                                      "the trainer's offload achieves it (one H200: 54 GB/s out, 49 GB/s back, of "
                                      "55 GB/s pinned each way, benchmarks/gpu/results/host_link_h200.json); a "
@@ -78,10 +83,16 @@ class ModelAssumptions:
         from rlplacement.transfer.registry import selectable_modes
 
         if self.transfer_mode not in selectable_modes():
-            raise ValueError(f"--transfer-mode {self.transfer_mode!r} is unknown: use one of {list(selectable_modes())}")
+            raise ValueError(f"--update-weight-transfer-mode {self.transfer_mode!r} is unknown: use one of "
+                             f"{list(selectable_modes())}")
         if not 1 <= self.rollout_length_exponent <= 2:
             raise ValueError(f"--rollout-length-exponent {self.rollout_length_exponent} must be in [1, 2]")
 
 
 def field_help(cls) -> dict[str, str]:
     return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
+
+
+def flag_names(f: dataclasses.Field) -> tuple[str, ...]:
+    """The ``advise`` flag(s) of a field: its own, else ``--<field-name>``."""
+    return f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)

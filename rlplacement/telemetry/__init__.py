@@ -4,7 +4,9 @@ Pure Python (NVML through ``nvidia-ml-py`` only where importable and a GPU exist
 names follow the telemetry contract in docs/telemetry.md; see :mod:`.recorder` for the invariants. Beyond the
 contract each row carries ``rollout/logprob_abs_diff_max`` (``rollout/logprob_abs_diff`` is the
 mean), ``num_gpus_per_node``, ``transfer_mode``, ``max_response_len``, ``group_size`` (what the
-advisor models with), ``perf/update_weights_bytes`` when the loop passes it to ``end_step``, and
+advisor models with), the placement flags that refuse layouts (``one_step_off``, ``offload_*``),
+``perf/update_weights_bytes`` and ``transfer_transport`` when the loop passes the update's
+``metrics`` to ``end_step``, and
 ``timeline``: ``{"t0", "step_start", "step_end", "intervals": [[role, phase, start, end], ...]}``
 in seconds after ``t0`` (the run's first timestamp), which the advisor's Gantt plot draws.
 """

@@ -78,6 +78,13 @@ class RunLayout:
     kv_cache_tokens: int | None = None  # per engine (the smallest): caps how many sequences decode at once
     max_num_seqs: int | None = None
     prompt_len: int | None = None  # mean prompt tokens: a sequence holds prompt + response in the KV cache
+    # placement flags that refuse some layouts (rlplacement/args/placement.py), so the advisor never
+    # recommends a layout the run's own flags would refuse: --colocate refuses --one-step-off, a split
+    # refuses --offload-train, --offload-rollout and --offload-rollout-keep-weights (None: not given)
+    one_step_off: bool = False
+    offload_train: bool | None = None
+    offload_rollout: bool | None = None
+    offload_rollout_keep_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("trainer_gpus", "rollout_gpus", "rollout_gpus_per_engine", "num_gpus_per_node"):
@@ -91,7 +98,10 @@ class RunLayout:
     def from_placement(cls, placement, transfer_mode: str | None = None, **workload) -> "RunLayout":
         """From :class:`rlplacement.config.PlacementConfig` (and the transfer mode actually used)."""
         return cls(placement.trainer_num_gpus, placement.rollout_num_gpus, placement.rollout_num_gpus_per_engine,
-                   placement.colocate, placement.num_gpus_per_node, transfer_mode, **workload)
+                   placement.colocate, placement.num_gpus_per_node, transfer_mode, **workload,
+                   one_step_off=placement.one_step_off, offload_train=placement.offload_train,
+                   offload_rollout=placement.offload_rollout,
+                   offload_rollout_keep_weights=placement.offload_rollout_keep_weights)
 
 
 @dataclasses.dataclass

@@ -112,17 +112,23 @@ class UpdateReport:
     instants: dict[str, float] = dataclasses.field(default_factory=dict)  # see Instants
     stream_collectives: int | None = None  # the trainer's collectives in its TP/PP groups to stream the weights
     fallback: str = ""  # why a resident update did not take the mode's in-place path ("" when it did or has none)
+    transport: str = ""
+    """What carried the bytes (the sender's :attr:`WeightSender.transport`); "" on a receiver's report."""
 
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
     @property
-    def metrics(self) -> dict[str, float]:
-        """The telemetry keys this update contributes to a step's row (a mode may add its own)."""
-        out = {"perf/update_weights_bytes": self.bytes}
+    def metrics(self) -> dict[str, Any]:
+        """The telemetry keys this update contributes to a step's row (a mode may add its own).
+        ``transfer_transport`` is what carried the bytes: the advisor names the link from it, since
+        the layout alone cannot tell NCCL over NVLink from gloo through host memory."""
+        out: dict[str, Any] = {"perf/update_weights_bytes": self.bytes}
         if self.stream_collectives is not None:
             out["perf/update_collectives"] = self.stream_collectives
+        if self.transport:
+            out["transfer_transport"] = self.transport
         return out
 
 
@@ -236,6 +242,15 @@ class WeightSender(abc.ABC):
     """
 
     mode: ClassVar[str]
+
+    @property
+    @abc.abstractmethod
+    def transport(self) -> str:
+        """What carries this sender's bytes to the engines (its reports' ``UpdateReport.transport``, the
+        telemetry's ``transfer_transport``): ``nccl`` (GPU to GPU), ``gloo`` (host memory over TCP), ``cuda
+        ipc`` (a handle on the same GPU), ``shared memory`` (a /dev/shm mapping on the same host), ``mooncake
+        tcp`` or ``mooncake rdma``, or ``file`` (a shared folder). The names are those of the modes'
+        ``BenchSpec.transport``, so a bench row and a telemetry row of the same transfer agree."""
 
     @abc.abstractmethod
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint: ...

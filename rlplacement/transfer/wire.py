@@ -95,6 +95,11 @@ class FramedSender(WeightSender):
         self.instants = Instants()  # of the last update
         self.fallback = ""  # of the last update: why a resident update did not go in place (UpdateReport.fallback)
 
+    @property
+    def transport(self) -> str:
+        """The group's backend, which carries the payloads: ``nccl`` for CUDA tensors, ``gloo`` for CPU ones."""
+        return self.backend
+
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint:
         if world_size < 2:
             raise ValueError(f"world_size {world_size}: need the trainer plus at least one engine worker")
@@ -148,7 +153,7 @@ class FramedSender(WeightSender):
             raise
         self.instants.mark("end")
         return UpdateReport(version, num_tensors, num_buckets, nbytes, time.perf_counter() - start, checksums, path,
-                            dict(self.instants), fallback=self.fallback)
+                            dict(self.instants), fallback=self.fallback, transport=self.transport)
 
     def _send_update(self, version: int, named_tensors: Iterable[NamedTensor], resident: bool,
                      hf_shapes: HFShapes | None = None):

@@ -36,6 +36,11 @@ class IpcSender(FramedSender):
         self._direct_kept: bytes | None = None  # the direct manifest every receiver mapped and kept mapped
         self.last_direct_rounds = 0  # acknowledgement rounds of the last direct update (2, or 1 when kept)
 
+    @property
+    def transport(self) -> str:
+        """Bytes go by handle, not over the gloo control group: CUDA IPC on a GPU, a /dev/shm mapping on CPU."""
+        return "cuda ipc" if self.device.type == "cuda" else "shared memory"
+
     def connect(self) -> None:
         super().connect()
         self._direct_sent = self._direct_kept = None

@@ -54,7 +54,7 @@ class DeltaUpdateReport(UpdateReport):
     folder: str = ""
 
     @property
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, Any]:
         return {**super().metrics, "perf/update_weights_density": self.density,
                 "perf/update_weights_wire_bytes": self.wire_bytes}
 
@@ -89,6 +89,11 @@ class DiskDeltaSender(WeightSender):
         self._keyframe_next = False
 
     # -- protocol
+    @property
+    def transport(self) -> str:
+        """Engines read each version from a shared folder."""
+        return "file"
+
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint:
         if world_size < 2:
             raise ValueError(f"world_size {world_size}: need the trainer plus at least one engine worker")
@@ -145,7 +150,8 @@ class DiskDeltaSender(WeightSender):
                                  dict(new_sums) if self.check_equal else None,
                                  changed_bytes=meta["changed_bytes"], wire_bytes=meta["wire_bytes"],
                                  density=meta["density"], encoding=self.encoding, base_version=base_version,
-                                 folder=str(self.root / folder_format.version_folder(version)))
+                                 folder=str(self.root / folder_format.version_folder(version)),
+                                 transport=self.transport)
 
     def close(self) -> None:
         self._endpoint = None

@@ -43,6 +43,11 @@ class P2PSender(FramedSender):
         self._sessions: list[str] = []
         self._pending: tuple[int, list[tuple[int, int]]] | None = None  # (bucket index, [(rank, batch id)])
 
+    @property
+    def transport(self) -> str:
+        """Bytes go by Mooncake writes over its protocol, not over the gloo control group."""
+        return f"mooncake {self.protocol}"
+
     def _mode_info(self) -> dict:
         return dataclasses.asdict(P2PInit(self.protocol))
 
