@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
             if not one_step_off and step + 1 < args.steps:
                 t0, pending = start_rollout(step + 1)
             sync_metrics = dict(report.trainer.metrics)  # disk-delta adds its density and wire bytes
+            sync_metrics["perf/update_weights_checked"] = int(report.checked)
             sync_metrics.update({"train/loss": reports[0].loss, "train/grad_norm": reports[0].grad_norm,
                                  "train/lr": reports[0].lr, "train/skipped_steps": reports[0].skipped_steps})
             if one_step_off:
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
             row = tel.end_step(step, reward=statistics.fmean(rewards), **sync_metrics)
             line = (f"step {step}: reward {row['reward']:.3f}  rollout {row['perf/rollout_time']:.2f}s  "
                     f"train {row['perf/train_time']:.2f}s  sync {row['perf/update_weights_time']:.2f}s "
-                    f"({report.trainer.bytes / 1e6:.1f} MB, v{job.version})  "
+                    f"({report.trainer.bytes / 1e6:.1f} MB, v{job.version}{', checked' if report.checked else ''})  "
                     f"logprob diff {row['rollout/logprob_abs_diff']:.2e}"
                     + (f"  staleness {staleness}" if one_step_off else ""))
             # One write with its newline: Ray's log thread shares this stdout, and print's two

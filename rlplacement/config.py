@@ -304,8 +304,15 @@ class RolloutConfig:
     """Fraction of its GPU an engine may use for weights, activations and KV cache; None: vLLM's 0.9 less
     what one update stages on each worker (the whole model in the engine's dtype), so the first update
     cannot run the GPU out of memory. Ignored on CPU engines."""
-    verbose: bool = False
-    """vLLM and Ray log at INFO (``--verbose``); by default at WARNING, and the loop prints a line a step."""
+    verbosity: str = "normal"
+    """``--verbose [quiet|normal|info]`` (``rlplacement.console``): ``normal`` prints a line per start-up stage
+    with vLLM and Ray at WARNING; ``info`` also lets vLLM and Ray log at INFO (``--verbose`` alone);
+    ``quiet`` prints no stage lines (for scripts). Warnings and errors show at every level."""
+
+    @property
+    def verbose(self) -> bool:
+        """vLLM and Ray at INFO, the libraries' notices to their developers shown."""
+        return self.verbosity == "info"
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine arguments these settings make (the ``vllm`` engine kind's keywords)."""

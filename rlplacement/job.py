@@ -95,9 +95,11 @@ class RLJob:
         ``--load`` of a training checkpoint the engines are sent its weights before this returns, as the
         version it recorded.
         """
+        from rlplacement.console import StartLog
         from rlplacement.runtime.update_dispatch import UpdateDispatch
 
-        started = start_actors(config, hf_dir, engine_kind=engine_kind, engine_kwargs=engine_kwargs)
+        console = StartLog(config.rollout.verbosity)
+        started = start_actors(config, hf_dir, engine_kind=engine_kind, engine_kwargs=engine_kwargs, console=console)
         trainers, engines, trainer_names = started.trainers, started.engines, started.trainer_names
         backend_options = {"stream_dtype": started.engine_dtype, **(backend_options or {})}
         try:
@@ -107,8 +109,10 @@ class RLJob:
                                             backend_options, timeout_s) for t in trainers],
                             timeout_s, "trainer set-up", trainer_names)
             device = infos[0]["device"]
+            console.stage(f"trainer built: {config.backend.name} on {len(trainers)} rank(s), {device}")
             engine_info = get_all([e.info.remote() for e in engines], timeout_s, "engine start",
                                   [f"engine {i}" for i in range(len(engines))])
+            console.stage(f"{len(engines)} {engine_kind} engine(s) loaded (they started beside the trainer)")
             job = cls(engine_info=engine_info, config=config, placement=started.placement, trainers=trainers,
                       engines=engines, hf_dir=hf_dir, timeout_s=timeout_s,
                       data_parallel_ranks=[i["data_parallel_rank"] for i in infos],
@@ -117,10 +121,14 @@ class RLJob:
                       updates=UpdateDispatch(compiled=device.startswith("cuda") if compiled_update is None
                                              else compiled_update, timeout_s=timeout_s))
             job.set_transfer(config.transfer.mode, check_equal=config.transfer.check_equal)
+            console.stage(f"weight transfer ready: {config.transfer.mode}"
+                          + (", every update checked bit for bit" if config.transfer.check_equal else ""))
             resumed = infos[0]["resumed"]
             if resumed is not None:  # the engines serve the checkpoint's weights, as the version it recorded
                 job.version, job.train_calls = resumed["weight_version"] - 1, resumed["train_calls"]
                 job.update_weights()
+                console.stage(f"engines serve the checkpoint's weights (version {job.version})")
+            console.done("ready")
         except BaseException as exc:
             release(None, trainers, engines, started.placement)
             raise_with_offload_hint(config, exc)

@@ -17,6 +17,7 @@ from rlplacement.errors import GpuMemoryError
 
 if TYPE_CHECKING:
     from rlplacement.config import Config
+    from rlplacement.console import StartLog
     from rlplacement.runtime.handoff import ColocatedHandOff
     from rlplacement.runtime.update_dispatch import UpdateDispatch
 
@@ -36,9 +37,10 @@ class StartedActors:
 
 
 def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
-                 engine_kwargs: dict[str, Any] | None) -> StartedActors:
+                 engine_kwargs: dict[str, Any] | None, console: "StartLog") -> StartedActors:
     """Check the flags, place the job and start every trainer rank and engine (returning at once: Ray
-    starts them in the background). ``engine_kwargs``: over ``config.rollout.engine_kwargs()``."""
+    starts them in the background). ``engine_kwargs``: over ``config.rollout.engine_kwargs()``;
+    ``console``: where each stage says it is done."""
     import ray
 
     from rlplacement.args import require_available
@@ -57,7 +59,11 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     engine_args = {**config.rollout.engine_kwargs(), **(engine_kwargs or {})}
     engine_args["dtype"] = resolve_dtype(hf_dir, engine_args.get("dtype", "auto"))
     engine_args.setdefault("verbose", verbose)
+    p = config.placement
+    console.say(f"starting Ray and placing {p.trainer_num_gpus} trainer GPU(s) and {p.num_engines} engine(s) of "
+                f"{p.rollout_num_gpus_per_engine} GPU ({'colocated' if p.colocate else 'split'})")
     placement = ray_groups.place(config.placement, verbose=verbose)
+    console.stage("Ray up, placement group placed")
     layout = placement.layout
     world = len(layout.trainer_gpus)
     worker_cls = ray.remote(TrainerWorker)

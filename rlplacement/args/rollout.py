@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rlplacement.args.common import flag, get, require_choice, require_positive
+from rlplacement.console import VERBOSITY
 from rlplacement.config import ENGINE_DTYPES, RolloutConfig, TrainConfig, default_of
 from rlplacement.errors import ConfigError
 
@@ -34,8 +35,9 @@ FLAGS = (
           default=default_of(RolloutConfig, "gpu_memory_utilization"),
           help="Fraction of its GPU an engine may use; default: 0.9 less what an update stages on it "
                "(the whole model in the engine's dtype)."),
-    flag("--verbose", action="store_true", default=default_of(RolloutConfig, "verbose"),
-          help="vLLM and Ray log at INFO (default: WARNING)."),
+    flag("--verbose", nargs="?", const="info", default=default_of(RolloutConfig, "verbosity"), choices=VERBOSITY,
+          help="quiet: no start-up lines; normal (default): a line per start-up stage; info (--verbose alone): "
+               "vLLM and Ray at INFO too."),
 )
 
 
@@ -65,4 +67,13 @@ def rollout_from_args(args: argparse.Namespace) -> RolloutConfig:
                          max_model_len=None if context is None else int(context),
                          enforce_eager=bool(get(args, "vllm_enforce_eager")),
                          gpu_memory_utilization=None if utilization is None else float(utilization),
-                         verbose=bool(get(args, "verbose")))
+                         verbosity=_verbosity(get(args, "verbose")))
+
+
+def _verbosity(value) -> str:
+    """``--verbose``'s level; a namespace from a parser whose own ``--verbose`` is a switch gives a bool."""
+    if isinstance(value, bool) or value is None:
+        return "info" if value else "normal"
+    if value not in VERBOSITY:
+        raise ConfigError(f"--verbose {value!r} is unknown: use one of {', '.join(VERBOSITY)} (--verbose alone: info).")
+    return value

@@ -73,7 +73,7 @@ def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 1
     if check_equal:
         check_received(engines, report.checksums, version, timeout_s)
     return UpdateResult(version=version, trainer=report,
-                        engines=tuple(results[f"engine {i}"] for i in range(len(engines))))
+                        engines=tuple(results[f"engine {i}"] for i in range(len(engines))), checked=check_equal)
 
 
 def check_received(engines: Sequence, expected: dict[str, str] | None, version: int, timeout_s: float) -> None:

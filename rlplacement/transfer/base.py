@@ -155,6 +155,9 @@ class UpdateResult:
     version: int
     trainer: UpdateReport
     engines: tuple[EngineUpdateReport, ...]
+    checked: bool = False
+    """Every engine's received checksums were compared with the trainer's and equal
+    (``--check-weight-update-equal``): ``perf/update_weights_checked`` in telemetry."""
 
 
 class Instants(dict):
