@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from rlplacement import rollout
 from rlplacement.config import Config, OptimConfig
-from rlplacement.engines.registry import DEFAULT_ENGINE_KIND
+from rlplacement.engines.registry import DEFAULT_ENGINE_KIND, engine_class
 from rlplacement.errors import ConfigError
 from rlplacement.job_start import make_handoff, raise_with_offload_hint, release, start_actors
 from rlplacement.rollout import PendingRollout, RolloutSample
@@ -49,7 +49,8 @@ class RLJob:
 
     def __init__(self, *, config: Config, placement, trainers: list, engines: list, hf_dir: str,
                  timeout_s: float, data_parallel_ranks: list[int], data_parallel_size: int,
-                 handoff: "ColocatedHandOff | None", updates: "UpdateDispatch", engine_info: list[dict]):
+                 handoff: "ColocatedHandOff | None", updates: "UpdateDispatch", engine_info: list[dict],
+                 engine_kind: str = DEFAULT_ENGINE_KIND):
         self.config = config
         self.placement = placement
         """The Ray placement group and the layout it realises (``placement.ray_groups.Placement``)."""
@@ -75,6 +76,9 @@ class RLJob:
         """Each engine's ``RolloutEngine.info()`` at start: dtype, context length, KV cache capacity."""
         self._generate_calls = 0
         self._closed = False
+        self._tokenizer = None
+        self.engine_class = engine_class(engine_kind)
+        """The engines' kind (``engines.registry``): what sampling keys they take."""
 
     @classmethod
     def start(cls, config: Config, hf_dir: str, *, optim: OptimConfig | None = None,
@@ -113,7 +117,7 @@ class RLJob:
             engine_info = get_all([e.info.remote() for e in engines], timeout_s, "engine start",
                                   [f"engine {i}" for i in range(len(engines))])
             console.stage(f"{len(engines)} {engine_kind} engine(s) loaded (they started beside the trainer)")
-            job = cls(engine_info=engine_info, config=config, placement=started.placement, trainers=trainers,
+            job = cls(engine_info=engine_info, engine_kind=engine_kind, config=config, placement=started.placement, trainers=trainers,
                       engines=engines, hf_dir=hf_dir, timeout_s=timeout_s,
                       data_parallel_ranks=[i["data_parallel_rank"] for i in infos],
                       data_parallel_size=infos[0]["data_parallel_size"],
@@ -150,7 +154,7 @@ class RLJob:
         """The sampling keys every generate starts from: the ``--rollout-*`` flags."""
         return rollout.sampling_defaults(self.config)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any] | None = None, *,
+    def generate(self, prompts: Sequence[Sequence[int] | str], sampling: dict[str, Any] | None = None, *,
                  n_samples_per_prompt: int | None = None, max_tokens: int | Sequence[int] | None = None,
                  seed: int | None = None, exact_lengths: bool = False,
                  include_aborted: bool = False) -> list[RolloutSample]:
@@ -159,14 +163,24 @@ class RLJob:
                                                 max_tokens=max_tokens, seed=seed, exact_lengths=exact_lengths),
                             include_aborted=include_aborted)
 
-    def generate_async(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any] | None = None, *,
+    def _tokenize(self, text: str) -> list[int]:
+        """Text prompts through the model's own tokenizer (loaded from the engines' folder on first use)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+        return self._tokenizer.encode(text)
+
+    def generate_async(self, prompts: Sequence[Sequence[int] | str], sampling: dict[str, Any] | None = None, *,
                        n_samples_per_prompt: int | None = None, max_tokens: int | Sequence[int] | None = None,
                        seed: int | None = None, exact_lengths: bool = False) -> PendingRollout:
         """Start ``n_samples_per_prompt`` (default ``--n-samples-per-prompt``) samples of every prompt and
         return at once (one-step-off: the trainer trains meanwhile).
 
-        ``sampling``: sampling keys over :meth:`sampling_defaults` (``engines.base.SAMPLING_KEYS``, or the
-        engine's own, e.g. any ``vllm.SamplingParams`` keyword); ``max_tokens``: one for all or one per
+        ``prompts``: token ids (lists of ints) or text (tokenized with the model's tokenizer; the samples'
+        ``prompt_ids`` hold the ids); ``sampling``: sampling keys over :meth:`sampling_defaults`
+        (``engines.base.SAMPLING_KEYS``, or the engine's own, e.g. any ``vllm.SamplingParams`` keyword; any
+        other key is refused naming the nearest one); ``max_tokens``: one for all or one per
         sample (overrides ``sampling``'s); ``seed``: sample j samples with ``seed + j`` (default:
         ``--rollout-seed`` plus 1,000,003 per generate call of this job, so steps differ and a rerun
         repeats them); ``exact_lengths``: every sample exactly ``max_tokens`` long. The samples of a prompt
@@ -177,6 +191,8 @@ class RLJob:
         An engine applies an ``update_weights`` issued meanwhile only once its requests have finished:
         every sample comes from one weight version.
         """
+        rollout.check_sampling_keys(sampling, self.engine_class.sampling_keys)
+        prompts = rollout.prompt_ids(prompts, self._tokenize)
         request = rollout.rollout_request(self.config, prompts, sampling, n_samples_per_prompt=n_samples_per_prompt,
                                           max_tokens=max_tokens, seed=seed, exact_lengths=exact_lengths,
                                           call_index=self._generate_calls,

@@ -10,8 +10,10 @@ and calls these.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import operator
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from rlplacement.errors import ConfigError
 from rlplacement.runtime.waits import get_all
@@ -85,12 +87,45 @@ class RolloutRequest:
     specs: list[dict[str, Any]]
 
 
+def prompt_ids(prompts: Sequence[Sequence[int] | str], tokenize: Callable[[str], list[int]]) -> list[list[int]]:
+    """Each prompt as token ids: a list of ints as it is, text through ``tokenize`` (the model's tokenizer);
+    anything else refused naming the prompt."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            out.append(list(tokenize(prompt)))
+            continue
+        try:
+            out.append([operator.index(t) for t in prompt])
+        except TypeError:
+            raise ConfigError(f"prompt {i} is {type(prompt).__name__} {str(prompt)[:60]!r}: give each prompt as text "
+                              f"(a str, tokenized with the model's tokenizer) or as token ids (a list of ints)") from None
+    return out
+
+
+def check_sampling_keys(sampling: dict[str, Any] | None, accepted: Callable[[], frozenset[str]]) -> None:
+    """Refuse a sampling key the engines do not take, naming the nearest one they do; ``accepted`` is asked
+    only for keys beyond :data:`~rlplacement.engines.base.SAMPLING_KEYS` (it may import the engine's library)."""
+    from rlplacement.engines.base import SAMPLING_KEYS
+
+    extra = [k for k in (sampling or {}) if k not in SAMPLING_KEYS]
+    if not extra:
+        return
+    known = accepted()
+    for key in extra:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f": did you mean {close[0]!r}?" if close else f"; the engines take {', '.join(sorted(known))}"
+            raise ConfigError(f"sampling key {key!r} is not one the engines take{hint}")
+
+
 def rollout_request(config: "Config", prompts: Sequence[Sequence[int]], sampling: dict[str, Any] | None, *,
                     n_samples_per_prompt: int | None, max_tokens: int | Sequence[int] | None, seed: int | None,
                     exact_lengths: bool, call_index: int, context: int) -> RolloutRequest:
-    """The requests of ``RLJob.generate_async``'s arguments (see there); ``call_index``: how many generate
-    calls the job made before (the default seed moves with it); ``context``: the smallest engine's.
-    Refuses bad sizes, and requests that cannot fit the context, before any engine is asked."""
+    """The requests of ``RLJob.generate_async``'s arguments (see there); ``prompts``: token ids
+    (:func:`prompt_ids` makes them); ``call_index``: how many generate calls the job made before (the default
+    seed moves with it); ``context``: the smallest engine's. Refuses bad sizes, and requests that cannot
+    fit the context, before any engine is asked."""
     from rlplacement.engines.engine_settings import check_context
 
     n = config.rollout.n_samples_per_prompt if n_samples_per_prompt is None else int(n_samples_per_prompt)

@@ -39,6 +39,12 @@ class RolloutEngine(abc.ABC):
     dtype=..., max_model_len=..., enforce_eager=..., tensor_parallel_size=..., sleep_mode=..., verbose=...,
     **engine-specific keywords)``."""
 
+    @classmethod
+    def sampling_keys(cls) -> frozenset[str]:
+        """Every sampling key this engine kind accepts (a caller's key outside it is refused by name before
+        any request starts); at least :data:`SAMPLING_KEYS`."""
+        return frozenset(SAMPLING_KEYS)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         for name in CONTROL_CALLS:

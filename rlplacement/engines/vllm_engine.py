@@ -122,6 +122,13 @@ class VllmRolloutEngine(RolloutEngine):
 
         self._stepper = RequestStepper(self.llm, name=f"engine{engine_index}")
 
+    @classmethod
+    def sampling_keys(cls) -> frozenset[str]:
+        """``vllm.SamplingParams``' public fields (vLLM's own list, read from the class)."""
+        from vllm import SamplingParams
+
+        return frozenset(f for f in SamplingParams.__struct_fields__ if not f.startswith("_"))
+
     @staticmethod
     def process_env(verbose: bool) -> dict[str, str]:
         """vLLM at INFO with ``verbose``, else at WARNING with its progress bars off, third-party deprecation
