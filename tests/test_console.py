@@ -69,3 +69,16 @@ def test_a_run_says_each_stage_before_its_steps_and_which_updates_were_checked(t
     assert re.search(r"step 0: .*\(1\.1 MB, v1, checked\)", proc.stdout)
     row = json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])
     assert row["perf/update_weights_checked"] == 1
+
+
+def test_convert_and_export_show_progress_and_no_library_notices(tmp_path):
+    from rlplacement.models.tiny import make_tiny_model
+
+    hf = make_tiny_model(tmp_path / "hf")
+    for argv, bar in ((["convert", "--hf-checkpoint", str(hf), "--save", str(tmp_path / "tp1")], "convert: 100%"),
+                      (["export-hf", "--load", str(tmp_path / "tp1"), "--save", str(tmp_path / "back")], "export: ")):
+        proc = subprocess.run([sys.executable, "-m", "rlplacement.cli", *argv], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert bar in proc.stderr
+        assert "Warning" not in proc.stderr, proc.stderr  # megatron's Apex/TE fallbacks, torch's DTensor notice

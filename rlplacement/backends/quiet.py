@@ -13,7 +13,11 @@ import os
 import warnings
 
 ENV = "RLPLACEMENT_QUIET_TRAINER_NOTICES"
-MESSAGES = (r"(Transformer Engine and )?Apex (is|are) not installed", r"full scope is deprecated")
+# (message, category): megatron's fallbacks and config deprecations; torch's notice, raised where megatron's
+# checkpoints load through ShardedTensor, that ShardedTensor gives way to DTensor
+MESSAGES = ((r"(Transformer Engine and )?Apex (is|are) not installed", UserWarning),
+            (r"full scope is deprecated", UserWarning),
+            (r"Please use DTensor instead", FutureWarning))
 MODULES = r"(transformer_engine|apex|megatron)(\..*)?$"
 
 
@@ -21,7 +25,7 @@ def quiet_trainer_notices() -> None:
     """Install the filters in this process; does nothing unless the job asked for a quiet log."""
     if os.environ.get(ENV) != "1":
         return
-    for message in MESSAGES:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    for message, category in MESSAGES:
+        warnings.filterwarnings("ignore", message=message, category=category)
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=MODULES)

@@ -7,9 +7,11 @@ divide the model) is refused from ``config.json`` alone before torch.distributed
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from rlplacement.args import add_flag
+from rlplacement.backends import quiet
 from rlplacement.errors import ConfigError
 
 DESCRIPTION = """\
@@ -45,6 +47,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _convert_rank(rank: int, world: int, hf: str, save: str, tp: int, pp: int, spec: str, progress: bool) -> str:
+    from rlplacement.backends.quiet import quiet_trainer_notices
+
+    quiet_trainer_notices()  # each rank drops megatron's notices to its developers (RLPLACEMENT_QUIET_... set by main)
     from rlplacement.convert.hf_to_megatron import convert
 
     return convert(hf, save, tp, pp, spec, progress)
@@ -66,6 +71,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    os.environ.setdefault(quiet.ENV, "1")  # inherited by the ranks it spawns
     from rlplacement.backends import megatron_checkpoint as layout
     from rlplacement.convert.run import run_collective
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from rlplacement.args import add_flag
+from rlplacement.backends import quiet
 from rlplacement.errors import ConfigError
 
 DESCRIPTION = """\
@@ -34,17 +36,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="Megatron layer spec to read with (see `rlplacement convert --help`). Default auto.")
     p.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3, metavar="BYTES",
                    help="Largest safetensors file to write; more files get an index (HF layout). Default 5 GiB.")
+    p.add_argument("--no-progress", action="store_true", help="Hide the progress bar over tensors.")
     return p
 
 
 def _export_rank(rank: int, world: int, load: str, save: str, hf_config: str | None, tp: int, spec: str,
-                 max_shard_bytes: int):
+                 max_shard_bytes: int, progress: bool = True):
+    from rlplacement.backends.quiet import quiet_trainer_notices
+
+    quiet_trainer_notices()  # each rank drops megatron's notices to its developers (RLPLACEMENT_QUIET_... set by main)
     from rlplacement.convert.megatron_to_hf import export
 
-    return export(load, save, hf_config, tp=tp, spec=spec, max_shard_bytes=max_shard_bytes)
+    return export(load, save, hf_config, tp=tp, spec=spec, max_shard_bytes=max_shard_bytes, progress=progress)
 
 
 def main(args: argparse.Namespace) -> int:
+    os.environ.setdefault(quiet.ENV, "1")  # inherited by the ranks it spawns
     from rlplacement.backends import megatron_checkpoint as layout
     from rlplacement.convert.run import run_collective
 
@@ -59,6 +66,7 @@ def main(args: argparse.Namespace) -> int:
     if args.max_shard_bytes < 1:
         raise ConfigError("--max-shard-bytes must be positive")
     names = run_collective(_export_rank, args.tensor_model_parallel_size, str(load), args.save, args.hf_config,
-                           args.tensor_model_parallel_size, args.layer_spec, args.max_shard_bytes)
+                           args.tensor_model_parallel_size, args.layer_spec, args.max_shard_bytes,
+                           not args.no_progress)
     print(f"rlplacement export-hf: wrote {len(names)} tensors to {args.save}")
     return 0

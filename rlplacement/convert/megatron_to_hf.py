@@ -22,8 +22,10 @@ from rlplacement.backends import megatron_checkpoint as layout
 
 
 def export(load_dir: str | os.PathLike, save_dir: str | os.PathLike, hf_config_dir: str | os.PathLike | None = None,
-           tp: int = 1, pp: int = 1, spec: str = "auto", max_shard_bytes: int = 5 * 1024**3) -> list[str]:
-    """Write an HF folder from a converted checkpoint; return the HF tensor names written (rank 0)."""
+           tp: int = 1, pp: int = 1, spec: str = "auto", max_shard_bytes: int = 5 * 1024**3,
+           progress: bool = False) -> list[str]:
+    """Write an HF folder from a converted checkpoint; return the HF tensor names written (rank 0).
+    ``progress``: a bar over the tensors written, on rank 0."""
     load = Path(load_dir)
     if layout.state(load) != "finished":
         raise FileNotFoundError(f"{load} has no {layout.MARKER}: not a finished torch_dist checkpoint; "
@@ -44,8 +46,12 @@ def export(load_dir: str | os.PathLike, save_dir: str | os.PathLike, hf_config_d
     # written in config.json's dtype: megatron may hold some tensors wider (its norms stay fp32 in a
     # bf16 model), and widening then narrowing back is exact
     dtype = mm.hf_dtype(hf_config)
-    for name, tensor in mm.iter_hf_tensors(model, shape, family):
-        writer.add(name, tensor.detach().cpu().to(dtype))
+    from tqdm import tqdm
+
+    tensors = mm.iter_hf_tensors(model, shape, family)
+    for name, tensor in tqdm(tensors, desc="export", unit="tensor", disable=not (progress and writer is not None)):
+        if writer is not None:
+            writer.add(name, tensor.detach().cpu().to(dtype))
     if writer is None:
         return []
     names = writer.finish()
