@@ -66,9 +66,7 @@ def _numbers(value: Any) -> list[float] | None:
     """Every number of a (nested) list, tuple or array, or None when it holds anything else."""
     if hasattr(value, "tolist") and not isinstance(value, numbers.Number):
         value = value.tolist()
-    if isinstance(value, bool):
-        return [float(value)]
-    if isinstance(value, numbers.Real):
+    if isinstance(value, numbers.Real):  # bools included, as 0/1
         return [float(value)]
     if isinstance(value, (list, tuple)):
         out: list[float] = []
