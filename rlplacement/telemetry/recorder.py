@@ -14,7 +14,7 @@ Usage in a loop (colocated, split, or one-step-off async alike)::
         for start, end in ray.get(train_refs, timeout=600):    # timestamps from trainer ranks
             tel.record_interval("train", start, end)
         tel.record_logprobs(trainer_lp, engine_lp)
-        logger.log(tel.end_step(step))
+        logger.log(tel.end_step(step))           # trackers=... given: also logged to W&B / TensorBoard
 
 Invariants:
 
@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from rlplacement.telemetry.gpu_util import PhaseUtilSampler
 from rlplacement.telemetry.intervals import ROLES, Interval, idle_time, phase_time, roles_for
 from rlplacement.telemetry.jsonl import append_row
+from rlplacement.telemetry.trackers import Tracker
 
 # names of the telemetry contract (docs/telemetry.md)
 STEP_TIME = "perf/step_time"
@@ -127,11 +128,14 @@ class StepRecorder:
 
     def __init__(self, path: str | os.PathLike | None = None, layout: RunLayout | None = None, *,
                  gpu_devices: dict[str, Sequence[int]] | None = None,
-                 clock: Callable[[], float] = time.time, **layout_fields: Any):
+                 clock: Callable[[], float] = time.time, trackers: Iterable[Tracker] = (),
+                 **layout_fields: Any):
         """``layout`` or its fields as keywords (``trainer_gpus=..., rollout_gpus=...``).
 
         ``gpu_devices`` maps a role to the local device indices whose NVML utilization is sampled
         inside that role's phases (the driver must see them); absent on CPU either way.
+        ``trackers`` (``rlplacement.telemetry.trackers.build_trackers(config.tracking)``, or any objects with
+        ``log(step, row)``) each get every row ``end_step`` returns; closing them is their owner's business.
         """
         if layout is None:
             layout = RunLayout(**layout_fields)
@@ -139,6 +143,7 @@ class StepRecorder:
             raise TypeError("pass layout= or its fields as keywords, not both")
         self.path = os.fspath(path) if path is not None else None
         self.layout = layout
+        self.trackers = list(trackers)
         self._gpu_devices = {r: list(d) for r, d in (gpu_devices or {}).items()}
         self._clock = clock
         self._t0: float | None = None            # first timestamp seen, fixed; timeline times are relative to it
@@ -243,7 +248,8 @@ class StepRecorder:
 
     # ---- the row -----------------------------------------------------------------------------
     def end_step(self, step: int, end: float | None = None, **extra: Any) -> dict:
-        """Close the step window, write one JSONL row (if a path was given) and return it.
+        """Close the step window, write one JSONL row (if a path was given), log it to every tracker and
+        return it.
 
         ``extra`` adds fields (reward, ``perf/update_weights_bytes`` ...); it may not overwrite a
         contract name.
@@ -283,6 +289,8 @@ class StepRecorder:
         if self.path is not None:
             append_row(self.path, row)
         self._next_window(end)
+        for tracker in self.trackers:
+            tracker.log(step, row)
         return row
 
     def _next_window(self, end: float) -> None:
