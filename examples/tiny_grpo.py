@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rlplacement.models.tiny import TinySpec, make_tiny_model
     from rlplacement.telemetry.recorder import RunLayout, StepRecorder
+    from rlplacement.telemetry.trackers import build_trackers
 
     config = rlplacement.config_from_args(args)  # every flag checked before any process starts
     group_size, max_len = config.rollout.n_samples_per_prompt, config.rollout.max_response_len
@@ -124,11 +125,13 @@ def run(args: argparse.Namespace) -> int:
     targets = {tok.convert_tokens_to_ids(d) for d in DIGITS}
     prompts = [tok.encode(p) for p in PROMPTS]
 
-    with rlplacement.RLJob.start(config, hf_dir) as job:
+    # trackers first: a bad W&B or TensorBoard set-up fails before Ray starts; they close after the job
+    with build_trackers(config.tracking, run_config=config) as trackers, \
+            rlplacement.RLJob.start(config, hf_dir) as job:
         tel = StepRecorder(args.telemetry, RunLayout.from_placement(
             config.placement, transfer_mode=config.transfer.mode,
             max_response_len=max_len, group_size=group_size,
-            prompt_len=round(statistics.fmean(len(p) for p in prompts)), **job.engine_capacity()))
+            prompt_len=round(statistics.fmean(len(p) for p in prompts)), **job.engine_capacity()), trackers=trackers)
         one_step_off = config.placement.one_step_off
 
         def start_rollout(step: int):
