@@ -142,9 +142,9 @@ def test_validate_args_refuses_what_our_modes_cannot_serve(overrides, message):
 
 def test_sglang_servers_are_refused_at_connect_naming_the_engine():
     """Miles' own engines are SGLang HTTP clients; they do not run our receiver."""
-    class SGLangApiClient:  # the shape of Miles' client: a frozen dataclass with a server_url
+    class StandInSGLangApiClient:  # stands in for Miles' SGLang client (its shape: a frozen dataclass with a server_url)
         server_url = "http://10.0.0.1:30000"
 
     protocol = miles.broadcast_packed(miles_args())
     with pytest.raises(Exception, match="rollout engine 0 .* does not run rlplacement's receiver"):
-        protocol.connect([SGLangApiClient()], [1], [0], None, None, "all")
+        protocol.connect([StandInSGLangApiClient()], [1], [0], None, None, "all")

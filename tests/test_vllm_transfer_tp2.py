@@ -18,14 +18,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_two_worker_engine_receives_on_every_worker(tmp_path):
-    from tests.transfer_helpers.trainer_actor import HFTrainer
+    from tests.transfer_helpers.trainer_actor import StandInHFTrainer
 
     model_dir = str(make_tiny_model(tmp_path / "tiny", TinySpec()))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
     try:
-        trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
+        trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
         engine = create_engine_actor(0, model_dir, tensor_parallel_size=2)
         assert ray.get(engine.info.remote(), timeout=300)["num_workers"] == 2
         before = ray.get(engine.generate.remote([[5, 6, 7, 8]], max_tokens=6))

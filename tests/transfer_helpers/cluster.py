@@ -12,12 +12,12 @@ def start_trainer_and_engines(model_dir: str, num_engines: int = 2):
     import ray
 
     from rlplacement.engines.ray_engines import create_engine_actor
-    from tests.transfer_helpers.trainer_actor import HFTrainer
+    from tests.transfer_helpers.trainer_actor import StandInHFTrainer
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
-    trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
+    trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
     return trainer, [create_engine_actor(i, model_dir) for i in range(num_engines)]
 
 
