@@ -1,5 +1,5 @@
 """Assertions the backend tests share: what a backend streamed after one step against the plain HF
-model after the same step."""
+model after the same step, and the two-rank check of the FSDP2 backends (fsdp, torchtitan)."""
 
 import torch
 
@@ -26,3 +26,49 @@ def step_and_share_stream(backend, batch, streamed_path, rank: int):
         torch.save(streamed, streamed_path)
     dist.barrier()
     return logp, metrics, torch.load(streamed_path)
+
+
+def _two_rank_step(rank, world, backend_name, hf, optim, vocab, seed, streamed_path, options):
+    """One rank of :func:`check_two_ranks_match_hf_reference` (module level: ``launch.spawn`` pickles it)."""
+    from rlplacement.backends import make_backend
+    from rlplacement.backends.hf_reference import random_batch
+    from rlplacement.config import BackendConfig
+
+    backend = make_backend(BackendConfig(name=backend_name, hf_checkpoint=hf), optim, **options)
+    batch = random_batch(vocab, seed=seed + rank)  # each rank its own data-parallel share
+    logp, metrics, streamed = step_and_share_stream(backend, batch, streamed_path, rank)
+    if backend_name == "torchtitan":  # its own parameter names, q/k permuted for its interleaved RoPE
+        from rlplacement.families import torchtitan_mapping as names
+
+        def held(name):
+            return names.hf_to_torchtitan_tensor(name, streamed[names.torchtitan_to_hf_name(name)], backend.hf_config)
+    else:
+        def held(name):
+            return streamed[name]
+    mismatched = [n for n, p in backend.model.named_parameters()
+                  if not torch.equal(p.to_local(), held(n).chunk(world, 0)[rank])]
+    return {"logp": logp, "metrics": metrics, "mismatched": mismatched}
+
+
+def check_two_ranks_match_hf_reference(backend_name: str, hf, tmp_path, optim, *, vocab: int, seed: int,
+                                       **options) -> None:
+    """The check FSDP2 backends share (fsdp, torchtitan): two gloo ranks each take one step on their own
+    batch; their log-probs equal the HF model's, each rank's shards equal the slice of what rank 0
+    streamed, the grad norm equals the HF reference step's over both batches, and what was streamed
+    equals the reference's weights after that step. ``options`` go to ``make_backend``."""
+    import pytest
+
+    from rlplacement.backends import launch
+    from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
+
+    streamed_path = str(tmp_path / "streamed.pt")
+    results = launch.spawn(_two_rank_step, 2, backend_name, str(hf), optim, vocab, seed, streamed_path, options,
+                           timeout_s=300)
+    ref = load_hf(hf)
+    batches = [random_batch(vocab, seed=seed + r) for r in range(2)]
+    for r, res in enumerate(results):
+        assert (res["logp"] - hf_log_probs(ref, batches[r].input_ids)).abs().max().item() <= 1e-5
+        assert res["mismatched"] == [], f"streamed tensors differ from the shards the {backend_name} backend holds"
+    ref_metrics = hf_reference_step(ref, batches, optim)
+    assert results[0]["metrics"]["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4)
+    assert_streamed_match_reference(streamed_path, ref)

@@ -121,15 +121,19 @@ def test_fused_adam_state_to_come_is_counted_in_its_own_dtypes_cpu_stand_in():
 
     from rlplacement.backends.base import TrainerBackend
 
-    class FusedAdam(torch.optim.Optimizer):
+    class StandInTEFusedAdam(torch.optim.Optimizer):
         def __init__(self, params, exp_avg_dtype, exp_avg_sq_dtype, master_weights=False):
             super().__init__(params, {})
             self.exp_avg_dtype, self.exp_avg_sq_dtype, self.master_weights = exp_avg_dtype, exp_avg_sq_dtype, master_weights
 
+    # TrainerBackend._state_to_come tells TE's (or apex's) optimizer by ``type(opt).__name__ == "FusedAdam"``
+    # (rlplacement/backends/base.py): the stand-in answers to that name; its __qualname__ still says stand-in
+    StandInTEFusedAdam.__name__ = "FusedAdam"
+
     param = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
     backend = SimpleNamespace(device=torch.device("cpu"), _stepped_by=lambda p: True)
-    assert TrainerBackend._state_to_come(backend, FusedAdam([param], torch.float32, torch.bfloat16)) == 10 * (4 + 2)
-    assert TrainerBackend._state_to_come(backend, FusedAdam([param], torch.float32, torch.float32, True)) == 10 * 12
-    stepped = FusedAdam([param], torch.float32, torch.float32)
+    assert TrainerBackend._state_to_come(backend, StandInTEFusedAdam([param], torch.float32, torch.bfloat16)) == 10 * (4 + 2)
+    assert TrainerBackend._state_to_come(backend, StandInTEFusedAdam([param], torch.float32, torch.float32, True)) == 10 * 12
+    stepped = StandInTEFusedAdam([param], torch.float32, torch.float32)
     stepped.state[param] = {"exp_avg": torch.zeros(10)}
     assert TrainerBackend._state_to_come(backend, stepped) == 0  # state that exists is counted where it lives

@@ -14,7 +14,7 @@ from rlplacement.backends import make_backend
 from rlplacement.backends import torchtitan as tt
 from rlplacement.families import torchtitan_mapping as names
 from rlplacement.models.tiny import TinySpec, make_tiny_model
-from tests.reference_checks import assert_streamed_match_reference, step_and_share_stream
+from tests.reference_checks import check_two_ranks_match_hf_reference
 
 
 def _adapter_map(family: str) -> dict:
@@ -71,37 +71,14 @@ def test_allow_cpu_without_triton_says_torchtitan_does_not_import(tmp_path):
 SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
 
 
-def _worker(rank, world, hf, family, streamed_path):
-    from rlplacement.backends.hf_reference import random_batch
-
-    backend = make_backend(BackendConfig(name="torchtitan", hf_checkpoint=hf), SGD, allow_cpu=True)
-    batch = random_batch(300, seed=20 + rank)
-    logp, metrics, streamed = step_and_share_stream(backend, batch, streamed_path, rank)
-
-    mismatched = [n for n, p in backend.model.named_parameters()
-                  if not torch.equal(p.to_local(), names.hf_to_torchtitan_tensor(
-                      n, streamed[names.torchtitan_to_hf_name(n)], backend.hf_config).chunk(world, 0)[rank])]
-    return {"logp": logp, "metrics": metrics, "mismatched": mismatched}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family, tied", [("qwen3", True), ("llama", False)])
 def test_two_ranks_on_cpu_match_hf_reference_where_triton_imports(tmp_path, family, tied):
-    """Real torchtitan model under FSDP2 on two gloo ranks; runs only where triton imports (not in the
-    CPU CI, where the Makefile removes it; run with PYTHONPATH=<folder with triton> to exercise it)."""
+    """The real torchtitan model under FSDP2 on two gloo ranks, checked as the fsdp backend is
+    (``check_two_ranks_match_hf_reference``); runs only where triton imports (not in the CPU CI, where
+    the Makefile removes it; run with PYTHONPATH=<folder with triton> to exercise it)."""
     if tt.torchtitan_import_error() is not None:
         pytest.skip(f"torchtitan does not import here: {tt.torchtitan_import_error()}")
-    from rlplacement.backends import launch
-    from rlplacement.backends.hf_reference import hf_log_probs, hf_reference_step, load_hf, random_batch
-
     hf = make_tiny_model(tmp_path / "hf", TinySpec(family, num_attention_heads=4, num_key_value_heads=2,
                                                    tie_word_embeddings=tied))
-    results = launch.spawn(_worker, 2, str(hf), family, str(tmp_path / "streamed.pt"), timeout_s=300)
-    ref = load_hf(hf)
-    batches = [random_batch(300, seed=20 + r) for r in range(2)]
-    for r, res in enumerate(results):
-        assert (res["logp"] - hf_log_probs(ref, batches[r].input_ids)).abs().max().item() <= 1e-5
-        assert res["mismatched"] == [], "streamed tensors differ from the shards FSDP holds"
-    ref_metrics = hf_reference_step(ref, batches, SGD)
-    assert results[0]["metrics"]["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4)
-    assert_streamed_match_reference(tmp_path / "streamed.pt", ref)
+    check_two_ranks_match_hf_reference("torchtitan", hf, tmp_path, SGD, vocab=300, seed=20, allow_cpu=True)

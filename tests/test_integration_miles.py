@@ -76,16 +76,12 @@ def miles_update(protocol, version: int, weights: dict, buffer_size: int) -> dic
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    import os
-
     from rlplacement.engines.ray_engines import create_engine_actor
     from rlplacement.models.tiny import make_tiny_model
+    from tests.transfer_helpers.cluster import start_local_ray
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny")))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": repo, "RAY_AUTH_MODE": "disabled"}})
+    start_local_ray()
     handles = [create_engine_actor(i, model_dir) for i in range(2)]
     ray.get([e.info.remote() for e in handles], timeout=300)
     yield {"engines": handles, "model_dir": model_dir, "version": 0}
@@ -142,9 +138,9 @@ def test_validate_args_refuses_what_our_modes_cannot_serve(overrides, message):
 
 def test_sglang_servers_are_refused_at_connect_naming_the_engine():
     """Miles' own engines are SGLang HTTP clients; they do not run our receiver."""
-    class SGLangApiClient:  # the shape of Miles' client: a frozen dataclass with a server_url
+    class StandInSGLangApiClient:  # stands in for Miles' SGLang client (its shape: a frozen dataclass with a server_url)
         server_url = "http://10.0.0.1:30000"
 
     protocol = miles.broadcast_packed(miles_args())
     with pytest.raises(Exception, match="rollout engine 0 .* does not run rlplacement's receiver"):
-        protocol.connect([SGLangApiClient()], [1], [0], None, None, "all")
+        protocol.connect([StandInSGLangApiClient()], [1], [0], None, None, "all")

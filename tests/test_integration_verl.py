@@ -22,9 +22,8 @@ pytest.importorskip("verl.checkpoint_engine", reason="verl==0.9.1 is installed b
 
 from rlplacement.errors import ConfigError  # noqa: E402
 from rlplacement.integrations.verl import BACKENDS  # noqa: E402
-from tests.transfer_helpers.verl_workers import VerlRolloutWorker, VerlTrainerRank  # noqa: E402
+from tests.transfer_helpers.verl_workers import StandInVerlRolloutWorker, StandInVerlTrainerRank  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET_SIZE = 1 << 16  # several buckets for the tiny model
 TIMEOUT_S = 120
 
@@ -40,11 +39,9 @@ def engine_kwargs(backend: str, tmp_path) -> dict:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    import ray
+    from tests.transfer_helpers.cluster import start_local_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    ray = start_local_ray()
     yield ray
     ray.shutdown()
 
@@ -57,8 +54,8 @@ def model_dir(tmp_path_factory):
 
 
 def start_workers(ray, backend: str, model_dir: str, kwargs: dict, trainers: int = 2, rollouts: int = 2):
-    Trainer = ray.remote(VerlTrainerRank).options(num_cpus=0)
-    Rollout = ray.remote(VerlRolloutWorker).options(num_cpus=0)
+    Trainer = ray.remote(StandInVerlTrainerRank).options(num_cpus=0)
+    Rollout = ray.remote(StandInVerlRolloutWorker).options(num_cpus=0)
     return ([Trainer.remote(r, model_dir, backend, BUCKET_SIZE, kwargs) for r in range(trainers)],
             [Rollout.remote(backend, BUCKET_SIZE, kwargs) for _ in range(rollouts)])
 
@@ -146,7 +143,7 @@ def test_every_mode_delivers_verl_updates_bit_exact(ray_local, workers, tmp_path
     # a rollout worker restarts (new process, no group): the next update rebuilds the group and
     # the newcomer gets the whole weights (disk-delta: a keyframe), bit-exact
     ray.kill(rollouts[1])
-    rollouts[1] = ray.remote(VerlRolloutWorker).options(num_cpus=0).remote(backend, BUCKET_SIZE, kwargs)
+    rollouts[1] = ray.remote(StandInVerlRolloutWorker).options(num_cpus=0).remote(backend, BUCKET_SIZE, kwargs)
     ray.get([t.perturb.remote(9) for t in trainers], timeout=TIMEOUT_S)
     metadata, sent, received = verl_update(ray, backend_cls, trainers, rollouts, global_steps=3)
     assert metadata[-1]["group"] is None and metadata[0]["group"] == groups[-1]

@@ -88,23 +88,47 @@ ALL_MODE_FLAGS = {**SPLIT_MODE_FLAGS, "cuda_ipc": ["--colocate"]}  # cuda_ipc: /
 # broadcast (whose run feeds the advisor) and cuda_ipc (refused with it) run the plain loop
 ONE_STEP_OFF_MODES = ("broadcast_packed", "p2p", "disk-delta")
 
+# the layouts whose learning test_the_example_loop_keeps_learning checks on the first 40 steps of the
+# plain hundred-update runs (one loop start fewer per layout; the learning rate is constant and the
+# rollout seeded per step, so those steps are the ones a 40-step run takes)
+LEARNING_LAYOUTS = {
+    "broadcast": ["--micro-batch-size", "2", "--global-batch-size", "4"],  # split: two optimizer steps of two micro-batches
+    "cuda_ipc": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"],  # colocated (--colocate)
+}
+
+
+@pytest.fixture(scope="module")
+def hundred_update_run(tmp_path_factory):
+    """``run(mode)``: the loop's hundred updates in ``mode``, started once for the module (the update
+    test and the learning test read the same run): ``(tmp_path, proc, telemetry rows)``."""
+    runs = {}
+
+    def run(mode):
+        if mode not in runs:
+            tmp_path = tmp_path_factory.mktemp(f"hundred-{mode}")
+            telemetry = tmp_path / "tel.jsonl"
+            flags = [] if mode == "broadcast" else ALL_MODE_FLAGS[mode]  # broadcast is the loop's default
+            proc = run_loop(tmp_path, "--steps", "100", "--check-weight-update-equal", "--telemetry", str(telemetry),
+                            *[f.format(tmp=tmp_path) for f in flags], *LEARNING_LAYOUTS.get(mode, []),
+                            *(["--one-step-off"] if mode in ONE_STEP_OFF_MODES else []), timeout=600)
+            rows = [json.loads(l) for l in telemetry.read_text().splitlines()] if telemetry.exists() else []
+            runs[mode] = (tmp_path, proc, rows)
+        return runs[mode]
+
+    return run
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(ALL_MODE_FLAGS))
-def test_a_hundred_consecutive_updates_stay_bit_exact(tmp_path, mode, capsys):
+def test_a_hundred_consecutive_updates_stay_bit_exact(hundred_update_run, mode, capsys):
     """Every step's update is checked tensor by tensor (--check-weight-update-equal exits non-zero
     naming the tensor on any difference), and each mode's own outputs are checked on the same run
     (one loop start per mode: a start costs ~35 s of CI on 2 cores, 100 steps ~25 s)."""
-    telemetry = tmp_path / "tel.jsonl"
-    flags = [] if mode == "broadcast" else ALL_MODE_FLAGS[mode]  # broadcast is the loop's default
+    tmp_path, proc, rows = hundred_update_run(mode)
     one_step_off = mode in ONE_STEP_OFF_MODES
-    proc = run_loop(tmp_path, "--steps", "100", "--check-weight-update-equal", "--telemetry", str(telemetry),
-                    *[f.format(tmp=tmp_path) for f in flags], *(["--one-step-off"] if one_step_off else []),
-                    timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = step_lines(proc.stdout)
     assert [s.split(":")[0] for s in steps] == [f"step {i}" for i in range(100)] and "v100)" in steps[-1]
-    rows = [json.loads(l) for l in telemetry.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(100))
     assert {r["transfer_mode"] for r in rows} == {mode}
     for row in rows:
@@ -181,25 +205,22 @@ def test_long_tail_run_is_diagnosed_and_gets_no_more_rollout_gpus(tmp_path, caps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ["--micro-batch-size", "2", "--global-batch-size", "4"],  # split: two optimizer steps of two micro-batches
-    ["--colocate", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"],
-])
-def test_the_example_loop_keeps_learning(tmp_path, layout):
+@pytest.mark.parametrize("mode", list(LEARNING_LAYOUTS), ids=["split-micro-batches", "colocated-dynamic-batches"])
+def test_the_example_loop_keeps_learning(hundred_update_run, mode):
     """The loop's reward (the fraction of digit tokens in a response) rises from chance to nearly all
-    digits in 40 steps with the micro-batched step, in the split and the colocated layout."""
-    telemetry = tmp_path / "tel.jsonl"
-    proc = run_loop(tmp_path, "--steps", "40", "--telemetry", str(telemetry), *layout, timeout=600)
+    digits in 40 steps with the micro-batched step, in the split and the colocated layout (read on the
+    hundred-update run of that layout: ``LEARNING_LAYOUTS``)."""
+    _, proc, rows = hundred_update_run(mode)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rewards = [json.loads(line)["reward"] for line in telemetry.read_text().splitlines()]
-    assert len(rewards) == 40
+    assert len(rows) == 100
+    rewards = [row["reward"] for row in rows[:40]]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.2 and last > 0.8, (first, last, rewards)
-    # a quiet log: the loop's 40 step lines and at most a dozen others (a 3-step `make run` prints <= 15
+    # a quiet log: the loop's step lines and at most a dozen others (a 3-step `make run` prints <= 15
     # lines), none per update
     lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()]
     others = [l for l in lines if not re.search(r"step \d+: ", l)]
-    assert len(lines) - len(others) == 40 and len(others) <= 12, others
+    assert len(lines) - len(others) == 100 and len(others) <= 12, others
     assert not any("RotaryEmbedding" in l or "prefix cache" in l for l in lines), others
 
 

@@ -417,7 +417,7 @@ def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
     from rlplacement.engines.ray_engines import create_engine_actor
     from rlplacement.models.tiny import TinySpec, make_tiny_model
     from rlplacement.runtime import transfer_driver as driver
-    from tests.transfer_helpers.trainer_actor import HFTrainer
+    from tests.transfer_helpers.trainer_actor import StandInHFTrainer
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     model_dir = str(make_tiny_model(tmp_path / "tiny", TinySpec()))
@@ -425,7 +425,7 @@ def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": repo, "RAY_AUTH_MODE": "disabled"}})
     try:
-        trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
+        trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
         engine = create_engine_actor(0, model_dir)
         disk_dir = str(tmp_path / "deltas")
 

@@ -3,7 +3,8 @@
 
 One module-wide cluster: a trainer actor holding a real HF model and two engines, started once
 (engine start-up dominates). Tests run in file order and each one brings the engines to a state
-it checks; the engine-kill tests go last: each kills engine 1 and starts a new one in its place.
+it checks; the engine-kill tests go last: each starts a new engine (booting while the kill runs),
+kills engine 1 mid-update and puts the new one in its place.
 """
 
 
@@ -13,29 +14,17 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
-from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
+from rlplacement.models.tiny import TinySpec  # noqa: E402
 from rlplacement.runtime import transfer_driver as driver  # noqa: E402
-from tests.transfer_helpers.cluster import outputs, start_trainer_and_engines  # noqa: E402
+from tests.transfer_helpers.cluster import (  # noqa: E402
+    BUCKET, PROMPTS, TIMEOUT_S, cluster_fixture, outputs, start_replacement_engine)
 from tests.transfer_helpers.killing import kill_engine_mid_update  # noqa: E402
 from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 17, 9, 250]]
-BUCKET = 64 * 1024  # several buckets per update for the ~450 KB tiny model
-TIMEOUT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    # tied embeddings (as Qwen3-0.6B..4B): the head must follow the embedding; the IPC and loop tests cover untied
-    model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec(tie_word_embeddings=True)))
-    trainer, engines = start_trainer_and_engines(model_dir)
-    ray.get([e.info.remote() for e in engines] + [trainer.checksums.remote()])
-    state = {"model_dir": model_dir, "trainer": trainer, "engines": engines, "version": 0,
-             "tmp": tmp_path_factory.mktemp("out")}
-    yield state
-    ray.shutdown()
+# tied embeddings (as Qwen3-0.6B..4B): the head must follow the embedding; the IPC and loop tests cover untied
+cluster = cluster_fixture(TinySpec(tie_word_embeddings=True))
 
 
 def _connect(cluster, mode, engines, *, check_equal=True, timeout_s=TIMEOUT_S):
@@ -275,6 +264,7 @@ def test_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluste
     the timeout, the other engine is on one whole version, and a restarted engine takes the next one."""
     e0, e1 = cluster["engines"]
     trainer = cluster["trainer"]
+    restarted = start_replacement_engine(cluster, 1)
     old = ray.get(e0.weight_version.remote())
     options = {"transfer_timeout_s": 5.0} if mode == "p2p" else {}
     ray.get(trainer.transfer_setup.remote(mode, BUCKET, timeout_s=12.0, **options))
@@ -287,7 +277,6 @@ def test_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluste
         assert v0 in (old, version)
     else:  # a collective needs every member: e0 could not finish
         assert v0 == old
-    restarted = create_engine_actor(1, cluster["model_dir"])
     cluster["engines"][1] = restarted
     version = _update(cluster, mode, [e0, restarted], seed=None)
     assert ray.get([e.weight_version.remote() for e in (e0, restarted)]) == [version, version]

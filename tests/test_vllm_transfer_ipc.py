@@ -14,29 +14,16 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
-from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
+from rlplacement.models.tiny import TinySpec  # noqa: E402
 from rlplacement.runtime import transfer_driver as driver  # noqa: E402
-from tests.transfer_helpers.cluster import outputs, start_trainer_and_engines  # noqa: E402
+from tests.transfer_helpers.cluster import (  # noqa: E402
+    BUCKET, PROMPTS, TIMEOUT_S, cluster_fixture, outputs, start_replacement_engine)
 from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
 from rlplacement.transfer.cuda_ipc.buckets import leftover_shm_files  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 17, 9, 250]]
-BUCKET = 64 * 1024  # several buckets per update for the ~450 KB tiny model
-TIMEOUT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec()))
-    trainer, engines = start_trainer_and_engines(model_dir)
-    ray.get(trainer.transfer_setup.remote("cuda_ipc", BUCKET, check_equal=True, timeout_s=TIMEOUT_S))
-    driver.connect(trainer, engines, timeout_s=TIMEOUT_S)
-    state = {"model_dir": model_dir, "trainer": trainer, "engines": engines, "version": 0,
-             "tmp": tmp_path_factory.mktemp("out")}
-    yield state
-    ray.shutdown()
+cluster = cluster_fixture(TinySpec(), connect_mode="cuda_ipc")  # untied: test_vllm_transfer.py covers tied
 
 
 def _update(cluster, seed):
@@ -200,6 +187,7 @@ def test_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluste
 
     e0, e1 = cluster["engines"]
     trainer = cluster["trainer"]
+    restarted = start_replacement_engine(cluster, 1)  # boots while the kill runs
     old = ray.get(e0.weight_version.remote())
     ray.get(trainer.transfer_setup.remote("cuda_ipc", BUCKET, check_equal=True, timeout_s=12.0))
     driver.connect(trainer, [e0, e1], timeout_s=TIMEOUT_S)
@@ -207,7 +195,7 @@ def test_engine_killed_mid_update_is_named_and_a_restarted_engine_rejoins(cluste
     cluster["version"] = version
     kill_engine_mid_update(trainer, [e0, e1], version, 1, seed=303, check_equal=True)
     assert ray.get(e0.weight_version.remote()) == old
-    cluster["engines"][1] = create_engine_actor(1, cluster["model_dir"])
+    cluster["engines"][1] = restarted
     ray.get(trainer.transfer_setup.remote("cuda_ipc", BUCKET, check_equal=True, timeout_s=TIMEOUT_S))
     driver.connect(trainer, cluster["engines"], timeout_s=TIMEOUT_S)
     version, _ = _update(cluster, seed=304)

@@ -34,7 +34,7 @@ INSECURE = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from tests.transfer_helpers.trainer_actor import HFTrainer
+    from tests.transfer_helpers.trainer_actor import StandInHFTrainer
 
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec()))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -43,7 +43,7 @@ def cluster(tmp_path_factory):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
     try:
-        trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
+        trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
         engine = create_engine_actor(0, model_dir, engine_core_in_own_process=True,
                                      worker_extension_cls=HOOKED_WORKER_EXTENSION)
         ray.get([engine.info.remote(), trainer.checksums.remote()], timeout=600)

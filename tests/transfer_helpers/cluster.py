@@ -1,27 +1,82 @@
 """The module-wide setup the real-vLLM transfer tests share: a Ray cluster of our own, a trainer
 actor holding a real HF model, and engines of the same folder (engine start-up dominates, so each
-test module starts this once)."""
+test module starts this once), with the constants their updates use.
+
+A module takes its cluster with ``cluster = cluster_fixture(spec)``; the fixture yields a dict:
+``model_dir``, ``trainer``, ``engines`` (the live engines, a killed one replaced in place),
+``version`` (the last version number sent, burnt even if its update failed) and ``tmp`` (a folder
+of the module's).
+"""
 
 import os
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 17, 9, 250]]
+BUCKET = 64 * 1024  # several buckets per update for the ~450 KB tiny model
+TIMEOUT_S = 60.0
 
-def start_trainer_and_engines(model_dir: str, num_engines: int = 2):
-    """Return ``(trainer, engines)`` on a fresh local Ray (never a neighbour's via RAY_ADDRESS); the engines'
-    workers take the tests' hooks (``worker_hooks``)."""
+def start_local_ray():
+    """A fresh local Ray of two CPUs whose workers import this checkout (never a neighbour's Ray
+    via RAY_ADDRESS); returns the ``ray`` module."""
     import ray
-
-    from rlplacement.engines.ray_engines import create_engine_actor
-    from tests.transfer_helpers.trainer_actor import HFTrainer
-    from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
-    trainer = ray.remote(HFTrainer).options(num_cpus=0).remote(model_dir)
+    return ray
+
+
+def start_trainer_and_engines(model_dir: str, num_engines: int = 2):
+    """Return ``(trainer, engines)`` on a fresh local Ray (:func:`start_local_ray`); the engines' workers
+    take the tests' hooks (``worker_hooks``)."""
+    from rlplacement.engines.ray_engines import create_engine_actor
+    from tests.transfer_helpers.trainer_actor import StandInHFTrainer
+    from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION
+
+    ray = start_local_ray()
+    trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
     return trainer, [create_engine_actor(i, model_dir, worker_extension_cls=HOOKED_WORKER_EXTENSION)
                      for i in range(num_engines)]
+
+
+def cluster_fixture(spec, connect_mode: str | None = None):
+    """A module-scoped fixture: Ray, a trainer and two engines of a tiny model made from ``spec``
+    (``rlplacement.models.tiny.TinySpec``), every actor answering before the first test; with
+    ``connect_mode``, the trainer and both engines already joined in a group of that mode."""
+
+    @pytest.fixture(scope="module")
+    def cluster(tmp_path_factory):
+        import ray
+
+        from rlplacement.models.tiny import make_tiny_model
+        from rlplacement.runtime import transfer_driver as driver
+
+        model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), spec))
+        trainer, engines = start_trainer_and_engines(model_dir)
+        try:
+            ray.get([e.info.remote() for e in engines] + [trainer.checksums.remote()], timeout=300)
+            if connect_mode is not None:
+                ray.get(trainer.transfer_setup.remote(connect_mode, BUCKET, check_equal=True, timeout_s=TIMEOUT_S))
+                driver.connect(trainer, engines, timeout_s=TIMEOUT_S)
+            yield {"model_dir": model_dir, "trainer": trainer, "engines": engines, "version": 0,
+                   "tmp": tmp_path_factory.mktemp("out")}
+        finally:
+            ray.shutdown()
+
+    return cluster
+
+
+def start_replacement_engine(cluster, index: int):
+    """A new engine process of the cluster's model, never in any group: what a restarted engine
+    ``index`` is. A kill test starts it before the kill, so its start-up (~10 s on 2 cores) overlaps
+    the kill's waits instead of following them; it joins only when the test connects it."""
+    from rlplacement.engines.ray_engines import create_engine_actor
+    from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION
+
+    return create_engine_actor(index, cluster["model_dir"], worker_extension_cls=HOOKED_WORKER_EXTENSION)
 
 
 def outputs(engine, prompts, max_tokens: int):

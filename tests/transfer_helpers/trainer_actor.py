@@ -13,7 +13,7 @@ from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
 
 
 @one_call_at_a_time  # as the real trainer actor: a compiled update graph sends from another thread
-class HFTrainer(TrainerTransferMixin):
+class StandInHFTrainer(TrainerTransferMixin):
     def __init__(self, model_dir: str):
         import torch
         import transformers

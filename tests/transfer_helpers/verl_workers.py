@@ -1,4 +1,4 @@
-"""The two kinds of verl worker a checkpoint-engine backend lives in, reduced to what verl 0.9.1
+"""Stand-ins for the two kinds of verl worker a checkpoint-engine backend lives in, reduced to what verl 0.9.1
 does with the engine (``verl/workers/engine_workers.py`` ActorRolloutRefWorker and
 ``verl/checkpoint_engine/base.py`` CheckpointEngineWorker): build it through verl's registry after
 importing ``custom_backend_module``, run the manager's ``execute_checkpoint_engine`` calls, and per
@@ -17,7 +17,7 @@ def _new_engine(backend: str, bucket_size: int, engine_kwargs: dict, **extra):
     return CheckpointEngineRegistry.new(backend, bucket_size=bucket_size, **extra, **engine_kwargs)
 
 
-class VerlTrainerRank:
+class StandInVerlTrainerRank:
     """One rank of verl's actor worker group; every rank holds the same full HF weights."""
 
     def __init__(self, rank: int, model_dir: str, backend: str, bucket_size: int, engine_kwargs: dict):
@@ -66,7 +66,7 @@ class VerlTrainerRank:
         return {"metrics": metrics or {}, "yielded": self.yielded}
 
 
-class VerlRolloutWorker:
+class StandInVerlRolloutWorker:
     """verl's CheckpointEngineWorker: the engine is built without ``is_master``."""
 
     def __init__(self, backend: str, bucket_size: int, engine_kwargs: dict):
