@@ -54,6 +54,10 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     require_available(config)  # before any process starts
     backend_cfg = dataclasses.replace(config.backend, hf_checkpoint=config.backend.hf_checkpoint or hf_dir)
     preflight(backend_cfg)
+    if config.backend.load:  # its files whole, named if not, before any process starts
+        from rlplacement.backends.checkpoint_files import check_whole, loaded_folder
+
+        check_whole(loaded_folder(config.backend.load))
     engine_cls = engine_class(engine_kind)  # an unknown kind is refused before any process starts
     verbose = config.rollout.verbose
     engine_args = {**config.rollout.engine_kwargs(), **(engine_kwargs or {})}

@@ -117,3 +117,29 @@ def test_the_example_names_a_missing_model_folder_before_reading_its_tokenizer(t
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"--hf-checkpoint {tmp_path}/no-model: no such folder; pass a local Hugging Face model folder" in out.stderr
+
+
+@pytest.fixture(scope="module")
+def converted(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("converted") / "tp1"
+    proc = subprocess.run([sys.executable, "-m", "rlplacement.cli", "convert", "--hf-checkpoint", str(tiny), "--save",
+                           str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def test_a_truncated_or_missing_checkpoint_shard_is_named_before_loading(converted, tmp_path):
+    import shutil
+
+    from rlplacement.backends.checkpoint_files import check_whole, loaded_folder
+
+    check_whole(loaded_folder(converted))  # a whole conversion passes
+    damaged = shutil.copytree(converted, tmp_path / "damaged")
+    shard = sorted(loaded_folder(damaged).glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ConfigError, match=rf"--load {damaged}/release: {shard} holds \d+ bytes but its metadata places data up "
+                                          r"to byte \d+: the file is truncated"):
+        check_whole(loaded_folder(damaged))
+    shard.unlink()
+    with pytest.raises(ConfigError, match=rf"{shard} is missing \(its metadata names it\)"):
+        check_whole(loaded_folder(damaged))
