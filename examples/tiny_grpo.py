@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             row = tel.end_step(step, reward=statistics.fmean(rewards), **sync_metrics)
             line = (f"step {step}: reward {row['reward']:.3f}  rollout {row['perf/rollout_time']:.2f}s  "
                     f"train {row['perf/train_time']:.2f}s  sync {row['perf/update_weights_time']:.2f}s "
-                    f"({report.trainer.bytes / 1e6:.1f} MB, v{job.version}{', checked' if report.checked else ''})  "
+                    f"({report.trainer.bytes / 1e6:.1f} MB, v{job.version}){' checked' if report.checked else ''}  "
                     f"logprob diff {row['rollout/logprob_abs_diff']:.2e}"
                     + (f"  staleness {staleness}" if one_step_off else ""))
             # One write with its newline: Ray's log thread shares this stdout, and print's two

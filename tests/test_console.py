@@ -66,7 +66,7 @@ def test_a_run_says_each_stage_before_its_steps_and_which_updates_were_checked(t
     for said in ("Ray up, placement group placed", "trainer built: fsdp on 1 rank(s)", "engine(s) loaded",
                  "weight transfer ready: broadcast, every update checked bit for bit", "ready after"):
         assert any(said in line for line in stages), (said, stages)
-    assert re.search(r"step 0: .*\(1\.1 MB, v1, checked\)", proc.stdout)
+    assert re.search(r"step 0: .*\(1\.1 MB, v1\) checked  logprob", proc.stdout)
     row = json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])
     assert row["perf/update_weights_checked"] == 1
 

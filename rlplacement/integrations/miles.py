@@ -56,15 +56,17 @@ except ImportError:  # pragma: no cover - exercised wherever Miles is absent (CI
             metrics, self.update_weight_metrics = self.update_weight_metrics, {}
             return metrics
 
-# factory name -> our transfer mode (every mode whose spec names a Miles factory)
-MODES = {s.miles_factory: name for name, s in registry.specs().items() if s.miles_factory}
+def factories() -> dict[str, str]:
+    """Factory name -> our transfer mode, for every registered mode whose spec names a Miles factory (read
+    when asked, so a mode registered after this module's import has its factory too)."""
+    return {s.miles_factory: name for name, s in registry.specs().items() if s.miles_factory}
 _END = object()
 
 
 def validate_args(args) -> None:
     """Refuse Miles flag combinations our protocols cannot serve, naming the flag."""
     path = getattr(args, "custom_weight_transfer_protocol_path", None) or ""
-    _mode_config(MODES.get(path.rpartition(".")[2], "broadcast"), args)
+    _mode_config(factories().get(path.rpartition(".")[2], "broadcast"), args)
 
 
 def _mode_config(mode: str, args):
@@ -234,6 +236,7 @@ def _factory(factory_name: str, mode: str) -> Callable[[Any], RlplacementProtoco
 def __getattr__(name: str):
     """``rlplacement.integrations.miles.<factory>`` for every mode whose spec names a Miles factory
     (``--custom-weight-transfer-protocol-path`` points here)."""
-    if name in MODES:
-        return _factory(name, MODES[name])
+    modes = factories()
+    if name in modes:
+        return _factory(name, modes[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
