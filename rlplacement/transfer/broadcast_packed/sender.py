@@ -3,15 +3,11 @@ on the wire; a slot is refilled only after its broadcast completed."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from rlplacement.transfer.base import BucketManifest, NamedTensor
-from rlplacement.transfer.wire import FramedSender
 from rlplacement.transfer.bucket import pack_into
-
-if TYPE_CHECKING:
-    import torch
-
+from rlplacement.transfer.wire import FramedSender
 
 class PackedBroadcastSender(FramedSender):
     mode: ClassVar[str] = "broadcast_packed"
