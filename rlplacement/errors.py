@@ -87,5 +87,19 @@ class WeightUpdateError(PeerError, TransferError):
         return type(self), (self.version, self.failures)
 
 
+class ReconcileError(TransferError):
+    """After a failed update, the engines could not be brought to the trainer's weights: the job cannot go
+    on serving one version everywhere. Names what failed first and why the repair failed."""
+
+    def __init__(self, why_stale: str, repair: BaseException):
+        self.why_stale, self.repair = why_stale, repair
+        super().__init__(f"{why_stale}; bringing every engine to the trainer's weights failed too: "
+                         f"{type(repair).__name__}: {repair}. An engine that cannot take an update must be "
+                         f"replaced (--use-fault-tolerance restarts dead engines) or the run resumed with --load")
+
+    def __reduce__(self):
+        return type(self), (self.why_stale, self.repair)
+
+
 class DeltaDecodeError(ValueError):
     """A disk-delta payload that does not decode into the tensor its index entry describes."""

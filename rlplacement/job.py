@@ -19,13 +19,14 @@ rollouts are spread and streamed is ``rollout``, how processes start and stop is
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from rlplacement import rollout
 from rlplacement.config import Config, OptimConfig
 from rlplacement.engines.registry import DEFAULT_ENGINE_KIND, engine_class
 from rlplacement.errors import ConfigError
-from rlplacement.job_start import make_handoff, raise_with_offload_hint, release, start_actors
+from rlplacement.job_start import make_handoff, raise_with_offload_hint, release, setup_trainers, start_actors
 from rlplacement.rollout import PendingRollout, RolloutSample
 from rlplacement.runtime.waits import get_all
 
@@ -67,8 +68,22 @@ class RLJob:
         """The colocated memory hand-off, or None (split layouts, CPU trainers, offload flags off)."""
         self.updates = updates
         self.version = 0
-        """The weight version every engine serves."""
+        """The version of the last update every engine took: what they all serve unless :attr:`stale`."""
+        self.issued = 0
+        """The highest version number sent to the engines, failed ones included: numbers are never reused
+        for a set of engines (a failed update's number is burned), so an engine that took a version before
+        its neighbour failed never sees that number again with other bytes."""
+        self.stale: str | None = None
+        """Why some engine may not serve the trainer's current weights (a failed update), else None: the next
+        :meth:`update_weights` or rollout first brings every engine to them (:meth:`reconcile`)."""
+        self.epoch = 0
+        """Starts of this run from a checkpoint (a ``--load`` resume or a trainer restart): versions go back
+        only across epochs, to the checkpoint's, and a disk-delta folder starts a new segment at each."""
+        self.run_id = uuid.uuid4().hex
+        """This run's identity across resumes (a resumed run keeps its checkpoint's)."""
         self.check_equal = config.transfer.check_equal
+        self.transfer_mode = config.transfer.mode
+        """The mode updates run in (``set_transfer`` changes it)."""
         self.trainer_names = [f"trainer rank {r}" for r in range(len(trainers))]
         self.train_calls = 0
         """Train calls so far in this job (``--save-interval`` counts them)."""
@@ -77,8 +92,19 @@ class RLJob:
         self._generate_calls = 0
         self._closed = False
         self._tokenizer = None
+        self.engine_kind = engine_kind
         self.engine_class = engine_class(engine_kind)
         """The engines' kind (``engines.registry``): what sampling keys they take."""
+        self.engine_kwargs: dict[str, Any] | None = None
+        """The engine arguments given to :meth:`start` (a restarted engine gets them again)."""
+        self.trainer_setup: tuple | None = None
+        """(backend config, optimizer, backend options) the trainer was built with (a restarted one again)."""
+        self.ft = None
+        """The job's repairs (``fault_tolerance.FaultTolerance``) under ``--use-fault-tolerance``, else None."""
+        if config.fault_tolerance.enabled:
+            from rlplacement.fault_tolerance import FaultTolerance
+
+            self.ft = FaultTolerance(self, config.fault_tolerance)
 
     @classmethod
     def start(cls, config: Config, hf_dir: str, *, optim: OptimConfig | None = None,
@@ -107,11 +133,8 @@ class RLJob:
         trainers, engines, trainer_names = started.trainers, started.engines, started.trainer_names
         backend_options = {"stream_dtype": started.engine_dtype, **(backend_options or {})}
         try:
-            addr, port = get_all([trainers[0].address.remote(timeout_s)], timeout_s, "trainer address",
-                                 trainer_names[:1])[0]
-            infos = get_all([t.setup.remote(addr, port, started.backend_config, optim or config.optim, config.train,
-                                            backend_options, timeout_s) for t in trainers],
-                            timeout_s, "trainer set-up", trainer_names)
+            infos = setup_trainers(trainers, started.backend_config, optim or config.optim, config.train,
+                                   backend_options, timeout_s, trainer_names)
             device = infos[0]["device"]
             console.stage(f"trainer built: {config.backend.name} on {len(trainers)} rank(s), {device}")
             engine_info = get_all([e.info.remote() for e in engines], timeout_s, "engine start",
@@ -124,12 +147,15 @@ class RLJob:
                       handoff=make_handoff(config, trainers, engines, device, timeout_s, trainer_names),
                       updates=UpdateDispatch(compiled=device.startswith("cuda") if compiled_update is None
                                              else compiled_update, timeout_s=timeout_s))
+            job.trainer_setup = (started.backend_config, optim or config.optim, backend_options)
+            job.engine_kwargs = engine_kwargs
             job.set_transfer(config.transfer.mode, check_equal=config.transfer.check_equal)
             console.stage(f"weight transfer ready: {config.transfer.mode}"
                           + (", every update checked bit for bit" if config.transfer.check_equal else ""))
             resumed = infos[0]["resumed"]
             if resumed is not None:  # the engines serve the checkpoint's weights, as the version it recorded
-                job.version, job.train_calls = resumed["weight_version"] - 1, resumed["train_calls"]
+                job.version = job.issued = resumed["weight_version"] - 1
+                job.train_calls = resumed["train_calls"]
                 job.update_weights()
                 console.stage(f"engines serve the checkpoint's weights (version {job.version})")
             console.done("ready")
@@ -158,10 +184,21 @@ class RLJob:
                  n_samples_per_prompt: int | None = None, max_tokens: int | Sequence[int] | None = None,
                  seed: int | None = None, exact_lengths: bool = False,
                  include_aborted: bool = False) -> list[RolloutSample]:
-        """The samples of :meth:`generate_async`'s arguments, in index order, once all have finished."""
-        return self.collect(self.generate_async(prompts, sampling, n_samples_per_prompt=n_samples_per_prompt,
-                                                max_tokens=max_tokens, seed=seed, exact_lengths=exact_lengths),
-                            include_aborted=include_aborted)
+        """The samples of :meth:`generate_async`'s arguments, in index order, once all have finished. Under
+        ``--use-fault-tolerance`` an engine that dies or hangs meanwhile is restarted and the call runs again
+        with the same seeds (so the same samples)."""
+        calls = self._generate_calls
+        for attempt in (0, 1):
+            self._generate_calls = calls  # a repeat draws the same seeds
+            try:
+                return self.collect(self.generate_async(prompts, sampling, n_samples_per_prompt=n_samples_per_prompt,
+                                                        max_tokens=max_tokens, seed=seed,
+                                                        exact_lengths=exact_lengths),
+                                    include_aborted=include_aborted)
+            except Exception as exc:
+                if attempt or self.ft is None or not self.ft.on_engine_failure(exc):
+                    raise
+        raise AssertionError("unreachable")
 
     def _tokenize(self, text: str) -> list[int]:
         """Text prompts through the model's own tokenizer (loaded from the engines' folder on first use)."""
@@ -193,11 +230,14 @@ class RLJob:
         """
         rollout.check_sampling_keys(sampling, self.engine_class.sampling_keys)
         prompts = rollout.prompt_ids(prompts, self._tokenize)
+        if self.ft is not None:
+            self.ft.check_engines()
         request = rollout.rollout_request(self.config, prompts, sampling, n_samples_per_prompt=n_samples_per_prompt,
                                           max_tokens=max_tokens, seed=seed, exact_lengths=exact_lengths,
                                           call_index=self._generate_calls,
                                           context=min(info["max_model_len"] for info in self.engine_info))
         self._generate_calls += 1
+        self.reconcile()  # a rollout never runs on weights a failed update left behind
         self._hand_off("to_rollout")
         return self._with_hint(rollout.submit, self.engines, request, self.timeout_s)
 
@@ -260,8 +300,7 @@ class RLJob:
         import torch
 
         self._hand_off("to_train")
-        parts = self._with_hint(get_all, [t.log_probs.remote(s) for t, s in zip(self.trainers, self._shards(batch))],
-                                self.timeout_s, "trainer log-probs", self.trainer_names)
+        parts = self._on_trainers("trainer log-probs", lambda t, s: t.log_probs.remote(s), self._shards(batch))
         first_of_share = {dp: part for dp, part in zip(self.data_parallel_ranks, parts)}
         return torch.cat([first_of_share[dp] for dp in range(self.data_parallel_size)])
 
@@ -272,8 +311,7 @@ class RLJob:
         self._hand_off("to_train")
         if self.handoff is not None:
             self.handoff.train_step_runs()
-        reports = self._with_hint(get_all, [t.train_step.remote(s) for t, s in zip(self.trainers, shards)],
-                                  self.timeout_s, "train step", self.trainer_names)
+        reports = self._on_trainers("train step", lambda t, s: t.train_step.remote(s), shards)
         self.train_calls += 1
         cfg = self.config.train
         if cfg.save and cfg.save_interval and self.train_calls % cfg.save_interval == 0:
@@ -299,6 +337,20 @@ class RLJob:
 
     def prepare_update(self) -> None:
         self._hand_off("before_update")
+
+    def _on_trainers(self, what: str, call, shards: list) -> list:
+        """``call(trainer, shard)`` on every rank, waited for by name. With ``--ft-components train`` a rank that
+        died takes the trainer down: it restarts from the last ``--save`` and the call runs once more."""
+        for attempt in (0, 1):
+            try:
+                return self._with_hint(get_all, [call(t, s) for t, s in zip(self.trainers, shards)],
+                                       self.timeout_s, what, self.trainer_names)
+            except Exception as exc:
+                if attempt or self.ft is None or not self.ft.trainer_died(exc):
+                    raise
+                self.ft.restart_trainer(str(exc))
+                self._hand_off("to_train")
+        raise AssertionError("unreachable")
 
     def _hand_off(self, transition: str) -> None:
         if self.handoff is not None:
@@ -326,17 +378,93 @@ class RLJob:
                                                                      mode=mode, check_equal=check_equal)],
                 self.timeout_s, "transfer set-up", ["trainer rank 0"])
         driver.connect(self.trainers[0], self.engines, timeout_s=self.timeout_s)
-        self.check_equal = check_equal
+        self.check_equal, self.transfer_mode = check_equal, mode
 
     def update_weights(self) -> "UpdateResult":
-        """Send the trainer's current weights to every engine as the next version."""
-        version = self.version + 1
+        """Send the trainer's current weights to every engine as a fresh version number (:attr:`issued` + 1).
+
+        All or nothing per engine (``docs/transfer``'s failure rule). A failed update raises
+        :class:`~rlplacement.errors.WeightUpdateError` naming who failed; its number is burned and the job
+        is :attr:`stale`: the next update or rollout rebuilds the transfer group and sends the trainer's
+        weights again under a new number, so a loop that catches the error goes on. Under
+        ``--use-fault-tolerance`` the job first restarts what died (engines; the trainer with ``--ft-components
+        train``) and tries once more itself.
+        """
         self._hand_off("before_update")
+        if self.ft is not None:
+            self.ft.check_engines()
+        try:
+            return self._update_once()
+        except Exception as exc:
+            if self.ft is None or not self._repaired(exc):
+                raise
+            return self._update_once()
+
+    def _update_once(self) -> "UpdateResult":
+        if self.stale is not None:
+            self._reconnect()
+        version = self.issued = self.issued + 1
         helpers = [t.gather_for_update.remote() for t in self.trainers[1:]]
-        result = self.updates.run(self.trainers[0], self.engines, version, check_equal=self.check_equal)
+        try:
+            result = self.updates.run(self.trainers[0], self.engines, version, check_equal=self.check_equal)
+        except BaseException as exc:
+            self.stale = f"the update to version {version} failed ({type(exc).__name__}: {exc})"
+            _wait_quietly(helpers, self.timeout_s)  # rank 0 drains its stream on failure, so they finish
+            raise
         get_all(helpers, self.timeout_s, "trainer gathers", self.trainer_names[1:])
-        self.version = version
+        self.version, self.stale = version, None
         return result
+
+    def _repaired(self, error: BaseException) -> bool:
+        """Under ``--use-fault-tolerance``: restart what ``error`` says died (the trainer, or dead or hung
+        engines); True when something was restarted and the failed call may run again."""
+        if self.ft.trainer_died(error):
+            self.ft.restart_trainer(str(error))
+            return True
+        return self.ft.on_engine_failure(error)
+
+    def reconcile(self) -> "UpdateResult | None":
+        """After a failed update or a restart: bring every engine to the trainer's current weights now (a
+        fresh version); None when every engine serves them already. Raises
+        :class:`~rlplacement.errors.ReconcileError` when that cannot be done, naming the engines and why."""
+        if self.stale is None:
+            return None
+        why = self.stale
+        try:
+            return self._update_once()
+        except Exception as exc:  # noqa: BLE001 - one error that says both what happened and what is left
+            from rlplacement.errors import ReconcileError
+
+            raise ReconcileError(why, exc) from exc
+
+    def setup_trainers(self, *, load: str | None) -> dict | None:
+        """Build the backend on every (new) trainer rank from ``load`` (a ``--save`` folder, or None: the model
+        folder); returns the checkpoint's saved state, else None. What a restarted trainer runs."""
+        backend_config, optim, backend_options = self.trainer_setup
+        backend_config = dataclasses.replace(backend_config, load=load)
+        infos = setup_trainers(self.trainers, backend_config, optim, self.config.train, backend_options,
+                               self.timeout_s, self.trainer_names)
+        self.data_parallel_ranks = [i["data_parallel_rank"] for i in infos]
+        return infos[0]["resumed"]
+
+    def pop_ft_metrics(self) -> dict[str, float]:
+        """``ft/*`` keys of the repairs since the last call (``fault_tolerance.KEYS``); {} without
+        ``--use-fault-tolerance``."""
+        return self.ft.pop_metrics() if self.ft is not None else {}
+
+    def served_versions(self) -> list[int]:
+        """The version each engine serves, in engine order, as the engines report it (each engine's workers
+        agree, or it raises naming the engine)."""
+        return get_all([e.weight_version.remote() for e in self.engines], self.timeout_s, "served versions",
+                       [f"engine {i}" for i in range(len(self.engines))])
+
+    def _reconnect(self) -> None:
+        """A new transfer group with the same senders: after a failure the old one is unusable, and each
+        mode starts the next update from what every engine can take (disk-delta: a keyframe)."""
+        from rlplacement.runtime import transfer_driver as driver
+
+        self.updates.close()
+        driver.connect(self.trainers[0], self.engines, timeout_s=self.timeout_s)
 
     def close(self) -> None:
         """Release the update graph, every actor and the placement group; a second call does nothing."""
@@ -344,3 +472,10 @@ class RLJob:
             self._closed = True
             release(self.updates, self.trainers, self.engines, self.placement)
 
+
+def _wait_quietly(refs: list, timeout_s: float) -> None:
+    """Wait for ``refs`` within ``timeout_s``, whatever they end in (the error that matters is raised)."""
+    import ray
+
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)

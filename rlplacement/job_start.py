@@ -122,3 +122,42 @@ def release(updates: "UpdateDispatch | None", trainers: list, engines: list, pla
     for actor in trainers + engines:
         ray.kill(actor)
     placement.remove()
+
+
+def start_engine(config: "Config", hf_dir: str, placement, index: int, *, engine_kind: str,
+                 engine_kwargs: dict[str, Any] | None):
+    """Engine ``index`` again, in its own placement bundle, with the arguments :func:`start_actors` gave it:
+    what a restarted engine is (``fault_tolerance``). Returns the actor at once (Ray starts it)."""
+    from rlplacement.engines.engine_settings import resolve_dtype
+    from rlplacement.engines.ray_engines import create_engine_actor
+    from rlplacement.engines.registry import engine_class
+
+    engine_args = {**config.rollout.engine_kwargs(), **(engine_kwargs or {})}
+    engine_args["dtype"] = resolve_dtype(hf_dir, engine_args.get("dtype", "auto"))
+    engine_args.setdefault("verbose", config.rollout.verbose)
+    return create_engine_actor(index, hf_dir, kind=engine_kind, options=placement.engine_options(index),
+                               env=engine_class(engine_kind).process_env(config.rollout.verbose),
+                               tensor_parallel_size=placement.layout.gpus_per_engine,
+                               sleep_mode=config.placement.offload_rollout is not False, **engine_args)
+
+
+def start_trainers(placement) -> list:
+    """Every trainer rank again, each in its own placement bundle: what a restarted trainer is."""
+    import ray
+
+    from rlplacement.runtime.trainer_worker import TrainerWorker
+
+    world = len(placement.layout.trainer_gpus)
+    worker_cls = ray.remote(TrainerWorker)
+    return [worker_cls.options(**placement.trainer_options(r)).remote(r, world) for r in range(world)]
+
+
+def setup_trainers(trainers: list, backend_config, optim, train, backend_options: dict[str, Any], timeout_s: float,
+                   trainer_names: list[str]) -> list[dict]:
+    """Rank 0's rendezvous, then every rank joins it and builds its backend (collective); each rank's info:
+    device, data-parallel rank and size, and ``resumed`` (a ``--load`` checkpoint's saved state, else None)."""
+    from rlplacement.runtime.waits import get_all
+
+    addr, port = get_all([trainers[0].address.remote(timeout_s)], timeout_s, "trainer address", trainer_names[:1])[0]
+    return get_all([t.setup.remote(addr, port, backend_config, optim, train, backend_options, timeout_s)
+                    for t in trainers], timeout_s, "trainer set-up", trainer_names)

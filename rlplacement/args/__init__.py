@@ -10,7 +10,7 @@ are read from its registry when asked, so a backend or transfer mode registered 
 offered and accepted like the built-in ones.
 
 One module per group of flags (:mod:`.placement`, :mod:`.transfer`, :mod:`.backend`, :mod:`.train`,
-:mod:`.rollout`, :mod:`.optim`, :mod:`.tracking`), each with its flags and its ``*_from_args``.
+:mod:`.rollout`, :mod:`.optim`, :mod:`.tracking`, :mod:`.fault_tolerance`), each with its flags and its ``*_from_args``.
 
 Invariant: validation never rewrites a value the user set. Values the user left unset are derived
 (``--rollout-num-gpus`` under ``--colocate`` is the trainer's GPU count) and the derivation is
@@ -22,8 +22,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rlplacement.args import backend, optim, placement, rollout, tracking, train, transfer
+from rlplacement.args import backend, fault_tolerance, optim, placement, rollout, tracking, train, transfer
 from rlplacement.args.backend import backend_from_args
+from rlplacement.args.fault_tolerance import fault_tolerance_from_args
 from rlplacement.args.common import (TRAIN_BACKENDS, TRANSFER_MODES, ArgumentParser, Flag,  # noqa: F401
                                      RegistryChoices, size_in_bytes)
 from rlplacement.args.optim import optim_from_args
@@ -38,7 +39,7 @@ from rlplacement.transfer import registry as transfer_registry
 
 __all__ = ["add_arguments", "add_flag", "build_parser", "flag_default", "config_from_args", "require_available",
            "placement_from_args", "transfer_from_args", "backend_from_args", "train_from_args", "optim_from_args",
-           "rollout_from_args", "tracking_from_args"]
+           "rollout_from_args", "tracking_from_args", "fault_tolerance_from_args"]
 
 
 def flag_groups() -> tuple[tuple[str, tuple[Flag, ...]], ...]:
@@ -46,7 +47,7 @@ def flag_groups() -> tuple[tuple[str, tuple[Flag, ...]], ...]:
     need not relearn them. Built when asked: a transfer mode registered later brings its flags."""
     return ((placement.TITLE, placement.FLAGS), (transfer.TITLE, transfer.flags()), (backend.TITLE, backend.FLAGS),
             (train.TITLE, train.FLAGS), (rollout.TITLE, rollout.FLAGS), (optim.TITLE, optim.FLAGS),
-            (tracking.TITLE, tracking.FLAGS))
+            (tracking.TITLE, tracking.FLAGS), (fault_tolerance.TITLE, fault_tolerance.FLAGS))
 
 
 def all_flags() -> tuple[Flag, ...]:
@@ -98,10 +99,11 @@ def config_from_args(args: argparse.Namespace, *, this_host: bool = True) -> Con
     TensorBoard writer is installed for ``--use-wandb``/``--use-tensorboard``."""
     placement_config = placement_from_args(args)
     backend_config = backend_from_args(args, placement_config)
+    train_config = train_from_args(args, placement_config, backend_config)
     return Config(placement=placement_config, transfer=transfer_from_args(args, this_host=this_host),
-                  backend=backend_config, train=train_from_args(args, placement_config, backend_config),
-                  optim=optim_from_args(args), rollout=rollout_from_args(args),
-                  tracking=tracking_from_args(args, this_host=this_host))
+                  backend=backend_config, train=train_config, optim=optim_from_args(args),
+                  rollout=rollout_from_args(args), tracking=tracking_from_args(args, this_host=this_host),
+                  fault_tolerance=fault_tolerance_from_args(args, train_config))
 
 
 def require_available(config: Config) -> None:

@@ -38,6 +38,7 @@ class TrainerWorker(TrainerTransferMixin):
         self.rank, self.world_size = rank, world_size
         self.backend = None
         self._store = None  # rank 0: the trainer's rendezvous, bound in ``address``
+        self._update_fault: tuple[int, str] | None = None  # ``inject_update_fault``'s, for the next update
 
     def address(self, timeout_s: float = 600.0) -> tuple[str, int]:
         """Where rank 0 serves the trainer's rendezvous (called on rank 0 only).
@@ -148,7 +149,14 @@ class TrainerWorker(TrainerTransferMixin):
             self._require_resident("a weight update")
             yield from self.backend.iter_update_tensors()
 
-        return stream()
+        fault, self._update_fault = self._update_fault, None
+        return stream() if fault is None else FailingOnce(stream(), *fault)
+
+    def inject_update_fault(self, after_tensors: int = 1, message: str = "injected weight-source fault") -> None:
+        """Fault injection (tests and ``benchmarks/chaos_soak.py``): the next update's weight source fails
+        after ``after_tensors`` tensors, as a failed gather would; the stream itself goes on underneath,
+        so the other trainer ranks' collectives finish."""
+        self._update_fault = (int(after_tensors), str(message))
 
     def stream_collectives(self) -> int | None:
         return self.backend.last_stream_collectives
@@ -212,3 +220,21 @@ def gpu_memory(reset_peak: bool = True) -> dict[str, float]:
     if reset_peak:
         torch.cuda.reset_peak_memory_stats()
     return out
+
+
+class FailingOnce:
+    """An iterator over ``inner`` that raises ``RuntimeError(message)`` once, in place of item ``after``;
+    iterating again goes on with the rest of ``inner`` (what a sender's drain after a failure does)."""
+
+    def __init__(self, inner: Iterable, after: int, message: str):
+        self.inner, self.after, self.message, self.seen = iter(inner), after, message, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.seen == self.after:
+            self.seen += 1
+            raise RuntimeError(self.message)
+        self.seen += 1
+        return next(self.inner)

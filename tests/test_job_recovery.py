@@ -1,0 +1,116 @@
+"""A run that goes on after its own failures, through ``RLJob`` on real vLLM CPU engines: a failed update
+burns its number and the next rollout brings every engine to the trainer's weights (every split mode,
+checked bit for bit); under ``--use-fault-tolerance`` a killed engine is restarted and rejoins, a killed
+trainer restarts from the last ``--save`` while the engines are kept.
+
+One job for the module (an FSDP trainer, two one-GPU engines, every update checked); the transfer mode is
+switched per test with ``RLJob.set_transfer``.
+"""
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("vllm")
+
+import rlplacement  # noqa: E402
+from rlplacement.errors import WeightUpdateError  # noqa: E402
+from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]
+SPLIT_MODES = ["broadcast", "broadcast_packed", "p2p", "disk-delta"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec())
+    save = tmp_path_factory.mktemp("save")
+    args = rlplacement.add_arguments(__import__("argparse").ArgumentParser()).parse_args(
+        ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--num-gpus-per-node", "4",
+         "--train-backend", "fsdp", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+         "--check-weight-update-equal", "--save", str(save), "--use-fault-tolerance",
+         "--ft-components", "rollout,train", "--rollout-health-check-interval", "0.1",
+         "--rollout-health-check-timeout", "20"])
+    with rlplacement.RLJob.start(rlplacement.config_from_args(args), str(model_dir), timeout_s=120) as started:
+        yield started
+
+
+def _batch(seed: int):
+    import torch
+
+    from rlplacement.train_io import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 200, (2, 8), generator=g)
+    mask = torch.zeros(2, 8)
+    mask[:, 4:] = 1
+    return Batch(ids, mask, torch.tensor([1.0, -1.0]))
+
+
+def _trainer_sums(job) -> dict:
+    return ray.get(job.trainers[0].hf_checksums.remote(), timeout=60)
+
+
+def _engine_sums(job) -> list[dict]:
+    """What each engine took in its last update (HF names), after checking that both serve the same bytes."""
+    served = ray.get([e.model_checksums.remote() for e in job.engines], timeout=60)
+    assert all(s == served[0] for s in served)
+    return ray.get([e.received_checksums.remote() for e in job.engines], timeout=60)
+
+
+@pytest.mark.parametrize("mode", SPLIT_MODES)
+def test_a_failed_update_burns_its_number_and_the_next_rollout_brings_every_engine_to_the_trainer(job, mode):
+    job.set_transfer(mode, check_equal=True)
+    landed = job.update_weights().version
+    job.train(_batch(landed))
+    ray.get(job.trainers[0].inject_update_fault.remote(1, "injected gather failure"))
+    with pytest.raises(WeightUpdateError, match="injected gather failure"):
+        job.update_weights()
+    assert job.issued == landed + 1 and job.stale and "version" in job.stale
+    assert job.served_versions() == [landed, landed]  # all or nothing: the old version, whole
+    samples = job.generate(PROMPTS)  # reconciles first, under a fresh number
+    assert job.stale is None and job.version == landed + 2 == job.issued
+    assert job.served_versions() == [landed + 2] * 2
+    assert {s.weight_version for s in samples} == {landed + 2}
+    want = _trainer_sums(job)
+    assert all(got == want for got in _engine_sums(job))
+
+
+def test_a_killed_engine_is_restarted_and_serves_the_trainers_weights_before_it_generates(job):
+    job.set_transfer("broadcast", check_equal=True)
+    job.update_weights()
+    job.train(_batch(7))
+    job.update_weights()
+    job.pop_ft_metrics()
+    kept = job.engines[0]
+    ray.kill(job.engines[1], no_restart=True)
+    samples = job.generate(PROMPTS)
+    metrics = job.pop_ft_metrics()
+    assert metrics["ft/engine_restarts"] == 1 and metrics["ft/recovery_time"] > 0
+    assert job.engines[0] is kept
+    assert job.served_versions() == [job.version] * 2 and {s.weight_version for s in samples} == {job.version}
+    want = _trainer_sums(job)
+    assert all(got == want for got in _engine_sums(job))
+
+
+def test_a_killed_trainer_restarts_from_the_last_save_and_the_engines_are_kept(job):
+    job.set_transfer("broadcast", check_equal=True)
+    job.train(_batch(11))
+    job.save_checkpoint()
+    saved_calls = job.train_calls
+    job.update_weights()
+    saved_sums = _trainer_sums(job)
+    job.train(_batch(12))  # lost with the trainer
+    engines, epoch, issued = list(job.engines), job.epoch, job.issued
+    job.pop_ft_metrics()
+    ray.kill(job.trainers[0], no_restart=True)
+    job.log_probs(_batch(13))  # finds the trainer dead: restarted from the checkpoint, the call runs again
+    metrics = job.pop_ft_metrics()
+    assert metrics["ft/trainer_restarts"] == 1 and metrics["ft/steps_lost"] == 1
+    assert job.train_calls == saved_calls and job.epoch == epoch + 1
+    assert _trainer_sums(job) == saved_sums  # the checkpoint's weights, bit for bit
+    assert all(a is b for a, b in zip(job.engines, engines))  # the engines were kept
+    job.generate(PROMPTS)  # the engines get the checkpoint's weights first, numbered above any served
+    assert job.version > issued and job.served_versions() == [job.version] * 2
+    assert all(got == saved_sums for got in _engine_sums(job))
