@@ -387,8 +387,8 @@ class RLJob:
         :class:`~rlplacement.errors.WeightUpdateError` naming who failed; its number is burned and the job
         is :attr:`stale`: the next update or rollout rebuilds the transfer group and sends the trainer's
         weights again under a new number, so a loop that catches the error goes on. Under
-        ``--use-fault-tolerance`` the job first restarts what died (engines; the trainer with ``--ft-components
-        train``) and tries once more itself.
+        ``--use-fault-tolerance`` the job first restarts what died or hangs (engines; the trainer with
+        ``--ft-components train``) and tries once more itself, under a fresh number; a second failure raises.
         """
         self._hand_off("before_update")
         if self.ft is not None:
@@ -396,8 +396,9 @@ class RLJob:
         try:
             return self._update_once()
         except Exception as exc:
-            if self.ft is None or not self._repaired(exc):
+            if self.ft is None:
                 raise
+            self._repair(exc)
             return self._update_once()
 
     def _update_once(self) -> "UpdateResult":
@@ -415,13 +416,13 @@ class RLJob:
         self.version, self.stale = version, None
         return result
 
-    def _repaired(self, error: BaseException) -> bool:
-        """Under ``--use-fault-tolerance``: restart what ``error`` says died (the trainer, or dead or hung
-        engines); True when something was restarted and the failed call may run again."""
+    def _repair(self, error: BaseException) -> None:
+        """Under ``--use-fault-tolerance``: restart what ``error`` says died (the trainer), or the engines that
+        died or hang; an engine that failed and still answers takes the next update as it is."""
         if self.ft.trainer_died(error):
             self.ft.restart_trainer(str(error))
-            return True
-        return self.ft.on_engine_failure(error)
+        else:
+            self.ft.on_engine_failure(error)
 
     def reconcile(self) -> "UpdateResult | None":
         """After a failed update or a restart: bring every engine to the trainer's current weights now (a

@@ -7,6 +7,8 @@ One job for the module (an FSDP trainer, two one-GPU engines, every update check
 switched per test with ``RLJob.set_transfer``.
 """
 
+import contextlib
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -59,13 +61,22 @@ def _engine_sums(job) -> list[dict]:
     return ray.get([e.received_checksums.remote() for e in job.engines], timeout=60)
 
 
+@contextlib.contextmanager
+def _without_fault_tolerance(job):
+    ft, job.ft = job.ft, None
+    try:
+        yield
+    finally:
+        job.ft = ft
+
+
 @pytest.mark.parametrize("mode", SPLIT_MODES)
 def test_a_failed_update_burns_its_number_and_the_next_rollout_brings_every_engine_to_the_trainer(job, mode):
     job.set_transfer(mode, check_equal=True)
     landed = job.update_weights().version
     job.train(_batch(landed))
     ray.get(job.trainers[0].inject_update_fault.remote(1, "injected gather failure"))
-    with pytest.raises(WeightUpdateError, match="injected gather failure"):
+    with _without_fault_tolerance(job), pytest.raises(WeightUpdateError, match="injected gather failure"):
         job.update_weights()
     assert job.issued == landed + 1 and job.stale and "version" in job.stale
     assert job.served_versions() == [landed, landed]  # all or nothing: the old version, whole
@@ -75,6 +86,14 @@ def test_a_failed_update_burns_its_number_and_the_next_rollout_brings_every_engi
     assert {s.weight_version for s in samples} == {landed + 2}
     want = _trainer_sums(job)
     assert all(got == want for got in _engine_sums(job))
+
+
+def test_under_fault_tolerance_a_failed_update_is_tried_once_more_under_a_fresh_number(job):
+    job.set_transfer("p2p", check_equal=True)
+    landed = job.update_weights().version
+    ray.get(job.trainers[0].inject_update_fault.remote(2, "injected gather failure"))
+    result = job.update_weights()
+    assert result.version == landed + 2 and job.stale is None and job.served_versions() == [landed + 2] * 2
 
 
 def test_a_killed_engine_is_restarted_and_serves_the_trainers_weights_before_it_generates(job):

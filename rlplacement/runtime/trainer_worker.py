@@ -38,7 +38,7 @@ class TrainerWorker(TrainerTransferMixin):
         self.rank, self.world_size = rank, world_size
         self.backend = None
         self._store = None  # rank 0: the trainer's rendezvous, bound in ``address``
-        self._update_fault: tuple[int, str] | None = None  # ``inject_update_fault``'s, for the next update
+        self._update_fault: tuple[int, str, float] | None = None  # ``inject_update_fault``'s, for the next update
 
     def address(self, timeout_s: float = 600.0) -> tuple[str, int]:
         """Where rank 0 serves the trainer's rendezvous (called on rank 0 only).
@@ -150,13 +150,15 @@ class TrainerWorker(TrainerTransferMixin):
             yield from self.backend.iter_update_tensors()
 
         fault, self._update_fault = self._update_fault, None
-        return stream() if fault is None else FailingOnce(stream(), *fault)
+        return stream() if fault is None else FaultyStream(stream(), *fault)
 
-    def inject_update_fault(self, after_tensors: int = 1, message: str = "injected weight-source fault") -> None:
-        """Fault injection (tests and ``benchmarks/chaos_soak.py``): the next update's weight source fails
-        after ``after_tensors`` tensors, as a failed gather would; the stream itself goes on underneath,
-        so the other trainer ranks' collectives finish."""
-        self._update_fault = (int(after_tensors), str(message))
+    def inject_update_fault(self, after_tensors: int = 1, message: str = "injected weight-source fault",
+                            stall_s: float = 0.0) -> None:
+        """Fault injection (tests and ``benchmarks/chaos_soak.py``): the next update's weight source fails after
+        ``after_tensors`` tensors, as a failed gather would, or with ``stall_s`` pauses there that long and goes
+        on (a slow gather: the moment an engine can be killed mid-update). The stream itself goes on
+        underneath a failure, so the other trainer ranks' collectives finish."""
+        self._update_fault = (int(after_tensors), str(message), float(stall_s))
 
     def stream_collectives(self) -> int | None:
         return self.backend.last_stream_collectives
@@ -222,12 +224,13 @@ def gpu_memory(reset_peak: bool = True) -> dict[str, float]:
     return out
 
 
-class FailingOnce:
-    """An iterator over ``inner`` that raises ``RuntimeError(message)`` once, in place of item ``after``;
-    iterating again goes on with the rest of ``inner`` (what a sender's drain after a failure does)."""
+class FaultyStream:
+    """An iterator over ``inner`` that, in place of item ``after``, raises ``RuntimeError(message)`` once (or,
+    with ``stall_s``, sleeps that long once); iterating again goes on with the rest of ``inner`` (what a
+    sender's drain after a failure does)."""
 
-    def __init__(self, inner: Iterable, after: int, message: str):
-        self.inner, self.after, self.message, self.seen = iter(inner), after, message, 0
+    def __init__(self, inner: Iterable, after: int, message: str, stall_s: float = 0.0):
+        self.inner, self.after, self.message, self.stall_s, self.seen = iter(inner), after, message, stall_s, 0
 
     def __iter__(self):
         return self
@@ -235,6 +238,8 @@ class FailingOnce:
     def __next__(self):
         if self.seen == self.after:
             self.seen += 1
-            raise RuntimeError(self.message)
+            if self.stall_s <= 0:
+                raise RuntimeError(self.message)
+            time.sleep(self.stall_s)
         self.seen += 1
         return next(self.inner)
