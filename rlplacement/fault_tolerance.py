@@ -81,8 +81,8 @@ class FaultTolerance:
     def _record(self, recovery: Recovery) -> None:
         self.recoveries.append(recovery)
         self._unreported.append(recovery)
-        log.warning("fault tolerance: %s %s restarted in %.1f s (%s)", recovery.kind,
-                    "" if recovery.index is None else recovery.index, recovery.seconds, recovery.why)
+        who = recovery.kind if recovery.index is None else f"{recovery.kind} {recovery.index}"
+        log.warning("fault tolerance: %s restarted in %.1f s (%s)", who, recovery.seconds, recovery.why)
 
     def _count(self, kind: str) -> int:
         return sum(r.kind == kind for r in self.recoveries)
