@@ -428,11 +428,15 @@ def test_bad_configuration_is_refused_naming_the_flag(tmp_path):
 
 @pytest.mark.slow
 def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
+    """Set up as the job does (transfer_setup_from_config with its run and epoch), and again after a
+    trainer restart with the engine kept: the new epoch's keyframe, then its deltas, land bit-exact."""
     ray = pytest.importorskip("ray")
     pytest.importorskip("vllm")
+    from rlplacement.config import TransferConfig
     from rlplacement.engines.ray_engines import create_engine_actor
     from rlplacement.models.tiny import TinySpec, make_tiny_model
     from rlplacement.runtime import transfer_driver as driver
+    from rlplacement.transfer.disk_delta import DiskDeltaOptions
     from tests.transfer_helpers.trainer_actor import StandInHFTrainer
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -443,24 +447,32 @@ def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
     try:
         trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
         engine = create_engine_actor(0, model_dir)
-        disk_dir = str(tmp_path / "deltas")
+        config = TransferConfig(mode="disk-delta", requested_mode="disk-delta", buffer_size=64 * 1024,
+                                check_equal=True, options=DiskDeltaOptions(disk_dir=str(tmp_path / "deltas")))
 
-        def setup(self):  # what trainer.transfer_setup would do once it passes disk-delta's options
-            self.transfer_sender = DiskDeltaSender(64 * 1024, check_equal=True, timeout_s=60, disk_dir=disk_dir,
-                                                   delta_encoding="xor", base_dir=model_dir)
+        def setup(epoch):  # as the job's set_transfer, at its start (epoch 0) and after a trainer restart
+            ray.get(trainer.transfer_setup_from_config.remote(config, timeout_s=60, base_dir=model_dir, run_id="job",
+                                                              epoch=epoch))
+            driver.connect(trainer, [engine], timeout_s=120)
 
-        ray.get(trainer.__ray_call__.remote(setup))
-        driver.connect(trainer, [engine], timeout_s=120)
+        setup(0)
         prompts = [[5, 6, 7, 8], [40, 41, 42]]
         before = ray.get(engine.generate.remote(prompts, max_tokens=6))
-        for version in (1, 2):
+        # epoch 0: deltas on the checkpoint; epoch 1 (the engine kept, its receiver rebuilt at the new
+        # connect): a keyframe, then deltas again
+        for version, base_version in ((1, 0), (2, 1), ("restart", None), (3, None), (4, 3)):
+            if version == "restart":
+                setup(1)
+                continue
             ray.get(trainer.perturb.remote(version))
             report = driver.run_update(trainer, [engine], version, timeout_s=60, check_equal=True)
-            assert report.trainer.base_version == version - 1 and report.trainer.density > 0
+            assert report.trainer.base_version == base_version and report.trainer.density > 0
             assert ray.get(engine.weight_version.remote()) == version
             assert ray.get(engine.received_checksums.remote()) == ray.get(trainer.checksums.remote())
+        assert {k: v for k, v in read_pointer(tmp_path / "deltas").items() if k != "sender"} == {
+            "version": 4, "folder": version_folder(4), "run_id": "job", "epoch": 1}
         after = ray.get(engine.generate.remote(prompts, max_tokens=6))
-        assert [r["weight_version"] for r in after] == [2, 2]
+        assert [r["weight_version"] for r in after] == [4, 4]
         assert [r["logprobs"].tolist() for r in after] != [r["logprobs"].tolist() for r in before]
     finally:
         ray.shutdown()
