@@ -724,3 +724,23 @@ def test_the_job_passes_run_and_epoch_to_the_sender(tmp_path):
     info = TransferEndpoint.from_dict(trainer.transfer_listen(2)).mode_info
     assert (info["run_id"], info["epoch"]) == ("r", 2) and len(bytes.fromhex(info["key"])) == 32
     trainer.transfer_close()
+
+
+def test_a_sender_whose_folder_another_run_took_over_is_refused(tmp_path, base):
+    base_dir, w = base
+    root = tmp_path / "deltas"
+    first = DiskDeltaSender(SHARD, disk_dir=root, base_dir=base_dir, run_id="first")
+    r = DiskDeltaReceiver("cpu")
+    _join(first, [r])
+    _update_all(first, [r], 1, w, [])
+    second = DiskDeltaSender(SHARD, disk_dir=root, base_dir=base_dir, run_id="second")
+    _join(second, [DiskDeltaReceiver("cpu")])
+    second.update(1, list(w.items()))
+    _perturb(w, seed=2)
+    with pytest.raises(TransferError, match=r"latest now holds version 1 of run second epoch 0, published after this "
+                                            r"sender's \(run first epoch 0\) last version: one sender per "
+                                            r"--update-weight-disk-dir"):
+        first.update(2, list(w.items()))
+    r.begin(2)
+    with pytest.raises(UpdateAborted, match="one sender per --update-weight-disk-dir"):  # at once, not at its timeout
+        r.receive()

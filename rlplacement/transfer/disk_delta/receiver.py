@@ -5,8 +5,8 @@ Rules: a receiver takes only what its own sender published (the pointer and abor
 sender's run, epoch and id; every index is signed with the key it got at connect: anything else is
 refused naming the file). xor applies only on its base version of the same segment (anything else
 is refused before decoding; a keyframe has no base, so an engine kept from an earlier epoch takes
-the new segment's first version); overwrite applies on any held bytes and is accepted when every resulting tensor's checksum
-equals the version's (so re-applying it is harmless). Every payload's checksum is checked before
+the new segment's first version); overwrite applies on any held bytes and is accepted when every
+resulting tensor's checksum equals the version's (so re-applying it is harmless). Every payload's checksum is checked before
 decoding and every result's after: corruption is refused naming the tensor, and nothing reaches
 the model before ``commit``. The receiver keeps a host copy of the bytes it serves (vLLM CPU
 repacks its linear layers, so the model's own parameters cannot serve as the base).

@@ -181,20 +181,21 @@ class DiskDeltaSender(WeightSender):
         """Start this sender's segment in the folder (its first update there), or check that ``version``
         moves its ``latest`` forward; a refusal names the pointer and stops the receivers at once."""
         pointer = folder_format.read_pointer(self.root)
-        theirs = pointer is not None and (pointer.get("run_id"), pointer.get("epoch")) == self.identity.segment
-        if theirs and pointer["version"] >= version:
+        ours = pointer is not None and (pointer.get("run_id"), pointer.get("epoch")) == self.identity.segment
+        if ours and pointer["version"] >= version:
             reason = (f"update version {version} is not newer than version {pointer['version']} that "
                       f"{self.identity.describe()} already published in {self.root / folder_format.POINTER_NAME}: "
                       f"within a run's epoch versions only go forward (send a higher version; a resume is a new "
                       f"epoch)")
             self._abort(version, reason)
             raise TransferError(reason)
-        if theirs or (pointer is None and self._published):
+        if ours or (pointer is None and self._published):
             return
         if self._published:  # another run wrote here after this sender's last version
             reason = (f"{self.root / folder_format.POINTER_NAME} now holds version {pointer['version']} of "
                       f"{describe_record(pointer)}, published after this sender's ({self.identity.describe()}) "
                       f"last version: one sender per --update-weight-disk-dir")
+            self._abort(version, reason)
             raise TransferError(reason)
         if folder_format.start_segment(self.root):
             self._keyframe_next = True  # the engines may hold anything: another run's, or an earlier epoch's
