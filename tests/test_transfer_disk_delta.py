@@ -11,9 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from rlplacement.errors import ConfigError
 from rlplacement.transfer import delta_codec as codec
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import TransferEndpoint, TransferError, UpdateAborted, WeightMismatchError
+from rlplacement.transfer.disk_delta import folder_format
 from rlplacement.transfer.disk_delta.folder_format import INDEX_NAME, index_checksum, read_pointer, version_folder
 from rlplacement.transfer.disk_delta.receiver import DiskDeltaReceiver
 from rlplacement.transfer.disk_delta.sender import DeltaUpdateReport, DiskDeltaSender
@@ -182,9 +184,10 @@ def test_keyframe_after_a_version_gap_or_a_new_listen(tmp_path, base):
     _receive(r, 4)
     _perturb(w, seed=4)
     assert sender.update(5, list(w.items())).base_version == 4
-    # a fresh sender (transfer_setup again) knows only the checkpoint: keyframe for version 6
+    # a fresh sender (transfer_setup again) knows only the checkpoint: keyframe for version 6; the
+    # engines join it again (driver.connect), as the job does after transfer_setup
     fresh = DiskDeltaSender(SHARD, disk_dir=tmp_path / "deltas", delta_encoding="xor", base_dir=base_dir)
-    fresh.listen(2)
+    r.connect(TransferEndpoint.from_dict(fresh.listen(2).to_dict()), 1)
     fresh.connect()
     assert fresh.update(6, list(w.items())).base_version is None
     applied = []
@@ -267,19 +270,26 @@ def test_corrupt_shard_header_is_refused_naming_the_shard(tmp_path, base):
     assert r.version == 0
 
 
+def _forge(folder, edit, signer=None):
+    """Edit ``folder``'s index and recompute its plain checksum, as anyone who can write the folder can;
+    ``signer``: also sign it with that sender's key (what only the trainer can do)."""
+    index = json.loads((folder / INDEX_NAME).read_text())
+    edit(index)
+    if signer is not None:
+        signer.identity.sign(index)
+    index["index_checksum"] = index_checksum(index)
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+
+
 def test_bit_flip_that_keeps_the_payload_checksum_is_still_caught_by_the_result(tmp_path, base):
-    """A wrong expected checksum forged in the index, with the index's own checksum forged to match:
-    the decoded result's checksum still refuses it."""
+    """A wrong expected checksum in an index the trainer itself signed (a trainer-side fault): the decoded
+    result's checksum still refuses it."""
     base_dir, w = base
     sender, (r,) = _pair(tmp_path, base_dir, "xor")
     _perturb(w, seed=1)
     sender.update(1, list(w.items()))
-    folder = tmp_path / "deltas" / version_folder(1)
-    index = json.loads((folder / INDEX_NAME).read_text())
     name = "model.layers.0.self_attn.q_proj.weight"
-    index["tensors"][name]["checksum"] = "0" * 16
-    index["index_checksum"] = index_checksum(index)
-    (folder / INDEX_NAME).write_text(json.dumps(index))
+    _forge(tmp_path / "deltas" / version_folder(1), lambda i: i["tensors"][name].update(checksum="0" * 16), sender)
     r.begin(1)
     with pytest.raises(WeightMismatchError, match=f"tensor '{name}'"):
         r.receive()
@@ -295,7 +305,8 @@ def test_half_written_version_is_invisible_and_cleaned_up(tmp_path, base):
     crashed.mkdir()
     (crashed / "delta-00001.safetensors").write_bytes(b"\x10\x00\x00\x00partial")
     r.begin(1)
-    with pytest.raises(TransferError, match=r"version 1 was not published in .* within 0s \(latest: none\)"):
+    with pytest.raises(TransferError, match=r"version 1 was not published in .* within 0s by the trainer of run \w+ "
+                                            r"epoch 0 \(latest: none\)"):
         r.receive()
     assert r.version == 0 and read_pointer(root) is None
     _perturb(w, seed=1)
@@ -406,17 +417,26 @@ def test_bad_configuration_is_refused_naming_the_flag(tmp_path):
     endpoint = TransferEndpoint("disk-delta", "h", 0, 2, "file", str(tmp_path / "missing"))
     with pytest.raises(TransferError, match="--update-weight-disk-dir .*missing is not a folder"):
         r.connect(endpoint, 1)
+    endpoint = TransferEndpoint("disk-delta", "h", 0, 2, "file", str(tmp_path))  # no mode_info: no key
+    with pytest.raises(TransferError, match="rank 1: the endpoint's mode_info carries no disk-delta sender identity"):
+        r.connect(endpoint, 1)
+    with pytest.raises(ConfigError, match="disk-delta epoch -1 must be an int >= 0"):
+        DiskDeltaSender(SHARD, disk_dir=tmp_path, epoch=-1)
 
 
 # ---- a real vLLM CPU engine under Ray ---------------------------------------------------------
 
 @pytest.mark.slow
 def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
+    """Set up as the job does (transfer_setup_from_config with its run and epoch), and again after a
+    trainer restart with the engine kept: the new epoch's keyframe, then its deltas, land bit-exact."""
     ray = pytest.importorskip("ray")
     pytest.importorskip("vllm")
+    from rlplacement.config import TransferConfig
     from rlplacement.engines.ray_engines import create_engine_actor
     from rlplacement.models.tiny import TinySpec, make_tiny_model
     from rlplacement.runtime import transfer_driver as driver
+    from rlplacement.transfer.disk_delta import DiskDeltaOptions
     from tests.transfer_helpers.trainer_actor import StandInHFTrainer
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -427,24 +447,32 @@ def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
     try:
         trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
         engine = create_engine_actor(0, model_dir)
-        disk_dir = str(tmp_path / "deltas")
+        config = TransferConfig(mode="disk-delta", requested_mode="disk-delta", buffer_size=64 * 1024,
+                                check_equal=True, options=DiskDeltaOptions(disk_dir=str(tmp_path / "deltas")))
 
-        def setup(self):  # what trainer.transfer_setup would do once it passes disk-delta's options
-            self.transfer_sender = DiskDeltaSender(64 * 1024, check_equal=True, timeout_s=60, disk_dir=disk_dir,
-                                                   delta_encoding="xor", base_dir=model_dir)
+        def setup(epoch):  # as the job's set_transfer, at its start (epoch 0) and after a trainer restart
+            ray.get(trainer.transfer_setup_from_config.remote(config, timeout_s=60, base_dir=model_dir, run_id="job",
+                                                              epoch=epoch))
+            driver.connect(trainer, [engine], timeout_s=120)
 
-        ray.get(trainer.__ray_call__.remote(setup))
-        driver.connect(trainer, [engine], timeout_s=120)
+        setup(0)
         prompts = [[5, 6, 7, 8], [40, 41, 42]]
         before = ray.get(engine.generate.remote(prompts, max_tokens=6))
-        for version in (1, 2):
+        # epoch 0: deltas on the checkpoint; epoch 1 (the engine kept, its receiver rebuilt at the new
+        # connect): a keyframe, then deltas again
+        for version, base_version in ((1, 0), (2, 1), ("restart", None), (3, None), (4, 3)):
+            if version == "restart":
+                setup(1)
+                continue
             ray.get(trainer.perturb.remote(version))
             report = driver.run_update(trainer, [engine], version, timeout_s=60, check_equal=True)
-            assert report.trainer.base_version == version - 1 and report.trainer.density > 0
+            assert report.trainer.base_version == base_version and report.trainer.density > 0
             assert ray.get(engine.weight_version.remote()) == version
             assert ray.get(engine.received_checksums.remote()) == ray.get(trainer.checksums.remote())
+        assert {k: v for k, v in read_pointer(tmp_path / "deltas").items() if k != "sender"} == {
+            "version": 4, "folder": version_folder(4), "run_id": "job", "epoch": 1}
         after = ray.get(engine.generate.remote(prompts, max_tokens=6))
-        assert [r["weight_version"] for r in after] == [2, 2]
+        assert [r["weight_version"] for r in after] == [4, 4]
         assert [r["logprobs"].tolist() for r in after] != [r["logprobs"].tolist() for r in before]
     finally:
         ray.shutdown()
@@ -505,3 +533,214 @@ def test_a_full_disk_while_publishing_publishes_nothing(tmp_path, base):
         sender.close()
     finally:
         subprocess.run(["umount", str(mount)])
+
+
+# ---- across runs: segments, shard paths, signatures -------------------------------------------
+
+def _join(sender, receivers, n=None):
+    """(Re)join ``receivers`` (rank 1..) to ``sender``'s endpoint, as driver.connect does after transfer_setup."""
+    endpoint = TransferEndpoint.from_dict(sender.listen(1 + (n or len(receivers))).to_dict())
+    for rank, r in enumerate(receivers, start=1):
+        r.connect(endpoint, rank)
+    sender.connect()
+
+
+def _update_all(sender, receivers, version, w, pointers):
+    """One update as ``driver.run_update`` runs it (receivers waiting while the sender writes); every
+    receiver must commit it bit-exact. Records the pointer after it in ``pointers``."""
+    results, errors = {}, []
+
+    def run(r):
+        try:
+            results[r.rank] = (_receive(r, version, applied := []), applied)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in receivers]
+    [t.start() for t in threads]
+    report = sender.update(version, list(w.items()))
+    [t.join(30) for t in threads]
+    assert not errors, errors
+    for r in receivers:
+        assert r.version == version
+        _assert_bit_exact(results[r.rank][1][0].items(), w)
+    pointers.append(read_pointer(sender.root))
+    return report
+
+
+def _never_backwards_within_a_segment(pointers):
+    last: dict = {}
+    for p in pointers:
+        seg = (p["run_id"], p["epoch"])
+        assert p["version"] > last.get(seg, -1), f"latest moved backwards within {seg}: {pointers}"
+        last[seg] = p["version"]
+
+
+def test_a_fresh_run_on_a_folder_left_at_latest_5_starts_a_new_segment_with_a_keyframe(tmp_path, base):
+    base_dir, w = base
+    root = tmp_path / "deltas"
+    first = DiskDeltaSender(SHARD, disk_dir=root, delta_encoding="xor", base_dir=base_dir, run_id="first")
+    old = DiskDeltaReceiver("cpu")
+    _join(first, [old])
+    pointers: list = []
+    for version in range(1, 6):
+        _perturb(w, seed=version)
+        _update_all(first, [old], version, w, pointers)
+    folder_format.publish_abort(root, 1, "a failure of the first run", first.identity)  # must not stop the next
+    (root / ".tmp-weight_v000006-deadbeef").mkdir()
+    (root / "notes.txt").write_text("the user's")
+    assert read_pointer(root)["version"] == 5
+
+    second = DiskDeltaSender(SHARD, disk_dir=root, delta_encoding="xor", base_dir=base_dir)  # a fresh run id
+    fresh = [DiskDeltaReceiver("cpu"), DiskDeltaReceiver("cpu")]  # the new run's engines serve the checkpoint
+    _join(second, fresh)
+    assert second.identity.run_id not in ("", "first")
+    _perturb(w, seed=10)
+    report = _update_all(second, fresh, 1, w, pointers)
+    assert report.base_version is None and report.density == 1.0  # a keyframe: nothing of the old run is a base
+    assert pointers[-1] == {"version": 1, "folder": version_folder(1), "run_id": second.identity.run_id,
+                            "epoch": 0, "sender": second.identity.sender}
+    # the first run's versions, marker and tmp entry are gone; other files stay
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "notes.txt", version_folder(1)]
+    _perturb(w, seed=11)
+    assert _update_all(second, fresh, 2, w, pointers).base_version == 1  # deltas again within the segment
+    _never_backwards_within_a_segment(pointers)
+    # the same run and epoch again (transfer_setup rebuilt the sender): latest may not move back, refused by name
+    again = DiskDeltaSender(SHARD, disk_dir=root, delta_encoding="xor", base_dir=base_dir,
+                            run_id=second.identity.run_id)
+    _join(again, fresh)
+    with pytest.raises(TransferError, match=rf"update version 2 is not newer than version 2 that run "
+                                            rf"{second.identity.run_id} epoch 0 already published in .*latest"):
+        again.update(2, list(w.items()))
+    assert read_pointer(root)["version"] == 2
+    _perturb(w, seed=12)
+    assert _update_all(again, fresh, 3, w, pointers).base_version is None  # it knows only the checkpoint
+    _never_backwards_within_a_segment(pointers)
+
+
+def test_a_resume_continues_from_a_lower_version_and_a_kept_engine_takes_the_new_epoch(tmp_path, base):
+    base_dir, w = base
+    root = tmp_path / "deltas"
+    pointers: list = []
+    run0 = DiskDeltaSender(SHARD, disk_dir=root, delta_encoding="xor", base_dir=base_dir, run_id="run", epoch=0)
+    lost = DiskDeltaReceiver("cpu")
+    _join(run0, [lost])
+    for version in range(1, 6):
+        _perturb(w, seed=version)
+        _update_all(run0, [lost], version, w, pointers)
+    # --load resume: a new job (fresh engines) from a checkpoint saved at version 2: it sends version 3
+    resumed = DiskDeltaSender(SHARD, disk_dir=root, delta_encoding="xor", base_dir=base_dir, run_id="run", epoch=1)
+    kept = DiskDeltaReceiver("cpu")
+    _join(resumed, [kept])
+    _perturb(w, seed=20)
+    assert _update_all(resumed, [kept], 3, w, pointers).base_version is None
+    assert sorted(p.name for p in root.glob("weight_v*")) == [version_folder(3)]  # epoch 0's versions cleaned
+    _perturb(w, seed=21)
+    assert _update_all(resumed, [kept], 4, w, pointers).base_version == 3
+    # the trainer restarts (epoch 2); the engine is kept, rebuilt on reconnect as the vLLM backend does,
+    # and serves version 4 of epoch 1: the next number is 5, a keyframe it takes, then deltas again
+    restarted = DiskDeltaSender(SHARD, disk_dir=root, delta_encoding="xor", base_dir=base_dir, run_id="run", epoch=2)
+    rebuilt = DiskDeltaReceiver("cpu", version=kept.version)
+    _join(restarted, [rebuilt])
+    _perturb(w, seed=22)
+    assert _update_all(restarted, [rebuilt], 5, w, pointers).base_version is None
+    _perturb(w, seed=23)
+    assert _update_all(restarted, [rebuilt], 6, w, pointers).base_version == 5
+    assert [(p["epoch"], p["version"]) for p in pointers] == [(0, v) for v in range(1, 6)] + [(1, 3), (1, 4), (2, 5),
+                                                                                           (2, 6)]
+    _never_backwards_within_a_segment(pointers)
+
+
+def test_an_xor_delta_on_a_version_of_another_segment_is_refused(tmp_path, base):
+    """Same number, other run: an engine serving version 2 of one run never applies another run's xor on
+    its version 2 (the numbers match, the bytes need not)."""
+    base_dir, w = base
+    root = tmp_path / "deltas"
+    one = DiskDeltaSender(SHARD, disk_dir=root, delta_encoding="xor", base_dir=base_dir, run_id="one")
+    r = DiskDeltaReceiver("cpu")
+    _join(one, [r])
+    for version in (1, 2):
+        _perturb(w, seed=version)
+        _update_all(one, [r], version, w, [])
+    other = DiskDeltaSender(SHARD, disk_dir=root, delta_encoding="xor", base_dir=base_dir, run_id="other")
+    _join(other, [r])
+    theirs = _weights(7)
+    assert other.update(2, list(theirs.items())).base_version is None  # its own version 2, which r never took
+    _perturb(theirs, seed=3)
+    assert other.update(3, list(theirs.items())).base_version == 2
+    r.begin(3)
+    with pytest.raises(TransferError, match=r"version 3 is an xor delta on version 2 of run other epoch 0, but this "
+                                            r"engine's version 2 is of run one epoch 0"):
+        r.receive()
+    assert r.version == 2
+
+
+@pytest.mark.parametrize("where", ["../escape.safetensors", "absolute", "symlink"])
+def test_a_shard_path_outside_the_version_folder_is_refused(tmp_path, base, where):
+    """Even in an index the trainer's key signed: a shard is a file name inside the version's folder."""
+    sender, r, folder = _two_versions(tmp_path, base)
+    victim = "model.layers.0.mlp.up_proj.weight"
+    shard = folder / json.loads((folder / INDEX_NAME).read_text())["weight_map"][victim]
+    outside = tmp_path / "escape.safetensors"
+    outside.write_bytes(shard.read_bytes())  # a readable copy: without the check it would load
+    if where == "symlink":
+        shard.unlink()
+        shard.symlink_to(outside)
+        _refused_and_still_on_version_1(r, rf"{INDEX_NAME}: shard path '{shard.name}' resolves to {outside}, outside ")
+        return
+    path = str(outside) if where == "absolute" else "../../escape.safetensors"
+    _forge(folder, lambda i: i["weight_map"].update({victim: path}), sender)
+    _refused_and_still_on_version_1(r, rf"{INDEX_NAME}: shard path '{path}' of tensor '{victim}' is not a file "
+                                       rf"name inside")
+
+
+def test_an_edited_index_with_its_checksum_recomputed_is_refused_as_unsigned(tmp_path, base):
+    sender, r, folder = _two_versions(tmp_path, base)
+    victim = "model.layers.0.mlp.up_proj.weight"
+    _forge(folder, lambda i: i["weight_map"].update({victim: "../../escape.safetensors"}))
+    _refused_and_still_on_version_1(r, rf"{INDEX_NAME} is not signed by this job's trainer \(run "
+                                       rf"{sender.identity.run_id} epoch 0\)")
+    _forge(folder, lambda i: i["tensors"][victim].update(checksum="0" * 16))
+    _refused_and_still_on_version_1(r, "is not signed by this job's trainer")
+    # another sender's key (another run, or the same run's earlier trainer) does not sign for this one
+    other = DiskDeltaSender(SHARD, disk_dir=tmp_path / "elsewhere", run_id=sender.identity.run_id)
+    _forge(folder, lambda i: None, other)
+    _refused_and_still_on_version_1(r, "is not signed by this job's trainer")
+    assert "key" not in (folder / INDEX_NAME).read_text() and sender.identity.key.hex() not in "".join(
+        p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_the_job_passes_run_and_epoch_to_the_sender(tmp_path):
+    from rlplacement.config import TransferConfig
+    from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
+    from rlplacement.transfer.disk_delta import DiskDeltaOptions
+
+    config = TransferConfig(mode="disk-delta", requested_mode="disk-delta", buffer_size=SHARD,
+                            options=DiskDeltaOptions(disk_dir=str(tmp_path)))
+    assert registry.sender_options(config, "disk-delta", run_id="r", epoch=2)["epoch"] == 2
+    assert "run_id" not in registry.sender_options(config, "broadcast", run_id="r", epoch=2)
+    trainer = TrainerTransferMixin()
+    trainer.transfer_setup_from_config(config, base_dir=None, run_id="r", epoch=2)
+    info = TransferEndpoint.from_dict(trainer.transfer_listen(2)).mode_info
+    assert (info["run_id"], info["epoch"]) == ("r", 2) and len(bytes.fromhex(info["key"])) == 32
+    trainer.transfer_close()
+
+
+def test_a_sender_whose_folder_another_run_took_over_is_refused(tmp_path, base):
+    base_dir, w = base
+    root = tmp_path / "deltas"
+    first = DiskDeltaSender(SHARD, disk_dir=root, base_dir=base_dir, run_id="first")
+    r = DiskDeltaReceiver("cpu")
+    _join(first, [r])
+    _update_all(first, [r], 1, w, [])
+    second = DiskDeltaSender(SHARD, disk_dir=root, base_dir=base_dir, run_id="second")
+    _join(second, [DiskDeltaReceiver("cpu")])
+    second.update(1, list(w.items()))
+    _perturb(w, seed=2)
+    with pytest.raises(TransferError, match=r"latest now holds version 1 of run second epoch 0, published after this "
+                                            r"sender's \(run first epoch 0\) last version: one sender per "
+                                            r"--update-weight-disk-dir"):
+        first.update(2, list(w.items()))
+    r.begin(2)
+    with pytest.raises(UpdateAborted, match="one sender per --update-weight-disk-dir"):  # at once, not at its timeout
+        r.receive()

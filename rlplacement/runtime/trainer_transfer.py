@@ -36,7 +36,8 @@ class TrainerTransferMixin:
 
     def transfer_setup(self, mode: str, buffer_size: int, *, check_equal: bool = False,
                        timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **mode_options) -> None:
-        """``mode_options`` go to the mode's sender only (disk-delta: disk_dir, delta_encoding, base_dir)."""
+        """``mode_options`` go to the mode's sender only (disk-delta: disk_dir, delta_encoding, base_dir,
+        run_id, epoch)."""
         if self.transfer_sender is not None:
             self.transfer_sender.close()
         self.transfer_sender = registry.sender_class(mode)(buffer_size, check_equal=check_equal,
@@ -44,15 +45,16 @@ class TrainerTransferMixin:
 
     def transfer_setup_from_config(self, transfer_config, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                                    device: str | None = None, base_dir: str | None = None, mode: str | None = None,
-                                   check_equal: bool | None = None) -> None:
+                                   check_equal: bool | None = None, run_id: str = "", epoch: int = 0) -> None:
         """Set up from ``rlplacement.config.TransferConfig``: the mode that runs (``cuda_ipc`` under
         --colocate) unless ``mode`` overrides it, with every option of that mode from the config
         (:func:`registry.sender_options`), so none is dropped on the way. ``base_dir``: the checkpoint the
-        engines started from (disk-delta's version 0)."""
+        engines started from (disk-delta's version 0). ``run_id``/``epoch``: the run's identity and its
+        resumes so far (disk-delta starts a new segment of its folder at each; "": a fresh run id)."""
         mode = mode or transfer_config.mode
         check = transfer_config.check_equal if check_equal is None else check_equal
         self.transfer_setup(mode, transfer_config.buffer_size, check_equal=check, timeout_s=timeout_s, device=device,
-                            **registry.sender_options(transfer_config, mode, base_dir))
+                            **registry.sender_options(transfer_config, mode, base_dir, run_id=run_id, epoch=epoch))
 
     def transfer_listen(self, world_size: int, host: str | None = None) -> dict:
         if self.transfer_sender is None:

@@ -86,11 +86,14 @@ def receiver_class(mode: str) -> type:
     return spec(mode).receiver_class()
 
 
-def sender_options(transfer_config, mode: str, base_dir: str | None = None) -> dict[str, Any]:
+def sender_options(transfer_config, mode: str, base_dir: str | None = None, *, run_id: str = "",
+                   epoch: int = 0) -> dict[str, Any]:
     """The keyword arguments ``mode``'s sender takes from a ``rlplacement.config.TransferConfig``: the
     fields of its options (a sender takes them by name and builds its options dataclass again, which
     validates them), from the flags, or the mode's defaults when the config was built for another mode;
-    ``base_dir`` (the checkpoint the engines started from) where the options have such a field."""
+    where the options have such fields, what the job knows and no flag says: ``base_dir`` (the
+    checkpoint the engines started from), ``run_id`` (the run's identity across resumes; "" leaves the
+    mode's own choice) and ``epoch`` (how many times the run was resumed)."""
     s = spec(mode)
     if s.options is None:
         return {}
@@ -98,4 +101,8 @@ def sender_options(transfer_config, mode: str, base_dir: str | None = None) -> d
     kwargs = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     if base_dir is not None and "base_dir" in kwargs:
         kwargs["base_dir"] = base_dir
+    if run_id and "run_id" in kwargs:
+        kwargs["run_id"] = run_id
+    if "epoch" in kwargs:
+        kwargs["epoch"] = epoch
     return kwargs

@@ -8,9 +8,12 @@ Data flow: trainer tensors -> diff against the bytes the engines hold (``delta_c
 
 Coordination: ``transfer_driver.run_update`` starts the trainer's ``update`` and the engines'
 receive at once; a receiver waits (bounded by the endpoint's timeout) for ``latest`` to reach its
-version, or for ``DIR/abort_v{N:06d}.json``, which a sender whose weight source failed writes so
-the engines stop at once instead of timing out. Over the endpoint, ``group_name`` carries the
-folder (vLLM's init info has a fixed set of fields) and ``backend`` is ``"file"``.
+version as published by its own sender, or for that sender's ``DIR/abort_v{N:06d}.json``, which a
+sender whose weight source failed writes so the engines stop at once instead of timing out. Over
+the endpoint, ``group_name`` carries the folder (vLLM's init info has a fixed set of fields),
+``backend`` is ``"file"`` and ``mode_info`` is :class:`DiskDeltaInit`: the run, epoch and sender the
+receivers wait for and the key that signs every index (it travels only over the control plane,
+never through the folder).
 
 This package registers the mode's spec and options; its classes are in :mod:`.sender` and
 :mod:`.receiver`, the folder's format in :mod:`.folder_format`.
@@ -32,8 +35,11 @@ MODE = "disk-delta"
 @dataclasses.dataclass(frozen=True)
 class DiskDeltaOptions(OptionsBase):
     """``disk_dir`` None: a fresh folder under the system temp dir (one host only; a run from the flags
-    must name one). ``base_dir``: the HF checkpoint the engines started from (version 0), set by the job,
-    not a flag; None makes the first version a keyframe."""
+    must name one). Set by the job, not flags: ``base_dir``, the HF checkpoint the engines started from
+    (version 0; None makes the first version a keyframe); ``run_id``, the run's identity across its
+    resumes ("": the sender makes a fresh random one); ``epoch``, how many times the run was resumed
+    (a ``--load`` resume or a trainer restart; 0 for a fresh run). A (run_id, epoch) is one segment of
+    the folder (:mod:`.folder_format`)."""
 
     disk_dir: str | os.PathLike | None = flag_field(
         "--update-weight-disk-dir", None, type=str, help="disk-delta: the folder every engine reads versions from.")
@@ -41,8 +47,14 @@ class DiskDeltaOptions(OptionsBase):
         "--update-weight-delta-encoding", "xor", type=str, choices=ENCODINGS,
         help="disk-delta encoding: xor (apply exactly once) or overwrite (idempotent).")
     base_dir: str | os.PathLike | None = None
+    run_id: str = ""
+    epoch: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str):
+            raise ConfigError(f"disk-delta run_id {self.run_id!r} must be a string (\"\": a fresh random one)")
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
+            raise ConfigError(f"disk-delta epoch {self.epoch!r} must be an int >= 0 (the run's resumes so far)")
         if self.delta_encoding not in ENCODINGS:
             raise ConfigError(f"--update-weight-delta-encoding {self.delta_encoding!r} is unknown: use one of "
                               f"{', '.join(ENCODINGS)}")
@@ -57,9 +69,24 @@ class DiskDeltaOptions(OptionsBase):
         return self
 
 
+@dataclasses.dataclass(frozen=True)
+class DiskDeltaInit:
+    """What every receiver needs from its sender, carried as ``TransferEndpoint.mode_info``: the segment
+    it publishes (``run_id``, ``epoch``), its own id (``sender``: the pointer and abort markers it
+    writes carry it, so a receiver never takes another sender's for its own) and ``key`` (hex), the
+    HMAC-SHA256 key that signs every index and abort marker it writes. The key crosses only the control
+    plane (Ray, vLLM's RPC), never the folder: whoever can only write the folder cannot sign."""
+
+    run_id: str
+    epoch: int
+    sender: str
+    key: str
+
+
 SPEC = register_mode(ModeSpec(
     name=MODE, sender="rlplacement.transfer.disk_delta.sender:DiskDeltaSender",
     receiver="rlplacement.transfer.disk_delta.receiver:DiskDeltaReceiver",
     summary="per-tensor byte deltas written to a shared folder; engines read and verify each version",
-    options=DiskDeltaOptions, layouts=frozenset({SPLIT}), advisor_path=DISK, advisor_efficiency=1.0,
+    options=DiskDeltaOptions, init_record=DiskDeltaInit, layouts=frozenset({SPLIT}), advisor_path=DISK,
+    advisor_efficiency=1.0,
     moves_changed_bytes_only=True, bench=None, verl_backend="rlplacement_disk_delta", miles_factory="disk_delta"))

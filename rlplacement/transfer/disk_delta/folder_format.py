@@ -3,8 +3,9 @@
 Layout of ``DIR`` (the ``--update-weight-disk-dir`` shared by the trainer and the engines)::
 
     DIR/weight_v{N:06d}/                 safetensors shards of zstd payloads + model.safetensors.index.json
-    DIR/latest                           JSON {"version": N, "folder": ...}, the newest complete version
-    DIR/abort_v{N:06d}.json              written by a sender whose weight source failed during version N
+    DIR/latest                           JSON {"version", "folder", "run_id", "epoch", "sender"}: the newest
+                                         complete version and who published it
+    DIR/abort_v{N:06d}.json              written (signed) by a sender whose weight source failed during version N
     DIR/.tmp-*                           an unfinished write (removed by the next update)
 
 Invariants:
@@ -13,11 +14,21 @@ Invariants:
   file and the folder are fsynced, the folder is renamed into place, and ``DIR/latest`` is
   written last the same way (tmp + fsync + rename + fsync of ``DIR``). A crash leaves at most a
   ``.tmp-*`` entry.
+* Segments: the folder holds the versions of one segment, a (run_id, epoch) of the job (an epoch
+  is a start of the run from a checkpoint). A sender of another segment first removes the
+  pointer and every version, marker and tmp entry (:func:`start_segment`), then publishes; its
+  first version is a keyframe. Within a segment ``latest`` only moves forward; across segments it
+  may go back (a resume continues from its checkpoint's version).
+* Receivers take only the pointer and abort markers of their own sender (run_id, epoch and
+  sender id from the endpoint), so another run's pointer is never mistaken for theirs.
 * The index holds ``version``, ``base_version`` (None: a keyframe whose tensors are all stored
-  whole), ``delta_encoding`` (xor|overwrite), ``checksum`` (the kind, xxh3-64), ``index_checksum``
-  (xxh3-64 of the index's own canonical JSON: a damaged index is refused whole), ``weight_map``
-  (stored tensor -> shard) and ``tensors``: every tensor of the version, unchanged ones
-  included, with dtype, shape, its checksum, and for stored ones the payload's checksum.
+  whole), ``delta_encoding`` (xor|overwrite), ``checksum`` (the kind, xxh3-64), ``run_id``,
+  ``epoch``, ``sender``, ``signature`` (HMAC-SHA256 under the sender's key, :mod:`.signing`: an
+  index not written by this job's trainer is refused), ``index_checksum`` (xxh3-64 of the index's
+  own canonical JSON: a damaged index is refused whole, as corrupt), ``weight_map`` (stored tensor ->
+  shard: a plain file name inside the version's folder, anything else refused) and ``tensors``:
+  every tensor of the version, unchanged ones included, with dtype, shape, its checksum, and for
+  stored ones the payload's checksum.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from typing import TYPE_CHECKING
 from rlplacement.atomic_files import fsync_dir, write_atomic, write_synced
 from rlplacement.transfer import delta_codec as codec
 from rlplacement.transfer.base import TransferError, UpdateAborted
+from rlplacement.transfer.disk_delta.signing import SenderIdentity, describe_record
 
 if TYPE_CHECKING:
     import numpy as np
@@ -57,7 +69,6 @@ def abort_marker(version: int) -> str:
     return f"abort_v{version:06d}.json"
 
 
-
 def index_checksum(index: dict) -> str:
     """xxh3-64 of the index's canonical JSON without its own ``index_checksum`` entry: an index edited
     or damaged after publishing (a shard name, an offset, a tensor checksum) is refused as a whole."""
@@ -75,11 +86,12 @@ def publish_file(root: Path, name: str, data: bytes) -> None:
 
 
 def read_pointer(root: Path) -> dict | None:
-    """``DIR/latest`` as a dict, None while nothing is published."""
+    """``DIR/latest`` as a dict, None while nothing is published (or while it is not a JSON object)."""
     try:
-        return json.loads((Path(root) / POINTER_NAME).read_text())
-    except FileNotFoundError:
+        pointer = json.loads((Path(root) / POINTER_NAME).read_text())
+    except (FileNotFoundError, ValueError):
         return None
+    return pointer if isinstance(pointer, dict) and isinstance(pointer.get("version"), int) else None
 
 
 def read_safetensors_bytes(path: Path) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
@@ -145,11 +157,12 @@ class VersionWriter:
         self.weight_map.update((n, shard) for n in self._pending)
         self._pending, self._pending_bytes = {}, 0
 
-    def publish(self, index: dict) -> dict:
-        """Index, fsyncs, rename into place, then ``latest``. Returns the index as written."""
+    def publish(self, index: dict, identity: SenderIdentity) -> dict:
+        """Index (signed by ``identity``), fsyncs, rename into place, then ``latest``. Returns the index."""
         self._flush()
         index["weight_map"] = dict(self.weight_map)
         index["metadata"]["wire_bytes"] = self.wire_bytes
+        identity.sign(index)
         index["index_checksum"] = index_checksum(index)
         blob = json.dumps(index, indent=1, sort_keys=True).encode()
         index["metadata"]["wire_bytes"] = self.wire_bytes = self.wire_bytes + len(blob)
@@ -160,61 +173,115 @@ class VersionWriter:
             shutil.rmtree(final)
         os.rename(self.tmp, final)
         fsync_dir(self.root)
-        publish_file(self.root, POINTER_NAME, json.dumps({"version": self.version,
-                                                           "folder": version_folder(self.version)}).encode())
+        pointer = {"version": self.version, "folder": version_folder(self.version), **identity.stamp()}
+        publish_file(self.root, POINTER_NAME, json.dumps(pointer).encode())
         return index
 
     def discard(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def publish_abort(root: Path, version: int, reason: str) -> None:
-    """``DIR/abort_v{N}.json``: receivers waiting for version N stop at once instead of timing out."""
-    publish_file(root, abort_marker(version), json.dumps({"version": version, "reason": reason}).encode())
+def publish_abort(root: Path, version: int, reason: str, identity: SenderIdentity) -> None:
+    """``DIR/abort_v{N}.json``, signed: this sender's receivers waiting for version N stop at once
+    instead of timing out (another sender's receivers ignore it)."""
+    marker = identity.sign({"version": version, "reason": reason})
+    publish_file(root, abort_marker(version), json.dumps(marker).encode())
+
+
+def _remove(entry: Path) -> None:
+    shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() and not entry.is_symlink() else entry.unlink(
+        missing_ok=True)
+
+
+def start_segment(root: Path) -> bool:
+    """Make ``root`` hold no segment: the pointer first (so it never names a removed folder), then every
+    version, abort marker and tmp entry; files of other names are left alone. Called by the first
+    update of a sender whose segment the folder does not record, so no receiver of that segment reads
+    here yet. Returns whether another segment's versions were there (its first version is then a
+    keyframe)."""
+    pointer = read_pointer(root)
+    (root / POINTER_NAME).unlink(missing_ok=True)
+    had_versions = pointer is not None
+    for entry in root.iterdir():
+        if entry.name.startswith("weight_v"):
+            had_versions = True
+        if entry.name.startswith(("weight_v", "abort_v", TMP_PREFIX)):
+            _remove(entry)
+    fsync_dir(root)
+    return had_versions
 
 
 # ---- reading ----------------------------------------------------------------------------------
 
-def wait_for_version(root: Path, version: int, timeout_s: float) -> Path:
-    """The folder of ``version`` once ``latest`` reaches it; raises on its abort marker or the timeout."""
+def wait_for_version(root: Path, version: int, timeout_s: float, identity: SenderIdentity) -> Path:
+    """The folder of ``version`` once ``latest``, as published by ``identity``'s sender, reaches it; raises
+    on that sender's abort marker or the timeout. Another sender's pointer or marker (another run or
+    epoch, a sender replaced in this one) is not this receiver's and is waited past."""
     deadline = time.monotonic() + timeout_s
     marker = root / abort_marker(version)
     while True:
         pointer = read_pointer(root)
-        if pointer is not None and int(pointer["version"]) >= version:
+        if identity.owns(pointer) and pointer["version"] >= version:
             folder = root / version_folder(version)
             if not folder.is_dir():
                 raise TransferError(f"version {version} is no longer in {root} (latest is "
                                     f"{pointer['version']}): this engine fell too far behind")
             return folder
-        if marker.exists():
-            reason = json.loads(marker.read_text()).get("reason", "")
-            raise UpdateAborted(f"trainer aborted update to version {version}: {reason}")
+        aborted = _read_marker(marker, identity)
+        if aborted is not None:
+            raise UpdateAborted(f"trainer aborted update to version {version}: {aborted.get('reason', '')}")
         if time.monotonic() > deadline:
-            latest = pointer["version"] if pointer else "none"
+            latest = "none" if pointer is None else (
+                pointer["version"] if identity.owns(pointer)
+                else f"version {pointer['version']} of another sender ({describe_record(pointer)})")
             raise TransferError(f"version {version} was not published in {root} within "
-                                f"{timeout_s:.0f}s (latest: {latest})")
+                                f"{timeout_s:.0f}s by the trainer of {identity.describe()} (latest: {latest})")
         time.sleep(POLL_S)
 
 
-def read_index(folder: Path, version: int, served: int) -> dict:
-    """The index of ``folder``, refused unless intact, of ``version``, and in a known checksum kind and
-    encoding. ``served``: the version the engine keeps if it is refused (for the message)."""
+def _read_marker(path: Path, identity: SenderIdentity) -> dict | None:
+    """The abort marker at ``path`` when ``identity``'s sender wrote and signed it, else None."""
     try:
-        index = json.loads((folder / INDEX_NAME).read_text())
+        marker = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and identity.owns(marker) and identity.verifies(marker) else None
+
+
+def read_index(folder: Path, version: int, served: int, identity: SenderIdentity) -> dict:
+    """The index of ``folder``, refused unless intact, signed with ``identity``'s key, of ``version``, in a
+    known checksum kind and encoding, with every shard a file name inside ``folder``. ``served``: the
+    version the engine keeps if it is refused (for the message)."""
+    path = folder / INDEX_NAME
+    try:
+        index = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise TransferError(f"{folder / INDEX_NAME} is unreadable or corrupt: {exc}") from exc
+        raise TransferError(f"{path} is unreadable or corrupt: {exc}") from exc
+    if not isinstance(index, dict):
+        raise TransferError(f"{path} is corrupt: not a JSON object; the engine keeps version {served}")
     if index.get("index_checksum") != index_checksum(index):
-        raise TransferError(f"{folder / INDEX_NAME} is corrupt: its content does not match its index_checksum "
+        raise TransferError(f"{path} is corrupt: its content does not match its index_checksum "
                             f"{index.get('index_checksum')!r}; the engine keeps version {served}")
+    if not identity.verifies(index):
+        raise TransferError(f"{path} is not signed by this job's trainer ({identity.describe()}): its signature "
+                            f"does not match the key the engine got at connect, so it was edited or written by "
+                            f"another run ({describe_record(index)}); the engine keeps version {served}")
     if index.get("version") != version:
-        raise TransferError(f"{folder / INDEX_NAME} holds version {index.get('version')}, expected {version}")
+        raise TransferError(f"{path} holds version {index.get('version')}, expected {version}")
     if index.get("checksum") != codec.CHECKSUM_KIND:
-        raise TransferError(f"{folder / INDEX_NAME}: checksum kind {index.get('checksum')!r} is not "
-                            f"{codec.CHECKSUM_KIND!r}")
+        raise TransferError(f"{path}: checksum kind {index.get('checksum')!r} is not {codec.CHECKSUM_KIND!r}")
     if index.get("delta_encoding") not in codec.ENCODINGS:
-        raise TransferError(f"{folder / INDEX_NAME}: unknown delta_encoding {index.get('delta_encoding')!r}")
+        raise TransferError(f"{path}: unknown delta_encoding {index.get('delta_encoding')!r}")
+    for name, shard in index["weight_map"].items():
+        if not _plain_file_name(shard):
+            raise TransferError(f"{path}: shard path {shard!r} of tensor {name!r} is not a file name inside {folder} "
+                                f"(absolute, '..' or a sub-folder): refused; the engine keeps version {served}")
     return index
+
+
+def _plain_file_name(shard: object) -> bool:
+    return isinstance(shard, str) and shard not in ("", ".", "..") and "/" not in shard and "\\" not in shard \
+        and "\0" not in shard and os.path.basename(shard) == shard
 
 
 def read_payloads(folder: Path, index: dict) -> dict[str, "np.ndarray"]:
@@ -225,7 +292,12 @@ def read_payloads(folder: Path, index: dict) -> dict[str, "np.ndarray"]:
     for name, shard in index["weight_map"].items():
         by_shard.setdefault(shard, []).append(name)
     out = {}
+    inside = folder.resolve()
     for shard, names in sorted(by_shard.items()):
+        resolved = (folder / shard).resolve()
+        if resolved.parent != inside:  # a symlink out of the folder
+            raise TransferError(f"{folder / INDEX_NAME}: shard path {shard!r} resolves to {resolved}, outside "
+                                f"{folder}: refused")
         try:
             tensors = read_safetensors_bytes(folder / shard)
         except Exception as exc:  # noqa: BLE001 - any parse failure is corruption of this shard

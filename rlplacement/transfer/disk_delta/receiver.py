@@ -1,9 +1,12 @@
 """The engine side of disk-delta: wait for version N in the folder (:mod:`.folder_format`), verify
 it, stage base + delta, commit (the staging and version plumbing is :class:`StagingReceiver`'s).
 
-Rules: xor applies only on its base version (anything else is refused before decoding);
-overwrite applies on any held bytes and is accepted when every resulting tensor's checksum
-equals the version's (so re-applying it is harmless). Every payload's checksum is checked before
+Rules: a receiver takes only what its own sender published (the pointer and abort markers carry the
+sender's run, epoch and id; every index is signed with the key it got at connect: anything else is
+refused naming the file). xor applies only on its base version of the same segment (anything else
+is refused before decoding; a keyframe has no base, so an engine kept from an earlier epoch takes
+the new segment's first version); overwrite applies on any held bytes and is accepted when every
+resulting tensor's checksum equals the version's (so re-applying it is harmless). Every payload's checksum is checked before
 decoding and every result's after: corruption is refused naming the tensor, and nothing reaches
 the model before ``commit``. The receiver keeps a host copy of the bytes it serves (vLLM CPU
 repacks its linear layers, so the model's own parameters cannot serve as the base).
@@ -21,15 +24,16 @@ from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, ApplyFn, NamedTensor, 
                                        WeightMismatchError)
 from rlplacement.transfer.disk_delta import folder_format
 from rlplacement.transfer.disk_delta import MODE
+from rlplacement.transfer.disk_delta.signing import SenderIdentity
 from rlplacement.transfer.staging import StagingReceiver
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-# (folder, rank) -> (version, held bytes, held checksums) of the last commit in this process: a
+# (folder, rank) -> (version, held bytes, held checksums, segment) of the last commit in this process: a
 # receiver rebuilt on reconnect (the vLLM backend makes a new one per init) adopts it.
-_COMMITTED: dict[tuple[str, int], tuple[int, dict, dict]] = {}
+_COMMITTED: dict[tuple[str, int], tuple[int, dict, dict, tuple[str, int] | None]] = {}
 
 
 class DiskDeltaReceiver(StagingReceiver):
@@ -51,6 +55,9 @@ class DiskDeltaReceiver(StagingReceiver):
         self._held_sums: dict[str, str] = {}
         self._staged_held: tuple[dict, dict] | None = None  # what ``commit`` makes the held bytes
         self.last_index: dict | None = None
+        self.identity: SenderIdentity | None = None  # the sender of the endpoint this receiver joined
+        self._segment: tuple[str, int] | None = None  # (run_id, epoch) of the version served; None: the checkpoint
+        self._staged_segment: tuple[str, int] | None = None
 
     def _joined(self) -> bool:
         return self.root is not None
@@ -64,28 +71,41 @@ class DiskDeltaReceiver(StagingReceiver):
         if not root.is_dir():
             raise TransferError(f"--update-weight-disk-dir {root} is not a folder this engine can read "
                                 f"(disk-delta needs a folder shared by the trainer and the engines)")
+        self.identity = SenderIdentity.from_mode_info(endpoint.mode_info, f"disk-delta receiver rank {rank}")
         self.root, self._timeout_s = root, endpoint.timeout_s
         cached = _COMMITTED.get((str(root), rank))
         if self._held is None and cached is not None and cached[0] == self._version:
-            _, self._held, self._held_sums = cached
+            _, self._held, self._held_sums, self._segment = cached
 
     def _stage(self) -> tuple[list[NamedTensor], int, int]:
-        folder = folder_format.wait_for_version(self.root, self._pending, self._timeout_s)
-        index = folder_format.read_index(folder, self._pending, self._version)
-        base = index.get("base_version")
-        if index["delta_encoding"] == "xor" and base is not None and base != self._version:
-            raise TransferError(f"{self._where()}: version {self._pending} is an xor delta on version {base}, but this "
-                                f"engine serves version {self._version}; xor applies exactly once, on its base")
+        folder = folder_format.wait_for_version(self.root, self._pending, self._timeout_s, self.identity)
+        index = folder_format.read_index(folder, self._pending, self._version, self.identity)
+        base, segment = index.get("base_version"), (index["run_id"], index["epoch"])
+        if index["delta_encoding"] == "xor" and base is not None:
+            if base != self._version:
+                raise TransferError(f"{self._where()}: version {self._pending} is an xor delta on version {base}, "
+                                    f"but this engine serves version {self._version}; xor applies exactly once, "
+                                    f"on its base")
+            if base != 0 and self._segment != segment:  # version 0 is the checkpoint, the same in every segment
+                raise TransferError(f"{self._where()}: version {self._pending} is an xor delta on version {base} of "
+                                    f"run {segment[0]} epoch {segment[1]}, but this engine's version {self._version} "
+                                    f"is of {self._describe_segment()}; xor applies only on its own base")
         staged, held, sums, stored_bytes = self._decode(folder, index)
-        self._staged_held, self.last_index = (held, sums), index
+        self._staged_held, self._staged_segment, self.last_index = (held, sums), segment, index
         return staged, len(set(index["weight_map"].values())), stored_bytes
 
     def commit(self, apply: ApplyFn) -> int:
         held_and_sums, self._staged_held = self._staged_held, None
         version = super().commit(apply)
         self._held, self._held_sums = held_and_sums
-        _COMMITTED[(str(self.root), self.rank)] = (version, *held_and_sums)
+        self._segment = self._staged_segment
+        _COMMITTED[(str(self.root), self.rank)] = (version, *held_and_sums, self._segment)
         return version
+
+    def _describe_segment(self) -> str:
+        if self._segment is None:
+            return "the checkpoint" if self._version == 0 else "an unknown run (this receiver did not load it)"
+        return f"run {self._segment[0]} epoch {self._segment[1]}"
 
     def abort(self) -> None:
         super().abort()

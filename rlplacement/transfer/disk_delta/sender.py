@@ -7,6 +7,13 @@ last bytes it published so it can diff the next step. Version N is a delta only 
 and only when no ``listen`` came in between (engines that rejoin, e.g. after a failed update, may
 hold an older version); otherwise it is a keyframe. A failed update leaves no version behind and
 publishes an abort marker. One sender per folder; it keeps the newest ``keep_versions`` folders.
+
+Segments: the sender publishes for one (``run_id``, ``epoch``) of the job. Its first update on a
+folder that records another segment removes that segment's files and writes a keyframe (the
+engines may hold anything: fresh ones the checkpoint, kept ones a version of an earlier epoch),
+so a resume may continue from a version lower than the folder's. Within its segment a version
+not above the folder's ``latest`` is refused, so ``latest`` never moves backwards there. Every
+index and abort marker is signed with this sender's own key (:mod:`.signing`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, HFShapes, NamedTensor,
                                        UpdateAborted, UpdateReport, WeightSender, hf_shaped)
 from rlplacement.transfer.disk_delta import folder_format
 from rlplacement.transfer.disk_delta import MODE, DiskDeltaOptions
+from rlplacement.transfer.disk_delta.signing import SenderIdentity, describe_record
 
 if TYPE_CHECKING:
     import numpy as np
@@ -66,13 +74,16 @@ class DiskDeltaSender(WeightSender):
 
     def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: Any = None, disk_dir: str | os.PathLike | None = None, delta_encoding: str = "xor",
-                 base_dir: str | os.PathLike | None = None, keep_versions: int = KEEP_VERSIONS):
+                 base_dir: str | os.PathLike | None = None, run_id: str = "", epoch: int = 0,
+                 keep_versions: int = KEEP_VERSIONS):
         """``buffer_size`` bounds one shard's payload bytes. ``disk_dir`` None: a fresh folder under
         the system temp dir (one host only; removed on close). ``base_dir``: the HF checkpoint the
-        engines started from (version 0); None makes the first version a keyframe."""
+        engines started from (version 0); None makes the first version a keyframe. ``run_id`` and
+        ``epoch``: the segment this sender publishes (``DiskDeltaOptions``; "" makes a fresh run id)."""
         if buffer_size <= 0:
             raise ValueError(f"buffer_size must be positive, got {buffer_size}: set --update-weight-buffer-size")
-        self.options = DiskDeltaOptions(disk_dir, delta_encoding, base_dir)  # validates
+        self.options = DiskDeltaOptions(disk_dir=disk_dir, delta_encoding=delta_encoding, base_dir=base_dir,
+                                        run_id=run_id, epoch=epoch)  # validates
         if keep_versions < 2:
             raise ValueError(f"keep_versions {keep_versions}: keep at least the newest version and its base")
         self.buffer_size, self.check_equal, self.timeout_s = buffer_size, check_equal, timeout_s
@@ -87,6 +98,9 @@ class DiskDeltaSender(WeightSender):
         self._scratch = None  # uint8, the largest tensor's size: the xor of the tensor being encoded
         self._spare: dict[str, "np.ndarray"] = {}  # held arrays replaced by the last version, reused
         self._keyframe_next = False
+        self.identity = SenderIdentity.fresh(run_id, epoch)
+        """This sender's segment, id and signing key; receivers get them through the endpoint's mode_info."""
+        self._published = False  # a version of this sender is in the folder (its segment has started)
 
     # -- protocol
     @property
@@ -105,7 +119,7 @@ class DiskDeltaSender(WeightSender):
         except OSError as exc:
             raise TransferError(f"--update-weight-disk-dir {self.root} is not a writable folder: {exc}") from exc
         self._endpoint = TransferEndpoint(MODE, host or "127.0.0.1", 0, world_size, "file", str(self.root.resolve()),
-                                          self.timeout_s, self.check_equal)
+                                          self.timeout_s, self.check_equal, self.identity.mode_info())
         # (re)joining engines may hold anything we sent (a failed update leaves some on the old version)
         self._keyframe_next = bool(self._held_version)
         return self._endpoint
@@ -123,18 +137,16 @@ class DiskDeltaSender(WeightSender):
             raise TransferError(f"update version {version} is not newer than the last published {self._held_version}")
         start = time.perf_counter()
         self._load_base()
+        self._enter_segment(version)
         self._clean_leftovers()
         writer = folder_format.VersionWriter(self.root, version, self.buffer_size)
         try:
             index, new_held, new_sums = self._write_version(writer, version, hf_shaped(named_tensors, hf_shapes))
-            writer.publish(index)
+            writer.publish(index, self.identity)
         except BaseException as exc:
             writer.discard()
             if isinstance(exc, Exception):
-                try:
-                    folder_format.publish_abort(self.root, version, f"{type(exc).__name__}: {exc}")
-                except OSError:
-                    pass  # the receivers then time out instead; the original error matters more
+                self._abort(version, f"{type(exc).__name__}: {exc}")
                 raise UpdateAborted(f"update to version {version} aborted: {type(exc).__name__}: {exc}") from exc
             raise
         base_version = index["base_version"]
@@ -142,7 +154,7 @@ class DiskDeltaSender(WeightSender):
         self._spare = {n: old_held[n][2] for n, held in new_held.items()
                        if n in old_held and held is not old_held[n]}
         self._held, self._held_sums, self._held_version = new_held, new_sums, version
-        self._keyframe_next = False
+        self._keyframe_next, self._published = False, True
         self._drop_old_versions(version)
         meta = index["metadata"]
         return DeltaUpdateReport(version, len(index["tensors"]), max(1, len(set(index["weight_map"].values()))),
@@ -159,6 +171,35 @@ class DiskDeltaSender(WeightSender):
             shutil.rmtree(self.root, ignore_errors=True)
 
     # -- internals
+    def _abort(self, version: int, reason: str) -> None:
+        try:
+            folder_format.publish_abort(self.root, version, reason, self.identity)
+        except OSError:
+            pass  # the receivers then time out instead; the original error matters more
+
+    def _enter_segment(self, version: int) -> None:
+        """Start this sender's segment in the folder (its first update there), or check that ``version``
+        moves its ``latest`` forward; a refusal names the pointer and stops the receivers at once."""
+        pointer = folder_format.read_pointer(self.root)
+        ours = pointer is not None and (pointer.get("run_id"), pointer.get("epoch")) == self.identity.segment
+        if ours and pointer["version"] >= version:
+            reason = (f"update version {version} is not newer than version {pointer['version']} that "
+                      f"{self.identity.describe()} already published in {self.root / folder_format.POINTER_NAME}: "
+                      f"within a run's epoch versions only go forward (send a higher version; a resume is a new "
+                      f"epoch)")
+            self._abort(version, reason)
+            raise TransferError(reason)
+        if ours or (pointer is None and self._published):
+            return
+        if self._published:  # another run wrote here after this sender's last version
+            reason = (f"{self.root / folder_format.POINTER_NAME} now holds version {pointer['version']} of "
+                      f"{describe_record(pointer)}, published after this sender's ({self.identity.describe()}) "
+                      f"last version: one sender per --update-weight-disk-dir")
+            self._abort(version, reason)
+            raise TransferError(reason)
+        if folder_format.start_segment(self.root):
+            self._keyframe_next = True  # the engines may hold anything: another run's, or an earlier epoch's
+
     def _load_base(self) -> None:
         if self._held is None and self.base_dir is not None:
             self._held = folder_format.read_checkpoint_bytes(self.base_dir)
