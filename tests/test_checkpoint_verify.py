@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlplacement.backends import checkpoint_files, train_checkpoint
+from rlplacement.backends import checkpoint_files, checkpoint_manifest, train_checkpoint
 from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
 from rlplacement.models.tiny import TinySpec, make_tiny_model
@@ -59,8 +59,8 @@ def test_the_manifest_records_every_file_and_the_model_and_a_whole_checkpoint_lo
 
     root, weights = saved
     folder = train_checkpoint.latest(root)
-    manifest = checkpoint_files.read_manifest(folder)
-    assert sorted(manifest["files"]) == checkpoint_files.files_of(folder)
+    manifest = checkpoint_manifest.read_manifest(folder)
+    assert sorted(manifest["files"]) == checkpoint_manifest.files_of(folder)
     assert {".metadata", "trainer_state.json", "rng_rank0.pt"} <= set(manifest["files"])
     model = manifest["model"]
     assert (model["model_type"], model["hidden_size"], model["vocab_size"], model["dtype"]) == ("qwen3", 64, 300,
@@ -100,15 +100,15 @@ def test_a_missing_file_or_manifest_is_refused_by_name(saved, models, tmp_path):
     (folder / "rng_rank0.pt").unlink()
     with pytest.raises(ConfigError, match=rf"{folder / 'rng_rank0.pt'} is missing \(the checkpoint's manifest lists"):
         _backend(models["hf"], load=root)
-    (folder / checkpoint_files.MANIFEST).unlink()
-    with pytest.raises(ConfigError, match=rf"{folder / checkpoint_files.MANIFEST} is missing, though .* says it "
+    (folder / checkpoint_manifest.MANIFEST).unlink()
+    with pytest.raises(ConfigError, match=rf"{folder / checkpoint_manifest.MANIFEST} is missing, though .* says it "
                                           r"was written"):
         checkpoint_files.check_whole(folder)
 
 
 def test_an_edited_manifest_is_refused(saved, tmp_path):
     root, folder = _copy(saved, tmp_path)
-    path = folder / checkpoint_files.MANIFEST
+    path = folder / checkpoint_manifest.MANIFEST
     manifest = json.loads(path.read_text())
     manifest["files"][".metadata"]["bytes"] += 1
     path.write_text(json.dumps(manifest))
@@ -126,7 +126,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_field(saved, models
 
 
 def test_a_weight_of_another_shape_is_named(saved, models):
-    recorded = checkpoint_files.read_manifest(train_checkpoint.latest(saved[0]))["model"]
+    recorded = checkpoint_manifest.read_manifest(train_checkpoint.latest(saved[0]))["model"]
     edited = {**recorded, "parameters": {**recorded["parameters"], "lm_head.weight": [301, 64]}}
     with pytest.raises(ConfigError, match=r"weight lm_head.weight has shape \[301, 64\] in the checkpoint, "
                                           r"\[300, 64\] in --hf-checkpoint"):
@@ -135,7 +135,7 @@ def test_a_weight_of_another_shape_is_named(saved, models):
 
 def test_an_older_checkpoint_without_manifest_or_job_state_still_loads(saved, models, tmp_path):
     root, folder = _copy(saved, tmp_path)
-    (folder / checkpoint_files.MANIFEST).unlink()
+    (folder / checkpoint_manifest.MANIFEST).unlink()
     state = json.loads((folder / train_checkpoint.STATE).read_text())
     del state["manifest"], state["job_state"]
     (folder / train_checkpoint.STATE).write_text(json.dumps(state))
@@ -157,7 +157,7 @@ def test_hashing_is_streamed_at_disk_speed(tmp_path):
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(32 << 20))
     start = time.perf_counter()
-    checkpoint_files.file_digest(big)
+    checkpoint_manifest.file_digest(big)
     rate = 32 / 1024 / (time.perf_counter() - start)
     print(f"xxh3-64 streamed: {rate:.2f} GB/s")
     assert rate > 0.05  # a loose floor: the suite shares 2 cores

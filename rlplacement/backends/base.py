@@ -300,9 +300,9 @@ class TrainerBackend(abc.ABC):
 
     def model_identity(self) -> dict[str, Any]:
         """The model a checkpoint of this run records: the identity of the checkpoint it resumed from, else
-        of :attr:`source_hf_dir` (``checkpoint_files.model_identity``), else {}."""
+        of :attr:`source_hf_dir` (``checkpoint_manifest.model_identity``), else {}."""
         if self._identity is None:
-            from rlplacement.backends.checkpoint_files import model_identity
+            from rlplacement.backends.checkpoint_manifest import model_identity
 
             self._identity = model_identity(self.source_hf_dir) if self.source_hf_dir else {}
         return self._identity

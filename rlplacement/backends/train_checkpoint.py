@@ -17,7 +17,7 @@ Invariant: a checkpoint is published only whole. Every rank writes into ``iter_N
 them finished, the ranks hash its files (each a share), rank 0 writes the manifest, renames the folder
 to ``iter_N`` and then replaces the marker atomically. A folder whose marker is missing, or names an
 iteration folder without its metadata or state, is refused by name; at load every file is checked
-against the manifest (each rank a share) before anything in it is unpickled (``checkpoint_files``).
+against the manifest (each rank a share) before anything in it is unpickled (``checkpoint_manifest``).
 
 Torch-free at import (preflight checks ``--load`` folders without torch).
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlplacement.atomic_files import fsync_dir, write_atomic
-from rlplacement.backends import checkpoint_files
+from rlplacement.backends import checkpoint_manifest
 from rlplacement.errors import ConfigError
 
 MARKER = "latest_checkpointed_iteration.txt"
@@ -70,7 +70,7 @@ def save(root: str | os.PathLike, iteration: int, model, optimizer, state: dict[
          identity: dict[str, Any] | None = None) -> Path:
     """Collective: write ``model``'s and ``optimizer``'s sharded state (``torch.distributed.checkpoint``), this
     rank's RNG and (rank 0) ``state`` into ``iter_N.tmp``, then publish it with the model's ``identity``
-    (``checkpoint_files.model_identity``). Returns the published folder."""
+    (``checkpoint_manifest.model_identity``). Returns the published folder."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -105,10 +105,10 @@ def publish(root: str | os.PathLike, iteration: int, write: Callable[[Path], Non
     if rank == 0:
         write_atomic(tmp / STATE, json.dumps({**state, "manifest": True}, indent=2))
     dist.barrier()  # every rank's shards are in place
-    digests = _gathered(checkpoint_files.digest_files(tmp, _share(checkpoint_files.files_of(tmp))))
+    digests = _gathered(checkpoint_manifest.digest_files(tmp, _share(checkpoint_manifest.files_of(tmp))))
     if rank == 0:
         files = {name: d for part in digests for name, d in part.items()}
-        write_atomic(tmp / checkpoint_files.MANIFEST, checkpoint_files.manifest_text(files, identity))
+        write_atomic(tmp / checkpoint_manifest.MANIFEST, checkpoint_manifest.manifest_text(files, identity))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         fsync_dir(final.parent)
@@ -159,14 +159,14 @@ def verified(folder: Path, hf_dir: str | os.PathLike | None = None) -> dict[str,
     import torch.distributed as dist
 
     flag = f"--load {folder.parent}"
-    manifest = checkpoint_files.read_manifest(folder, flag)
+    manifest = checkpoint_manifest.read_manifest(folder, flag)
     if manifest is None:
         if dist.get_rank() == 0:
-            checkpoint_files.verify(folder, flag)  # the warning
+            checkpoint_manifest.verify(folder, flag)  # the warning
         return None
     if hf_dir:
-        checkpoint_files.check_identity(manifest.get("model") or {}, hf_dir, flag)
-    bad = _gathered(checkpoint_files.mismatches(folder, manifest, _share(sorted(manifest["files"])), flag))
+        checkpoint_manifest.check_identity(manifest.get("model") or {}, hf_dir, flag)
+    bad = _gathered(checkpoint_manifest.mismatches(folder, manifest, _share(sorted(manifest["files"])), flag))
     problems = sorted(p for part in bad for p in part)
     if problems:
         raise ConfigError(problems[0])
