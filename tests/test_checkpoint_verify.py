@@ -161,3 +161,21 @@ def test_hashing_is_streamed_at_disk_speed(tmp_path):
     rate = 32 / 1024 / (time.perf_counter() - start)
     print(f"xxh3-64 streamed: {rate:.2f} GB/s")
     assert rate > 0.05  # a loose floor: the suite shares 2 cores
+
+
+def test_rljob_start_refuses_an_edited_file_before_any_process_starts(saved, models, tmp_path):
+    """The saved train-call count edited (same size): RLJob.start names the file before Ray starts."""
+    import ray
+
+    import rlplacement
+    from rlplacement.args import build_parser, config_from_args
+
+    root, folder = _copy(saved, tmp_path)
+    state_file = folder / train_checkpoint.STATE
+    state_file.write_text(state_file.read_text().replace('"train_calls": 1', '"train_calls": 7'))
+    config = config_from_args(build_parser().parse_args(
+        ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--train-backend", "fsdp",
+         "--hf-checkpoint", str(models["hf"]), "--load", str(root)]))
+    with pytest.raises(ConfigError, match=rf"{state_file} does not match the checksum recorded when it was saved"):
+        rlplacement.RLJob.start(config, str(models["hf"]))
+    assert not ray.is_initialized()
