@@ -3,10 +3,10 @@ of the manifest itself, and the identity of the model trained (:func:`model_iden
 with JSON and raw bytes only, so a damaged file is named before anything in the folder is unpickled
 (``checkpoint_files`` on the driver, ``train_checkpoint.verified`` in the trainer).
 
-xxh3-64 and not sha256: the threat is corruption (a bad disk, a cut copy), which a 64-bit
-non-cryptographic hash catches with certainty for a flipped byte and with 2^-64 odds otherwise, at
-memory speed (so hashing is bound by the disk); a cryptographic hash would not stop a writer of the
-folder, who could as well replace the pickles and the manifest together.
+xxh3-64 and not sha256: the threat is corruption (a bad disk, a cut copy), which a 64-bit hash misses
+with odds of about 2^-64 (sizes are compared too), at memory speed (so hashing is bound by the disk);
+a cryptographic hash would not stop a writer of the folder, who could as well replace the pickles and
+the manifest together.
 
 Torch-free (preflight runs without torch); a leaf of the checkpoint modules.
 """
