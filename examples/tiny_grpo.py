@@ -9,6 +9,11 @@ target token) -> group-normalised advantages -> one optimizer step -> weights to
 trainer's and an engine's weights exits non-zero naming the tensor. With --one-step-off (split
 layouts) step k+1 generates while step k trains: samples are one version stale after the first
 step (``rollout/staleness``) and the loss uses the engine's log-probs for the importance ratio.
+With --save and --load a run stopped after a checkpoint and resumed goes on as if never stopped: the
+checkpoint keeps the prompt sampler's position and the next step's number (``RLJob.save_checkpoint``'s
+``extra_state``), the job keeps its rollout seeds, so the resumed steps draw the same prompts with the
+same seeds on the same weights. (Under --one-step-off the rollout in flight at the save is not in it:
+the resumed run generates those prompts again, on the checkpoint's weights, with the next seeds.)
 """
 
 from __future__ import annotations
@@ -75,6 +80,19 @@ def long_tail_lengths(n: int, max_len: int, seed: int, alpha: float = 1.5, minim
     return lengths
 
 
+class PromptSampler:
+    """The loop's prompts in a fixed cycle. ``position``: prompts drawn so far, what a checkpoint keeps so a
+    resumed run draws on where the stopped one would have."""
+
+    def __init__(self, prompts: list[list[int]], position: int = 0):
+        self.prompts, self.position = prompts, position
+
+    def draw(self, n: int) -> list[list[int]]:
+        chosen = [self.prompts[(self.position + i) % len(self.prompts)] for i in range(n)]
+        self.position += n
+        return chosen
+
+
 def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, behaviour: bool = False) -> rlplacement.Batch:
     """Right-padded input_ids, a loss mask on response tokens, group-normalised advantages and each
     sample's length; with ``behaviour`` also the engine's log-probs at the sampled tokens' positions
@@ -133,22 +151,30 @@ def run(args: argparse.Namespace) -> int:
             max_response_len=max_len, group_size=group_size,
             prompt_len=round(statistics.fmean(len(p) for p in prompts)), **job.engine_capacity()), trackers=trackers)
         one_step_off = config.placement.one_step_off
+        # where a --load resumes: the step after the checkpoint's and its sampler position ({} when fresh)
+        first_step = job.resumed_extra_state.get("step", 0)
+        last_step = first_step + args.steps
+        sampler = PromptSampler(prompts, job.resumed_extra_state.get("prompt_position", 0))
+        resume_point = {"step": first_step, "prompt_position": sampler.position}
+        job.checkpoint_extra_state = lambda: dict(resume_point)  # what every --save-interval save records
 
         def start_rollout(step: int):
-            chosen = [prompts[(step * args.prompts_per_step + i) % len(prompts)] for i in range(args.prompts_per_step)]
+            chosen = sampler.draw(args.prompts_per_step)
             lengths = (long_tail_lengths(len(chosen) * group_size, max_len, config.rollout.seed + step)
                        if args.long_tail else None)
             job.prepare_rollout()  # --colocate hand-off, timed apart from the phases (perf/handoff_*)
             # samples of a prompt are consecutive (index = prompt * group_size + sample): make_batch's groups
-            return time.time(), job.generate_async(chosen, max_tokens=lengths, exact_lengths=args.long_tail)
+            return time.time(), job.generate_async(chosen, max_tokens=lengths, exact_lengths=args.long_tail), \
+                sampler.position
 
-        t0, pending = start_rollout(0)
-        for step in range(args.steps):
+        t0, pending, drawn = start_rollout(first_step)
+        for step in range(first_step, last_step):
             samples = job.collect(pending)
             tel.record_interval("rollout", t0, max(s.finished_at for s in samples))
             tel.record_samples([len(s.token_ids) for s in samples], [s.finished_at - t0 for s in samples])
-            if one_step_off and step + 1 < args.steps:  # step k+1 generates (on the current weights) while k trains
-                t0, pending = start_rollout(step + 1)
+            resume_point.update(step=step + 1, prompt_position=drawn)  # this step's prompts are trained next
+            if one_step_off and step + 1 < last_step:  # step k+1 generates (on the current weights) while k trains
+                t0, pending, drawn = start_rollout(step + 1)
             staleness = job.version - min(s.weight_version for s in samples)  # versions behind the trainer
             rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
             batch = make_batch(samples, rewards, group_size, tok.pad_token_id or 0, behaviour=one_step_off)
@@ -164,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
             t_sync = time.time()
             report = job.update_weights()  # engines apply it after their current batch, never inside one
             tel.record_interval("sync", t_sync, time.time())
-            if not one_step_off and step + 1 < args.steps:
-                t0, pending = start_rollout(step + 1)
+            if not one_step_off and step + 1 < last_step:
+                t0, pending, drawn = start_rollout(step + 1)
             sync_metrics = dict(report.trainer.metrics)  # disk-delta adds its density and wire bytes
             sync_metrics["perf/update_weights_checked"] = int(report.checked)
             sync_metrics.update({"train/loss": reports[0].loss, "train/grad_norm": reports[0].grad_norm,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from rlplacement import rollout
 from rlplacement.config import Config, OptimConfig
@@ -81,6 +81,12 @@ class RLJob:
         only across epochs, to the checkpoint's, and a disk-delta folder starts a new segment at each."""
         self.run_id = uuid.uuid4().hex
         """This run's identity across resumes (a resumed run keeps its checkpoint's)."""
+        self.resumed_extra_state: dict[str, Any] = {}
+        """The ``extra_state`` the checkpoint this run resumed from recorded (the caller's own position, e.g.
+        its prompt sampler's), {} for a fresh run."""
+        self.checkpoint_extra_state: Callable[[], dict[str, Any]] | None = None
+        """Set by the caller: what every save not given ``extra_state`` records as it (the saves
+        :meth:`train` makes every ``--save-interval`` included)."""
         self.check_equal = config.transfer.check_equal
         self.transfer_mode = config.transfer.mode
         """The mode updates run in (``set_transfer`` changes it)."""
@@ -156,6 +162,11 @@ class RLJob:
             if resumed is not None:  # the engines serve the checkpoint's weights, as the version it recorded
                 job.version = job.issued = resumed["weight_version"] - 1
                 job.train_calls = resumed["train_calls"]
+                saved = resumed.get("job_state") or {}  # {}: a checkpoint older than job states
+                job._generate_calls = saved.get("generate_calls", 0)  # rollout seeds go on where the run stopped
+                job.run_id = saved.get("run_id", job.run_id)
+                job.epoch = saved.get("epoch", 0) + 1  # a resume is a new epoch of versions
+                job.resumed_extra_state = dict(saved.get("extra_state") or {})
                 job.update_weights()
                 console.stage(f"engines serve the checkpoint's weights (version {job.version})")
             console.done("ready")
@@ -318,14 +329,24 @@ class RLJob:
             self.save_checkpoint()
         return reports
 
-    def save_checkpoint(self) -> str:
+    def save_checkpoint(self, extra_state: dict[str, Any] | None = None) -> str:
         """Save the training state under ``--save`` now (collective over the trainer ranks); the weights are
-        recorded as the version the next update serves them as. Returns the published folder."""
+        recorded as the version the next update serves them as. Returns the published folder.
+
+        The checkpoint also records this job's generate calls (the next rollout's seeds), epoch and run id,
+        and ``extra_state`` (default: :attr:`checkpoint_extra_state`'s, else {}): a small JSON-able dict of
+        the caller's, e.g. its prompt sampler's position, given back as :attr:`resumed_extra_state` by a
+        run started with ``--load``. Together a resumed run generates what the uninterrupted one would
+        have: same prompts, same seeds, same weights."""
         if not self.config.train.save:
             raise ConfigError("RLJob.save_checkpoint: no --save folder was given: set --save")
+        if extra_state is None:
+            extra_state = self.checkpoint_extra_state() if self.checkpoint_extra_state is not None else {}
+        job_state = {"generate_calls": self._generate_calls, "epoch": self.epoch, "run_id": self.run_id,
+                     "extra_state": dict(extra_state)}
         self._hand_off("to_train")
-        return get_all([t.save_checkpoint.remote(self.config.train.save, self.version + 1) for t in self.trainers],
-                       self.timeout_s, "saving a checkpoint", self.trainer_names)[0]
+        return get_all([t.save_checkpoint.remote(self.config.train.save, self.version + 1, job_state)
+                        for t in self.trainers], self.timeout_s, "saving a checkpoint", self.trainer_names)[0]
 
     def prepare_rollout(self) -> None:
         """Colocated hand-off to generation now (else the next ``generate`` does it): a loop that times

@@ -225,20 +225,31 @@ def test_the_example_loop_keeps_learning(hundred_update_run, mode):
 
 
 @pytest.mark.slow
-def test_a_loop_resumed_from_its_checkpoint_serves_the_checkpoints_weights_at_its_version(tmp_path):
-    """The loop saves after its second train call; a second loop started with --load sends the engines
-    the checkpoint's weights (checked bit for bit) as version 2 before its first step, whose update is
-    then version 3. Both run at --rollout-temperature 0.7: the engine's processed log-probs and the
-    trainer's temperature-scaled ones are the same quantity."""
-    ckpt, tel = tmp_path / "ckpt", tmp_path / "first.jsonl"
-    common = ["--check-weight-update-equal", "--rollout-temperature", "0.7"]
-    first = run_loop(tmp_path / "a", "--steps", "2", "--save", str(ckpt), "--save-interval", "2",
+def test_a_loop_resumed_from_its_checkpoint_goes_on_as_if_never_stopped(tmp_path):
+    """The loop saves after its second train call (of three); a second loop started with --load sends the
+    engines the checkpoint's weights (checked bit for bit) as version 2 before its first step, whose update
+    is then version 3. That step is the stopped run's step 2 again: the same prompts (the sampler's
+    position, kept in the checkpoint), the same rollout seeds (the job's generate calls, kept too), the
+    same weights, so the same samples, rewards and loss. Both run at --rollout-temperature 0.7: the
+    engine's processed log-probs and the trainer's temperature-scaled ones are the same quantity."""
+    ckpt, tel, tel_resumed = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "resumed.jsonl"
+    common = ["--check-weight-update-equal", "--rollout-temperature", "0.7", "--prompts-per-step", "3"]
+    first = run_loop(tmp_path / "a", "--steps", "3", "--save", str(ckpt), "--save-interval", "2",
                      "--telemetry", str(tel), *common)
     assert first.returncode == 0, first.stderr[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    saved = json.loads((ckpt / "iter_0000002" / "trainer_state.json").read_text())["job_state"]
+    assert saved["generate_calls"] == 2 and saved["epoch"] == 0
+    assert saved["extra_state"] == {"step": 2, "prompt_position": 6}
     rows = [json.loads(line) for line in tel.read_text().splitlines()]
     assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in rows), [r["rollout/logprob_abs_diff"] for r in rows]
-    resumed = run_loop(tmp_path / "b", "--steps", "1", "--load", str(ckpt),
+    resumed = run_loop(tmp_path / "b", "--steps", "1", "--load", str(ckpt), "--telemetry", str(tel_resumed),
                        "--hf-checkpoint", str(tmp_path / "a" / "model"), *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "v3)" in step_lines(resumed.stdout)[0]
+    line = step_lines(resumed.stdout)[0]
+    assert line.startswith("step 2:") and "v3)" in line, line
+    (again,) = [json.loads(line) for line in tel_resumed.read_text().splitlines()]
+    uninterrupted = rows[2]
+    assert again["step"] == uninterrupted["step"] == 2
+    assert again["rollout/response_lengths"] == uninterrupted["rollout/response_lengths"]
+    assert (again["reward"], again["train/loss"]) == (uninterrupted["reward"], uninterrupted["train/loss"])

@@ -164,7 +164,8 @@ def test_a_run_killed_after_a_checkpoint_and_resumed_is_bit_exact(hf, tmp_path):
     launch.spawn(_run, 2, hf, ckpt, None, range(4), timeout_s=300)
     assert (Path(ckpt) / train_checkpoint.MARKER).read_text() == "2"
     state = json.loads((Path(ckpt) / "iter_0000002" / train_checkpoint.STATE).read_text())
-    assert state == {"train_calls": 2, "step": 4, "skipped_steps": 0, "weight_version": 2}
+    assert state == {"train_calls": 2, "step": 4, "skipped_steps": 0, "weight_version": 2, "manifest": True,
+                     "job_state": {}}
     resumed = launch.spawn(_run, 2, hf, None, ckpt, range(2, 4), timeout_s=300)[0]
     assert resumed.pop("_state") == straight.pop("_state") == {"calls": 4, "step": 8}
     assert straight.keys() == resumed.keys()

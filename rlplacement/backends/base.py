@@ -60,6 +60,9 @@ class TrainerBackend(abc.ABC):
         """Train calls so far (rollout steps): what ``--save-interval`` counts and checkpoints are named by."""
         self.resumed: dict[str, Any] | None = None
         """The saved state this backend was loaded from (``--load`` of a ``--save`` folder), else None."""
+        self.source_hf_dir: str | None = None
+        """The HF folder this run's model is (``--hf-checkpoint``): what a ``--load`` must have been saved from."""
+        self._identity: dict[str, Any] | None = None  # what a checkpoint records (model_identity), read once
 
     @classmethod
     @abc.abstractmethod
@@ -271,23 +274,51 @@ class TrainerBackend(abc.ABC):
         """The module and optimizer a training checkpoint holds (``--save``)."""
         raise ConfigError(f"--save/--load of a training checkpoint: the {self.name} backend does not write one yet")
 
-    def save_checkpoint(self, root: str, weight_version: int) -> str:
+    def save_checkpoint(self, root: str, weight_version: int, job_state: dict[str, Any] | None = None) -> str:
         """Collective: the whole training state (model, optimizer, schedule position, step counters, RNG,
-        the weight version these weights will be served as) under ``root``, published atomically."""
+        the weight version these weights will be served as) under ``root``, published atomically with every
+        file's checksum and the model's identity; ``job_state``: the driver's small JSON-able state, given
+        back in ``resumed["job_state"]``."""
         from rlplacement.backends import train_checkpoint
 
         module, optimizer = self._checkpointed()
-        state = {"train_calls": self.train_calls, "step": self.step, "skipped_steps": self.skipped_steps,
-                 "weight_version": weight_version}
-        return str(train_checkpoint.save(root, self.train_calls, module, optimizer, state))
+        state = self._saved_state(weight_version, job_state)
+        return str(train_checkpoint.save(root, self.train_calls, module, optimizer, state, self.model_identity()))
+
+    def _saved_state(self, weight_version: int, job_state: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+        """``trainer_state.json``'s content; a ``job_state`` JSON cannot hold is refused before any rank writes."""
+        import json
+
+        job_state = dict(job_state or {})
+        try:
+            json.dumps(job_state)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"save_checkpoint(job_state=...): {exc}; keep it to JSON values (numbers, strings, "
+                              f"lists, dicts)") from None
+        return {"train_calls": self.train_calls, "step": self.step, "skipped_steps": self.skipped_steps,
+                "weight_version": weight_version, **extra, "job_state": job_state}
+
+    def model_identity(self) -> dict[str, Any]:
+        """The model a checkpoint of this run records: the identity of the checkpoint it resumed from, else
+        of :attr:`source_hf_dir` (``checkpoint_manifest.model_identity``), else {}."""
+        if self._identity is None:
+            from rlplacement.backends.checkpoint_manifest import model_identity
+
+            self._identity = model_identity(self.source_hf_dir) if self.source_hf_dir else {}
+        return self._identity
 
     def load_checkpoint(self, root: str) -> dict[str, Any]:
-        """Collective: resume from the last checkpoint under ``root`` (see :meth:`save_checkpoint`)."""
+        """Collective: resume from the last checkpoint under ``root`` (see :meth:`save_checkpoint`), checked
+        first against its manifest and :attr:`source_hf_dir`'s model (``train_checkpoint.verified``)."""
         from rlplacement.backends import train_checkpoint
 
         module, optimizer = self._checkpointed()
-        state = train_checkpoint.load(train_checkpoint.latest(root), module, optimizer)
+        state = train_checkpoint.load(train_checkpoint.latest(root), module, optimizer, self.source_hf_dir)
+        return self._resumed_from(state)
+
+    def _resumed_from(self, state: dict[str, Any]) -> dict[str, Any]:
         self.train_calls, self.step, self.skipped_steps = state["train_calls"], state["step"], state["skipped_steps"]
+        self._identity = state.pop("model") or None  # the next save records the same model
         self.resumed = state
         return state
 

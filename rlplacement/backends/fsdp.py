@@ -65,6 +65,7 @@ class FSDPBackend(TrainerBackend):
             reference = build_sharded(cfg.hf_checkpoint, device, mixed_precision=bf16, dtype=dtype, trainable=False)
         backend = cls(root, root.lm, optim, train, served_dtype(stream_dtype, bf16), reference)
         backend.optimizer = optim.build(root.parameters())  # over the sharded DTensors, built once
+        backend.source_hf_dir = cfg.hf_checkpoint
         if cfg.load:
             backend.load_checkpoint(cfg.load)
         return backend

@@ -114,6 +114,7 @@ class MegatronBackend(TrainerBackend):
             reference.requires_grad_(False)
         backend = cls(model, hf_config, shape, optim, stream_dtype, train, overlap_grad_reduce, reference)
         backend.description = (hf_dir, mm.model_meta(hf_config, family, padded, model.rlplacement_spec))
+        backend.source_hf_dir = cfg.hf_checkpoint or str(hf_dir)  # hf_config/ of a --load: config, no weights
         if resume:
             backend.load_checkpoint(cfg.load)
         return backend
@@ -309,11 +310,12 @@ class MegatronBackend(TrainerBackend):
         device = self.device
         return [t for t in tensors if local_tensor(t).device == device]
 
-    def save_checkpoint(self, root: str, weight_version: int) -> str:
+    def save_checkpoint(self, root: str, weight_version: int, job_state: dict[str, Any] | None = None) -> str:
         """Collective: the whole training state under ``root`` with megatron's ``dist_checkpointing`` (the
         model, the optimizer's main parameters and state, the frozen reference; reshardable to another
         TP/PP/DP as megatron's own checkpoints are), plus the counters and RNG, published whole
-        (``train_checkpoint.publish``); the model's description at the root (``megatron_checkpoint.describe``)."""
+        (``train_checkpoint.publish``, with checksums and the model's identity); the model's description at the
+        root (``megatron_checkpoint.describe``); ``job_state`` as the base class keeps it."""
         from megatron.core import dist_checkpointing
 
         from rlplacement.backends import megatron_checkpoint as layout
@@ -324,12 +326,12 @@ class MegatronBackend(TrainerBackend):
                 layout.describe(root, *self.description)
             dist_checkpointing.save(self._sharded_state_dict(loading=False), str(tmp))
 
-        state = {"train_calls": self.train_calls, "step": self.step, "skipped_steps": self.skipped_steps,
-                 "weight_version": weight_version, "kl_reference": self.reference is not None}
-        return str(train_checkpoint.publish(root, self.train_calls, write, state))
+        state = self._saved_state(weight_version, job_state, kl_reference=self.reference is not None)
+        return str(train_checkpoint.publish(root, self.train_calls, write, state, self.model_identity()))
 
     def load_checkpoint(self, root: str) -> dict[str, Any]:
-        """Collective: resume from the last checkpoint under ``root`` (see :meth:`save_checkpoint`)."""
+        """Collective: resume from the last checkpoint under ``root`` (see :meth:`save_checkpoint`), checked
+        first against its manifest and :attr:`source_hf_dir`'s model (``train_checkpoint.verified``)."""
         from megatron.core import dist_checkpointing
 
         from rlplacement.backends import train_checkpoint
@@ -349,10 +351,8 @@ class MegatronBackend(TrainerBackend):
                                                    for k, v in loaded["reference"].items()}, folder)
             self._training.load_optimizer_state(loaded["optimizer"])
 
-        state = train_checkpoint.restore(train_checkpoint.latest(root), read)
-        self.train_calls, self.step, self.skipped_steps = state["train_calls"], state["step"], state["skipped_steps"]
-        self.resumed = state
-        return state
+        state = train_checkpoint.restore(train_checkpoint.latest(root), read, self.source_hf_dir)
+        return self._resumed_from(state)
 
     def _sharded_state_dict(self, loading: bool) -> dict:
         """What a checkpoint holds, as megatron's training lays it out: the distributed optimizer's state

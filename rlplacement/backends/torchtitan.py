@@ -89,6 +89,7 @@ class TorchtitanBackend(FSDPBackend):
             reference.requires_grad_(False)
         backend = cls(root, hf_config, optim, train, served_dtype(stream_dtype, bf16), reference)
         backend.optimizer = optim.build(root.parameters())  # over the sharded DTensors, built once
+        backend.source_hf_dir = cfg.hf_checkpoint
         if cfg.load:
             backend.load_checkpoint(cfg.load)
         return backend

@@ -55,7 +55,9 @@ class TrainerWorker(TrainerTransferMixin):
     def setup(self, master_addr: str, master_port: int, backend_cfg: BackendConfig, optim: OptimConfig,
               train: TrainConfig, backend_options: dict[str, Any] | None = None, timeout_s: float = 600.0) -> dict:
         """Join the trainer's default process group and build the backend (collective); ``resumed`` is the
-        saved state of a ``--load`` checkpoint (its ``weight_version`` included), else None."""
+        saved state of a ``--load`` checkpoint (its ``weight_version``, ``train_calls`` and ``job_state``, {}
+        for a checkpoint that recorded none), else None. The checkpoint's files and model are checked before
+        it is read (``train_checkpoint.verified``)."""
         import torch
 
         from rlplacement.backends.base import make_backend
@@ -88,10 +90,11 @@ class TrainerWorker(TrainerTransferMixin):
         metrics = self.backend.train_step(batch)
         return TrainStepReport(rank=self.rank, start=start, end=time.time(), **metrics)
 
-    def save_checkpoint(self, root: str, weight_version: int) -> str:
-        """Collective: the whole training state under ``root`` (``--save``); returns the published folder."""
+    def save_checkpoint(self, root: str, weight_version: int, job_state: dict[str, Any] | None = None) -> str:
+        """Collective: the whole training state under ``root`` (``--save``) and the driver's ``job_state`` (a
+        small JSON-able dict, back in ``setup``'s ``resumed["job_state"]``); returns the published folder."""
         self._require_resident("saving a checkpoint")
-        return self.backend.save_checkpoint(root, weight_version)
+        return self.backend.save_checkpoint(root, weight_version, job_state)
 
     # ---- memory hand-off (--offload-train) --------------------------------------------------
     def offload_to_host(self, engines_unmapped: bool = False) -> dict:
