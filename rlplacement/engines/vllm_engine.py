@@ -426,7 +426,8 @@ class VllmRolloutEngine(RolloutEngine):
         if llm is None:
             return
         stepper = getattr(self, "_stepper", None)
-        steps = [("worker call rlplacement_shutdown_transfer", lambda: llm.collective_rpc("rlplacement_shutdown_transfer")),
+        steps = [("worker call rlplacement_shutdown_transfer",
+                  lambda: llm.collective_rpc("rlplacement_shutdown_transfer")),
                  ("vLLM's engine core shutdown", lambda: _shut_down_engine_core(llm))]
         for what, fn in steps:
             try:
@@ -434,7 +435,10 @@ class VllmRolloutEngine(RolloutEngine):
             except TimeoutError as exc:
                 log.warning("engine %s: %s", self.engine_index, exc)
                 if fn is steps[-1][1]:  # a stuck call holds the engine: its workers must still end
-                    _shut_down_engine_core(llm)
+                    try:
+                        _shut_down_engine_core(llm)
+                    except Exception as again:  # noqa: BLE001 - see the docstring
+                        log.warning("engine %s: %s failed while shutting down: %s", self.engine_index, what, again)
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 log.warning("engine %s: %s failed while shutting down: %s", self.engine_index, what, exc)
         del llm

@@ -187,7 +187,7 @@ class _StreamedUpdate:
         except queue.Empty:
             raise TransferError(f"version {self.version}: Miles pushed no bucket for {self.timeout_s:g} s (neither "
                                 f"send_bucket nor after_base_weights was called); the bound is "
-                                f"RlplacementProtocol.timeout_s (rlplacement.transfer.base.DEFAULT_TIMEOUT_S)") from None
+                                f"RlplacementProtocol.timeout_s (transfer.base.DEFAULT_TIMEOUT_S)") from None
 
     def _tensors(self):
         while (bucket := self._next()) is not _END:
