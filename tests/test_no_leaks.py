@@ -26,6 +26,22 @@ time.sleep(600)
 """
 
 
+def shm_mapped_by(pid: int) -> set[str]:
+    """Names of the /dev/shm files (still linked) that process ``pid`` or any of its descendants maps."""
+    pids, names = [pid], set()
+    for p in pids:  # grows while walked: children of children
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    pids += [int(c) for c in f.read().split()]
+            with open(f"/proc/{p}/maps") as f:
+                names |= {line.split("/dev/shm/", 1)[1].strip() for line in f
+                          if "/dev/shm/" in line and not line.rstrip().endswith("(deleted)")}
+        except OSError:  # the process ended meanwhile
+            continue
+    return names
+
+
 def _holder():
     """A process holding one shared bucket file, and the file's path."""
     proc = subprocess.Popen([sys.executable, "-c", HOLD_A_BUFFER], stdout=subprocess.PIPE, text=True,

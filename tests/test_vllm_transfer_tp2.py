@@ -122,26 +122,12 @@ def test_a_load_failing_on_one_worker_refuses_by_name_until_a_whole_update_lands
     _next_update_lands_on_both_workers(tp2)
 
 
-def _shm_mapped_by(pid: int) -> set[str]:
-    """Names of the /dev/shm files (still linked) that process ``pid`` or any of its descendants maps."""
-    pids, names = [pid], set()
-    for p in pids:  # grows while walked: children of children
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    pids += [int(c) for c in f.read().split()]
-            with open(f"/proc/{p}/maps") as f:
-                names |= {line.split("/dev/shm/", 1)[1].strip() for line in f
-                          if "/dev/shm/" in line and not line.rstrip().endswith("(deleted)")}
-        except OSError:  # the process ended meanwhile
-            continue
-    return names
-
-
 def test_shutting_the_engine_down_leaves_none_of_its_shared_memory(tp2):
     """Runs last: it shuts the module's engine down."""
+    from tests.test_no_leaks import shm_mapped_by
+
     engine = tp2["engine"]
-    made = _shm_mapped_by(tp2["pid"]) - tp2["shm_before"]  # what this engine's processes created and map
+    made = shm_mapped_by(tp2["pid"]) - tp2["shm_before"]  # what this engine's processes created and map
     assert any(n.startswith("vllm_dist_") for n in made) and any(n.startswith("psm_") for n in made), made
     ray.get(engine.shutdown.remote(), timeout=120)
     assert sorted(made & set(os.listdir("/dev/shm"))) == []
