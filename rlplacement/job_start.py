@@ -37,10 +37,12 @@ class StartedActors:
 
 
 def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
-                 engine_kwargs: dict[str, Any] | None, console: "StartLog") -> StartedActors:
+                 engine_kwargs: dict[str, Any] | None, console: "StartLog",
+                 timeout_s: float | None = None) -> StartedActors:
     """Check the flags, place the job and start every trainer rank and engine (returning at once: Ray
     starts them in the background). ``engine_kwargs``: over ``config.rollout.engine_kwargs()``;
-    ``console``: where each stage says it is done."""
+    ``console``: where each stage says it is done; ``timeout_s``: the job's bound, given to every engine
+    as the bound of its own waits (None: the engine's default)."""
     import ray
 
     from rlplacement.args import require_available
@@ -63,6 +65,8 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     engine_args = {**config.rollout.engine_kwargs(), **(engine_kwargs or {})}
     engine_args["dtype"] = resolve_dtype(hf_dir, engine_args.get("dtype", "auto"))
     engine_args.setdefault("verbose", verbose)
+    if timeout_s is not None:
+        engine_args.setdefault("timeout_s", float(timeout_s))
     p = config.placement
     console.say(f"starting Ray and placing {p.trainer_num_gpus} trainer GPU(s) and {p.num_engines} engine(s) of "
                 f"{p.rollout_num_gpus_per_engine} GPU ({'colocated' if p.colocate else 'split'})")
@@ -109,14 +113,25 @@ def raise_with_offload_hint(config: "Config", exc: BaseException) -> None:
 
 
 def release(updates: "UpdateDispatch | None", trainers: list, engines: list, placement) -> None:
-    """Tear down what a job started; never raises, so it cannot hide the error that led here."""
+    """Tear down what a job started; never raises, so it cannot hide the error that led here. Each engine
+    is shut down before it is killed (its ``shutdown`` ends vLLM's worker processes and unlinks their
+    shared memory, which a kill alone leaves in /dev/shm), all at once and bounded."""
     import ray
 
     if updates is not None:  # before its actors go: a graph's loops run on them
-        updates.close()
+        try:
+            updates.close()
+        except Exception as exc:  # noqa: BLE001 - a teardown past its bound: the kills below end its loops
+            log.warning("closing the update dispatch: %s", exc)
+    shutdowns = []
     for actor in engines:
         try:
-            ray.get(actor.shutdown.remote(), timeout=60)
+            shutdowns.append(actor.shutdown.remote())
+        except Exception:  # noqa: BLE001 - closing must not hide the error that led here
+            pass
+    if shutdowns:
+        try:
+            ray.wait(shutdowns, num_returns=len(shutdowns), timeout=60)
         except Exception:  # noqa: BLE001 - closing must not hide the error that led here
             pass
     for actor in trainers + engines:

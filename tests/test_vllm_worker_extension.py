@@ -42,13 +42,21 @@ def cluster(tmp_path_factory):
     assert INSECURE not in os.environ, f"{INSECURE} is set in the test's own environment: unset it"
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    engine = None
     try:
         trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
+        before = set(os.listdir("/dev/shm"))
         engine = create_engine_actor(0, model_dir, engine_core_in_own_process=True,
                                      worker_extension_cls=HOOKED_WORKER_EXTENSION)
         ray.get([engine.info.remote(), trainer.checksums.remote()], timeout=600)
-        yield {"model_dir": model_dir, "trainer": trainer, "engine": engine, "tmp": tmp_path_factory.mktemp("out")}
+        yield {"model_dir": model_dir, "trainer": trainer, "engine": engine, "tmp": tmp_path_factory.mktemp("out"),
+               "shm_before": before}
     finally:
+        if engine is not None:  # the engine core's shared memory goes only with its shutdown (not with the actor)
+            try:
+                ray.get(engine.shutdown.remote(), timeout=120)
+            except Exception:  # noqa: BLE001 - already shut down or dead: nothing more to release
+                pass
         ray.shutdown()
 
 
@@ -130,3 +138,15 @@ def test_vllm_itself_refuses_to_pickle_a_function_into_this_engine_core(cluster)
     with pytest.raises(ray.exceptions.RayTaskError, match=f"{INSECURE}=1 to allow"):
         ray.get(engine.__ray_call__.remote(lambda self: self.llm.collective_rpc(lambda worker: os.getpid())))
     assert ray.get(engine.call_workers.remote("rlplacement_serving_state"))[0]["weights_lost"] is None
+
+
+def test_shutting_the_engine_down_ends_its_core_process_and_leaves_none_of_its_shared_memory(cluster):
+    """Runs last: it shuts the module's engine down."""
+    from tests.test_no_leaks import shm_mapped_by
+
+    engine = cluster["engine"]
+    pid = ray.get(engine.__ray_call__.remote(lambda self: os.getpid()))
+    made = shm_mapped_by(pid) - cluster["shm_before"]  # what this engine's processes created and map
+    assert any(n.startswith("psm_") for n in made), made  # vLLM's message queue to its engine core's worker
+    ray.get(engine.shutdown.remote(), timeout=120)
+    assert sorted(made & set(os.listdir("/dev/shm"))) == []

@@ -20,12 +20,20 @@ Invariant the engine's update relies on: after :meth:`wait_idle` returns (and wh
 :meth:`submit` runs), no request is in flight, so the model's weights may change without any sample
 seeing two versions. While paused with requests in flight, :meth:`wait_idle` raises at once instead of
 waiting for requests that cannot finish.
+
+Every wait here is bounded by ``timeout_s`` (the engine's, which the job gives it: ``RLJob.start(timeout_s=)``)
+and names what did not answer: :meth:`wait_idle` (requests still in flight), :meth:`call` (the engine
+held by a step, or the call itself not returning: it runs on a thread of its own so that the caller
+can stop waiting; the engine then refuses every later call by name, since the stuck call still holds
+it), and :meth:`poll` (no engine step finished for ``timeout_s`` while requests are in flight and
+generation is not paused).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import queue
 import threading
 import time
 from typing import Any, Callable
@@ -81,7 +89,10 @@ def _external_id(internal_id: str) -> str:
 class RequestStepper:
     """Steps a ``vllm.LLM``'s requests on a thread of its own; see the module docstring."""
 
-    def __init__(self, llm, name: str = "engine"):
+    def __init__(self, llm, name: str = "engine", timeout_s: float | None = None):
+        """``timeout_s``: the bound of every wait (None: unbounded, for scripts that drive vLLM directly)."""
+        self.name = name
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
         self._llm = llm
         self._engine = llm.llm_engine
         self._engine_lock = threading.Lock()
@@ -95,8 +106,19 @@ class RequestStepper:
         """Engine steps taken so far."""
         self._ids = itertools.count()
         self._wall_minus_monotonic = time.time() - time.monotonic()
+        self._progress_at = time.monotonic()
+        """When the last step finished, or generation last had reason to start (a submit while idle, a resume)."""
+        self._stuck: str | None = None
+        """A :meth:`call` that did not return within the bound (it still holds the engine)."""
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._caller = threading.Thread(target=self._serve_calls, name=f"{name}-calls", daemon=True)
+        self._caller.start()
         self._thread = threading.Thread(target=self._run, name=f"{name}-stepper", daemon=True)
         self._thread.start()
+
+    def _bound(self) -> str:
+        return (f"the bound is the engine's timeout_s={self.timeout_s:g} (the job's: RLJob.start(timeout_s=...))"
+                if self.timeout_s is not None else "unbounded")
 
     # ---- any thread ---------------------------------------------------------------------------
     def submit(self, prompts: list, params: list, version: int) -> str:
@@ -114,6 +136,8 @@ class RequestStepper:
                 self._raise_if_failed()
             internal_ids = self._enqueue(prompts, params)
             with self._changed:
+                if not self._requests:
+                    self._progress_at = time.monotonic()
                 self._batches[batch] = _Batch(size=len(internal_ids))
                 for i, internal in enumerate(internal_ids):
                     self._requests[_external_id(internal)] = _Request(batch, i, version, internal)
@@ -139,7 +163,8 @@ class RequestStepper:
                     raise KeyError(f"no batch {batch!r} on this engine (already collected, or never submitted)")
                 if b.taken < len(b.finished) or time.monotonic() >= deadline:
                     break
-                self._changed.wait(max(0.0, deadline - time.monotonic()))
+                self._raise_if_stalled()
+                self._changed.wait(max(0.0, min(deadline, self._stall_deadline()) - time.monotonic()))
             new, b.taken = b.finished[b.taken:], len(b.finished)
             done = b.taken == b.size
             if done:
@@ -170,16 +195,33 @@ class RequestStepper:
                 self._changed.notify_all()
         return len(ids)
 
-    def wait_idle(self) -> None:
-        """Block until no request is in flight (the caller's own wait on the engine bounds it); raises at
-        once while paused with requests in flight, which could not finish."""
+    def _stall_deadline(self) -> float:
+        return float("inf") if self.timeout_s is None else self._progress_at + self.timeout_s
+
+    def _raise_if_stalled(self) -> None:
+        """Under ``self._changed``: raise when requests are in flight, generation is not paused, and no
+        step has finished within the bound (vLLM's step, or a worker under it, stopped answering)."""
+        if self._requests and not self._paused and time.monotonic() > self._stall_deadline():
+            raise TimeoutError(f"{self.name}: no generation step finished within {self.timeout_s:g} s with "
+                               f"{len(self._requests)} request(s) in flight (vLLM's engine or one of its workers "
+                               f"stopped answering); {self._bound()}")
+
+    def wait_idle(self, before: str = "a weight change") -> None:
+        """Block until no request is in flight, at most ``timeout_s`` (then TimeoutError naming how many
+        requests are left and ``before``, what was waiting); raises at once while paused with requests in
+        flight, which could not finish."""
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         with self._changed:
             while self._requests:
                 self._raise_if_failed()
                 if self._paused:
                     raise RuntimeError(f"generation is paused with {len(self._requests)} request(s) in flight, "
                                        f"which cannot finish: resume() or abort() them first")
-                self._changed.wait()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{self.name}: {len(self._requests)} request(s) still in flight after "
+                                       f"{self.timeout_s:g} s of waiting for generation to finish before {before}; "
+                                       f"abort() them, or raise the bound: {self._bound()}")
+                self._changed.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             self._raise_if_failed()
 
     def pause(self) -> int:
@@ -197,16 +239,49 @@ class RequestStepper:
         """Let generation go on after :meth:`pause`."""
         with self._changed:
             self._paused = False
+            self._progress_at = time.monotonic()
             self._changed.notify_all()
 
     @property
     def paused(self) -> bool:
         return self._paused
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` (anything that calls into the vLLM engine) between two steps."""
-        with self._engine_lock:
-            return fn()
+    def call(self, fn: Callable[[], Any], what: str = "a call into vLLM") -> Any:
+        """Run ``fn`` (anything that calls into the vLLM engine, named ``what``) between two steps; its
+        result, or its exception. Bounded (``timeout_s``): the wait for a step in progress to end, then
+        ``fn`` itself, which runs on this stepper's call thread; one that does not return in time leaves
+        the engine refusing every later call by name (it still holds the engine)."""
+        if self.timeout_s is None:
+            with self._engine_lock:
+                return fn()
+        if self._stuck is not None:
+            raise TimeoutError(f"{self.name} cannot take {what}: {self._stuck} did not return and still holds "
+                               f"the engine; restart the engine")
+        start = time.monotonic()
+        if not self._engine_lock.acquire(timeout=self.timeout_s):
+            raise TimeoutError(f"{self.name}: {what} waited {self.timeout_s:g} s for the engine, held all that time "
+                               f"by a generation step that did not end; {self._bound()}")
+        done, box = threading.Event(), {}
+        self._calls.put((fn, box, done))  # the call thread releases the engine lock when fn returns
+        if not done.wait(max(0.0, start + self.timeout_s - time.monotonic())):
+            self._stuck = what
+            raise TimeoutError(f"{self.name}: {what} did not return within {self.timeout_s:g} s (a worker of the "
+                               f"engine stopped answering); {self._bound()}")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _serve_calls(self) -> None:
+        """The call thread: runs each queued call, then releases the engine lock its caller took."""
+        while True:
+            fn, box, done = self._calls.get()
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
+                box["error"] = exc
+            finally:
+                self._engine_lock.release()
+                done.set()
 
     # ---- the stepping thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -224,6 +299,7 @@ class RequestStepper:
                         continue
                     outputs = self._engine.step()
                     self.steps += 1
+                    self._progress_at = time.monotonic()
                     self._take(outputs)  # under the engine lock: once pause() has it, the count it returns holds
             except BaseException as exc:  # noqa: BLE001 - every waiter hears it; the engine is not usable after
                 with self._changed:

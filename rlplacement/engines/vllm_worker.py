@@ -1,6 +1,6 @@
 """The worker side of a vLLM rollout engine: :class:`RlplacementWorkerExtension`, which vLLM mixes into
 every worker (``LLM(worker_extension_cls=WORKER_EXTENSION)``), so that the engine reaches its workers
-by method name: ``llm.collective_rpc("rlplacement_receive_and_commit", args=(version,))``.
+by method name: ``llm.collective_rpc("rlplacement_stage", args=(version,))``.
 
 Why by name: vLLM sends a *function* to its workers only by pickling it, which it allows only with
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; with that set, anything that can write to the engine core's
@@ -38,20 +38,63 @@ class RlplacementWorkerExtension:
     # ---- the update --------------------------------------------------------------------------
     def rlplacement_receive_and_commit(self, version: int) -> dict:
         """One whole update on this worker in one round trip (start, receive and stage, load) instead of
-        vLLM's three worker calls: each round trip to an engine core in its own process costs ~ms. The
-        backend's steps and their all-or-nothing contract are the same. Returns this worker's receive
-        and load seconds and its instants."""
+        vLLM's three worker calls: each round trip to an engine core in its own process costs ~ms. For an
+        engine of one worker only: with several, a worker may commit only once every worker has staged
+        (``rlplacement_stage``, then ``rlplacement_commit`` or ``rlplacement_abort_staged``). Returns this
+        worker's receive and load seconds and its instants."""
         import time
 
-        engine = self._rlplacement_backend()
-        if engine is None:
-            raise TransferError(NOT_OUR_BACKEND)
+        engine = self._rlplacement_engine()
         t0 = time.perf_counter()
         engine.start_weight_update()
         engine.receive_weights(RlplacementUpdateInfo(version=int(version)))
         t1 = time.perf_counter()
         engine.finish_weight_update()
         return {"receive": t1 - t0, "load": time.perf_counter() - t1, "instants": dict(engine.receiver.instants)}
+
+    def rlplacement_stage(self, version: int) -> dict:
+        """Phase one of an update on an engine of several workers: receive version ``version`` whole and
+        validate it, touching nothing served. Returns ``receive`` seconds and ``error`` (None, or this
+        worker's failure as text: the failure is returned, not raised, so that vLLM collects every
+        worker's answer and the engine can abort the others; the failed receiver has already dropped
+        its staged set)."""
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            engine = self._rlplacement_engine()
+            engine.start_weight_update()
+            engine.receive_weights(RlplacementUpdateInfo(version=int(version)))
+        except Exception as exc:  # noqa: BLE001 - returned to the engine, which raises it naming this worker
+            return {"receive": time.perf_counter() - t0, "error": f"{type(exc).__name__}: {exc}"}
+        return {"receive": time.perf_counter() - t0, "error": None}
+
+    def rlplacement_commit(self) -> dict:
+        """Phase two, once every worker staged: load the staged update and serve it. Returns ``load``
+        seconds, the instants and ``error`` (as ``rlplacement_stage``; a load that fails part-way leaves
+        this worker's ``weights_lost`` set, so the engine refuses to generate until a whole update lands)."""
+        import time
+
+        t0 = time.perf_counter()
+        engine = self._rlplacement_engine()
+        try:
+            engine.finish_weight_update()
+        except Exception as exc:  # noqa: BLE001 - see rlplacement_stage
+            return {"load": time.perf_counter() - t0, "error": f"{type(exc).__name__}: {exc}", "instants": {}}
+        return {"load": time.perf_counter() - t0, "error": None, "instants": dict(engine.receiver.instants)}
+
+    def rlplacement_abort_staged(self) -> None:
+        """Drop a staged, uncommitted update (another worker failed to stage its part): this worker keeps
+        serving its previous version."""
+        engine = self._rlplacement_backend()
+        if engine is not None and engine.receiver is not None:
+            engine.receiver.abort()
+
+    def _rlplacement_engine(self) -> RlplacementWeightTransferEngine:
+        engine = self._rlplacement_backend()
+        if engine is None:
+            raise TransferError(NOT_OUR_BACKEND)
+        return engine
 
     def rlplacement_serving_state(self) -> dict:
         """The version this worker serves and, when its weights are not that whole version, why

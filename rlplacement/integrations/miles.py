@@ -167,7 +167,8 @@ class RlplacementProtocol(_Base):
 
 class _StreamedUpdate:
     """Feeds Miles' pushed buckets to our sender's pulled iterator: ``update`` runs in a thread,
-    reading a queue of at most two buckets (bounded memory), while the engines receive."""
+    reading a queue of at most two buckets (bounded memory), while the engines receive. Both sides of the
+    queue wait at most ``timeout_s`` and fail naming what did not come."""
 
     def __init__(self, sender, version: int, engine_refs: dict, timeout_s: float):
         self.version, self.engine_refs, self.timeout_s = version, engine_refs, timeout_s
@@ -177,8 +178,19 @@ class _StreamedUpdate:
                                         daemon=True)
         self._thread.start()
 
+    def _next(self):
+        """The next bucket Miles pushed (or ``_END``), waiting at most ``timeout_s``: a trainer that stops
+        pushing (it failed between ``send_bucket`` calls) fails the update by name instead of leaving the
+        sender, and the engines receiving from it, waiting for good."""
+        try:
+            return self._queue.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TransferError(f"version {self.version}: Miles pushed no bucket for {self.timeout_s:g} s (neither "
+                                f"send_bucket nor after_base_weights was called); the bound is "
+                                f"RlplacementProtocol.timeout_s (transfer.base.DEFAULT_TIMEOUT_S)") from None
+
     def _tensors(self):
-        while (bucket := self._queue.get()) is not _END:
+        while (bucket := self._next()) is not _END:
             yield from bucket
 
     def _run(self, sender) -> None:
@@ -186,7 +198,10 @@ class _StreamedUpdate:
             self._report = sender.update(self.version, self._tensors())
         except BaseException as exc:  # re-raised on the caller's thread
             self._error = exc
-            while self._queue.get() is not _END:  # let the producer finish its stream
+            try:
+                while self._next() is not _END:  # let the producer finish its stream
+                    pass
+            except TransferError:  # the producer stopped too: nothing is left to drain
                 pass
 
     def put(self, item) -> None:

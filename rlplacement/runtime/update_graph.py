@@ -12,7 +12,7 @@ Failure contract, as for plain calls (``transfer_driver.run_update``): :class:`W
 naming every party that failed or did not answer within the timeout, engines first. A task's own
 exception leaves the graph usable; after a timeout or a lost actor the graph is torn down (in the
 background: teardown waits for the actors' loops) and :attr:`broken` says why, so the caller builds
-a new one for the next update.
+a new one for the next update. :meth:`close` waits for a teardown at most the job's timeout.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class CompiledUpdate:
     def __init__(self, trainer, engines: Sequence, *, timeout_s: float):
         from ray.dag import InputNode, MultiOutputNode
 
+        self.timeout_s = float(timeout_s)
         self.actors = (trainer, *engines)
         self.names = ["trainer", *(f"engine {i}" for i in range(len(engines)))]
         with InputNode() as version:
@@ -107,14 +108,24 @@ class CompiledUpdate:
             self._teardown.start()
 
     def close(self) -> None:
-        """Tear the graph down now, or finish a teardown begun after a failure (each bounded by Ray's
-        teardown timeout): before its actors are killed or join another graph (an actor runs one)."""
+        """Tear the graph down now, or finish a teardown begun after a failure: before its actors are
+        killed or join another graph (an actor runs one). Bounded by the job's ``timeout_s``: Ray's own
+        teardown waits for every actor's loop to end, without a bound once its first wait ran out;
+        TimeoutError (naming the actors) when it has not ended in time (the teardown goes on in the
+        background)."""
         graph, self._graph = self._graph, None
         self.broken = self.broken or "closed"
         if graph is not None:
-            _quietly_tear_down(graph)
+            self._teardown = threading.Thread(target=_quietly_tear_down, args=(graph,), daemon=True,
+                                              name="rlplacement-update-graph-teardown")
+            self._teardown.start()
         if self._teardown is not None:
-            self._teardown.join()
+            self._teardown.join(self.timeout_s)
+            if self._teardown.is_alive():
+                raise TimeoutError(f"the compiled update graph's teardown did not end within {self.timeout_s:g} s: "
+                                   f"the update loop of one of {', '.join(self.names)} did not stop (an actor stuck "
+                                   f"in an update); the bound is the job's timeout_s (RLJob.start(timeout_s=...))")
+            self._teardown = None
 
 
 def _quietly_tear_down(graph) -> None:

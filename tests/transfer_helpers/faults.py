@@ -74,3 +74,23 @@ def fail_next_load_part_way(worker) -> None:
         raise RuntimeError("injected load fault part-way")
 
     engine._load = failing
+
+
+def fail_next_staging_on_rank(worker, rank: int) -> None:
+    """On worker ``rank`` of its engine only: make the next update fail after its last bucket arrived,
+    in the staging's validation (once); the other workers stage it whole."""
+    if getattr(worker, "rank", 0) != rank:
+        return
+    engine = worker.weight_transfer_engine
+
+    def failing(staged, hf_shapes=None):
+        del engine._validate  # back to normal for later updates
+        raise RuntimeError(f"injected staging fault on worker {rank} after the last bucket")
+
+    engine._validate = failing
+
+
+def fail_next_load_on_rank(worker, rank: int) -> None:
+    """``fail_next_load_part_way`` on worker ``rank`` of its engine only."""
+    if getattr(worker, "rank", 0) == rank:
+        fail_next_load_part_way(worker)

@@ -20,6 +20,8 @@ class HookedWorkerExtension(RlplacementWorkerExtension):
     hook_stall_next_receive = faults.stall_next_receive
     hook_cpu_standin_discard_weights = faults.cpu_standin_discard_weights
     hook_fail_next_load_part_way = faults.fail_next_load_part_way
+    hook_fail_next_staging_on_rank = faults.fail_next_staging_on_rank
+    hook_fail_next_load_on_rank = faults.fail_next_load_on_rank
     hook_receiver_stats = ipc_probes.receiver_stats
 
     def hook_pid(self) -> int:

@@ -13,6 +13,13 @@ the slot grows or the group closes, so steady-state updates open nothing.
   unlinks the file as soon as every receiver has acknowledged a bucket in it (``release``): the
   mappings stay valid, and nothing is left in ``/dev/shm`` even if the trainer is killed later.
   ``close`` unlinks whatever is still linked.
+  A file is named after its owner (``rlplacement-ipc-<pid namespace>.<pid>.<start time>.<tag>-...``):
+  a trainer killed between creating a file and the receivers' acknowledgement leaves it linked, and
+  the next sender on the host (:class:`SharedSlots`) removes every file whose owner process is gone
+  (:func:`sweep_orphans`). A file is swept only when its owner is provably gone: same pid namespace
+  as the sweeper (a pid from another namespace cannot be checked) and no process with that pid and
+  that start time (a reused pid has another start time). /dev/shm is a tmpfs, emptied at boot, so
+  the boot needs no part in the name.
 
 Descriptors are plain dicts (``kind``, ``key``, ``nbytes`` and ``path`` or ``handle``) carried in a
 bucket's JSON manifest.
@@ -21,6 +28,7 @@ bucket's JSON manifest.
 from __future__ import annotations
 
 import base64
+import logging
 import mmap
 import os
 import pickle
@@ -36,9 +44,68 @@ if TYPE_CHECKING:
 
 SHM_PREFIX = "rlplacement-ipc-"
 
+log = logging.getLogger(__name__)
+
 
 def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace id (the inode in ``/proc/self/ns/pid``); "" where /proc lacks it."""
+    try:
+        return os.readlink("/proc/self/ns/pid").partition("[")[2].rstrip("]")
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str | None:
+    """Process ``pid``'s start time in clock ticks since boot (``/proc/<pid>/stat`` field 22); None when
+    no such process is visible."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]  # fields after the command name start at field 3
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """``<pid namespace>.<pid>.<start time>`` of this process: what names its shared files' owner."""
+    pid = os.getpid() if pid is None else pid
+    return f"{_pid_namespace()}.{pid}.{_start_time(pid) or 0}"
+
+
+def _owner_gone(name: str, namespace: str) -> bool:
+    """Whether the owner named in shared file ``name`` is provably gone (see the module docstring)."""
+    parts = name[len(SHM_PREFIX):].split(".", 3)
+    if len(parts) < 4 or not namespace or parts[0] != namespace or not parts[1].isdigit():
+        return False  # another namespace, or not named with an owner: cannot tell, so kept
+    return _start_time(int(parts[1])) != parts[2]
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink this module's /dev/shm files whose owner process is gone; returns their names. A live
+    process's files, and files whose owner cannot be checked, are kept."""
+    namespace = _pid_namespace()
+    try:
+        names = os.listdir(shm_dir())
+    except OSError:
+        return []
+    swept = []
+    for name in sorted(n for n in names if n.startswith(SHM_PREFIX)):
+        if _owner_gone(name, namespace):
+            try:
+                os.unlink(os.path.join(shm_dir(), name))
+            except FileNotFoundError:  # another sender swept it first
+                continue
+            except OSError as exc:  # another user's file: theirs to remove
+                log.warning("cannot remove %s, left by a process that is gone: %s", name, exc)
+                continue
+            swept.append(name)
+    if swept:
+        log.info("removed %d shared bucket file(s) left by processes that are gone: %s", len(swept), ", ".join(swept))
+    return swept
 
 
 def leftover_shm_files(tag: str = "") -> list[str]:
@@ -88,12 +155,14 @@ class SharedSlots:
 
     def __init__(self, device: "torch.device | str", tag: str | None = None, *, min_nbytes: int = 1):
         """``min_nbytes``: the size a slot starts at (the bucket size), so only a bucket holding one
-        oversized group makes it grow."""
+        oversized group makes it grow. Files left by senders that are gone are swept first
+        (:func:`sweep_orphans`); this sender's files are named with its owner (``owner_tag``) and ``tag``."""
         import torch
 
         self.device = torch.device(device)
         self.min_nbytes = max(1, int(min_nbytes))
-        self.tag = tag or uuid.uuid4().hex[:12]
+        self.swept = sweep_orphans()
+        self.tag = f"{owner_tag()}.{tag or uuid.uuid4().hex[:12]}"
         self._slots: dict[int, tuple[object, dict]] = {}  # slot -> (buffer, descriptor)
         self.allocations = 0
 
