@@ -27,8 +27,9 @@ from rlplacement.placement.layout import ClusterShape, Gpu, Layout, compute_layo
 TRAINER_GPU_SHARE_COLOCATED = 0.5
 ENGINE_GPU_SHARE_COLOCATED = 0.5
 NODE_ID_LABEL = "ray.io/node-id"
-# Environment the driver has that every actor must keep, e.g. NCCL_NVLS_ENABLE=0 on shared hosts.
-FORWARDED_ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "VLLM_", "RLPLACEMENT_")
+# Environment the driver has that every actor must keep, e.g. NCCL_NVLS_ENABLE=0 on shared hosts, Mooncake's
+# MC_MIN_RPC_PORT/MC_MAX_RPC_PORT (the port range a firewall names, docs/security.md).
+FORWARDED_ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "VLLM_", "RLPLACEMENT_", "MC_")
 
 
 @dataclasses.dataclass(frozen=True)
