@@ -166,7 +166,8 @@ def test_a_local_ray_cluster_keeps_token_authentication(tmp_path):
         ray_groups.connect(local_num_gpus=1, local_num_cpus=1, verbose=False)
         mode = ray.get(ray.remote(lambda: os.environ.get("RAY_AUTH_MODE")).options(num_cpus=0).remote(), timeout=60)
         token = os.path.expanduser("~/.ray/auth_token")
-        print("MODE", mode, oct(stat.S_IMODE(os.stat(token).st_mode)), oct(stat.S_IMODE(os.stat(os.path.dirname(token)).st_mode)))
+        perms = [oct(stat.S_IMODE(os.stat(p).st_mode)) for p in (token, os.path.dirname(token))]
+        print("MODE", mode, *perms)
         ray.shutdown()
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
