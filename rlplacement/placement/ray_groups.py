@@ -71,7 +71,7 @@ def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cp
     Without ``verbose`` Ray's own messages are WARNING and above (actors' output still reaches the driver).
 
     A local cluster keeps Ray's token authentication, which Ray 2.60 turns on for ``ray.init()``
-    when ``RAY_AUTH_MODE`` is unset (its ports answer on this node's IP; without a token anyone who
+    when ``RAY_AUTH_MODE`` is unset (its ports listen on every interface; without a token anyone who
     reaches them runs code as this user); the token file is made owner-only (:func:`private_token_file`).
     A ``RAY_AUTH_MODE`` you set is kept. Ray reads the mode once per process: a process that
     started a token cluster cannot later start one whose workers are told ``RAY_AUTH_MODE=disabled``
