@@ -27,8 +27,9 @@ from rlplacement.placement.layout import ClusterShape, Gpu, Layout, compute_layo
 TRAINER_GPU_SHARE_COLOCATED = 0.5
 ENGINE_GPU_SHARE_COLOCATED = 0.5
 NODE_ID_LABEL = "ray.io/node-id"
-# Environment the driver has that every actor must keep, e.g. NCCL_NVLS_ENABLE=0 on shared hosts.
-FORWARDED_ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "VLLM_", "RLPLACEMENT_")
+# Environment the driver has that every actor must keep, e.g. NCCL_NVLS_ENABLE=0 on shared hosts, Mooncake's
+# MC_MIN_RPC_PORT/MC_MAX_RPC_PORT (the port range a firewall names, docs/security.md).
+FORWARDED_ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "VLLM_", "RLPLACEMENT_", "MC_")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +39,44 @@ class RayNode:
     num_gpus: int
 
 
+def private_token_file() -> None:
+    """Create Ray's default token file owner-only (0600 in a 0700 folder) where Ray would generate it.
+
+    Ray (2.60) writes ``~/.ray/auth_token`` with the process umask when a local cluster starts with
+    token auth and finds no token, usually readable by every local user, who could then join the
+    cluster (its ports are reachable from this machine). Nothing is done where a token is given
+    (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``), the file exists, or ``RAY_AUTH_MODE`` says other
+    than token.
+    """
+    import secrets
+    from pathlib import Path
+
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    path = Path.home() / ".ray" / "auth_token"
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # Ray's own token format
+
+
 def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cpus: int | None = None,
             verbose: bool = True) -> None:
     """Join ``address`` (else ``RAY_ADDRESS``), else start a local one-node cluster of logical GPUs.
-    Without ``verbose`` Ray's own messages are WARNING and above (actors' output still reaches the driver)."""
+    Without ``verbose`` Ray's own messages are WARNING and above (actors' output still reaches the driver).
+
+    A local cluster keeps Ray's token authentication, which Ray 2.60 turns on for ``ray.init()``
+    when ``RAY_AUTH_MODE`` is unset (its ports listen on every interface; without a token anyone who
+    reaches them runs code as this user); the token file is made owner-only (:func:`private_token_file`).
+    A ``RAY_AUTH_MODE`` you set is kept. Ray reads the mode once per process: a process that
+    started a token cluster cannot later start one whose workers are told ``RAY_AUTH_MODE=disabled``
+    (their calls are refused), so a test process that does so sets ``RAY_AUTH_MODE`` before its first
+    cluster. A cluster you join (``address``) keeps the authentication it was started with."""
     import ray
 
     if ray.is_initialized():
@@ -55,7 +90,7 @@ def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cp
     if address:
         ray.init(address=address, log_to_driver=True, logging_level=level)
     else:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        private_token_file()
         ray.init(num_gpus=local_num_gpus, num_cpus=local_num_cpus or os.cpu_count(),
                  include_dashboard=False, log_to_driver=True, logging_level=level)
 

@@ -9,7 +9,6 @@ telemetry records the trainer's own busy time, not the driver's wait.
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -21,12 +20,6 @@ if TYPE_CHECKING:
 
     from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
     from rlplacement.train_io import Batch, TrainStepReport
-
-
-def node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostbyname(socket.gethostname())
 
 
 @one_call_at_a_time  # a compiled update graph calls transfer_send from another thread
@@ -44,11 +37,12 @@ class TrainerWorker(TrainerTransferMixin):
         """Where rank 0 serves the trainer's rendezvous (called on rank 0 only).
 
         Rank 0 binds the store here and keeps it, so no other process can take the port between
-        this call and ``setup`` (a port merely found free was taken by an engine once in CI).
+        this call and ``setup`` (a port merely found free was taken by an engine once in CI); it
+        listens on the job's interface only (``rendezvous.job_host``: loopback on one machine).
         """
-        from rlplacement.rendezvous import host_store
+        from rlplacement.rendezvous import host_store, job_host
 
-        host = node_ip()
+        host = job_host()
         self._store, port = host_store(host, self.world_size, timeout_s)
         return host, port
 

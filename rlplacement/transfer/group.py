@@ -29,15 +29,11 @@ def default_device() -> "torch.device":
 
 
 def local_host() -> str:
-    """An address other hosts can reach: Ray's node IP inside a Ray job, else loopback."""
-    try:
-        import ray
+    """Where the group's store listens: loopback for a one-machine job, else Ray's node IP
+    (:func:`rlplacement.rendezvous.job_host`; the store is bound to that interface only)."""
+    from rlplacement.rendezvous import job_host
 
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
+    return job_host()
 
 
 class TransferGroup:

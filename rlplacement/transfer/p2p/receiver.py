@@ -1,14 +1,13 @@
-"""Engine side of ``p2p``: staging buffers registered once with this worker's TransferEngine; their
-addresses go to the trainer per bucket, which writes into them."""
+"""Engine side of ``p2p``: staging buffers registered once with this worker's TransferEngine (and
+unregistered before they are freed); their addresses go to the trainer per bucket, which writes into them."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
 from rlplacement.transfer.base import BucketManifest, TransferEndpoint
-from rlplacement.transfer.bucket import FlatBuffers
 from rlplacement.transfer.p2p import P2PInit
-from rlplacement.transfer.p2p.mooncake import MooncakeEngine, address_toward, session_key
+from rlplacement.transfer.p2p.mooncake import MooncakeEngine, RegisteredBuffers, address_toward, session_key
 from rlplacement.transfer.wire import FramedReceiver
 
 if TYPE_CHECKING:
@@ -29,7 +28,8 @@ class P2PReceiver(FramedReceiver):
         # a fresh engine and fresh registrations: the trainer never writes to an old one
         self._engine = MooncakeEngine(address_toward(endpoint.host), P2PInit(**endpoint.mode_info).protocol)
         self._group._store.set(session_key(endpoint.group_name, rank), self._engine.session)
-        self.buffers = FlatBuffers(self.device)  # staging lives where the model does, registered as it grows
+        # staging lives where the model does, registered at first use, unregistered when it grows or goes
+        self.buffers = RegisteredBuffers(self.device, self._engine)
 
     def release_staging(self) -> int:
         """Kept: the staging is registered with Mooncake and its addresses were given to the trainer

@@ -1,5 +1,6 @@
 """Trainer side of ``p2p``: pack bucket i+1 into the other registered slot while bucket i's batched
-writes fly to every engine worker; a failed or late write aborts the update everywhere."""
+writes fly to every engine worker; a failed or late write aborts the update everywhere. A slot that
+grows is unregistered before its memory is let go."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import time
 from typing import TYPE_CHECKING, ClassVar
 
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferError
-from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, pack_into
+from rlplacement.transfer.bucket import GroupFn, fused_group_of, pack_into
 from rlplacement.transfer.p2p import DEFAULT_TRANSFER_TIMEOUT_S, P2PInit, P2POptions
-from rlplacement.transfer.p2p.mooncake import SLICE_BYTES, MooncakeEngine, address_toward, session_key
+from rlplacement.transfer.p2p.mooncake import (SLICE_BYTES, MooncakeEngine, RegisteredBuffers, address_toward,
+                                               session_key)
 from rlplacement.transfer.wire import AbortUpdate, FramedSender
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ class P2PSender(FramedSender):
         self.options = P2POptions(protocol, transfer_timeout_s)  # validates
         self.protocol, self.transfer_timeout_s = protocol, transfer_timeout_s
         self.backend, self.wire_device = "gloo", torch.device("cpu")  # control only; bytes go by Mooncake
-        self.buffers = FlatBuffers(self.device)
+        self.buffers = RegisteredBuffers(self.device, None)  # registered with the engine of each connect
         self._engine: MooncakeEngine | None = None
         self._sessions: list[str] = []
         self._pending: tuple[int, list[tuple[int, int]]] | None = None  # (bucket index, [(rank, batch id)])
@@ -57,6 +59,7 @@ class P2PSender(FramedSender):
         if self._engine is not None:
             self._engine.close()
         self._engine = MooncakeEngine(address_toward(e.host), self.protocol)
+        self.buffers.engine = self._engine
         self._sessions = [""] + [self._store.get(session_key(e.group_name, r)).decode() for r in range(1, e.world_size)]
         self._pending = None
 
@@ -138,3 +141,4 @@ class P2PSender(FramedSender):
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        self.buffers.engine = None
