@@ -175,7 +175,7 @@ def corrupt_next_version(disk_dir: Path, after: int, engine_pid_to_resume: int, 
             while time.monotonic() < deadline:
                 pointer = folder_format.read_pointer(disk_dir)
                 if pointer and int(pointer["version"]) > after:
-                    folder = disk_dir / folder_format.version_folder(int(pointer["version"]))
+                    folder = disk_dir / pointer["folder"]
                     shard = max((p for p in folder.iterdir() if p.suffix == ".safetensors"), key=lambda p: p.stat().st_size)
                     data = bytearray(shard.read_bytes())
                     data[len(data) // 2] ^= 0xFF

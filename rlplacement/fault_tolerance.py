@@ -142,8 +142,8 @@ class FaultTolerance:
         job.updates.close()  # a compiled update graph runs loops on the actor that goes
         ray.kill(job.engines[index], no_restart=True)
         engine = start_engine(job.config, job.hf_dir, job.placement, index, engine_kind=job.engine_kind,
-                              engine_kwargs=job.engine_kwargs)
-        info = get_all([engine.info.remote()], job.timeout_s, "restarted engine start", [f"engine {index}"])[0]
+                              engine_args=job.engine_args)
+        info = get_all([engine.info.remote()], job.start_timeout_s, "restarted engine start", [f"engine {index}"])[0]
         job.engines[index], job.engine_info[index] = engine, info  # in place: the hand-off holds these lists
         job.stale = f"engine {index} was restarted ({why}) and serves the model folder's weights"
         job.reconcile()

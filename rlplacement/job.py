@@ -61,6 +61,8 @@ class RLJob:
         """What the engines started from: version 0, the base of the first disk-delta."""
         self.timeout_s = timeout_s
         """Bound of every wait on an actor; set once, at start."""
+        self.start_timeout_s = max(timeout_s, DEFAULT_TIMEOUT_S)
+        """Bound of a process's start (a trainer's set-up, an engine loading the model): :meth:`start` sets it."""
         self.data_parallel_ranks = data_parallel_ranks
         """Each trainer rank's share of a batch (ranks of one TP/PP group share one)."""
         self.data_parallel_size = data_parallel_size
@@ -101,8 +103,8 @@ class RLJob:
         self.engine_kind = engine_kind
         self.engine_class = engine_class(engine_kind)
         """The engines' kind (``engines.registry``): what sampling keys they take."""
-        self.engine_kwargs: dict[str, Any] | None = None
-        """The engine arguments given to :meth:`start` (a restarted engine gets them again)."""
+        self.engine_args: dict[str, Any] = {}
+        """Every engine's arguments as :meth:`start` resolved them (a restarted engine gets them again)."""
         self.trainer_setup: tuple | None = None
         """(backend config, optimizer, backend options) the trainer was built with (a restarted one again)."""
         self.ft = None
@@ -116,7 +118,7 @@ class RLJob:
     def start(cls, config: Config, hf_dir: str, *, optim: OptimConfig | None = None,
               engine_kwargs: dict[str, Any] | None = None, backend_options: dict[str, Any] | None = None,
               timeout_s: float = DEFAULT_TIMEOUT_S, compiled_update: bool | None = None,
-              engine_kind: str = DEFAULT_ENGINE_KIND) -> "RLJob":
+              engine_kind: str = DEFAULT_ENGINE_KIND, start_timeout_s: float | None = None) -> "RLJob":
         """Start every process of the job and return it ready for the first step.
 
         ``optim``: the trainer's optimizer (default ``config.optim``, from the flags); ``engine_kwargs``: engine
@@ -127,7 +129,10 @@ class RLJob:
         bound of every wait on an actor, for the job's life; ``compiled_update``: dispatch each update
         through a Ray Compiled Graph (~0.1 ms instead of ~2 ms of Ray per update,
         ``runtime.update_dispatch``), None: where the trainer is on a GPU, the only place an update is
-        short enough for that to show; ``engine_kind``: the rollout engine (``engines.registry``). With
+        short enough for that to show; ``engine_kind``: the rollout engine (``engines.registry``);
+        ``start_timeout_s``: bound of a process's start (a trainer's set-up, an engine loading the model,
+        here and at a restart), None: the larger of ``timeout_s`` and :data:`DEFAULT_TIMEOUT_S`, since
+        loading a model takes longer than a fast failure of an update should. With
         ``--load`` of a training checkpoint the engines are sent its weights before this returns, as the
         version it recorded.
         """
@@ -135,15 +140,17 @@ class RLJob:
         from rlplacement.runtime.update_dispatch import UpdateDispatch
 
         console = StartLog(config.rollout.verbosity)
-        started = start_actors(config, hf_dir, engine_kind=engine_kind, engine_kwargs=engine_kwargs, console=console)
+        started = start_actors(config, hf_dir, engine_kind=engine_kind, engine_kwargs=engine_kwargs, console=console,
+                               timeout_s=timeout_s)
         trainers, engines, trainer_names = started.trainers, started.engines, started.trainer_names
         backend_options = {"stream_dtype": started.engine_dtype, **(backend_options or {})}
+        start_timeout_s = max(timeout_s, DEFAULT_TIMEOUT_S) if start_timeout_s is None else start_timeout_s
         try:
             infos = setup_trainers(trainers, started.backend_config, optim or config.optim, config.train,
-                                   backend_options, timeout_s, trainer_names)
+                                   backend_options, start_timeout_s, trainer_names)
             device = infos[0]["device"]
             console.stage(f"trainer built: {config.backend.name} on {len(trainers)} rank(s), {device}")
-            engine_info = get_all([e.info.remote() for e in engines], timeout_s, "engine start",
+            engine_info = get_all([e.info.remote() for e in engines], start_timeout_s, "engine start",
                                   [f"engine {i}" for i in range(len(engines))])
             console.stage(f"{len(engines)} {engine_kind} engine(s) loaded (they started beside the trainer)")
             job = cls(engine_info=engine_info, engine_kind=engine_kind, config=config, placement=started.placement, trainers=trainers,
@@ -154,12 +161,9 @@ class RLJob:
                       updates=UpdateDispatch(compiled=device.startswith("cuda") if compiled_update is None
                                              else compiled_update, timeout_s=timeout_s))
             job.trainer_setup = (started.backend_config, optim or config.optim, backend_options)
-            job.engine_kwargs = engine_kwargs
-            job.set_transfer(config.transfer.mode, check_equal=config.transfer.check_equal)
-            console.stage(f"weight transfer ready: {config.transfer.mode}"
-                          + (", every update checked bit for bit" if config.transfer.check_equal else ""))
+            job.engine_args, job.start_timeout_s = started.engine_args, start_timeout_s
             resumed = infos[0]["resumed"]
-            if resumed is not None:  # the engines serve the checkpoint's weights, as the version it recorded
+            if resumed is not None:  # before the transfer set-up: disk-delta's folder segment is (run, epoch)
                 job.version = job.issued = resumed["weight_version"] - 1
                 job.train_calls = resumed["train_calls"]
                 saved = resumed.get("job_state") or {}  # {}: a checkpoint older than job states
@@ -167,6 +171,10 @@ class RLJob:
                 job.run_id = saved.get("run_id", job.run_id)
                 job.epoch = saved.get("epoch", 0) + 1  # a resume is a new epoch of versions
                 job.resumed_extra_state = dict(saved.get("extra_state") or {})
+            job.set_transfer(config.transfer.mode, check_equal=config.transfer.check_equal)
+            console.stage(f"weight transfer ready: {config.transfer.mode}"
+                          + (", every update checked bit for bit" if config.transfer.check_equal else ""))
+            if resumed is not None:  # the engines serve the checkpoint's weights, as the version it recorded
                 job.update_weights()
                 console.stage(f"engines serve the checkpoint's weights (version {job.version})")
             console.done("ready")
@@ -396,7 +404,8 @@ class RLJob:
         if buffer_size is not None:
             t = dataclasses.replace(t, buffer_size=buffer_size)
         get_all([self.trainers[0].transfer_setup_from_config.remote(t, timeout_s=self.timeout_s, base_dir=self.hf_dir,
-                                                                     mode=mode, check_equal=check_equal)],
+                                                                     mode=mode, check_equal=check_equal,
+                                                                     run_id=self.run_id, epoch=self.epoch)],
                 self.timeout_s, "transfer set-up", ["trainer rank 0"])
         driver.connect(self.trainers[0], self.engines, timeout_s=self.timeout_s)
         self.check_equal, self.transfer_mode = check_equal, mode
@@ -465,7 +474,7 @@ class RLJob:
         backend_config, optim, backend_options = self.trainer_setup
         backend_config = dataclasses.replace(backend_config, load=load)
         infos = setup_trainers(self.trainers, backend_config, optim, self.config.train, backend_options,
-                               self.timeout_s, self.trainer_names)
+                               self.start_timeout_s, self.trainer_names)
         self.data_parallel_ranks = [i["data_parallel_rank"] for i in infos]
         return infos[0]["resumed"]
 

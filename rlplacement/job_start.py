@@ -33,7 +33,12 @@ class StartedActors:
     engines: list
     trainer_names: list[str]
     backend_config: Any
-    engine_dtype: str
+    engine_args: dict[str, Any]
+    """Every engine's arguments, resolved (dtype, the job's timeout): what a restarted engine gets again."""
+
+    @property
+    def engine_dtype(self) -> str:
+        return self.engine_args["dtype"]
 
 
 def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
@@ -48,7 +53,6 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     from rlplacement.args import require_available
     from rlplacement.backends import preflight
     from rlplacement.engines.engine_settings import resolve_dtype
-    from rlplacement.engines.ray_engines import create_engine_actor
     from rlplacement.engines.registry import engine_class
     from rlplacement.placement import ray_groups
     from rlplacement.runtime.trainer_worker import TrainerWorker
@@ -56,11 +60,11 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     require_available(config)  # before any process starts
     backend_cfg = dataclasses.replace(config.backend, hf_checkpoint=config.backend.hf_checkpoint or hf_dir)
     preflight(backend_cfg)
-    if config.backend.load:  # its files whole, named if not, before any process starts
-        from rlplacement.backends.checkpoint_files import check_whole, loaded_folder
+    if config.backend.load:  # its files whole and of this model, named if not, before any process starts
+        from rlplacement.backends.checkpoint_files import check_load
 
-        check_whole(loaded_folder(config.backend.load))
-    engine_cls = engine_class(engine_kind)  # an unknown kind is refused before any process starts
+        check_load(config.backend.load, backend_cfg.hf_checkpoint)
+    engine_class(engine_kind)  # an unknown kind is refused before any process starts
     verbose = config.rollout.verbose
     engine_args = {**config.rollout.engine_kwargs(), **(engine_kwargs or {})}
     engine_args["dtype"] = resolve_dtype(hf_dir, engine_args.get("dtype", "auto"))
@@ -76,12 +80,10 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     world = len(layout.trainer_gpus)
     worker_cls = ray.remote(TrainerWorker)
     trainers = [worker_cls.options(**placement.trainer_options(r)).remote(r, world) for r in range(world)]
-    engines = [create_engine_actor(i, hf_dir, kind=engine_kind, options=placement.engine_options(i),
-                                   env=engine_cls.process_env(verbose), tensor_parallel_size=layout.gpus_per_engine,
-                                   sleep_mode=config.placement.offload_rollout is not False, **engine_args)
+    engines = [start_engine(config, hf_dir, placement, i, engine_kind=engine_kind, engine_args=engine_args)
                for i in range(len(layout.engines))]
     return StartedActors(placement, trainers, engines, [f"trainer rank {r}" for r in range(world)], backend_cfg,
-                         engine_args["dtype"])
+                         engine_args)
 
 
 def make_handoff(config: "Config", trainers: list, engines: list, trainer_device: str, timeout_s: float,
@@ -140,16 +142,13 @@ def release(updates: "UpdateDispatch | None", trainers: list, engines: list, pla
 
 
 def start_engine(config: "Config", hf_dir: str, placement, index: int, *, engine_kind: str,
-                 engine_kwargs: dict[str, Any] | None):
-    """Engine ``index`` again, in its own placement bundle, with the arguments :func:`start_actors` gave it:
-    what a restarted engine is (``fault_tolerance``). Returns the actor at once (Ray starts it)."""
-    from rlplacement.engines.engine_settings import resolve_dtype
+                 engine_args: dict[str, Any]):
+    """Engine ``index`` in its own placement bundle with ``engine_args`` (:attr:`StartedActors.engine_args`):
+    what :func:`start_actors` starts, and what a restarted engine is (``fault_tolerance``). Returns the
+    actor at once (Ray starts it)."""
     from rlplacement.engines.ray_engines import create_engine_actor
     from rlplacement.engines.registry import engine_class
 
-    engine_args = {**config.rollout.engine_kwargs(), **(engine_kwargs or {})}
-    engine_args["dtype"] = resolve_dtype(hf_dir, engine_args.get("dtype", "auto"))
-    engine_args.setdefault("verbose", config.rollout.verbose)
     return create_engine_actor(index, hf_dir, kind=engine_kind, options=placement.engine_options(index),
                                env=engine_class(engine_kind).process_env(config.rollout.verbose),
                                tensor_parallel_size=placement.layout.gpus_per_engine,

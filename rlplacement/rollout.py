@@ -15,8 +15,8 @@ import operator
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from rlplacement.errors import ConfigError
-from rlplacement.runtime.waits import get_all
+from rlplacement.errors import ConfigError, PeerError
+from rlplacement.runtime.waits import cause_of, get_all
 
 if TYPE_CHECKING:
     import numpy as np
@@ -175,7 +175,8 @@ def submit(engines: Sequence, request: RolloutRequest, timeout_s: float) -> Pend
 
 def stream(engines: Sequence, pending: PendingRollout, timeout_s: float) -> Iterator[RolloutSample]:
     """Yield ``pending``'s samples as each finishes (any order; ``RolloutSample.index`` says which),
-    waiting at most ``timeout_s`` for the next (naming the engines that did not answer)."""
+    waiting at most ``timeout_s`` for the next. An engine that dies, fails or gives no sample in time
+    raises :class:`~rlplacement.errors.PeerError` naming it (what fault tolerance repairs)."""
     import ray
 
     deadline = time.monotonic() + timeout_s
@@ -185,10 +186,13 @@ def stream(engines: Sequence, pending: PendingRollout, timeout_s: float) -> Iter
                 pending.polls[engines[key[0]].poll.remote(key[1], POLL_WAIT_S)] = key
         done, _ = ray.wait(list(pending.polls), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not done:
-            late = ", ".join(f"engine {i}" for i, _ in pending.batches)
-            raise TimeoutError(f"generation: {late} produced no sample within {timeout_s:.0f}s")
+            raise PeerError("generation", {f"engine {i}": f"no sample within {timeout_s:.0f}s"
+                                           for i, _ in pending.batches})
         key = pending.polls.pop(done[0])
-        results, finished = ray.get(done[0], timeout=timeout_s)
+        try:
+            results, finished = ray.get(done[0], timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - one error naming the engine, whatever Ray raised
+            raise PeerError("generation", {f"engine {key[0]}": cause_of(exc)}) from exc
         if finished:
             idx = pending.batches.pop(key)
         else:

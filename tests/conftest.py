@@ -1,7 +1,14 @@
 """Shared test hygiene: a module whose Ray fixture failed half-way must not leave Ray running for
 the next module (its own teardown never runs when setup raises)."""
 
+import os
+
 import pytest
+
+# Ray reads RAY_AUTH_MODE once per process and a test process starts many clusters, some with workers
+# told RAY_AUTH_MODE=disabled (their calls would be refused by a token cluster started earlier): one mode
+# for the whole run. The product's default, token auth, is tested in a fresh process (test_open_doors).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -159,7 +159,8 @@ def _default_run_feeds_the_advisor(tmp_path, proc, rows, capsys):
 
 def _disk_delta_run_published_every_version(tmp_path, proc, rows, capsys):
     weights = tmp_path / "weights"
-    assert json.loads((weights / "latest").read_text()) == {"version": 100, "folder": "weight_v000100"}
+    pointer = json.loads((weights / "latest").read_text())
+    assert (pointer["version"], pointer["folder"], pointer["epoch"]) == (100, "weight_v000100", 0)
     index = json.loads((weights / "weight_v000100" / "model.safetensors.index.json").read_text())
     assert index["version"] == 100 and index["base_version"] == 99 and index["delta_encoding"] == "xor"
     # step 0 may change nothing if every group's rewards tie; from then on AdamW's momentum moves bytes
