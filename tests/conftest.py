@@ -1,5 +1,7 @@
 """Shared test hygiene: a module whose Ray fixture failed half-way must not leave Ray running for
-the next module (its own teardown never runs when setup raises)."""
+the next module (its own teardown never runs when setup raises); a module that built a backend in
+this process must not leave its process group behind (a later in-process single-rank run, such as
+``rlplacement convert``, would see it and spawn ranks instead)."""
 
 import os
 
@@ -19,3 +21,8 @@ def _ray_shut_down_after_module():
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from rlplacement.convert.run import _teardown
+
+        _teardown()
