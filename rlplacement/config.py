@@ -382,8 +382,11 @@ class FaultToleranceConfig:
     """No health check before this many seconds after start: first-use compilation may stall an engine
     (``--rollout-health-check-first-wait``)."""
     max_restarts: int = 8
-    """Repairs of one kind the job attempts in its life before it gives up with one error (a fault that
-    comes back at every restart is not a fault to repair)."""
+    """Repairs of one kind (engines, the trainer) the job makes within any :attr:`restart_window_s` before it
+    gives up with one error: a fault that comes back at every restart is not one to repair, while a
+    week-long run meets a fault now and then and goes on."""
+    restart_window_s: float = 3600.0
+    """The window :attr:`max_restarts` counts in, in seconds."""
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.components if c not in FT_COMPONENTS]

@@ -7,7 +7,8 @@ Invariants: an engine serves generation only once it holds the trainer's current
 starts from the model folder, so the job sends it a fresh version before any rollout); version numbers are
 never reused for a set of engines (``RLJob.issued``), so a restarted trainer's first update is numbered above
 anything an engine has served, and the restart is a new epoch (``RLJob.epoch``); a repair that keeps failing
-ends in one error after ``FaultToleranceConfig.max_restarts`` attempts, never a loop.
+ends in one error after ``FaultToleranceConfig.max_restarts`` repairs of its kind within
+``restart_window_s``, never a loop.
 
 Health checks run between steps, never during a generate or an update: at most one per
 ``--rollout-health-check-interval`` seconds, none in the first ``--rollout-health-check-first-wait``
@@ -50,6 +51,8 @@ class Recovery:
     why: str
     seconds: float
     steps_lost: int = 0
+    at: float = dataclasses.field(default_factory=time.monotonic)
+    """When the repair ended (``time.monotonic``)."""
 
 
 def actor_died(failure: str) -> bool:
@@ -85,7 +88,9 @@ class FaultTolerance:
         log.warning("fault tolerance: %s restarted in %.1f s (%s)", who, recovery.seconds, recovery.why)
 
     def _count(self, kind: str) -> int:
-        return sum(r.kind == kind for r in self.recoveries)
+        """Repairs of ``kind`` within the last ``restart_window_s``."""
+        since = time.monotonic() - self.config.restart_window_s
+        return sum(r.kind == kind and r.at >= since for r in self.recoveries)
 
     # ---- engines ---------------------------------------------------------------------------------
     def check_engines(self, *, force: bool = False) -> list[int]:
@@ -136,7 +141,7 @@ class FaultTolerance:
         if self._count("engine") >= self.config.max_restarts:
             raise FaultToleranceExhausted(
                 f"engine {index} needs a restart ({why}), but {self.config.max_restarts} engine restarts were made "
-                f"already: a fault that comes back at every restart is not one to repair; look at the engines' logs")
+                f"within {self.config.restart_window_s:g} s already: a fault that comes back at every restart is not one to repair; look at the engines' logs")
         start = time.monotonic()
         job = self.job
         job.updates.close()  # a compiled update graph runs loops on the actor that goes
@@ -176,7 +181,7 @@ class FaultTolerance:
         if self._count("trainer") >= self.config.max_restarts:
             raise FaultToleranceExhausted(
                 f"the trainer needs a restart ({why}), but {self.config.max_restarts} trainer restarts were made "
-                f"already: look at the trainer's logs")
+                f"within {self.config.restart_window_s:g} s already: look at the trainer's logs")
         start = time.monotonic()
         job = self.job
         job.updates.close()
