@@ -24,14 +24,16 @@ Invariants after every step (a violation stops the run with exit status 1): ever
 whole version, the job's, and took exactly the trainer's bytes (per-tensor checksums; every update is also
 checked by ``--check-weight-update-equal``); every sample was generated from the version every engine served
 when it was generated (no sample from an unnamed version); versions never go backwards and the epoch moves
-only with a recorded trainer restart; open files, /dev/shm, live Ray actors and the driver's resident memory
-stay within a bound of their value after the first steps. The table printed at the end: faults injected per
+only with a recorded trainer restart; open files, /dev/shm, live Ray actors, the driver's resident memory and
+the memory the trainer's p2p sender keeps registered with Mooncake stay within a bound of their value after
+the first steps. The table printed at the end: faults injected per
 kind, recovered, seconds to recover (from the fault to the end of its step, invariants holding), and steps
 lost (trainer calls a restart rolled back).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -53,7 +55,7 @@ from examples import tiny_grpo  # noqa: E402
 ALWAYS = ("engine_killed_before_update", "engine_killed_during_update", "engine_killed_after_update",
           "receiver_stalled", "trainer_killed")
 DISK_DELTA_ONLY = ("corrupted_delta_file", "disk_full")
-BOUNDS = {"open_files": 64, "dev_shm_mb": 64.0, "driver_rss_mb": 600.0}
+BOUNDS = {"open_files": 64, "dev_shm_mb": 64.0, "driver_rss_mb": 600.0, "registered_mb": 64.0}
 """How far above their value after the warm-up steps each resource may go."""
 
 
@@ -68,6 +70,9 @@ def build_parser():
     g.add_argument("--fault-seed", type=int, default=0)
     g.add_argument("--warmup-steps", type=int, default=3, help="steps before the first fault (resources settle)")
     g.add_argument("--timeout", type=float, default=20.0, help="the job's timeout_s (a stalled engine waits it out)")
+    g.add_argument("--max-restarts", type=int, default=None,
+                   help="repairs of one kind allowed per hour (FaultToleranceConfig.max_restarts, default 8): a "
+                        "schedule denser than a real run's faults needs more")
     g.add_argument("--json", type=str, default=None, help="write the table and every step's checks here")
     return parser
 
@@ -113,12 +118,24 @@ def actor_processes() -> list[str]:
                   and ours(pid))
 
 
-def resources() -> dict[str, float]:
+def registered_mb(trainer) -> float:
+    """MB the trainer's p2p sender has registered with Mooncake (what a peer could reach); 0 in other modes."""
+    import ray
+
+    def read(worker) -> float:
+        engine = getattr(getattr(worker, "transfer_sender", None), "_engine", None)
+        return sum(t.numel() * t.element_size() for t in getattr(engine, "registered", {}).values()) / 1e6
+
+    return ray.get(trainer.__ray_call__.remote(read), timeout=30)
+
+
+def resources(trainer) -> dict[str, float]:
     shm = [e for e in os.scandir("/dev/shm") if e.is_file(follow_symlinks=False)] if os.path.isdir("/dev/shm") else []
     return {"open_files": len(os.listdir("/proc/self/fd")),
             "dev_shm_mb": sum(e.stat(follow_symlinks=False).st_size for e in shm) / 1e6,
             "live_actors": len(actors := actor_processes()), "actor_processes": actors,
-            "driver_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3}
+            "driver_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
+            "registered_mb": registered_mb(trainer)}
 
 
 # ---- faults -------------------------------------------------------------------------------------
@@ -254,12 +271,16 @@ def run(args) -> dict:
         args.update_weight_disk_dir = str(disk_dir)
     plan = schedule(kinds, args.steps, args.faults, args.warmup_steps, args.fault_seed)
     config = rlplacement.config_from_args(args)
+    if args.max_restarts is not None:
+        config = dataclasses.replace(config, fault_tolerance=dataclasses.replace(config.fault_tolerance,
+                                                                                 max_restarts=args.max_restarts))
     hf_dir = str(make_tiny_model(work / "model", TinySpec(**tiny_grpo.TINY_MODEL, dtype=tiny_grpo.tiny_model_dtype())))
     tok = AutoTokenizer.from_pretrained(hf_dir)
     targets = {tok.convert_tokens_to_ids(d) for d in tiny_grpo.DIGITS}
     prompts = [tok.encode(p) for p in tiny_grpo.PROMPTS]
     group = config.rollout.n_samples_per_prompt
     rows, faults = [], []
+    t_start = time.monotonic()
     expected_actors = None
     base = None
     last = {"version": 0}
@@ -309,13 +330,14 @@ def run(args) -> dict:
                     served_at_generate = job.version
                     samples = samples_next
                 checks = check_step(job, {s.weight_version for s in samples}, served_at_generate, last)
-                now = resources()
+                now = resources(job.trainers[0])
                 if step == args.warmup_steps - 1:
                     base = now
                 if base is not None:
                     check_resources(now, base, expected_actors)
                 metrics = job.pop_ft_metrics()
-                row = {"step": step, "fault": kind, **checks, **now, **metrics}
+                row = {"step": step, "fault": kind, "step_s": round(time.monotonic() - t_fault, 3), **checks, **now,
+                       **metrics}
                 rows.append(row)
                 if kind is not None:
                     faults.append({"kind": kind, "step": step, "recovered": True,
@@ -328,7 +350,10 @@ def run(args) -> dict:
     finally:
         if disk is not None:
             disk.close()
-    return {"faults": faults, "rows": rows, "table": table(faults, plan)}
+    quiet = [r["step_s"] for r in rows if r["fault"] is None]
+    return {"faults": faults, "rows": rows, "table": table(faults, plan),
+            "median_step_s_without_fault": round(statistics.median(quiet), 3) if quiet else None,
+            "wall_s": round(time.monotonic() - t_start, 1)}
 
 
 def table(faults: list[dict], plan: dict[int, str]) -> list[dict]:
@@ -338,6 +363,7 @@ def table(faults: list[dict], plan: dict[int, str]) -> list[dict]:
         out.append({"kind": kind, "injected": sum(k == kind for k in plan.values()),
                     "recovered": sum(f["recovered"] for f in done),
                     "seconds_to_recover": round(statistics.fmean(f["seconds"] for f in done), 2) if done else None,
+                    "max_seconds_to_recover": round(max(f["seconds"] for f in done), 2) if done else None,
                     "steps_lost": sum(f["steps_lost"] for f in done)})
     return out
 
