@@ -140,16 +140,32 @@ def resources(trainer) -> dict[str, float]:
 
 # ---- faults -------------------------------------------------------------------------------------
 
-def engine_pid(engine) -> int:
+def actor_pid(actor) -> int:
     import ray
 
-    return ray.get(engine.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
 
 
-def kill(actor) -> None:
+def kill(actor, pid: int | None = None) -> None:
+    """Kill the actor's process and return once it is gone: ``ray.kill`` only asks, and an actor that has
+    not died yet may still answer the update the fault is meant to hit."""
     import ray
 
+    pid = actor_pid(actor) if pid is None else pid
     ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 class DiskFiller:
@@ -304,14 +320,15 @@ def run(args) -> dict:
                 if kind == "engine_killed_before_update":
                     kill(victim)
                 elif kind == "engine_killed_during_update":
+                    pid = actor_pid(victim)
                     ray.get(job.trainers[0].inject_update_fault.remote(1, stall_s=3.0))
-                    threading.Timer(1.0, kill, (victim,)).start()
+                    threading.Timer(1.0, kill, (victim, pid)).start()
                 elif kind == "receiver_stalled":
-                    pid = engine_pid(victim)
+                    pid = actor_pid(victim)
                     ray.get(job.trainers[0].inject_update_fault.remote(1, stall_s=1.0))
                     threading.Timer(0.3, os.kill, (pid, signal.SIGSTOP)).start()
                 elif kind == "corrupted_delta_file":
-                    pid = engine_pid(victim)
+                    pid = actor_pid(victim)
                     os.kill(pid, signal.SIGSTOP)
                     corrupt_next_version(Path(args.update_weight_disk_dir), job.issued, pid, args.timeout)
                 elif kind == "disk_full":
