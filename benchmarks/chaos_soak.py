@@ -343,6 +343,9 @@ def run(args) -> dict:
                 if kind == "engine_killed_after_update":
                     kill(victim)
                 if kind in ("engine_killed_after_update", "disk_full"):  # what the next rollout repairs
+                    # a health check is due again (as at a real run's next rollout); a dead engine the
+                    # next rollout happened not to use would otherwise wait for a later one
+                    time.sleep(config.fault_tolerance.health_check_interval_s)
                     samples_next = job.generate(chosen[:1])
                     served_at_generate = job.version
                     samples = samples_next

@@ -42,6 +42,11 @@ class PeerError(RuntimeError):
         return type(self), (self.what, self.failures)
 
 
+class EngineStuckError(TimeoutError):
+    """An engine that cannot serve until it is restarted: a call into it (a worker call, a generation step)
+    overran its bound and still holds it. ``--use-fault-tolerance`` restarts an engine that answers with it."""
+
+
 class GpuMemoryError(RuntimeError):
     """Out of GPU memory where a colocated hand-off flag would have freed it; names the flag."""
 

@@ -24,7 +24,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from rlplacement.errors import PeerError, TransferError
+from rlplacement.errors import EngineStuckError, PeerError, TransferError
 
 if TYPE_CHECKING:
     from rlplacement.config import FaultToleranceConfig
@@ -71,6 +71,9 @@ class FaultTolerance:
         self.recoveries: list[Recovery] = []
         """Every repair of the job's life, in order."""
         self._unreported: list[Recovery] = []
+        self.restarts_begun: list[tuple[str, float]] = []
+        """(kind, ``time.monotonic``) of every restart begun, whether its repair completed or not: what
+        ``max_restarts`` counts, so a repair that keeps failing is bounded too."""
 
     # ---- telemetry -------------------------------------------------------------------------------
     def pop_metrics(self) -> dict[str, float]:
@@ -88,14 +91,17 @@ class FaultTolerance:
         log.warning("fault tolerance: %s restarted in %.1f s (%s)", who, recovery.seconds, recovery.why)
 
     def _count(self, kind: str) -> int:
-        """Repairs of ``kind`` within the last ``restart_window_s``."""
+        """Restarts of ``kind`` begun within the last ``restart_window_s``."""
         since = time.monotonic() - self.config.restart_window_s
-        return sum(r.kind == kind and r.at >= since for r in self.recoveries)
+        return sum(k == kind and at >= since for k, at in self.restarts_begun)
 
     # ---- engines ---------------------------------------------------------------------------------
     def check_engines(self, *, force: bool = False) -> list[int]:
-        """Between steps: probe every engine when a check is due (or ``force``), restart each that died or
-        hung, and bring the job's engines to the trainer's weights; returns the restarted indices."""
+        """Between steps: probe every engine when a check is due (or ``force``), restart each that died,
+        hung or is stuck, then bring every engine to the trainer's weights once; returns the restarted
+        indices. An engine found stuck only by that reconciling update (it was inside the failed update
+        when probed) is restarted too, and the update tried once more; a second failure raises
+        :class:`~rlplacement.errors.ReconcileError`."""
         if not self.config.repairs("rollout"):
             return []
         now = time.monotonic()
@@ -104,35 +110,53 @@ class FaultTolerance:
             return []
         self._last_check = now
         bad = self.unhealthy_engines()
+        if not bad:
+            return []
+        started = {index: self._replace_engine(index, why) for index, why in bad.items()}
+        try:
+            self.job.reconcile()
+        except TransferError:
+            more = self.unhealthy_engines()
+            if not more:
+                raise
+            started.update({index: self._replace_engine(index, why) for index, why in more.items()})
+            bad.update(more)
+            self.job.reconcile()
         for index, why in bad.items():
-            self.restart_engine(index, why)
-        return list(bad)
+            self._record(Recovery("engine", index, why, time.monotonic() - started[index]))
+        return sorted(bad)
 
     def unhealthy_engines(self) -> dict[int, str]:
-        """Engines that died or did not answer within ``--rollout-health-check-timeout``, with why. An engine
-        that answers with an error (workers on different versions) is alive: the job reconciles it."""
+        """Engines that died, did not answer a health check within ``--rollout-health-check-timeout`` (the
+        check is a control call, answered beside a running update: no answer means the process is stopped
+        or gone) or say a call into them was abandoned and holds them (stuck), with why. An engine that
+        answers with an error is alive: the job reconciles it."""
         import ray
 
         from rlplacement.runtime.waits import cause_of
 
-        refs = {e.weight_version.remote(): i for i, e in enumerate(self.job.engines)}
+        refs = {e.health.remote(): i for i, e in enumerate(self.job.engines)}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.config.health_check_timeout_s)
         bad = {i: f"no answer to a health check within {self.config.health_check_timeout_s:g} s "
                   f"(--rollout-health-check-timeout)" for ref, i in refs.items() if ref not in ready}
         for ref in ready:
             try:
-                ray.get(ref, timeout=0)
+                health = ray.get(ref, timeout=0)
             except Exception as exc:  # noqa: BLE001 - each engine's cause is kept
                 why = cause_of(exc)
                 if actor_died(why):
                     bad[refs[ref]] = why
                 else:
                     self.job.stale = self.job.stale or f"engine {refs[ref]} answered a health check with {why}"
+                continue
+            if health.get("stuck"):
+                bad[refs[ref]] = (f"{EngineStuckError.__name__}: {health['stuck']} overran its bound and still "
+                                  f"holds the engine")
         return dict(sorted(bad.items()))
 
-    def restart_engine(self, index: int, why: str) -> Recovery:
-        """Kill engine ``index`` (whatever state it is in), start it again in its own bundle and send every
-        engine the trainer's weights as a fresh version (the new one starts from the model folder)."""
+    def _replace_engine(self, index: int, why: str) -> float:
+        """Kill engine ``index`` (whatever state it is in) and start it again in its own bundle, from the
+        model folder: the job is stale until the next reconcile. Returns when the restart began."""
         import ray
 
         from rlplacement.job_start import start_engine
@@ -141,8 +165,10 @@ class FaultTolerance:
         if self._count("engine") >= self.config.max_restarts:
             raise FaultToleranceExhausted(
                 f"engine {index} needs a restart ({why}), but {self.config.max_restarts} engine restarts were made "
-                f"within {self.config.restart_window_s:g} s already: a fault that comes back at every restart is not one to repair; look at the engines' logs")
+                f"within {self.config.restart_window_s:g} s already: a fault that comes back at every restart is "
+                f"not one to repair; look at the engines' logs")
         start = time.monotonic()
+        self.restarts_begun.append(("engine", start))
         job = self.job
         job.updates.close()  # a compiled update graph runs loops on the actor that goes
         ray.kill(job.engines[index], no_restart=True)
@@ -151,10 +177,7 @@ class FaultTolerance:
         info = get_all([engine.info.remote()], job.start_timeout_s, "restarted engine start", [f"engine {index}"])[0]
         job.engines[index], job.engine_info[index] = engine, info  # in place: the hand-off holds these lists
         job.stale = f"engine {index} was restarted ({why}) and serves the model folder's weights"
-        job.reconcile()
-        recovery = Recovery("engine", index, why, time.monotonic() - start)
-        self._record(recovery)
-        return recovery
+        return start
 
     def on_engine_failure(self, error: BaseException) -> bool:
         """After a generate or an update failed: restart the engines that died or hung; True when any was
@@ -183,6 +206,7 @@ class FaultTolerance:
                 f"the trainer needs a restart ({why}), but {self.config.max_restarts} trainer restarts were made "
                 f"within {self.config.restart_window_s:g} s already: look at the trainer's logs")
         start = time.monotonic()
+        self.restarts_begun.append(("trainer", start))
         job = self.job
         job.updates.close()
         for trainer in job.trainers:

@@ -9,7 +9,7 @@ import pytest
 from rlplacement.args import build_parser, config_from_args
 from rlplacement.config import FaultToleranceConfig
 from rlplacement.errors import ConfigError
-from rlplacement.fault_tolerance import FaultTolerance, FaultToleranceExhausted, Recovery
+from rlplacement.fault_tolerance import FaultTolerance, FaultToleranceExhausted
 
 SPLIT = ("--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "1")
 
@@ -47,11 +47,15 @@ def test_bad_fault_tolerance_flags_are_refused_naming_the_flag(argv, message):
 def test_repairs_are_bounded_within_a_window_not_over_the_runs_life():
     ft = FaultTolerance(job=None, config=FaultToleranceConfig(enabled=True, max_restarts=2, restart_window_s=60))
     long_ago = time.monotonic() - 120
-    ft.recoveries += [Recovery("engine", 0, "died", 1.0, at=long_ago) for _ in range(5)]
-    assert ft._count("engine") == 0  # five repairs an hour ago do not count against the next
-    ft.recoveries += [Recovery("engine", 1, "died", 1.0) for _ in range(2)]
+    ft.restarts_begun += [("engine", long_ago)] * 5
+    assert ft._count("engine") == 0  # five restarts two minutes ago do not count against the next
+    ft.restarts_begun += [("engine", time.monotonic())] * 2
     with pytest.raises(FaultToleranceExhausted, match=r"engine 0 needs a restart \(hung\), but 2 engine restarts "
                                                       r"were made within 60 s already"):
-        ft.restart_engine(0, "hung")  # refused before it touches the job
+        ft._replace_engine(0, "hung")  # refused before it touches the job
+    with pytest.raises(FaultToleranceExhausted, match=r"the trainer needs a restart \(died\), but 2 trainer"):
+        ft.restarts_begun += [("trainer", time.monotonic())] * 2
+        ft.restart_trainer("died")
     with pytest.raises(ConfigError, match="--rollout-health-check-interval"):
         FaultToleranceConfig(enabled=True, health_check_interval_s=-1)
+

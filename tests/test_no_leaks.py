@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from rlplacement.errors import EngineStuckError
 from rlplacement.transfer.cuda_ipc.buckets import SharedSlots, leftover_shm_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,17 +145,17 @@ def test_a_wait_for_generation_to_go_idle_is_bounded_and_named():
 def test_a_step_that_never_returns_fails_poll_and_calls_by_name():
     fake, stepper, batch = _stepper(step_blocks=True)
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match="engine 3: no generation step finished within 0.5 s with 1 request"):
+    with pytest.raises(EngineStuckError, match="engine 3: no generation step finished within 0.5 s with 1 request"):
         while True:  # a caller polling in short slices, as generate() and the driver do
             stepper.poll(batch, 0.2)
     assert time.monotonic() - start < 3
-    with pytest.raises(TimeoutError, match=r"engine 3: worker call rlplacement_stage waited 0.5 s for the engine, "
+    with pytest.raises(EngineStuckError, match=r"engine 3: worker call rlplacement_stage waited 0.5 s for the engine, "
                                            r"held all that time by a generation step that did not end"):
         stepper.call(lambda: None, "worker call rlplacement_stage")
     fake.unblock.set()
 
 
-def test_a_call_that_never_returns_is_bounded_and_the_engine_then_refuses_by_name():
+def test_a_call_that_never_returns_is_bounded_and_the_engine_refuses_by_name_until_it_returns():
     from rlplacement.engines.request_stepper import RequestStepper
 
     stepper = RequestStepper(FakeStuckEngine(), name="engine 4", timeout_s=0.5)
@@ -162,12 +163,17 @@ def test_a_call_that_never_returns_is_bounded_and_the_engine_then_refuses_by_nam
     with pytest.raises(ValueError, match="raised inside"):  # a call's own error comes back as itself
         stepper.call(lambda: (_ for _ in ()).throw(ValueError("raised inside")), "a failing call")
     release = threading.Event()
-    with pytest.raises(TimeoutError, match=r"engine 4: worker call rlplacement_commit did not return within 0.5 s"):
+    with pytest.raises(EngineStuckError, match=r"engine 4: worker call rlplacement_commit did not return within 0.5 s"):
         stepper.call(release.wait, "worker call rlplacement_commit")
-    with pytest.raises(TimeoutError, match="engine 4 cannot take reset_prefix_cache: worker call rlplacement_commit "
+    with pytest.raises(EngineStuckError, match="engine 4 cannot take reset_prefix_cache: worker call rlplacement_commit "
                                            "did not return and still holds the engine; restart the engine"):
         stepper.call(lambda: None, "reset_prefix_cache")
-    release.set()
+    release.set()  # the abandoned call returns at last: the engine takes calls again
+    deadline = time.monotonic() + 5
+    while stepper._stuck is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stepper.call(lambda: 7, "a call after it") == 7
+    assert stepper.call(lambda: 8, "a longer call", bound_s=2.0) == 8
 
 
 def test_the_miles_adapters_queue_waits_are_bounded():

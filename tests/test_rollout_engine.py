@@ -112,6 +112,13 @@ class EchoEngineStandIn(RolloutEngine):
         self._record("weight_version")
         return self.version
 
+    def health(self) -> dict:
+        return {"stuck": self.__dict__.get("abandoned_call")}
+
+    def abandon_a_call(self, what: str) -> None:
+        """For the test: report ``what`` as a call that overran its bound and still holds the engine."""
+        self.abandoned_call = what
+
     def received_checksums(self) -> dict:
         self._record("received_checksums")
         return {}
@@ -266,3 +273,32 @@ def test_a_colocated_hand_off_moves_an_engine_kind_of_its_own_through_the_protoc
     assert moves == ["release_memory", "resume_weights", "unmap_trainer_memory", "resume_kv_cache", "release_memory"]
     assert set(calls) <= set(RolloutEngine.__abstractmethods__)
     assert handoff.pop_metrics()["perf/handoff_engines_slept"] == 1.0
+
+
+def test_the_health_check_answers_beside_a_long_update_and_names_dead_and_stuck_engines(ray_with_echo_kind):
+    """Fault tolerance's probe through Ray (a control call): an engine busy in a 30 s update answers
+    at once and is kept; a dead one and one reporting an abandoned call are named for a restart."""
+    import types
+
+    from rlplacement.config import FaultToleranceConfig
+    from rlplacement.fault_tolerance import FaultTolerance
+    from rlplacement.engines.ray_engines import create_engine_actor
+
+    ray = ray_with_echo_kind
+    engines = [create_engine_actor(0, "unused", kind=ECHO_KIND, update_s=30.0),
+               *(create_engine_actor(i, "unused", kind=ECHO_KIND) for i in (1, 2))]
+    ray.get([e.info.remote() for e in engines])
+    busy = engines[0].update_weights.remote(1)
+    ray.get(engines[1].abandon_a_call.remote("worker call rlplacement_receive_and_commit"))
+    ray.kill(engines[2], no_restart=True)
+    ft = FaultTolerance(types.SimpleNamespace(engines=engines, stale=None),
+                        FaultToleranceConfig(enabled=True, health_check_timeout_s=10))
+    start = time.monotonic()
+    bad = ft.unhealthy_engines()
+    assert time.monotonic() - start < 5  # the busy engine did not make the probe wait for its update
+    assert sorted(bad) == [1, 2]
+    assert bad[1] == ("EngineStuckError: worker call rlplacement_receive_and_commit overran its bound and still "
+                      "holds the engine")
+    assert "died" in bad[2]
+    ray.kill(engines[0], no_restart=True)
+    ray.kill(engines[1], no_restart=True)

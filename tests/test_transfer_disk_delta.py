@@ -535,6 +535,34 @@ def test_a_full_disk_while_publishing_publishes_nothing(tmp_path, base):
         subprocess.run(["umount", str(mount)])
 
 
+def test_a_pointer_that_fails_to_publish_leaves_no_version_and_the_receivers_stop_at_once(tmp_path, base, monkeypatch):
+    """The disk fills after the version folder went in, as the pointer is written (a small delta late in a
+    run fits where the pointer does not): the version folder is removed again, so the abort marker fits
+    and a waiting receiver stops at once on it rather than waiting out its timeout."""
+    import errno
+    import time
+
+    base_dir, w = base
+    sender, (receiver,) = _pair(tmp_path, base_dir, "xor")
+    real_publish = folder_format.publish_file
+
+    def pointer_on_a_full_disk(root, name, data):
+        if name == folder_format.POINTER_NAME:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_publish(root, name, data)
+
+    monkeypatch.setattr(folder_format, "publish_file", pointer_on_a_full_disk)
+    _perturb(w, seed=1)
+    with pytest.raises(UpdateAborted, match="No space left on device"):
+        sender.update(1, list(w.items()))
+    assert not list((tmp_path / "deltas").glob("weight_v*")) and read_pointer(tmp_path / "deltas") is None
+    receiver.begin(1)
+    start = time.monotonic()
+    with pytest.raises(UpdateAborted, match="trainer aborted update to version 1: .*No space left on device"):
+        receiver.receive()
+    assert time.monotonic() - start < 5 and receiver.version == 0
+
+
 # ---- across runs: segments, shard paths, signatures -------------------------------------------
 
 def _join(sender, receivers, n=None):

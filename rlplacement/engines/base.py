@@ -24,7 +24,7 @@ from typing import Any
 from rlplacement.runtime.one_at_a_time import control_call
 from rlplacement.transfer.base import EngineUpdateReport
 
-CONTROL_CALLS = ("poll", "abort", "pause", "resume")
+CONTROL_CALLS = ("poll", "abort", "pause", "resume", "health")
 """Methods that run beside the call holding the engine's turn (and, as Ray actors, in their own
 concurrency group)."""
 
@@ -63,6 +63,13 @@ class RolloutEngine(abc.ABC):
         """At least: ``engine_index``; ``num_workers`` (ranks it takes in a transfer group); ``dtype`` it
         serves; ``max_model_len`` (prompt + response tokens); ``kv_cache_tokens`` and ``max_num_seqs``
         (what caps its decoding concurrency); ``sleep_mode`` (whether it can release its memory)."""
+
+    def health(self) -> dict:
+        """Answered beside any running call (a control call), so an engine busy in a long update still
+        answers: ``{"stuck": what}`` when a call into the engine overran its bound and was abandoned (the
+        engine refuses every call until it returns), else ``{"stuck": None}``. An engine that does not
+        answer at all within the health check's timeout is gone or stopped (``fault_tolerance``)."""
+        return {"stuck": None}
 
     # ---- generation --------------------------------------------------------------------------
     @abc.abstractmethod

@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from rlplacement.errors import EngineStuckError
+
 
 @dataclasses.dataclass
 class _Request:
@@ -109,7 +111,9 @@ class RequestStepper:
         self._progress_at = time.monotonic()
         """When the last step finished, or generation last had reason to start (a submit while idle, a resume)."""
         self._stuck: str | None = None
-        """A :meth:`call` that did not return within the bound (it still holds the engine)."""
+        """A :meth:`call` that did not return within its bound (it still holds the engine)."""
+        self._abandon = threading.Lock()
+        """Orders a caller giving up on a call against the call thread finishing it."""
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._caller = threading.Thread(target=self._serve_calls, name=f"{name}-calls", daemon=True)
         self._caller.start()
@@ -202,9 +206,9 @@ class RequestStepper:
         """Under ``self._changed``: raise when requests are in flight, generation is not paused, and no
         step has finished within the bound (vLLM's step, or a worker under it, stopped answering)."""
         if self._requests and not self._paused and time.monotonic() > self._stall_deadline():
-            raise TimeoutError(f"{self.name}: no generation step finished within {self.timeout_s:g} s with "
-                               f"{len(self._requests)} request(s) in flight (vLLM's engine or one of its workers "
-                               f"stopped answering); {self._bound()}")
+            raise EngineStuckError(f"{self.name}: no generation step finished within {self.timeout_s:g} s with "
+                                  f"{len(self._requests)} request(s) in flight (vLLM's engine or one of its workers "
+                                  f"stopped answering); {self._bound()}")
 
     def wait_idle(self, before: str = "a weight change") -> None:
         """Block until no request is in flight, at most ``timeout_s`` (then TimeoutError naming how many
@@ -246,33 +250,43 @@ class RequestStepper:
     def paused(self) -> bool:
         return self._paused
 
-    def call(self, fn: Callable[[], Any], what: str = "a call into vLLM") -> Any:
+    @property
+    def stuck(self) -> str | None:
+        """The abandoned call that still holds the engine (see :meth:`call`), or None."""
+        return self._stuck
+
+    def call(self, fn: Callable[[], Any], what: str = "a call into vLLM", *, bound_s: float | None = None) -> Any:
         """Run ``fn`` (anything that calls into the vLLM engine, named ``what``) between two steps; its
-        result, or its exception. Bounded (``timeout_s``): the wait for a step in progress to end, then
-        ``fn`` itself, which runs on this stepper's call thread; one that does not return in time leaves
-        the engine refusing every later call by name (it still holds the engine)."""
+        result, or its exception. Bounded (``bound_s``, default ``timeout_s``): the wait for a step in
+        progress to end, then ``fn`` itself, which runs on this stepper's call thread. One that does not
+        return in time is abandoned: the engine refuses every later call by name
+        (:class:`~rlplacement.errors.EngineStuckError`) until it returns, if it ever does."""
         if self.timeout_s is None:
             with self._engine_lock:
                 return fn()
+        bound = self.timeout_s if bound_s is None else bound_s
         if self._stuck is not None:
-            raise TimeoutError(f"{self.name} cannot take {what}: {self._stuck} did not return and still holds "
-                               f"the engine; restart the engine")
+            raise EngineStuckError(f"{self.name} cannot take {what}: {self._stuck} did not return and still holds "
+                                  f"the engine; restart the engine")
         start = time.monotonic()
-        if not self._engine_lock.acquire(timeout=self.timeout_s):
-            raise TimeoutError(f"{self.name}: {what} waited {self.timeout_s:g} s for the engine, held all that time "
-                               f"by a generation step that did not end; {self._bound()}")
+        if not self._engine_lock.acquire(timeout=bound):
+            raise EngineStuckError(f"{self.name}: {what} waited {bound:g} s for the engine, held all that "
+                                  f"time by a generation step that did not end; {self._bound()}")
         done, box = threading.Event(), {}
         self._calls.put((fn, box, done))  # the call thread releases the engine lock when fn returns
-        if not done.wait(max(0.0, start + self.timeout_s - time.monotonic())):
-            self._stuck = what
-            raise TimeoutError(f"{self.name}: {what} did not return within {self.timeout_s:g} s (a worker of the "
-                               f"engine stopped answering); {self._bound()}")
+        if not done.wait(max(0.0, start + bound - time.monotonic())):
+            with self._abandon:
+                if not done.is_set():
+                    self._stuck, box["abandoned"] = what, True
+                    raise EngineStuckError(f"{self.name}: {what} did not return within {bound:g} s (a worker of "
+                                          f"the engine stopped answering); {self._bound()}")
         if "error" in box:
             raise box["error"]
         return box.get("value")
 
     def _serve_calls(self) -> None:
-        """The call thread: runs each queued call, then releases the engine lock its caller took."""
+        """The call thread: runs each queued call, then releases the engine lock its caller took; an
+        abandoned call that returns at last frees the engine for later calls."""
         while True:
             fn, box, done = self._calls.get()
             try:
@@ -280,8 +294,11 @@ class RequestStepper:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
                 box["error"] = exc
             finally:
+                with self._abandon:
+                    if box.get("abandoned"):
+                        self._stuck = None
+                    done.set()
                 self._engine_lock.release()
-                done.set()
 
     # ---- the stepping thread ------------------------------------------------------------------
     def _run(self) -> None:

@@ -220,15 +220,24 @@ class VllmRolloutEngine(RolloutEngine):
         self._between_steps(action, what)
         return {"seconds": time.perf_counter() - start, **self.gpu_memory()}
 
-    def _between_steps(self, fn, what: str = "a call into vLLM"):
+    def _between_steps(self, fn, what: str = "a call into vLLM", *, bound_s: float | None = None):
         """``fn`` (a call into vLLM other than generation, named ``what``) between two generation steps,
-        bounded by ``timeout_s`` (``RequestStepper.call``)."""
-        return self._stepper.call(fn, what)
+        bounded by ``bound_s``, default ``timeout_s`` (``RequestStepper.call``)."""
+        return self._stepper.call(fn, what, bound_s=bound_s)
 
-    def _workers(self, method: str, *args: Any) -> list:
+    def _workers(self, method: str, *args: Any, bound_s: float | None = None) -> list:
         """Worker-extension ``method`` on every worker (by name: see the module docstring), between two
         generation steps; each worker's result, in rank order."""
-        return self._between_steps(lambda: self.llm.collective_rpc(method, args=args), f"worker call {method}")
+        return self._between_steps(lambda: self.llm.collective_rpc(method, args=args), f"worker call {method}",
+                                   bound_s=bound_s)
+
+    @property
+    def _transfer_call_bound_s(self) -> float:
+        """The bound of a worker call that waits on the transfer (joining its group, receiving): twice
+        ``timeout_s``, so the transfer's own waits (each bounded by ``timeout_s``: a collective, a file not
+        published, a peer's write) end the call with their error first and the engine stays usable; the
+        call is abandoned (the engine refuses until it returns) only when a worker itself stopped."""
+        return 2 * self.timeout_s
 
     def gpu_memory(self) -> dict:
         """GiB this engine's workers hold on their GPUs now and at most since the last call (the largest
@@ -244,7 +253,7 @@ class VllmRolloutEngine(RolloutEngine):
         init_info = {**endpoint, "rank_offset": rank_offset}
         self._between_steps(lambda: self.llm.collective_rpc("init_weight_transfer_engine",
                                                             kwargs={"init_info": init_info}),
-                            "worker call init_weight_transfer_engine")
+                            "worker call init_weight_transfer_engine", bound_s=self._transfer_call_bound_s)
 
     def update_weights(self, version: int) -> EngineUpdateReport:
         """Receive version ``version`` from the trainer and serve it; returns phase timings (s).
@@ -264,7 +273,8 @@ class VllmRolloutEngine(RolloutEngine):
         self._served = None
         try:
             if self.num_workers == 1:
-                per_worker = self._workers("rlplacement_receive_and_commit", int(version))
+                per_worker = self._workers("rlplacement_receive_and_commit", int(version),
+                                           bound_s=self._transfer_call_bound_s)
             else:
                 per_worker = self._stage_then_commit(int(version))
             instants.mark("workers_returned")
@@ -285,7 +295,7 @@ class VllmRolloutEngine(RolloutEngine):
         """The two-phase update of an engine of several workers; each worker's timings, in rank order.
         Workers return their failures rather than raise them (vLLM stops collecting answers at the first
         raised one), so every phase hears from every worker."""
-        staged = self._workers("rlplacement_stage", version)
+        staged = self._workers("rlplacement_stage", version, bound_s=self._transfer_call_bound_s)
         failed = {rank: s["error"] for rank, s in enumerate(staged) if s["error"]}
         if failed:
             self._workers("rlplacement_abort_staged")
@@ -299,6 +309,9 @@ class VllmRolloutEngine(RolloutEngine):
                                 f"{_by_worker(failed)} after every worker staged it; the engine refuses to "
                                 f"generate until a whole update lands")
         return [{**s, **c} for s, c in zip(staged, committed)]
+
+    def health(self) -> dict:
+        return {"stuck": self._stepper.stuck}
 
     def weight_version(self) -> int:
         """The version every worker serves; raises if workers disagree (only after a failed load)."""

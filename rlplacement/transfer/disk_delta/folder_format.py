@@ -137,6 +137,7 @@ class VersionWriter:
         self._pending: dict[str, "np.ndarray"] = {}
         self._pending_bytes = 0
         self._shards = 0
+        self._renamed: Path | None = None
 
     def add(self, name: str, payload: bytes) -> None:
         import numpy as np
@@ -172,13 +173,20 @@ class VersionWriter:
         if final.exists():  # an earlier attempt at this version number (never pointed to by now)
             shutil.rmtree(final)
         os.rename(self.tmp, final)
+        self._renamed = final
         fsync_dir(self.root)
         pointer = {"version": self.version, "folder": version_folder(self.version), **identity.stamp()}
         publish_file(self.root, POINTER_NAME, json.dumps(pointer).encode())
         return index
 
     def discard(self) -> None:
+        """Remove what this write left: its tmp folder, and its version folder when ``latest`` does not name
+        it (a pointer that failed to publish, on a full disk: the space goes back, so the abort marker fits)."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._renamed is not None:
+            pointer = read_pointer(self.root)
+            if pointer is None or pointer.get("folder") != self._renamed.name:
+                shutil.rmtree(self._renamed, ignore_errors=True)
 
 
 def publish_abort(root: Path, version: int, reason: str, identity: SenderIdentity) -> None:
