@@ -180,14 +180,20 @@ class DiskFiller:
         self.why_not = done.stderr.strip()
         self.filler = folder / "filler.bin"
 
-    def fill(self, leave_bytes: int = 16 * 1024) -> None:
-        free = os.statvfs(self.folder).f_bavail * os.statvfs(self.folder).f_frsize
-        with open(self.filler, "wb") as f:
-            f.truncate(0)
-            chunk = b"\0" * (1 << 20)
-            left = max(0, free - leave_bytes)
-            while left > 0:
-                left -= f.write(chunk[:min(len(chunk), left)])
+    def fill(self) -> None:
+        """Fill the filesystem to its last byte: the next version cannot be written however small (late in
+        a run an xor delta is nearly empty), nor, unless the failed write freed some, the abort marker."""
+        chunk = b"\0" * (1 << 20)
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            for size in (len(chunk), 4096, 1):  # down to the last partial page
+                try:
+                    while os.write(fd, chunk[:size]):
+                        pass
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
 
     def free(self) -> None:
         self.filler.unlink(missing_ok=True)
@@ -339,7 +345,12 @@ def run(args) -> dict:
                     if kind != "disk_full":
                         raise
                     print(f"step {step}: disk full, update refused: {str(exc)[:160]}", file=sys.stderr)
-                    disk.free()  # the operator frees space; the next rollout reconciles
+                else:
+                    if kind == "disk_full":
+                        raise Violation(f"step {step}: the update succeeded on a full disk")
+                finally:
+                    if kind == "disk_full":
+                        disk.free()  # the operator frees space; the next rollout reconciles
                 if kind == "engine_killed_after_update":
                     kill(victim)
                 if kind in ("engine_killed_after_update", "disk_full"):  # what the next rollout repairs
