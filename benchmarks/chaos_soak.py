@@ -14,10 +14,11 @@ Faults (one per chosen step; the schedule is drawn from ``--seed`` and cycles th
   names it after the job's timeout and the health check kills and restarts it;
 * ``trainer_killed``: trainer rank 0 killed before its train step: the trainer restarts from the last
   ``--save`` (the example saves every ``--save-interval`` calls) and the step trains again, engines kept;
-* ``corrupted_delta_file`` (disk-delta): a byte flipped in the newest version's shard after it was published,
-  before one engine read it: that engine refuses the version by its checksum and the retry lands;
-* ``disk_full`` (disk-delta, where a tmpfs can be mounted: root): the folder's filesystem filled before an
-  update: the update fails with nothing published half-written, the space is freed, the next rollout
+* ``corrupted_delta_file`` (disk-delta): a byte flipped in the newest version's largest file (a shard, or the
+  index when the delta changed no tensor) after it was published, before one engine read it: that engine
+  refuses the version by its checksum or signature and the retry lands;
+* ``disk_full`` (disk-delta, where a tmpfs can be mounted: root): the folder's filesystem filled to its last
+  byte before an update: the update fails with nothing published half-written, the space is freed, the next rollout
   brings every engine to the trainer's weights.
 
 Invariants after every step (a violation stops the run with exit status 1): every live engine serves one
@@ -203,10 +204,14 @@ class DiskFiller:
             subprocess.run(["umount", "-l", str(self.folder)], capture_output=True)
 
 
-def corrupt_next_version(disk_dir: Path, after: int, engine_pid_to_resume: int, timeout_s: float) -> threading.Thread:
-    """A thread that waits for a version newer than ``after`` to be published, flips a byte in its largest
-    shard, then lets the stopped engine go on (it reads the damaged file)."""
+def corrupt_next_version(disk_dir: Path, after: int, engine_pid_to_resume: int, timeout_s: float) -> dict:
+    """Start a thread that waits for a version newer than ``after`` to be published, flips a byte in its
+    largest file (a shard; the index when the delta changed no tensor, as late in a converged run), then
+    lets the stopped engine go on (it reads the damaged file). Returns the thread's record: ``file`` once
+    corrupted, ``error`` if it could not be."""
     from rlplacement.transfer.disk_delta import folder_format
+
+    record: dict = {}
 
     def run() -> None:
         deadline = time.monotonic() + timeout_s
@@ -215,18 +220,22 @@ def corrupt_next_version(disk_dir: Path, after: int, engine_pid_to_resume: int, 
                 pointer = folder_format.read_pointer(disk_dir)
                 if pointer and int(pointer["version"]) > after:
                     folder = disk_dir / pointer["folder"]
-                    shard = max((p for p in folder.iterdir() if p.suffix == ".safetensors"), key=lambda p: p.stat().st_size)
-                    data = bytearray(shard.read_bytes())
+                    target = max(folder.iterdir(), key=lambda p: p.stat().st_size)
+                    data = bytearray(target.read_bytes())
                     data[len(data) // 2] ^= 0xFF
-                    shard.write_bytes(bytes(data))
+                    target.write_bytes(bytes(data))
+                    record["file"] = target.name
                     return
                 time.sleep(0.01)
+            record["error"] = f"no version after {after} was published within {timeout_s:g} s"
+        except Exception as exc:  # noqa: BLE001 - reported by the soak as a fault not injected
+            record["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             os.kill(engine_pid_to_resume, signal.SIGCONT)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    record["thread"] = threading.Thread(target=run, daemon=True)
+    record["thread"].start()
+    return record
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -336,7 +345,7 @@ def run(args) -> dict:
                 elif kind == "corrupted_delta_file":
                     pid = actor_pid(victim)
                     os.kill(pid, signal.SIGSTOP)
-                    corrupt_next_version(Path(args.update_weight_disk_dir), job.issued, pid, args.timeout)
+                    corruption = corrupt_next_version(Path(args.update_weight_disk_dir), job.issued, pid, args.timeout)
                 elif kind == "disk_full":
                     disk.fill()
                 try:
@@ -351,6 +360,10 @@ def run(args) -> dict:
                 finally:
                     if kind == "disk_full":
                         disk.free()  # the operator frees space; the next rollout reconciles
+                if kind == "corrupted_delta_file":
+                    corruption["thread"].join(args.timeout)
+                    if "file" not in corruption:
+                        raise Violation(f"step {step}: no delta file was corrupted: {corruption.get('error')}")
                 if kind == "engine_killed_after_update":
                     kill(victim)
                 if kind in ("engine_killed_after_update", "disk_full"):  # what the next rollout repairs
