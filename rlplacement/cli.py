@@ -16,7 +16,7 @@ from rlplacement.errors import CliError, ConfigError
 
 # subcommand -> module holding add_parser(subparsers) and main(args)
 SUBCOMMANDS = {
-    "plan": "rlplacement.placement.plan_cli",
+    "plan": "rlplacement.plan_cli",
     "convert": "rlplacement.convert.cli",
     "export-hf": "rlplacement.convert.export_cli",
     "advise": "rlplacement.advisor.cli",

@@ -1,0 +1,116 @@
+"""``rlplacement plan [flags] [--json | --emit verl|miles | --simulate-transfer]``: the layout the flags ask
+for, without a cluster; the same layout in verl's or Miles' settings; or its weight-transfer plan with
+the bytes on every link and the predicted update time, the sharded plan against the rank-0 plan today's
+senders run. The link rates are the advisor's flags (``--link-gbps``, ``--nvlink-gbps``, ``--ipc-gbps``,
+``--disk-gbps``) with the same defaults and help.
+
+It lives at the top of the package because it joins three layers: placement's layout, transfer's
+plan and the advisor's link assumptions."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+from rlplacement.advisor.thresholds import ModelAssumptions, field_help
+from rlplacement.args import add_arguments, config_from_args
+from rlplacement.placement.layout import Layout, compute_layout
+
+RATE_FIELDS = ("link_gbps", "nvlink_gbps", "ipc_gbps", "disk_gbps")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="print the layout the flags ask for (no cluster needed)")
+    add_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the layout as JSON")
+    p.add_argument("--emit", choices=("verl", "miles"), default=None,
+                   help="print the same layout and transfer mode as verl Hydra overrides or Miles flags")
+    g = p.add_argument_group("transfer simulation")
+    g.add_argument("--simulate-transfer", action="store_true",
+                   help="print the transfer plan's bytes per sender, receiver and link and the predicted update "
+                        "time, ours against the rank-0 plan (needs --hf-config or --hf-checkpoint)")
+    g.add_argument("--hf-config", default=None, metavar="CONFIG.json",
+                   help="the model's config.json (default: the one in --hf-checkpoint)")
+    helps = field_help(ModelAssumptions)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelAssumptions)}
+    for name in RATE_FIELDS:
+        g.add_argument("--" + name.replace("_", "-"), type=float, default=defaults[name], help=helps[name])
+
+
+def config_path(args: argparse.Namespace) -> str:
+    if args.hf_config:
+        path = args.hf_config
+    elif args.hf_checkpoint:
+        path = os.path.join(args.hf_checkpoint, "config.json")
+    else:
+        raise ValueError("--simulate-transfer needs the model: give --hf-config CONFIG.json or --hf-checkpoint DIR")
+    if not os.path.isfile(path):
+        raise ValueError(f"--hf-config {path}: no such file; give the model's config.json")
+    return path
+
+
+def simulate_layout(config, layout, args: argparse.Namespace) -> dict:
+    """The plan pair of the validated flags' layout, as JSON."""
+    from rlplacement.transfer.plan.for_layout import plans_for
+    from rlplacement.transfer.plan.tensors import ModelTensors
+
+    model = ModelTensors.from_hf_config(config_path(args))
+    assumptions = ModelAssumptions(**{n: getattr(args, n) for n in RATE_FIELDS})
+    b = config.backend
+    pair = plans_for(model, layout, backend=b.name, tp=b.tensor_model_parallel_size,
+                     pp=b.pipeline_model_parallel_size, mode=config.transfer.mode, assumptions=assumptions)
+    return {"model": model.source, "model_bytes": model.total_bytes, "mode": config.transfer.mode,
+            "backend": b.name, **pair.to_json()}
+
+
+def render(result: dict) -> str:
+    gb = 1e9
+    lines = [f"transfer: {result['mode']} from {result['backend']}, {result['model']} "
+             f"({result['model_bytes'] / gb:.2f} GB a version)",
+             f"{'plan':<22}{'routes':>8}{'max sent/rank':>15}{'max recv/worker':>17}{'gather s':>10}"
+             f"{'wire s':>9}{'total s':>9}  busiest link"]
+    for key, title in (("sharded", "sharded (planned)"), ("rank0", "rank 0 (runs today)")):
+        r = result[key]
+        lines.append(f"{title:<22}{r['routes']:>8}{r['max_sender_bytes'] / gb:>12.2f} GB{r['max_receiver_bytes'] / gb:>14.2f}"
+                     f" GB{r['gather_seconds']:>10.3f}{r['wire_seconds']:>9.3f}{r['predicted_seconds']:>9.3f}  "
+                     f"{r['busiest_link']} ({r['busiest_link_bytes'] / gb:.2f} GB)")
+    lines.append(f"modelled: busiest link at the datasheet rate x the mode's efficiency, plus "
+                 f"{result['sharded']['fixed_seconds'] * 1e3:.0f} ms fixed (docs/transfer/README.md#simulator)")
+    return "\n".join(lines)
+
+
+def render_table(layout: Layout) -> str:
+    """A per-node table of GPUs and the roles on each."""
+    lines = [f"mode: {'colocate' if layout.colocate else 'split'}   nodes: {layout.num_nodes}   "
+             f"GPUs: {len(layout.gpus)} (trainer {len(layout.trainer_gpus)}, rollout "
+             f"{len(layout.rollout_gpus)} in {len(layout.engines)} engine(s) of {layout.gpus_per_engine})"]
+    for node, gpus in layout.gpus_by_node().items():
+        lines.append(f"node {node}:")
+        for gpu in range(layout.num_gpus_per_node):
+            roles = layout.roles_of((node, gpu)) if gpu in gpus else []
+            lines.append(f"  gpu {gpu}: {', '.join(roles) if roles else '-'}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    config = config_from_args(args, this_host=False)  # plans a cluster, maybe from elsewhere
+    if args.emit:
+        from rlplacement.placement.emit import EMITTERS
+
+        print("\n".join(EMITTERS[args.emit](config, args)))
+        return 0
+    layout = compute_layout(config.placement)
+    if args.simulate_transfer:
+        from rlplacement.errors import ConfigError
+
+        try:
+            result = simulate_layout(config, layout, args)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        print(json.dumps({**layout.to_json(), "transfer": result}) if args.json
+              else render_table(layout) + "\n\n" + render(result))
+        return 0
+    print(json.dumps(layout.to_json()) if args.json else render_table(layout))
+    return 0

@@ -1,0 +1,92 @@
+"""The two plans of a layout, from the validated flags and a model's config: the sharded plan (every
+rank sends what it holds, every worker receives its slice) and the rank-0 plan today's senders run;
+each simulated on the layout's GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlplacement.transfer.plan.boxes import intersect, volume
+from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, build_plan
+from rlplacement.transfer.plan.engine_shards import check_engine_width, vllm_worker_needs, whole_model_needs
+from rlplacement.transfer.plan.simulate import LinkRates, Simulation, simulate
+from rlplacement.transfer.plan.tensors import ModelTensors
+from rlplacement.transfer.plan.trainer_shards import fsdp_holdings, megatron_holdings, rank0_holdings
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanPair:
+    sharded: TransferPlan
+    sharded_sim: Simulation
+    rank0: TransferPlan
+    rank0_sim: Simulation
+
+    def to_json(self) -> dict:
+        return {name: {**plan.summary(), **sim.to_json()}
+                for name, plan, sim in (("sharded", self.sharded, self.sharded_sim),
+                                        ("rank0", self.rank0, self.rank0_sim))}
+
+
+def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1):
+    """What each trainer rank holds: Megatron's TP x PP x DP, else FSDP2's dim-0 shards (fsdp and
+    torchtitan, which shard with FSDP2)."""
+    if backend == "megatron":
+        if world % (tp * pp):
+            raise ValueError(f"the trainer's {world} GPUs are not a multiple of --tensor-model-parallel-size {tp} x "
+                             f"--pipeline-model-parallel-size {pp}")
+        return megatron_holdings(model, tp, pp, world // (tp * pp))
+    return fsdp_holdings(model, world)
+
+
+def _missing_bytes(model: ModelTensors, held: dict, wanted: dict) -> int:
+    """Bytes of ``wanted`` boxes outside the ``held`` ones (both keyed by tensor name)."""
+    out = 0
+    for name, box in wanted.items():
+        have = held.get(name)
+        part = intersect(box, have) if have else None
+        out += volume(box) - (volume(part) if part else 0)
+    return out * model.itemsize
+
+
+def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mode: str,
+              assumptions) -> PlanPair:
+    """Both plans of ``layout`` (a :class:`~rlplacement.placement.layout.Layout`) for ``mode`` (a
+    transfer mode's name; ``cuda_ipc`` colocated), simulated at ``assumptions``' rates (the advisor's
+    :class:`~rlplacement.advisor.thresholds.ModelAssumptions`) times the mode's efficiency.
+
+    Sharded, split: each worker's slice comes from the ranks that hold it. Sharded, colocated: each
+    trainer rank first gathers what the worker on its GPU keeps and the worker reads it there, so no
+    engine reads another GPU's trainer memory. Rank 0 (today, both layouts): rank 0 gathers the whole
+    model and every worker is sent every tensor whole (colocated: every worker reads rank 0's GPU).
+    """
+    from rlplacement.transfer import registry
+
+    spec = registry.spec(mode)
+    width = layout.gpus_per_engine
+    check_engine_width(model, width)
+    world = len(layout.trainer_gpus)
+    fanout = BROADCAST if mode in ("broadcast", "broadcast_packed", "disk-delta") and not layout.colocate else WRITE
+    disk = mode == "disk-delta" and not layout.colocate
+    rates = LinkRates.from_assumptions(assumptions, spec.advisor_efficiency)
+    holdings = trainer_holdings(model, backend, world, tp, pp)
+    worker_needs = vllm_worker_needs(model, width)
+    receivers = [(e, w) for e in range(len(layout.engines)) for w in range(width)]
+    needs = {r: worker_needs[r[1]] for r in receivers}
+    if layout.colocate:
+        rank_of = {gpu: r for r, gpu in enumerate(layout.trainer_gpus)}
+        local = {(e, w): rank_of[layout.engines[e][w]] for e, w in receivers}
+        gathered = [{} for _ in range(world)]
+        for r in receivers:
+            gathered[local[r]].update(needs[r])
+        gather = {rank: _missing_bytes(model, holdings[rank], gathered[rank]) for rank in range(world)}
+        sharded = build_plan(model, gathered, needs, fanout, local=local)
+    else:
+        gather = None
+        sharded = build_plan(model, holdings, needs, fanout)
+    whole = whole_model_needs(model, width)
+    rank0 = build_plan(model, rank0_holdings(model, world), {r: whole[r[1]] for r in receivers}, fanout)
+    gather0 = {0: _missing_bytes(model, holdings[0], rank0_holdings(model, world)[0])}
+    return PlanPair(sharded, simulate(sharded, layout.trainer_gpus, layout.engines, rates, disk=disk,
+                                      gather_bytes=gather),
+                    rank0, simulate(rank0, layout.trainer_gpus, layout.engines, rates, disk=disk, gather_bytes=gather0))

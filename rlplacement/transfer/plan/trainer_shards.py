@@ -1,0 +1,85 @@
+"""What each trainer rank holds of every HF tensor, as boxes: Megatron's TP x PP x DP layout, FSDP2's
+dim-0 shards, and the rank-0 layout today's senders use (rank 0 gathers everything).
+
+``Holdings`` is indexed by global rank; a tensor a rank does not hold is absent from its dict. Ranks
+that hold the same box (data-parallel replicas, TP ranks of a replicated norm) are the candidates the
+plan chooses one sender from.
+"""
+
+from __future__ import annotations
+
+from rlplacement.transfer.plan.boxes import Box, along, whole
+from rlplacement.transfer.plan.tensors import ModelTensors, TensorInfo
+
+Holdings = list[dict[str, Box]]
+
+
+def megatron_padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_megatron(model: ModelTensors, tp: int, pp: int) -> None:
+    """Refuse a TP/PP Megatron cannot build for this model, naming the flag."""
+    for what, n in (("num_attention_heads", model.num_heads), ("num_key_value_heads", model.num_kv_heads),
+                    ("intermediate_size", model.ffn_hidden_size)):
+        if n % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {what}={n} of {model.source}: "
+                             f"use a divisor of it")
+    if model.num_layers % pp:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide num_hidden_layers="
+                         f"{model.num_layers} of {model.source}: use a divisor of it")
+
+
+def _megatron_tp_box(model: ModelTensors, t: TensorInfo, rank: int, tp: int) -> Box:
+    hd = model.head_size
+    if t.kind == "q":
+        per = model.num_heads // tp * hd
+        return along(t.shape, 0, rank * per, (rank + 1) * per)
+    if t.kind in ("k", "v"):
+        per = model.num_kv_heads // tp * hd
+        return along(t.shape, 0, rank * per, (rank + 1) * per)
+    if t.kind == "column":
+        per = t.shape[0] // tp
+        return along(t.shape, 0, rank * per, (rank + 1) * per)
+    if t.kind == "row":
+        per = t.shape[1] // tp
+        return along(t.shape, 1, rank * per, (rank + 1) * per)
+    if t.kind == "vocab":
+        per = megatron_padded_vocab(model.vocab_size, tp) // tp
+        return along(t.shape, 0, rank * per, (rank + 1) * per)
+    return whole(t.shape)
+
+
+def megatron_holdings(model: ModelTensors, tp: int, pp: int, dp: int) -> Holdings:
+    """Global rank ``t + tp * (d + dp * p)`` (megatron's default order, TP fastest, then DP, then PP)
+    holds its TP slice of stage ``p``'s tensors; data-parallel replicas hold the same (the distributed
+    optimizer shards optimizer state, not the bf16 parameters). A vocabulary shard wholly in Megatron's
+    padding holds nothing."""
+    check_megatron(model, tp, pp)
+    out: Holdings = [{} for _ in range(tp * pp * dp)]
+    for t in model.tensors:
+        p = model.stage_of(t, pp)
+        for r in range(tp):
+            box = _megatron_tp_box(model, t, r, tp)
+            if all(e > s for s, e in box):
+                for d in range(dp):
+                    out[r + tp * (d + dp * p)][t.name] = box
+    return out
+
+
+def fsdp_holdings(model: ModelTensors, world: int) -> Holdings:
+    """FSDP2's ``Shard(0)``: rank ``r`` holds rows ``[r*c, (r+1)*c)`` of every tensor, ``c = ceil(rows /
+    world)`` (``torch.chunk``'s split; trailing ranks of a short tensor hold nothing)."""
+    out: Holdings = [{} for _ in range(world)]
+    for t in model.tensors:
+        c = -(-t.shape[0] // world)
+        for r in range(world):
+            if r * c < t.shape[0]:
+                out[r][t.name] = along(t.shape, 0, r * c, (r + 1) * c)
+    return out
+
+
+def rank0_holdings(model: ModelTensors, world: int) -> Holdings:
+    """Today's senders: rank 0 has gathered every tensor whole, and only rank 0 sends."""
+    return [{t.name: whole(t.shape) for t in model.tensors}] + [{} for _ in range(world - 1)]
