@@ -76,8 +76,8 @@ def render(result: dict) -> str:
         lines.append(f"{title:<22}{r['routes']:>8}{r['max_sender_bytes'] / gb:>12.2f} GB{r['max_receiver_bytes'] / gb:>14.2f}"
                      f" GB{r['gather_seconds']:>10.3f}{r['wire_seconds']:>9.3f}{r['predicted_seconds']:>9.3f}  "
                      f"{r['busiest_link']} ({r['busiest_link_bytes'] / gb:.2f} GB)")
-    lines.append(f"modelled: busiest link at the datasheet rate x the mode's efficiency, plus "
-                 f"{result['sharded']['fixed_seconds'] * 1e3:.0f} ms fixed (docs/transfer/README.md#simulator)")
+    lines.append(f"modelled: the busiest link at the datasheet rate x the mode's efficiency, the busiest worker's "
+                 f"commit, {result['sharded']['rpc_seconds'] * 1e3:.0f} ms of calls (docs/transfer/README.md#simulator)")
     return "\n".join(lines)
 
 

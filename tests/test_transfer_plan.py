@@ -193,18 +193,19 @@ def test_colocated_workers_read_only_the_trainer_rank_on_their_own_gpu():
 
 def test_the_simulator_prices_the_busiest_link():
     """One trainer GPU, two single-GPU engines on another node: a broadcast leaves the sender once, a
-    write once per receiver; the time is the busiest link's bytes over its rate plus the fixed cost."""
+    write once per receiver; the time is the busiest link's bytes over its rate, the busiest worker's commit
+    and the calls' fixed cost."""
     model = ModelTensors.from_hf_config(QWEN3_8B)
     whole = {(e, 0): {t.name: tuple((0, n) for n in t.shape) for t in model.tensors} for e in range(2)}
     rates = LinkRates(ipc_gbps=1000.0, nvlink_gbps=100.0, network_gbps=10.0, disk_gbps=1.0)
     trainer, engines = ((0, 0),), (((1, 0),), ((1, 1),))
     for fanout, out in ((BROADCAST, 1), (WRITE, 2)):
         plan = build_plan(model, rank0_holdings(model, 1), whole, fanout)
-        sim = simulate(plan, trainer, engines, rates, fixed_s=0.5)
+        sim = simulate(plan, trainer, engines, rates, rpc_s=0.5, commit_gbps=20.0)
         assert sim.link_bytes["node 0 gpu 0 out network"] == out * model.total_bytes
         assert sim.link_bytes["node 1 gpu 1 in network"] == model.total_bytes
         assert sim.busiest == ("node 0 gpu 0 out network" if out == 2 else sim.busiest)
-        assert sim.total_s == pytest.approx(0.5 + out * model.total_bytes * 8 / 10e9)
+        assert sim.total_s == pytest.approx(0.5 + out * model.total_bytes * 8 / 10e9 + model.total_bytes * 8 / 20e9)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

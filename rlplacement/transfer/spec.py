@@ -75,6 +75,10 @@ class ModeSpec:
     """The path the advisor models its bytes on: :data:`LINK`, :data:`DISK` or :data:`IPC`."""
     advisor_efficiency: float = 0.5
     """Achieved share of that path's bandwidth, an estimate (the measured run's own figure wins)."""
+    measured_efficiency: tuple[tuple[str, float], ...] = ()
+    """Achieved share of a link kind's datasheet rate where a GPU run measured it, as ``(kind, share)``
+    pairs (kinds of :mod:`rlplacement.transfer.plan.simulate`: ``nvlink``, ``network``, ``ipc``); the
+    transfer simulator uses them before :attr:`advisor_efficiency`."""
     moves_changed_bytes_only: bool = False
     """Only the bytes that changed since the last version travel (the advisor scales by the density)."""
     bench: BenchSpec | None = None

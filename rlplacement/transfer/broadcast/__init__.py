@@ -14,5 +14,8 @@ SPEC = register_mode(ModeSpec(
     layouts=frozenset({SPLIT}), named_under_colocate=True, advisor_path=LINK,
     # verl's NCCL receive ran at ~16% of a NIC (its published Qwen3-30B-A3B figure); on two H200s the
     # whole update reached 0.49-0.56 of a flat NCCL broadcast at 4B-8B (benchmarks/gpu/results/split_h200.json)
-    advisor_efficiency=0.2, bench=BenchSpec(ceiling="broadcast"),
+    advisor_efficiency=0.2,
+    # 16.4 GB on the wire in 58.3 ms between two H200s (split_h200.json, 8B): 0.62 of NVLink's 3.6 Tb/s
+    measured_efficiency=(("nvlink", 0.62),),
+    bench=BenchSpec(ceiling="broadcast"),
     verl_backend="rlplacement_broadcast", miles_factory="broadcast"))

@@ -8,9 +8,10 @@ plan from elsewhere):
 * for every engine worker and every tensor it keeps, the boxes routed to it tile that tensor's box:
   nothing missing, nothing written twice, nothing it does not keep.
 
-Choosing senders: workers that keep the same box of a tensor (the same worker index of every engine,
-KV heads replicated inside an engine, norms) form one group and are served by one route per piece, so
-a broadcast sends it once. A piece is the group's box cut by the trainer's shards; when several ranks
+Choosing senders: under ``broadcast``, workers that keep the same box of a tensor (the same worker
+index of every engine, KV heads replicated inside an engine, norms) form one group and are served by
+one route per piece, so the collective sends it once; under ``write`` every worker is its own group,
+so the writes to different workers spread over different senders. A piece is the group's box cut by the trainer's shards; when several ranks
 hold the piece (data-parallel replicas, TP ranks of a norm), the one with the fewest bytes assigned so
 far sends it, largest pieces first, so replicas split the sending between them. The choice is made
 once per layout; an update replays it.
@@ -88,7 +89,7 @@ def build_plan(model: ModelTensors, holdings: list[dict[str, Box]], needs: dict[
     groups: dict[tuple, list[Receiver]] = collections.defaultdict(list)
     for receiver in sorted(needs):
         for name, box in needs[receiver].items():
-            groups[(name, box) + ((receiver,) if local else ())].append(receiver)
+            groups[(name, box) + ((receiver,) if local or fanout == WRITE else ())].append(receiver)
     held: dict[str, dict[Box, list[int]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for rank, boxes in enumerate(holdings):
         for name, box in boxes.items():

@@ -10,7 +10,7 @@ import dataclasses
 from rlplacement.transfer.plan.boxes import intersect, volume
 from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, build_plan
 from rlplacement.transfer.plan.engine_shards import check_engine_width, vllm_worker_needs, whole_model_needs
-from rlplacement.transfer.plan.simulate import LinkRates, Simulation, simulate
+from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
 from rlplacement.transfer.plan.trainer_shards import fsdp_holdings, megatron_holdings, rank0_holdings
 
@@ -53,7 +53,8 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
               assumptions) -> PlanPair:
     """Both plans of ``layout`` (a :class:`~rlplacement.placement.layout.Layout`) for ``mode`` (a
     transfer mode's name; ``cuda_ipc`` colocated), simulated at ``assumptions``' rates (the advisor's
-    :class:`~rlplacement.advisor.thresholds.ModelAssumptions`) times the mode's efficiency.
+    :class:`~rlplacement.advisor.thresholds.ModelAssumptions`) times the mode's measured or estimated share
+    of each link (:meth:`LinkRates.for_mode`).
 
     Sharded, split: each worker's slice comes from the ranks that hold it. Sharded, colocated: each
     trainer rank first gathers what the worker on its GPU keeps and the worker reads it there, so no
@@ -68,7 +69,7 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     world = len(layout.trainer_gpus)
     fanout = BROADCAST if mode in ("broadcast", "broadcast_packed", "disk-delta") and not layout.colocate else WRITE
     disk = mode == "disk-delta" and not layout.colocate
-    rates = LinkRates.from_assumptions(assumptions, spec.advisor_efficiency)
+    rates = LinkRates.for_mode(assumptions, spec)
     holdings = trainer_holdings(model, backend, world, tp, pp)
     worker_needs = vllm_worker_needs(model, width)
     receivers = [(e, w) for e in range(len(layout.engines)) for w in range(width)]
@@ -87,6 +88,8 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     whole = whole_model_needs(model, width)
     rank0 = build_plan(model, rank0_holdings(model, world), {r: whole[r[1]] for r in receivers}, fanout)
     gather0 = {0: _missing_bytes(model, holdings[0], rank0_holdings(model, world)[0])}
+    rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     return PlanPair(sharded, simulate(sharded, layout.trainer_gpus, layout.engines, rates, disk=disk,
-                                      gather_bytes=gather),
-                    rank0, simulate(rank0, layout.trainer_gpus, layout.engines, rates, disk=disk, gather_bytes=gather0))
+                                      gather_bytes=gather, rpc_s=rpc),
+                    rank0, simulate(rank0, layout.trainer_gpus, layout.engines, rates, disk=disk, gather_bytes=gather0,
+                                    rpc_s=rpc))

@@ -1,6 +1,6 @@
 """Predict an update's time from a :class:`~rlplacement.transfer.plan.build.TransferPlan`: the bytes on
-every link of every GPU, the busiest link's time, the gather today's rank-0 senders do first, and a
-fixed cost.
+every link of every GPU, the busiest link's time, the gather today's rank-0 senders do first, the
+commit and the calls.
 
 The link model, per GPU and direction (full duplex, so sending and receiving do not compete):
 
@@ -13,8 +13,8 @@ A ``broadcast`` route leaves its sender once per link kind it reaches (NCCL pipe
 ``write`` route (p2p, colocated IPC reads) once per receiver. Every link runs at once, so the wire
 time is the busiest link's bytes over its rate; the gather (a rank collecting from other trainer ranks
 what it sends: rank 0 of a rank-0 plan, each rank colocated) runs before it, as today's senders do per
-bucket. ``fixed_s`` is the rest of an update
-(pause, commit, resume, RPC): :data:`FIXED_S`, measured.
+bucket. After the wire comes the commit (each worker copying what it received into its parameters, the busiest worker's bytes at
+:data:`COMMIT_GBPS`) and :data:`RPC_S` for the rest (pause, resume, calls), both measured on an H200.
 """
 
 from __future__ import annotations
@@ -26,9 +26,18 @@ from rlplacement.transfer.plan.build import BROADCAST, TransferPlan
 
 Gpu = tuple[int, int]
 
-FIXED_S = 0.020
-"""An update's cost beyond its wire time: 20 ms, the 8B split update on one H200 pair (whole 78.7 ms,
-wire 58.3 ms: ``benchmarks/gpu/results/split_h200.json``, broadcast)."""
+RPC_S = 0.006
+"""A split update's cost beyond moving and committing bytes (pause, resume, the calls): 6 ms, the 8B
+split update on one H200 pair (whole 78.7 ms - wire 58.3 ms - commit 14.3 ms: ``benchmarks/gpu/results/
+split_h200.json``, broadcast; 5.3-7.6 ms at 0.5B-4B)."""
+
+RPC_S_COLOCATED = 0.001
+"""The same for a colocated update, whose handles are exchanged inside one job: 1.1 ms at 8B, 0.8 ms at 4B
+(whole - wire in ``colocate_h200.json``)."""
+
+COMMIT_GBPS = 9160.0
+"""The engine copying received bytes into its parameters (the recorded copy plan replayed on the GPU):
+16.4 GB in 14.3 ms at 8B in the same file. A colocated worker's IPC read is its commit, so it has none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +50,16 @@ class LinkRates:
     disk_gbps: float
 
     @classmethod
-    def from_assumptions(cls, assumptions, efficiency: float) -> "LinkRates":
-        a = assumptions
-        return cls(a.ipc_gbps * efficiency, a.nvlink_gbps * efficiency, a.link_gbps * efficiency, a.disk_gbps)
+    def for_mode(cls, assumptions, spec) -> "LinkRates":
+        """``assumptions``' datasheet rates (the advisor's ``ModelAssumptions``) times ``spec``'s measured
+        share of each link kind where a GPU run measured it, else its ``advisor_efficiency``."""
+        a, measured = assumptions, dict(spec.measured_efficiency)
+
+        def share(kind: str) -> float:
+            return measured.get(kind, spec.advisor_efficiency)
+
+        return cls(a.ipc_gbps * share("ipc"), a.nvlink_gbps * share("nvlink"), a.link_gbps * share("network"),
+                   a.disk_gbps)
 
     def of(self, kind: str) -> float:
         return getattr(self, f"{kind}_gbps")
@@ -60,26 +76,28 @@ class Simulation:
     busiest: str
     wire_s: float
     gather_s: float
-    fixed_s: float
+    commit_s: float
+    rpc_s: float
 
     @property
     def total_s(self) -> float:
-        return self.gather_s + self.wire_s + self.fixed_s
+        return self.rpc_s + self.gather_s + self.wire_s + self.commit_s
 
     def to_json(self) -> dict:
         return {"predicted_seconds": self.total_s, "wire_seconds": self.wire_s, "gather_seconds": self.gather_s,
-                "fixed_seconds": self.fixed_s, "busiest_link": self.busiest,
+                "commit_seconds": self.commit_s, "rpc_seconds": self.rpc_s, "busiest_link": self.busiest,
                 "busiest_link_bytes": self.link_bytes.get(self.busiest, 0)}
 
 
 def simulate(plan: TransferPlan, trainer_gpus: tuple[Gpu, ...], engines: tuple[tuple[Gpu, ...], ...],
              rates: LinkRates, *, disk: bool = False, gather_bytes: dict[int, int] | None = None,
-             fixed_s: float = FIXED_S) -> Simulation:
+             rpc_s: float = RPC_S, commit_gbps: float = COMMIT_GBPS) -> Simulation:
     """The plan's bytes on every link and the predicted update time. ``disk``: the bytes go through a
     shared disk (disk-delta). ``gather_bytes``: per rank, bytes it collects from other trainer ranks
     before it sends (rank 0 of a rank-0 plan; every rank of a colocated one), over the network when the
     trainer spans nodes, else NVLink."""
     link: dict[str, int] = collections.defaultdict(int)
+    committed: dict[Gpu, int] = collections.defaultdict(int)
 
     def add(gpu: Gpu, direction: str, kind: str, nbytes: int) -> None:
         link[f"node {gpu[0]} gpu {gpu[1]} {direction} {kind}"] += nbytes
@@ -93,6 +111,7 @@ def simulate(plan: TransferPlan, trainer_gpus: tuple[Gpu, ...], engines: tuple[t
             add(dst, "in", kind, route.nbytes)
             if kind == "ipc":
                 continue
+            committed[dst] += route.nbytes
             if plan.fanout == BROADCAST or disk:
                 kinds.add(kind)
             else:
@@ -110,4 +129,5 @@ def simulate(plan: TransferPlan, trainer_gpus: tuple[Gpu, ...], engines: tuple[t
                 gpu = trainer_gpus[rank]
                 link[f"node {gpu[0]} gpu {gpu[1]} in {kind} (gather)"] += nbytes
                 gather_s = max(gather_s, nbytes * 8 / (rates.of(kind) * 1e9))
-    return Simulation(dict(link), busiest, times.get(busiest, 0.0), gather_s, fixed_s)
+    commit_s = max(committed.values(), default=0) * 8 / (commit_gbps * 1e9)
+    return Simulation(dict(link), busiest, times.get(busiest, 0.0), gather_s, commit_s, rpc_s)

@@ -1,0 +1,91 @@
+"""The transfer docs' modelled table: dense 8B, 32B and 70B shapes on 8 to 1,024 GPUs, the sharded plan
+against today's rank-0 plan, predicted by the transfer simulator (nothing here ran on a cluster).
+
+Half the GPUs train (Megatron, the TP x PP below, the rest data-parallel), half serve engines of the
+width below, 8 GPUs a node, trainer and engines on their own nodes; rates are the advisor's defaults.
+
+    python benchmarks/simulate_transfer_table.py [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlplacement.advisor.thresholds import ModelAssumptions  # noqa: E402
+from rlplacement.config import PlacementConfig  # noqa: E402
+from rlplacement.placement.layout import compute_layout  # noqa: E402
+from rlplacement.transfer.plan.for_layout import plans_for  # noqa: E402
+from rlplacement.transfer.plan.tensors import ModelTensors  # noqa: E402
+
+BASE = {"torch_dtype": "bfloat16", "hidden_act": "silu", "tie_word_embeddings": False, "head_dim": 128}
+MODELS = {  # Qwen3-8B, Qwen3-32B, Llama-3-70B shapes
+    "8B": {**BASE, "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 151936},
+    "32B": {**BASE, "model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 151936},
+    "70B": {**BASE, "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256},
+}
+SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2), "70B": (8, 2, 8)}  # trainer TP, trainer PP, engine width
+GPUS = (8, 64, 256, 1024)
+MODES = ("broadcast_packed", "p2p")
+
+
+def rows() -> list[dict]:
+    out = []
+    for name, config in MODELS.items():
+        model = ModelTensors.from_hf_config(config, source=name)
+        tp, pp, width = SHAPES[name]
+        for total in GPUS:
+            half = total // 2
+            if half < tp * pp or half < width:
+                continue
+            nodes = max(1, half // 8)
+            placement = PlacementConfig(actor_num_nodes=nodes, actor_num_gpus_per_node=half // nodes,
+                                        rollout_num_gpus=half, rollout_num_gpus_per_engine=width)
+            layout = compute_layout(placement)
+            for mode in MODES:
+                started = time.perf_counter()
+                pair = plans_for(model, layout, backend="megatron", tp=tp, pp=pp, mode=mode,
+                                 assumptions=ModelAssumptions())
+                out.append({"model": name, "gpus": total, "trainer": f"TP{tp} PP{pp} DP{half // (tp * pp)}",
+                            "engines": f"{half // width} x TP{width}", "mode": mode, "model_bytes": model.total_bytes,
+                            "rank0_s": pair.rank0_sim.total_s, "sharded_s": pair.sharded_sim.total_s,
+                            "rank0_max_sender_bytes": max(pair.rank0.bytes_per_sender().values()),
+                            "sharded_max_sender_bytes": max(pair.sharded.bytes_per_sender().values()),
+                            "sharded_busiest_link": pair.sharded_sim.busiest,
+                            "plan_build_s": time.perf_counter() - started})
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    lines = ["| model | GPUs | trainer | engines | mode | rank 0 (today) | sharded plan | ratio | "
+             "most bytes out of one GPU: rank 0 / sharded |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        lines.append(f"| {r['model']} | {r['gpus']} | {r['trainer']} | {r['engines']} | {r['mode']} | "
+                     f"{r['rank0_s']:.2f} s | {r['sharded_s']:.2f} s | {r['rank0_s'] / r['sharded_s']:.1f}x | "
+                     f"{r['rank0_max_sender_bytes'] / 1e9:,.0f} GB / {r['sharded_max_sender_bytes'] / 1e9:,.1f} GB |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write the rows here")
+    args = parser.parse_args()
+    table = rows()
+    print(markdown(table))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "modelled": True, "rows": table},
+                                              indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
