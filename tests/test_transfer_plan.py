@@ -9,7 +9,7 @@ import pytest
 
 from rlplacement.cli import main as cli_main
 from rlplacement.transfer.plan import ModelTensors, PlanCoverageError, Route, build_plan
-from rlplacement.transfer.plan.boxes import volume
+from rlplacement.transfer.plan.boxes import volume, whole
 from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, check_coverage
 from rlplacement.transfer.plan.engine_shards import vllm_worker_needs
 from rlplacement.transfer.plan.simulate import LinkRates, simulate
@@ -48,7 +48,7 @@ def test_worker_slices_equal_what_vllms_loaders_keep_with_a_stand_in_tp_group(tp
     step = 1 << 20  # values of tensor k are k*step + flat index + 1; 0 and -1 are padding and untouched
 
     def indexed(name, k):
-        return torch.arange(volume(tuple((0, n) for n in shapes[name])), dtype=torch.float32).view(shapes[name]) \
+        return torch.arange(volume(whole(shapes[name])), dtype=torch.float32).view(shapes[name]) \
             + (k * step + 1)
 
     def kept(param, k):
@@ -57,7 +57,7 @@ def test_worker_slices_equal_what_vllms_loaders_keep_with_a_stand_in_tp_group(tp
         return sorted((v - (k * step + 1)).long().tolist())
 
     def box_indices(name, box):
-        full = torch.arange(volume(tuple((0, n) for n in shapes[name]))).view(shapes[name])
+        full = torch.arange(volume(whole(shapes[name]))).view(shapes[name])
         return sorted(full[tuple(slice(s, e) for s, e in box)].flatten().tolist())
 
     needs = vllm_worker_needs(model, tp)
@@ -166,8 +166,8 @@ def test_a_tp_engine_worker_receives_its_shard_not_the_model():
 
 def test_the_rank0_plan_funnels_every_byte_through_rank_0():
     model = ModelTensors.from_hf_config(QWEN3_8B)
-    whole = {(e, w): {t.name: tuple((0, n) for n in t.shape) for t in model.tensors} for e in range(2) for w in range(2)}
-    plan = build_plan(model, rank0_holdings(model, 4), whole, WRITE)
+    every_tensor = {(e, w): {t.name: whole(t.shape) for t in model.tensors} for e in range(2) for w in range(2)}
+    plan = build_plan(model, rank0_holdings(model, 4), every_tensor, WRITE)
     assert plan.bytes_per_sender() == {0: 4 * model.total_bytes, 1: 0, 2: 0, 3: 0}
 
 
@@ -196,11 +196,11 @@ def test_the_simulator_prices_the_busiest_link():
     write once per receiver; the time is the busiest link's bytes over its rate, the busiest worker's commit
     and the calls' fixed cost."""
     model = ModelTensors.from_hf_config(QWEN3_8B)
-    whole = {(e, 0): {t.name: tuple((0, n) for n in t.shape) for t in model.tensors} for e in range(2)}
+    every_tensor = {(e, 0): {t.name: whole(t.shape) for t in model.tensors} for e in range(2)}
     rates = LinkRates(ipc_gbps=1000.0, nvlink_gbps=100.0, network_gbps=10.0, disk_gbps=1.0)
     trainer, engines = ((0, 0),), (((1, 0),), ((1, 1),))
     for fanout, out in ((BROADCAST, 1), (WRITE, 2)):
-        plan = build_plan(model, rank0_holdings(model, 1), whole, fanout)
+        plan = build_plan(model, rank0_holdings(model, 1), every_tensor, fanout)
         sim = simulate(plan, trainer, engines, rates, rpc_s=0.5, commit_gbps=20.0)
         assert sim.link_bytes["node 0 gpu 0 out network"] == out * model.total_bytes
         assert sim.link_bytes["node 1 gpu 1 in network"] == model.total_bytes

@@ -17,17 +17,21 @@ sharding functions at TP 2 and 4).
 
 from __future__ import annotations
 
-from rlplacement.transfer.plan.boxes import Box, along, whole
-from rlplacement.transfer.plan.tensors import ModelTensors, TensorInfo
+from rlplacement.transfer.plan.boxes import Box, volume, whole
+from rlplacement.transfer.plan.tensors import ModelTensors
 
 VLLM_VOCAB_PADDING = 64
 Needs = list[dict[str, Box]]
 
 
+def vllm_padded_vocab(vocab_size: int) -> int:
+    return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+
+
 def check_engine_width(model: ModelTensors, tp: int) -> None:
     """Refuse a width vLLM cannot shard this model over, naming the flag."""
     kv = model.num_kv_heads
-    padded = -(-model.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    padded = vllm_padded_vocab(model.vocab_size)
     bad = [f"num_attention_heads={model.num_heads}"] if model.num_heads % tp else []
     bad += [f"num_key_value_heads={kv}"] if kv % tp and tp % kv else []
     bad += [f"intermediate_size={model.ffn_hidden_size}"] if model.ffn_hidden_size % tp else []
@@ -37,40 +41,16 @@ def check_engine_width(model: ModelTensors, tp: int) -> None:
                          f"use a width that does")
 
 
-def _worker_box(model: ModelTensors, t: TensorInfo, w: int, tp: int) -> Box:
-    hd = model.head_size
-    if t.kind == "q":
-        per = model.num_heads // tp * hd
-        return along(t.shape, 0, w * per, (w + 1) * per)
-    if t.kind in ("k", "v"):
-        kv = model.num_kv_heads
-        if tp >= kv:
-            head = w // (tp // kv)
-            return along(t.shape, 0, head * hd, (head + 1) * hd)
-        per = kv // tp * hd
-        return along(t.shape, 0, w * per, (w + 1) * per)
-    if t.kind == "column":
-        per = t.shape[0] // tp
-        return along(t.shape, 0, w * per, (w + 1) * per)
-    if t.kind == "row":
-        per = t.shape[1] // tp
-        return along(t.shape, 1, w * per, (w + 1) * per)
-    if t.kind == "vocab":
-        padded = -(-model.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-        per = padded // tp
-        return along(t.shape, 0, w * per, (w + 1) * per)
-    return whole(t.shape)
-
-
 def vllm_worker_needs(model: ModelTensors, tp: int) -> Needs:
     """Per worker of a ``tp``-wide engine, the box of every tensor it keeps (a worker whose vocabulary
     shard is all padding keeps no rows of that tensor and is not sent any)."""
     check_engine_width(model, tp)
+    padded = vllm_padded_vocab(model.vocab_size)
     out: Needs = [{} for _ in range(tp)]
     for t in model.tensors:
         for w in range(tp):
-            box = _worker_box(model, t, w, tp)
-            if all(e > s for s, e in box):
+            box = model.tp_box(t, w, tp, padded)
+            if volume(box):
                 out[w][t.name] = box
     return out
 

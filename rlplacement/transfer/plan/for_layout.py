@@ -9,7 +9,7 @@ import dataclasses
 
 from rlplacement.transfer.plan.boxes import intersect, volume
 from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, build_plan
-from rlplacement.transfer.plan.engine_shards import check_engine_width, vllm_worker_needs, whole_model_needs
+from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_model_needs
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
 from rlplacement.transfer.plan.trainer_shards import fsdp_holdings, megatron_holdings, rank0_holdings
@@ -65,7 +65,6 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
 
     spec = registry.spec(mode)
     width = layout.gpus_per_engine
-    check_engine_width(model, width)
     world = len(layout.trainer_gpus)
     fanout = BROADCAST if mode in ("broadcast", "broadcast_packed", "disk-delta") and not layout.colocate else WRITE
     disk = mode == "disk-delta" and not layout.colocate
@@ -86,8 +85,9 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
         gather = None
         sharded = build_plan(model, holdings, needs, fanout)
     whole = whole_model_needs(model, width)
-    rank0 = build_plan(model, rank0_holdings(model, world), {r: whole[r[1]] for r in receivers}, fanout)
-    gather0 = {0: _missing_bytes(model, holdings[0], rank0_holdings(model, world)[0])}
+    gathered0 = rank0_holdings(model, world)
+    rank0 = build_plan(model, gathered0, {r: whole[r[1]] for r in receivers}, fanout)
+    gather0 = {0: _missing_bytes(model, holdings[0], gathered0[0])}
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     return PlanPair(sharded, simulate(sharded, layout.trainer_gpus, layout.engines, rates, disk=disk,
                                       gather_bytes=gather, rpc_s=rpc),

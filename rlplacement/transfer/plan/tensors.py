@@ -14,6 +14,8 @@ import json
 import types
 from typing import Any
 
+from rlplacement.transfer.plan.boxes import Box, along, whole
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
@@ -97,6 +99,23 @@ class ModelTensors:
     @property
     def total_bytes(self) -> int:
         return sum(t.bytes(self.itemsize) for t in self.tensors)
+
+    def tp_box(self, t: TensorInfo, rank: int, tp: int, padded_vocab: int) -> Box:
+        """Rank ``rank`` of ``tp``'s slice of ``t`` under the tensor-parallel rules Megatron and vLLM share:
+        q by head; k/v by KV head (with more ranks than KV heads, KV head ``rank // (tp / KV)``, replicated:
+        vLLM's rule; Megatron refuses such a width); ``column`` by rows; ``row`` by columns; ``vocab`` rows
+        of the vocabulary padded to ``padded_vocab`` (each side pads its own way), split evenly; the rest
+        whole. A shard past the real vocabulary is empty (volume 0)."""
+        hd = self.head_size
+        if t.kind in ("k", "v") and tp >= self.num_kv_heads:
+            head = rank // (tp // self.num_kv_heads)
+            return along(t.shape, 0, head * hd, (head + 1) * hd)
+        per, dim = {"q": (self.num_heads // tp * hd, 0), "k": (self.num_kv_heads // tp * hd, 0),
+                    "v": (self.num_kv_heads // tp * hd, 0), "column": (t.shape[0] // tp, 0),
+                    "row": (t.shape[-1] // tp, 1), "vocab": (padded_vocab // tp, 0)}.get(t.kind, (None, None))
+        if per is None:
+            return whole(t.shape)
+        return along(t.shape, dim, rank * per, (rank + 1) * per)
 
     def stage_of(self, t: TensorInfo, pp: int) -> int:
         """The pipeline stage holding ``t`` under Megatron's even split: the embedding on the first, the

@@ -8,8 +8,8 @@ plan chooses one sender from.
 
 from __future__ import annotations
 
-from rlplacement.transfer.plan.boxes import Box, along, whole
-from rlplacement.transfer.plan.tensors import ModelTensors, TensorInfo
+from rlplacement.transfer.plan.boxes import Box, along, volume, whole
+from rlplacement.transfer.plan.tensors import ModelTensors
 
 Holdings = list[dict[str, Box]]
 
@@ -31,38 +31,19 @@ def check_megatron(model: ModelTensors, tp: int, pp: int) -> None:
                          f"{model.num_layers} of {model.source}: use a divisor of it")
 
 
-def _megatron_tp_box(model: ModelTensors, t: TensorInfo, rank: int, tp: int) -> Box:
-    hd = model.head_size
-    if t.kind == "q":
-        per = model.num_heads // tp * hd
-        return along(t.shape, 0, rank * per, (rank + 1) * per)
-    if t.kind in ("k", "v"):
-        per = model.num_kv_heads // tp * hd
-        return along(t.shape, 0, rank * per, (rank + 1) * per)
-    if t.kind == "column":
-        per = t.shape[0] // tp
-        return along(t.shape, 0, rank * per, (rank + 1) * per)
-    if t.kind == "row":
-        per = t.shape[1] // tp
-        return along(t.shape, 1, rank * per, (rank + 1) * per)
-    if t.kind == "vocab":
-        per = megatron_padded_vocab(model.vocab_size, tp) // tp
-        return along(t.shape, 0, rank * per, (rank + 1) * per)
-    return whole(t.shape)
-
-
 def megatron_holdings(model: ModelTensors, tp: int, pp: int, dp: int) -> Holdings:
     """Global rank ``t + tp * (d + dp * p)`` (megatron's default order, TP fastest, then DP, then PP)
     holds its TP slice of stage ``p``'s tensors; data-parallel replicas hold the same (the distributed
     optimizer shards optimizer state, not the bf16 parameters). A vocabulary shard wholly in Megatron's
     padding holds nothing."""
     check_megatron(model, tp, pp)
+    padded = megatron_padded_vocab(model.vocab_size, tp)
     out: Holdings = [{} for _ in range(tp * pp * dp)]
     for t in model.tensors:
         p = model.stage_of(t, pp)
         for r in range(tp):
-            box = _megatron_tp_box(model, t, r, tp)
-            if all(e > s for s, e in box):
+            box = model.tp_box(t, r, tp, padded)
+            if volume(box):
                 for d in range(dp):
                     out[r + tp * (d + dp * p)][t.name] = box
     return out
