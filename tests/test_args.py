@@ -109,6 +109,12 @@ def test_config_is_frozen():
      r"--offload-train hands GPU memory .* only share GPUs under --colocate.*drop --offload-train, or add --colocate"),
     (["--rollout-num-gpus", "2", "--offload-train", "--offload-rollout"],
      r"--offload-train and --offload-rollout hand GPU memory .*drop --offload-train and --offload-rollout"),
+    (["--rollout-num-gpus", "2", "--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "/x",
+      "--update-weight-staging", "bucket"],
+     r"--update-weight-staging bucket: --update-weight-transfer-mode disk-delta stages whole updates on each engine "
+     r"worker\. Use --update-weight-staging full, or a split layout with one of: broadcast, broadcast_packed, p2p"),
+    (["--colocate", "--update-weight-staging", "bucket"],
+     r"--update-weight-staging bucket: under --colocate the engines take updates through cuda_ipc, which stages"),
     (["--colocate", "--one-step-off"], r"--one-step-off overlaps generation with training, but under --colocate .*"
                                        r"drop --one-step-off, or drop --colocate"),
 ])
@@ -376,3 +382,22 @@ def test_a_misspelled_flag_gets_the_flag_it_resembles(capsys):
     with pytest.raises(SystemExit):  # a subcommand's flags too
         main(["plan", "--rolout-num-gpus", "2"])
     assert "--rolout-num-gpus: did you mean --rollout-num-gpus?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--rollout-num-gpus", "2"], "auto"),
+    (["--rollout-num-gpus", "2", "--update-weight-staging", "bucket"], "bucket"),
+    (["--rollout-num-gpus", "2", "--update-weight-transfer-mode", "p2p", "--update-weight-staging", "full"], "full"),
+    (["--colocate"], "full"),  # the colocated path stages whole updates (a direct one stages nothing)
+    (["--rollout-num-gpus", "2", "--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "/x"],
+     "full"),
+])
+def test_update_weight_staging_resolves_per_mode(argv, want):
+    assert config_from_args(parse(*argv)).transfer.staging == want
+
+
+def test_bucket_staging_agrees_between_a_modes_spec_and_its_receiver():
+    from rlplacement.transfer import registry
+
+    for name, spec in registry.specs().items():
+        assert spec.bucket_staging == spec.receiver_class().bucketwise, name

@@ -99,7 +99,7 @@ class EchoEngineStandIn(RolloutEngine):
                 b["finished"] += [self._sample(i, p, s) for i, (p, s) in b["held"]]
                 b["held"] = []
 
-    def init_transfer(self, endpoint, rank_offset) -> None:
+    def init_transfer(self, endpoint, rank_offset, staging=None) -> None:
         self._record("init_transfer")
 
     def update_weights(self, version) -> EngineUpdateReport:

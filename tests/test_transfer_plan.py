@@ -231,9 +231,15 @@ def test_plan_simulate_transfer_prints_both_plans(tmp_path, capsys):
     assert out["transfer"]["rank0"]["max_sender_bytes"] == 8 * 16381470720
     assert out["transfer"]["sharded"]["max_sender_bytes"] < 1.01 * 16381470720
     assert out["transfer"]["sharded"]["predicted_seconds"] < out["transfer"]["rank0"]["predicted_seconds"]
+    staging = out["transfer"]["engine_staging"]
+    assert staging["bytes"]["full"] == 16381470720  # every worker stages the whole model
+    # two of the largest buckets: the 1.24 GB embedding (and the untied head) go alone, over the 512 MiB default
+    assert staging["bytes"]["bucket"] == 2 * 151936 * 4096 * 2
     assert cli_main(argv) == 0
     text = capsys.readouterr().out
     assert "sharded (planned)" in text and "rank 0 (runs today)" in text
+    assert ("engine worker memory for an update (--update-weight-staging auto): full 16.38 GB, bucket 2.49 GB"
+            in text), text
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -171,6 +171,88 @@ def test_a_corrupted_byte_reaches_the_driver_naming_the_tensor(cluster, mode):
     assert ray.get(e0.weight_version.remote()) == version
 
 
+def _connect_staged(cluster, mode, staging_by_engine: dict, **setup):
+    """One group of ``mode`` in which each engine takes updates under its own ``--update-weight-staging``."""
+    trainer = cluster["trainer"]
+    engines = list(staging_by_engine)
+    ray.get(trainer.transfer_setup.remote(mode, BUCKET, check_equal=True, timeout_s=TIMEOUT_S, **setup))
+    infos = driver.engine_infos(engines, TIMEOUT_S)
+    endpoint = ray.get(trainer.transfer_listen.remote(driver.group_size(infos)))
+    refs, offset = {"trainer": trainer.transfer_connect.remote()}, 1
+    for i, (engine, info) in enumerate(zip(engines, infos)):
+        refs[f"engine {i}"] = engine.init_transfer.remote(endpoint, offset, staging_by_engine[engine])
+        offset += info["num_workers"]
+    driver.wait_all(refs, TIMEOUT_S)
+
+
+def _load_path(engine) -> dict:
+    return ray.get(engine.call_workers.remote("rlplacement_load_path"))[0]
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed", "p2p"])
+def test_bucket_staging_serves_what_full_staging_serves_over_versions(cluster, mode):
+    """Engine 1 loads each bucket as it arrives and keeps two buckets; engine 0 stages the whole update:
+    over three versions both serve the same tokens and log-probs, exactly, and hold the trainer's bytes."""
+    e0, e1 = cluster["engines"]
+    _connect_staged(cluster, mode, {e0: "full", e1: "bucket"})
+    model_bytes = sum(ray.get(cluster["trainer"].tensor_bytes.remote()).values())
+    for _ in range(3):
+        version = _update(cluster, mode, [e0, e1], seed=cluster["version"] + 300, connect=False)
+        assert ray.get([e.weight_version.remote() for e in (e0, e1)]) == [version, version]
+        assert outputs(e1, PROMPTS, 6) == outputs(e0, PROMPTS, 6)
+        assert ray.get(e1.received_checksums.remote()) == ray.get(cluster["trainer"].checksums.remote())
+    full, bucket = _load_path(e0), _load_path(e1)
+    assert (full["staging"], bucket["staging"], bucket["path"]) == ("full", "bucket", "bucketwise")
+    assert full["staging_bytes"] >= model_bytes  # the whole model, kept between updates
+    largest = max(BUCKET, max(ray.get(cluster["trainer"].fused_group_bytes.remote()).values()))
+    assert bucket["staging_bytes"] <= 2 * largest < model_bytes / 2
+    # buckets are cut between vLLM's layers; only the embedding waits for the end: vLLM pads its 300 rows to
+    # 320, so the layer never counts as whole and is processed when the update finishes
+    assert bucket["copied_out"] == 1
+
+
+def test_a_layer_split_across_buckets_is_copied_out_of_the_bucket_and_lands(cluster):
+    """A sender that cuts buckets inside vLLM's fused layers (q/k/v in two buckets): what vLLM keeps of the
+    part-loaded layer is copied out of the bucket before its memory is reused, and the engine still serves
+    exactly what full staging serves."""
+    e0, e1 = cluster["engines"]
+    _connect_staged(cluster, "broadcast_packed", {e0: "full", e1: "bucket"}, group_of=_each_tensor_alone)
+    _update(cluster, "broadcast_packed", [e0, e1], seed=cluster["version"] + 400, connect=False)
+    assert outputs(e1, PROMPTS, 6) == outputs(e0, PROMPTS, 6)
+    assert _load_path(e1)["copied_out"] > 1  # the embedding's (see above), and parts of fused layers
+
+
+def _each_tensor_alone(name: str) -> str:
+    return name
+
+
+@pytest.mark.parametrize("after_buckets", [0, 3])
+def test_a_failure_at_bucket_k_under_bucket_staging(cluster, after_buckets):
+    """At bucket 0 nothing reached the model: the previous version is still served. After bucket 3 the
+    weights are a mix: the engine refuses to generate, naming the flag, until a whole update lands."""
+    from rlplacement.errors import WeightsUnavailableError
+
+    e0, e1 = cluster["engines"]
+    _connect_staged(cluster, "broadcast", {e0: "full", e1: "bucket"})
+    old = ray.get(e1.weight_version.remote())
+    old_out = outputs(e1, PROMPTS, 6)
+    ray.get(e1.call_workers.remote("hook_fail_bucketwise_load_after_buckets", after_buckets))
+    with pytest.raises(WeightUpdateError, match=f"engine 1: .*injected load fault after {after_buckets} buckets"):
+        _update(cluster, "broadcast", [e0, e1], seed=cluster["version"] + 500, connect=False)
+    if after_buckets == 0:
+        assert ray.get(e1.weight_version.remote()) == old and outputs(e1, PROMPTS, 6) == old_out
+    else:
+        with pytest.raises(WeightsUnavailableError,
+                           match=r"engine 1 cannot generate: version \d+ was being loaded bucket by bucket "
+                                 r"\(--update-weight-staging bucket\) and did not complete.*"
+                                 r"start with --update-weight-staging full"):
+            ray.get(e1.generate.remote(PROMPTS, max_tokens=6), timeout=120)
+    _connect_staged(cluster, "broadcast", {e0: "full", e1: "bucket"})  # a failed update leaves the group unusable
+    version = _update(cluster, "broadcast", [e0, e1], seed=None, connect=False)
+    assert ray.get(e1.weight_version.remote()) == version
+    assert outputs(e1, PROMPTS, 6) == outputs(e0, PROMPTS, 6)
+
+
 def test_an_engine_that_stops_answering_is_named_within_the_timeout(cluster):
     """A receiver that hangs (not dies): the driver gives up after its timeout naming every party that
     did not answer, no engine serves a mix of versions, and a new group carries the next update."""

@@ -122,6 +122,50 @@ def test_a_load_failing_on_one_worker_refuses_by_name_until_a_whole_update_lands
     _next_update_lands_on_both_workers(tp2)
 
 
+def _outputs(engine) -> list[dict]:
+    return [{k: r[k].tolist() for k in ("token_ids", "logprobs")}
+            for r in ray.get(engine.generate.remote(PROMPT, max_tokens=6), timeout=120)]
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "p2p"])
+def test_bucket_staging_on_two_workers_serves_what_full_staging_serves(tp2, mode):
+    """The same weights sent twice, staged whole and then loaded bucket by bucket on both workers: the
+    engine serves the same tokens and log-probs, exactly."""
+    trainer, engine = tp2["trainer"], tp2["engine"]
+    ray.get(trainer.perturb.remote(tp2["version"] + 700))
+    served = []
+    for staging in ("full", "bucket"):
+        version = tp2["version"] = tp2["version"] + 1
+        ray.get(trainer.transfer_setup.remote(mode, 64 * 1024, check_equal=True, timeout_s=60))
+        driver.connect(trainer, [engine], timeout_s=120, staging=staging)
+        driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
+        paths = ray.get(engine.call_workers.remote("rlplacement_load_path"), timeout=60)
+        assert [p["staging"] for p in paths] == [staging, staging]
+        served.append(_outputs(engine))
+    assert served[1] == served[0]
+
+
+def test_one_worker_failing_part_way_under_bucket_staging_leaves_the_engine_refusing(tp2):
+    """Under bucket staging the other worker has loaded what arrived: neither version is whole on the
+    engine, which refuses to generate by name until the next update lands on both workers."""
+    from rlplacement.errors import WeightsUnavailableError
+
+    trainer, engine = tp2["trainer"], tp2["engine"]
+    ray.get(trainer.transfer_setup.remote("broadcast", 64 * 1024, check_equal=True, timeout_s=60))
+    driver.connect(trainer, [engine], timeout_s=120, staging="bucket")
+    ray.get(engine.call_workers.remote("hook_fail_bucketwise_load_after_buckets", 2, 1), timeout=60)
+    version = tp2["version"] = tp2["version"] + 1
+    ray.get(trainer.perturb.remote(version))
+    with pytest.raises(WeightUpdateError, match=r"committed on no worker: worker 1 \(RuntimeError: injected load "
+                                                r"fault after 2 buckets\) failed to receive it, and under "
+                                                r"--update-weight-staging bucket"):
+        driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
+    with pytest.raises(WeightsUnavailableError, match="engine 0 cannot generate: version .* bucket by bucket"):
+        ray.get(engine.generate.remote(PROMPT, max_tokens=6), timeout=120)
+    driver.connect(trainer, [engine], timeout_s=120, staging="bucket")
+    _next_update_lands_on_both_workers(tp2)
+
+
 def test_shutting_the_engine_down_leaves_none_of_its_shared_memory(tp2):
     """Runs last: it shuts the module's engine down."""
     from tests.test_no_leaks import shm_mapped_by

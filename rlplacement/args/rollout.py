@@ -33,8 +33,8 @@ FLAGS = (
           help="Decode without CUDA graphs (CPU engines always run eager)."),
     flag("--vllm-gpu-memory-utilization", type=float,
           default=default_of(RolloutConfig, "gpu_memory_utilization"),
-          help="Fraction of its GPU an engine may use; default: 0.9 less what an update stages on it "
-               "(the whole model in the engine's dtype)."),
+          help="Fraction of its GPU an engine may use, what an update holds on it (--update-weight-staging) "
+               "counted inside: vLLM gets this less that; default: vLLM's 0.9."),
     flag("--verbose", nargs="?", const="info", default=default_of(RolloutConfig, "verbosity"), choices=VERBOSITY,
           help="quiet: no start-up lines; normal (default): a line per start-up stage; info (--verbose alone): "
                "vLLM and Ray at INFO too."),

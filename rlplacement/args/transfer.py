@@ -9,6 +9,7 @@ import dataclasses
 from rlplacement.args.common import TRANSFER_MODES, Flag, flag, get, require_choice, require_positive, size_in_bytes
 
 MIB = 1 << 20
+STAGING_CHOICES = ("auto", "full", "bucket")
 
 
 def bucket_size(text: str) -> int:
@@ -34,6 +35,12 @@ SHARED_FLAGS = (
               "in-GPU CUDA IPC path is used (broadcast modes only)."),
     flag("--update-weight-buffer-size", type=bucket_size, default=default_of(TransferConfig, "buffer_size"),
          help="Bucket size with its unit (512MiB, 2GB, 64KiB); a bare number is bytes and must be at least 1 MiB."),
+    flag("--update-weight-staging", type=str, default=default_of(TransferConfig, "staging"),
+         choices=STAGING_CHOICES,
+         help="What an engine worker holds of an update: full (the whole model; a failed update keeps the "
+              "previous version served), bucket (two buckets, each loaded as it arrives; a failed update "
+              "leaves the engine refusing to generate until a whole update lands), auto (full where it fits "
+              "beside --vllm-gpu-memory-utilization, else bucket). Counted inside the engine's memory budget."),
     flag("--check-weight-update-equal", action="store_true", default=default_of(TransferConfig, "check_equal"),
          help="After each update compare engine and trainer weights; raise on mismatch."),
 )
@@ -81,6 +88,23 @@ def transfer_from_args(args: argparse.Namespace, *, this_host: bool = True) -> T
         built = _mode_options(args, spec, resolve=name == mode, this_host=this_host)
         if name == mode:
             options = built
-    return TransferConfig(mode=registry.colocated_mode() if colocate else mode, requested_mode=mode,
-                          buffer_size=buffer_size,
-                          check_equal=bool(get(args, "check_weight_update_equal")), options=options)
+    running = registry.colocated_mode() if colocate else mode
+    return TransferConfig(mode=running, requested_mode=mode, buffer_size=buffer_size,
+                          check_equal=bool(get(args, "check_weight_update_equal")),
+                          staging=_staging(args, specs[running], colocate), options=options)
+
+
+def _staging(args: argparse.Namespace, spec: ModeSpec, colocate: bool) -> str:
+    """``--update-weight-staging`` for the mode that runs: ``bucket`` refused by name where its receivers
+    stage whole updates; ``auto`` there is ``full``."""
+    require_choice(args, ("update_weight_staging",))
+    staging = get(args, "update_weight_staging") or "auto"
+    if spec.bucket_staging:
+        return staging
+    if staging == "bucket":
+        able = ", ".join(n for n, s in registry.specs().items() if s.bucket_staging)
+        why = (f"under --colocate the engines take updates through {spec.name}, which" if colocate
+               else f"--update-weight-transfer-mode {spec.name}")
+        raise ConfigError(f"--update-weight-staging bucket: {why} stages whole updates on each engine worker. "
+                          f"Use --update-weight-staging full, or a split layout with one of: {able}.")
+    return "full"

@@ -131,9 +131,11 @@ class RolloutEngine(abc.ABC):
 
     # ---- weight updates ------------------------------------------------------------------------
     @abc.abstractmethod
-    def init_transfer(self, endpoint: dict, rank_offset: int) -> None:
+    def init_transfer(self, endpoint: dict, rank_offset: int, staging: str | None = None) -> None:
         """Join the trainer's transfer group (a ``TransferEndpoint`` as a dict), its workers on ranks
-        ``rank_offset`` .. ``rank_offset + num_workers - 1``; blocks until every member has joined."""
+        ``rank_offset`` .. ``rank_offset + num_workers - 1``; blocks until every member has joined.
+        ``staging``: ``full`` or ``bucket`` for this group's updates (``--update-weight-staging``); None:
+        the engine's own."""
 
     @abc.abstractmethod
     def update_weights(self, version: int) -> EngineUpdateReport:

@@ -4,6 +4,7 @@ folder (vLLM is imported only for the GPU's size)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -36,28 +37,97 @@ def resolve_dtype(model_dir: str | Path, requested: str) -> str:
 
 def model_bytes(model_dir: str | Path, dtype: str) -> int:
     """Bytes of every tensor of the model's checkpoint in ``dtype``: what one update stages on each
-    engine worker today (every receiver stages the whole model)."""
+    engine worker under ``full`` staging (every receiver stages the whole model)."""
     from rlplacement.engines.vllm_loader import checkpoint_shapes
 
     shapes = checkpoint_shapes(model_dir) or {}
     return sum(math.prod(s) for s in shapes.values()) * _DTYPE_BYTES[dtype]
 
 
-def default_gpu_memory_utilization(model_dir: str | Path, dtype: str, total_bytes: int | None = None) -> float:
-    """vLLM's default fraction less the share of the GPU one update stages, so the first update fits
-    beside the KV cache vLLM sized at start. ``total_bytes``: the GPU's size (default: this process's
-    first visible GPU, read through vLLM's platform without creating a CUDA context)."""
+def largest_bucket_bytes(model_dir: str | Path, dtype: str, bucket_bytes: int) -> int:
+    """The largest bucket an update of this model makes (:func:`largest_bucket_of`)."""
+    from rlplacement.engines.vllm_loader import checkpoint_shapes
+
+    shapes = checkpoint_shapes(model_dir) or {}
+    return largest_bucket_of({n: math.prod(s) * _DTYPE_BYTES[dtype] for n, s in shapes.items()}, bucket_bytes)
+
+
+def largest_bucket_of(tensor_bytes: dict[str, int], bucket_bytes: int) -> int:
+    """The largest bucket an update of tensors of these sizes makes: ``bucket_bytes``, or a fused group
+    larger than it (q/k/v, gate/up, an embedding), which goes alone (``transfer.bucket.iter_buckets``)."""
+    from rlplacement.transfer.bucket import fused_group_of
+
+    groups: dict[str, int] = {}
+    for name, nbytes in tensor_bytes.items():
+        groups[fused_group_of(name)] = groups.get(fused_group_of(name), 0) + nbytes
+    return max([bucket_bytes, *groups.values()])
+
+
+def staging_per_option(tensor_bytes: dict[str, int], bucket_bytes: int) -> dict[str, int]:
+    """Bytes an update holds on each engine worker under each ``--update-weight-staging`` option."""
+    whole, largest = sum(tensor_bytes.values()), largest_bucket_of(tensor_bytes, bucket_bytes)
+    return {option: staging_bytes(option, whole, largest) for option in ("full", "bucket")}
+
+
+AUTO_FULL_SHARE = 0.2
+"""``--update-weight-staging auto`` is ``full`` while the whole model takes at most this share of the GPU
+(an 8B model in bf16 on a 141 GB H200: 0.12), else ``bucket``: ``full`` keeps the previous version served
+through a failed update and commits through the recorded copy plan; beyond this share its cost in KV
+cache outweighs that."""
+MIN_VLLM_SHARE = 0.1
+"""The least share of the GPU left to vLLM (weights, activations, KV cache) once the staging is counted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMemory:
+    """How an engine's budget (``--vllm-gpu-memory-utilization``, or vLLM's 0.9) is spent on each worker."""
+
+    staging: str
+    """``full`` or ``bucket`` (``--update-weight-staging`` resolved)."""
+    staging_bytes: int
+    """What one update holds on each worker beside vLLM: the whole model, or two of its largest buckets."""
+    vllm_utilization: float
+    """The fraction vLLM is given: the budget less the staging's share of the GPU."""
+
+
+def staging_bytes(staging: str, whole_model: int, largest_bucket: int) -> int:
+    """Bytes one update holds on an engine worker under ``staging`` (``full`` or ``bucket``)."""
+    return whole_model if staging == "full" else min(whole_model, 2 * largest_bucket)
+
+
+def resolve_engine_memory(model_dir: str | Path, dtype: str, *, staging: str = "full", bucket_bytes: int,
+                          utilization: float | None = None, total_bytes: int | None = None) -> EngineMemory:
+    """The staging an engine runs and the fraction vLLM gets: the engine's budget (``utilization``, or
+    vLLM's 0.9) less what an update holds on each worker, whoever set the budget, so the first update fits
+    beside the KV cache vLLM sized at start. ``staging`` ``auto``: :data:`AUTO_FULL_SHARE`. Refused by
+    name when the staging leaves vLLM less than :data:`MIN_VLLM_SHARE`. ``total_bytes``: the GPU's size
+    (default: this process's first visible GPU, read through vLLM's platform without a CUDA context)."""
     if total_bytes is None:
         from vllm.platforms import current_platform
 
         total_bytes = int(current_platform.get_device_total_memory(0))
-    staged = model_bytes(model_dir, dtype)
-    fraction = VLLM_DEFAULT_GPU_MEMORY_UTILIZATION - staged / total_bytes
-    if fraction <= 0.1:
-        raise ConfigError(f"an update stages the whole model ({staged / 2**30:.1f} GiB in {dtype}) on each engine "
-                          f"worker, which leaves no room on a {total_bytes / 2**30:.0f} GiB GPU: raise "
-                          f"--rollout-num-gpus-per-engine, or set --vllm-gpu-memory-utilization yourself.")
-    return round(fraction, 4)
+    budget = VLLM_DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else float(utilization)
+    whole = model_bytes(model_dir, dtype)
+    largest = largest_bucket_bytes(model_dir, dtype, bucket_bytes)
+    if staging == "auto":
+        staging = "full" if whole <= AUTO_FULL_SHARE * total_bytes else "bucket"
+    held = staging_bytes(staging, whole, largest)
+    fraction = budget - held / total_bytes
+    if fraction <= MIN_VLLM_SHARE:
+        gib = float(1 << 30)
+        budget_flag = (f"--vllm-gpu-memory-utilization {budget}" if utilization is not None
+                       else f"vLLM's default budget {budget}")
+        if staging == "full":
+            bucket_held = staging_bytes("bucket", whole, largest)
+            fix = (f"use --update-weight-staging bucket (two buckets, {bucket_held / gib:.1f} GiB, with a transfer "
+                   f"mode that supports it), or raise --vllm-gpu-memory-utilization")
+        else:
+            fix = "lower --update-weight-buffer-size, or raise --vllm-gpu-memory-utilization"
+        raise ConfigError(f"an update under --update-weight-staging {staging} holds {held / gib:.1f} GiB in {dtype} "
+                          f"on each engine worker, which leaves vLLM {max(fraction, 0):.2f} of a "
+                          f"{total_bytes / gib:.0f} GiB GPU within {budget_flag}: {fix}. More GPUs per engine do "
+                          f"not help: every worker receives whole tensors.")
+    return EngineMemory(staging, held, round(fraction, 4))
 
 
 def check_context(prompt_len: int, max_tokens: int, max_model_len: int, where: str) -> None:

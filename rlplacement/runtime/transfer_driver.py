@@ -35,21 +35,25 @@ def group_size(infos: Sequence[dict]) -> int:
     return 1 + sum(i["num_workers"] for i in infos)
 
 
-def join_refs(engines: Sequence, infos: Sequence[dict], endpoint: dict) -> dict[str, Any]:
-    """Start every engine joining ``endpoint``, its workers on consecutive ranks from 1; refs by engine name."""
+def join_refs(engines: Sequence, infos: Sequence[dict], endpoint: dict, staging: str | None = None) -> dict[str, Any]:
+    """Start every engine joining ``endpoint``, its workers on consecutive ranks from 1; refs by engine name.
+    ``staging``: the engines' ``init_transfer`` argument (None: each engine's own)."""
     refs, offset = {}, 1
     for i, (engine, info) in enumerate(zip(engines, infos)):
-        refs[f"engine {i}"] = engine.init_transfer.remote(endpoint, offset)
+        refs[f"engine {i}"] = engine.init_transfer.remote(endpoint, offset, staging)
         offset += info["num_workers"]
     return refs
 
 
-def connect(trainer, engines: Sequence, *, timeout_s: float = 120.0, host: str | None = None) -> dict:
-    """Build the transfer group: trainer rank 0 plus every worker of every engine. Returns the endpoint."""
+def connect(trainer, engines: Sequence, *, timeout_s: float = 120.0, host: str | None = None,
+            staging: str | None = None) -> dict:
+    """Build the transfer group: trainer rank 0 plus every worker of every engine. Returns the endpoint.
+    ``staging``: how the engines take this group's updates (None: each engine's own)."""
     infos = engine_infos(engines, timeout_s)
     endpoint = wait_named({"trainer": trainer.transfer_listen.remote(group_size(infos), host)}, timeout_s,
                           "opening the transfer group")["trainer"]
-    wait_all({"trainer": trainer.transfer_connect.remote(), **join_refs(engines, infos, endpoint)}, timeout_s)
+    wait_all({"trainer": trainer.transfer_connect.remote(), **join_refs(engines, infos, endpoint, staging)},
+             timeout_s)
     return endpoint
 
 

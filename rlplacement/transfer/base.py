@@ -295,13 +295,18 @@ class WeightReceiver(abc.ABC):
 
     ``receive`` returns only when the whole update is staged and validated; nothing reaches the
     model before ``commit``. ``abort`` drops a staged update. ``version`` is what is served.
-    Every mode today stages the whole model on every worker: ``receive`` is one call for the whole
-    update and ``commit`` one hand-over. A receiver that commits bucket by bucket, or receives only its
-    worker's shard, adds to this contract (what it stages and when it hands over) rather than
-    changing these calls' meaning for the whole-update modes.
+
+    Where the receiver is :attr:`bucketwise`, :meth:`receive_bucketwise` replaces ``receive``: each
+    bucket goes to the engine's loader as it arrives and its memory is reused two buckets later, so a
+    worker holds two buckets instead of the whole model; ``commit`` then only serves the version. The
+    model is written before the update is known whole: an update that fails part-way leaves the
+    engine's weights a mix, which the engine records and refuses to serve (``--update-weight-staging``).
     """
 
     mode: ClassVar[str]
+    bucketwise: ClassVar[bool] = False
+    """Can hand each bucket to the loader as it arrives (:meth:`receive_bucketwise`); agrees with its
+    mode's ``ModeSpec.bucket_staging``."""
     last_path: str = ""
     """How the last update's bytes arrived, where a mode has more than one way (``cuda_ipc``: ``buckets``
     or ``direct``); also the ``path`` of :meth:`receive`'s report."""
@@ -330,6 +335,11 @@ class WeightReceiver(abc.ABC):
         returns how many allocations were mapped. Only between updates; 0 where a mode maps nothing."""
         return 0
 
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of staging memory this receiver keeps between updates (0 where a mode keeps none)."""
+        return 0
+
     def release_staging(self) -> int:
         """Let kept staging buffers go before the engine sleeps (the next update allocates them again);
         returns the bytes let go. A mode that keeps none between updates has nothing to free."""
@@ -340,6 +350,13 @@ class WeightReceiver(abc.ABC):
 
     @abc.abstractmethod
     def receive(self) -> UpdateReport: ...
+
+    def receive_bucketwise(self, apply_bucket: ApplyFn) -> UpdateReport:
+        """Receive the update begun, handing each bucket's tensors to ``apply_bucket`` once it arrived and
+        verified; nothing is kept. A bucket that fails its check, and every bucket after a failed
+        ``apply_bucket``, is received but not applied, and the failure is raised once the update is off
+        the wire (so no peer stalls)."""
+        raise TransferError(f"mode {self.mode!r} stages whole updates: use --update-weight-staging full with it")
 
     @abc.abstractmethod
     def commit(self, apply: ApplyFn) -> int: ...

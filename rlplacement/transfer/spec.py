@@ -79,6 +79,10 @@ class ModeSpec:
     """Achieved share of a link kind's datasheet rate where a GPU run measured it, as ``(kind, share)``
     pairs (kinds of :mod:`rlplacement.transfer.plan.simulate`: ``nvlink``, ``network``, ``ipc``); the
     transfer simulator uses them before :attr:`advisor_efficiency`."""
+    bucket_staging: bool = False
+    """Its receivers can commit each bucket into the served weights as it arrives
+    (``--update-weight-staging bucket``: an engine worker holds two buckets, not the whole model);
+    its receiver class says the same (``WeightReceiver.bucketwise``)."""
     moves_changed_bytes_only: bool = False
     """Only the bytes that changed since the last version travel (the advisor scales by the density)."""
     bench: BenchSpec | None = None

@@ -92,8 +92,30 @@ class StagingReceiver(WeightReceiver):
         return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start,
                             self.verified_checksums, self.last_path, dict(self.instants))
 
+    def receive_bucketwise(self, apply_bucket: ApplyFn) -> UpdateReport:
+        if self._pending is None:
+            raise TransferError("receive_bucketwise() without begin(version)")
+        if not self.bucketwise:
+            return super().receive_bucketwise(apply_bucket)
+        start = time.perf_counter()
+        try:
+            num_tensors, num_buckets, nbytes = self._stream(apply_bucket)
+        except BaseException:
+            self.abort()
+            raise
+        self._staged = []  # nothing kept: every bucket is in the model; commit serves the version
+        self.instants.mark("staged")
+        return UpdateReport(self._pending, num_tensors, num_buckets, nbytes, time.perf_counter() - start,
+                            self.verified_checksums, self.last_path, dict(self.instants))
+
+    def _stream(self, apply_bucket: ApplyFn) -> tuple[int, int, int]:
+        """Receive version ``self._pending``, each bucket to ``apply_bucket`` as it arrives: ``(tensors,
+        buckets, bytes)``. Only receivers that are :attr:`bucketwise` implement it."""
+        raise NotImplementedError
+
     def commit(self, apply: ApplyFn) -> int:
-        """Hand the staged update to ``apply`` (the engine's loader); on success serve its version."""
+        """Hand the staged update to ``apply`` (the engine's loader); on success serve its version. After
+        :meth:`receive_bucketwise` the staged set is empty: the buckets are in the model already."""
         if self._staged is None or self._pending is None:
             raise TransferError("commit() without a fully received update")
         staged, version = self._staged, self._pending

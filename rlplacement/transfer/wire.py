@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 from rlplacement.rendezvous import host_store, join_store
 from rlplacement.transfer import group as groups
-from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, HFShapes, Instants, NamedTensor,
+from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, ApplyFn, BucketManifest, HFShapes, Instants, NamedTensor,
                                        TransferEndpoint, TransferError, UpdateAborted, UpdateRefused, UpdateReport,
                                        WeightSender, hf_shaped)
 from rlplacement.transfer.bucket import FlatBuffers, GroupFn, fused_group_of, iter_buckets, plan_manifest, unpack
@@ -228,13 +228,16 @@ class FramedSender(WeightSender):
 
 
 class FramedReceiver(StagingReceiver):
-    """One engine worker: stage every bucket into kept buffers, verify, hand over on commit.
+    """One engine worker: stage every bucket into kept buffers, verify, hand over on commit; or, bucketwise,
+    hand each verified bucket to the loader as it arrives, in two buffers taken in turn.
 
     The frame loop (:meth:`_stage`) is every framed mode's; a mode changes how a bucket's bytes arrive
     (:meth:`_recv_payload`) and, where it must answer per bucket, :meth:`_take_bucket`. A checksum
     mismatch is deferred (``self._failure``) so the receiver drains to END and never stalls the group
     for the others.
     """
+
+    bucketwise = True
 
     def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0):
         import torch
@@ -272,10 +275,23 @@ class FramedReceiver(StagingReceiver):
         self._failure = None
         return self._stage_buckets(self._recv_frame())
 
+    def _stream(self, apply_bucket: ApplyFn) -> tuple[int, int, int]:
+        self._failure = None
+        _, num_tensors, num_buckets, nbytes = self._receive_buckets(self._recv_frame(), apply_bucket)
+        return num_tensors, num_buckets, nbytes
+
     def _stage_buckets(self, frame: tuple[int, int, bytes]) -> tuple[list[NamedTensor], int, int]:
         """Stage buckets until END, starting with ``frame`` (the update's first, already received)."""
+        staged, _, num_buckets, nbytes = self._receive_buckets(frame, None)
+        return staged, num_buckets, nbytes
+
+    def _receive_buckets(self, frame: tuple[int, int, bytes], apply_bucket: ApplyFn | None):
+        """Buckets until END, starting with ``frame``: ``(staged, tensors, buckets, bytes)``. Without
+        ``apply_bucket`` each bucket stays in its own kept buffer and is staged; with it, buckets take two
+        buffers in turn (a bucket's views are handed over before the one after next lands in them) and go
+        to ``apply_bucket`` as they arrive, until the first failure (kept in ``self._failure``)."""
         staged: list[NamedTensor] = []
-        nbytes = num_buckets = 0
+        nbytes = num_buckets = num_tensors = 0
         while True:
             kind, version, blob = frame
             if kind == KIND_ABORT:
@@ -285,14 +301,26 @@ class FramedReceiver(StagingReceiver):
             if kind != KIND_BUCKET:
                 raise TransferError(f"unexpected frame kind {kind} from the trainer")
             manifest = self._parse_manifest(blob, num_buckets)
-            buf = self.buffers.get(manifest.index, manifest.nbytes)
-            staged.extend(self._take_bucket(buf, manifest))
+            slot = manifest.index if apply_bucket is None else num_buckets % 2
+            tensors = self._take_bucket(self.buffers.get(slot, manifest.nbytes), manifest)
+            if apply_bucket is None:
+                staged.extend(tensors)
+            elif self._failure is None:
+                try:
+                    apply_bucket(tensors)
+                    if self.device.type == "cuda":  # a later bucket lands in this buffer: the loader's copies first
+                        import torch
+
+                        torch.cuda.current_stream(self.device).synchronize()
+                except Exception as exc:  # noqa: BLE001 - raised once drained, so no peer stalls
+                    self._failure = exc
+            num_tensors += len(tensors)
             nbytes += sum(m.nbytes for m in manifest.tensors)
             num_buckets += 1
             frame = self._recv_frame()
-        self._after_end(len(staged))
-        self.buffers.trim(num_buckets)
-        return staged, num_buckets, nbytes
+        self._after_end(num_tensors)
+        self.buffers.trim(num_buckets if apply_bucket is None else 2)
+        return staged, num_tensors, num_buckets, nbytes
 
     def _take_bucket(self, buf: "torch.Tensor", manifest: BucketManifest) -> list[NamedTensor]:
         """The bucket's bytes into ``buf``, as typed views; the first mismatch is kept, not raised."""
@@ -353,6 +381,10 @@ class FramedReceiver(StagingReceiver):
             blob = raw.cpu().numpy().tobytes()
         self._end_count = aux
         return kind, version, blob
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.buffers.nbytes if self.buffers is not None else 0
 
     def release_staging(self) -> int:
         """Let the kept staging buffers go (a sleeping colocated engine); the next update allocates

@@ -94,3 +94,24 @@ def fail_next_load_on_rank(worker, rank: int) -> None:
     """``fail_next_load_part_way`` on worker ``rank`` of its engine only."""
     if getattr(worker, "rank", 0) == rank:
         fail_next_load_part_way(worker)
+
+
+def fail_bucketwise_load_after_buckets(worker, n_buckets: int, rank: int | None = None) -> None:
+    """Under --update-weight-staging bucket: make this worker's next update fail in the model's load after
+    ``n_buckets`` buckets were loaded into it (once); with ``rank``, on that worker of its engine only."""
+    if rank is not None and getattr(worker, "rank", 0) != rank:
+        return
+    from rlplacement.engines import vllm_loader
+
+    cls = vllm_loader.BucketwiseLoad
+    original = cls.apply
+    seen = {"n": 0}
+
+    def failing(self, bucket):
+        if bucket and seen["n"] == n_buckets:
+            cls.apply = original  # back to normal for later updates
+            raise RuntimeError(f"injected load fault after {n_buckets} buckets")
+        seen["n"] += bool(bucket)
+        original(self, bucket)
+
+    cls.apply = failing

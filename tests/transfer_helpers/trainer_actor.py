@@ -49,6 +49,18 @@ class StandInHFTrainer(TrainerTransferMixin):
     def checksums(self) -> dict[str, str]:
         return {n: tensor_checksum(p) for n, p in self.model.named_parameters()}
 
+    def tensor_bytes(self) -> dict[str, int]:
+        return {n: p.numel() * p.element_size() for n, p in self.model.named_parameters()}
+
+    def fused_group_bytes(self) -> dict[str, int]:
+        """Bytes per fused group (q/k/v, gate/up), as the sender keeps them in one bucket."""
+        from rlplacement.transfer.bucket import fused_group_of
+
+        groups: dict[str, int] = {}
+        for n, nbytes in self.tensor_bytes().items():
+            groups[fused_group_of(n)] = groups.get(fused_group_of(n), 0) + nbytes
+        return groups
+
     def save_hf(self, out_dir: str) -> str:
         """The current weights as an HF folder (config and tokenizer copied from the original)."""
         out = Path(out_dir)

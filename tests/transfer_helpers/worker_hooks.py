@@ -22,6 +22,7 @@ class HookedWorkerExtension(RlplacementWorkerExtension):
     hook_fail_next_load_part_way = faults.fail_next_load_part_way
     hook_fail_next_staging_on_rank = faults.fail_next_staging_on_rank
     hook_fail_next_load_on_rank = faults.fail_next_load_on_rank
+    hook_fail_bucketwise_load_after_buckets = faults.fail_bucketwise_load_after_buckets
     hook_receiver_stats = ipc_probes.receiver_stats
 
     def hook_pid(self) -> int:

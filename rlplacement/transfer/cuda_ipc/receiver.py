@@ -22,6 +22,7 @@ class IpcReceiver(FramedReceiver):
     """One engine worker: open the sender's slot buffers, copy each bucket into staging, acknowledge."""
 
     mode: ClassVar[str] = "cuda_ipc"
+    bucketwise = False  # its own frame loop (direct updates read the trainer's memory and stage nothing)
 
     def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0):
         super().__init__(device, version=version)

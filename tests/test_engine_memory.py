@@ -1,0 +1,69 @@
+"""An engine's memory budget: what an update holds on each worker under ``--update-weight-staging``
+counts inside the budget whoever set it, ``auto`` picks what fits, and a staging that leaves vLLM no
+room is refused naming the flags that change it. Pure functions of a model folder's safetensors headers."""
+
+import json
+import struct
+
+import pytest
+
+from rlplacement.engines.engine_settings import largest_bucket_bytes, model_bytes, resolve_engine_memory
+from rlplacement.errors import ConfigError
+
+GIB = 1 << 30
+
+
+def _headers_only_model(path, hidden: int, layers: int, vocab: int):
+    """A model folder whose safetensors file has real headers and no data: shapes are all the budget reads."""
+    shapes = {"model.embed_tokens.weight": [vocab, hidden], "lm_head.weight": [vocab, hidden]}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": [hidden, hidden], p + "self_attn.k_proj.weight": [hidden // 4, hidden],
+                       p + "self_attn.v_proj.weight": [hidden // 4, hidden], p + "self_attn.o_proj.weight": [hidden, hidden],
+                       p + "mlp.gate_proj.weight": [3 * hidden, hidden], p + "mlp.up_proj.weight": [3 * hidden, hidden],
+                       p + "mlp.down_proj.weight": [hidden, 3 * hidden]})
+    header = {n: {"dtype": "BF16", "shape": s, "data_offsets": [0, 0]} for n, s in shapes.items()}
+    blob = json.dumps(header).encode()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob)
+    (path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    return path
+
+
+@pytest.fixture
+def model_70b_like(tmp_path):
+    return _headers_only_model(tmp_path / "m", hidden=8192, layers=80, vocab=128256)  # ~68 B parameters
+
+
+def test_the_staging_counts_against_a_budget_the_user_set(model_70b_like):
+    h200 = 141 * 10**9
+    memory = resolve_engine_memory(model_70b_like, "bfloat16", staging="bucket", bucket_bytes=512 << 20,
+                                   utilization=0.85, total_bytes=h200)
+    largest = largest_bucket_bytes(model_70b_like, "bfloat16", 512 << 20)
+    assert largest == 128256 * 8192 * 2  # the embedding goes alone, over the bucket size
+    assert memory.staging_bytes == 2 * largest
+    assert memory.vllm_utilization == pytest.approx(0.85 - 2 * largest / h200, abs=1e-4)
+
+
+def test_auto_is_full_while_the_whole_model_is_a_small_share_of_the_gpu_else_bucket(model_70b_like, tmp_path):
+    small = _headers_only_model(tmp_path / "small", hidden=1024, layers=4, vocab=32000)
+    h200 = 141 * 10**9
+    assert resolve_engine_memory(small, "bfloat16", staging="auto", bucket_bytes=512 << 20, total_bytes=h200).staging \
+        == "full"
+    big = resolve_engine_memory(model_70b_like, "bfloat16", staging="auto", bucket_bytes=512 << 20, total_bytes=h200)
+    assert big.staging == "bucket" and big.staging_bytes < 4 * GIB  # two embeddings' worth, not 119 GiB
+
+
+def test_full_staging_of_a_70b_model_is_refused_naming_bucket_staging(model_70b_like):
+    assert model_bytes(model_70b_like, "bfloat16") > 110 * GIB
+    with pytest.raises(ConfigError, match=r"--update-weight-staging full holds 1\d\d\.\d GiB in bfloat16 on each "
+                                          r"engine worker, .*use --update-weight-staging bucket \(two buckets, 3\.9 "
+                                          r"GiB.*More GPUs per engine do not help"):
+        resolve_engine_memory(model_70b_like, "bfloat16", staging="full", bucket_bytes=512 << 20,
+                              total_bytes=141 * 10**9)
+
+
+def test_bucket_staging_that_leaves_no_room_names_the_bucket_size(model_70b_like):
+    with pytest.raises(ConfigError, match=r"--vllm-gpu-memory-utilization 0\.12: lower --update-weight-buffer-size"):
+        resolve_engine_memory(model_70b_like, "bfloat16", staging="bucket", bucket_bytes=4 * GIB, utilization=0.12,
+                              total_bytes=80 * 10**9)
