@@ -172,6 +172,19 @@ class RlplacementWorkerExtension:
         torch.cuda.reset_peak_memory_stats()
         return {"resident_gb": resident, "peak_gb": max(peak, resident)}
 
+    def rlplacement_host_memory(self) -> dict[str, float]:
+        """This worker process's resident memory and its peak since the last call, in MiB (Linux: the peak is
+        reset after reading through ``/proc/self/clear_refs``; where it cannot be, it is the process's own)."""
+        from pathlib import Path
+
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        out = {"resident_mb": int(status["VmRSS"].split()[0]) / 1024, "peak_mb": int(status["VmHWM"].split()[0]) / 1024}
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+        return out
+
     def rlplacement_sleep_pool(self) -> dict[str, float]:
         """This worker's sleep pool in GiB by tag (``weights_gb``, ``kv_cache_gb``), asleep or not."""
         from vllm.device_allocator.cumem import CuMemAllocator
