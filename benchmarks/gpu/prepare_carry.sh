@@ -16,7 +16,7 @@ python3 benchmarks/gpu/trim_wheel.py .carry/lean/vllm-0.26.0-*.whl .carry/trimme
 python3 benchmarks/gpu/trim_wheel.py .carry/ray/ray-2.60.0-*.whl .carry/trimmed/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl \
   '^ray/jars/' '^ray/dashboard/client/build/'
 find .carry/lean -name '*.whl' ! -name 'vllm-*' -exec cp {} .carry/g1/ \;
-cp .carry/trimmed/ray-*.whl .carry/g2/
+cp .carry/trimmed/ray-*.whl .carry/ray/xxhash-*.whl .carry/g2/
 if [ "${1:-}" = "--te" ]; then
   # TE's torch extension is built there from its sdist; pip cannot download that sdist without running
   # its setup.py (which needs CUDA), so bring it yourself into .carry/te if you need the TE spec.
