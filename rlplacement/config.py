@@ -96,7 +96,7 @@ class TransferConfig:
     loaded only once it all arrived (a failed update leaves the previous version served); ``bucket``, two
     buckets, each loaded as it arrives (a failed update leaves the engine refusing to generate until a
     whole update lands); ``auto``, ``full`` where it fits beside the engine's budget, else ``bucket``, decided
-    by each engine on its GPU (``engines.engine_settings.resolve_staging``). ``auto`` with a mode whose
+    by each engine on its GPU (``engines.engine_settings.resolve_engine_memory``). ``auto`` with a mode whose
     receivers stage whole updates is ``full``."""
     options: Any = None
     """``requested_mode``'s options (a frozen dataclass, validated and resolved for this run: disk-delta's

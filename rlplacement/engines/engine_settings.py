@@ -35,21 +35,22 @@ def resolve_dtype(model_dir: str | Path, requested: str) -> str:
     return declared_dtype(model_dir) if requested == "auto" else requested
 
 
+def checkpoint_tensor_bytes(model_dir: str | Path, dtype: str) -> dict[str, int]:
+    """HF name -> bytes in ``dtype`` of every tensor of the model's checkpoint (its safetensors headers)."""
+    from rlplacement.engines.vllm_loader import checkpoint_shapes
+
+    return {n: math.prod(s) * _DTYPE_BYTES[dtype] for n, s in (checkpoint_shapes(model_dir) or {}).items()}
+
+
 def model_bytes(model_dir: str | Path, dtype: str) -> int:
     """Bytes of every tensor of the model's checkpoint in ``dtype``: what one update stages on each
     engine worker under ``full`` staging (every receiver stages the whole model)."""
-    from rlplacement.engines.vllm_loader import checkpoint_shapes
-
-    shapes = checkpoint_shapes(model_dir) or {}
-    return sum(math.prod(s) for s in shapes.values()) * _DTYPE_BYTES[dtype]
+    return sum(checkpoint_tensor_bytes(model_dir, dtype).values())
 
 
 def largest_bucket_bytes(model_dir: str | Path, dtype: str, bucket_bytes: int) -> int:
     """The largest bucket an update of this model makes (:func:`largest_bucket_of`)."""
-    from rlplacement.engines.vllm_loader import checkpoint_shapes
-
-    shapes = checkpoint_shapes(model_dir) or {}
-    return largest_bucket_of({n: math.prod(s) * _DTYPE_BYTES[dtype] for n, s in shapes.items()}, bucket_bytes)
+    return largest_bucket_of(checkpoint_tensor_bytes(model_dir, dtype), bucket_bytes)
 
 
 def largest_bucket_of(tensor_bytes: dict[str, int], bucket_bytes: int) -> int:
@@ -64,9 +65,10 @@ def largest_bucket_of(tensor_bytes: dict[str, int], bucket_bytes: int) -> int:
 
 
 def staging_per_option(tensor_bytes: dict[str, int], bucket_bytes: int) -> dict[str, int]:
-    """Bytes an update holds on each engine worker under each ``--update-weight-staging`` option."""
-    whole, largest = sum(tensor_bytes.values()), largest_bucket_of(tensor_bytes, bucket_bytes)
-    return {option: staging_bytes(option, whole, largest) for option in ("full", "bucket")}
+    """Bytes an update holds on each engine worker under each ``--update-weight-staging`` option: the whole
+    model under ``full``; two of the largest buckets under ``bucket`` (never more than the model)."""
+    whole = sum(tensor_bytes.values())
+    return {"full": whole, "bucket": min(whole, 2 * largest_bucket_of(tensor_bytes, bucket_bytes))}
 
 
 AUTO_FULL_SHARE = 0.2
@@ -90,11 +92,6 @@ class EngineMemory:
     """The fraction vLLM is given: the budget less the staging's share of the GPU."""
 
 
-def staging_bytes(staging: str, whole_model: int, largest_bucket: int) -> int:
-    """Bytes one update holds on an engine worker under ``staging`` (``full`` or ``bucket``)."""
-    return whole_model if staging == "full" else min(whole_model, 2 * largest_bucket)
-
-
 def resolve_engine_memory(model_dir: str | Path, dtype: str, *, staging: str = "full", bucket_bytes: int,
                           utilization: float | None = None, total_bytes: int | None = None) -> EngineMemory:
     """The staging an engine runs and the fraction vLLM gets: the engine's budget (``utilization``, or
@@ -107,20 +104,18 @@ def resolve_engine_memory(model_dir: str | Path, dtype: str, *, staging: str = "
 
         total_bytes = int(current_platform.get_device_total_memory(0))
     budget = VLLM_DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else float(utilization)
-    whole = model_bytes(model_dir, dtype)
-    largest = largest_bucket_bytes(model_dir, dtype, bucket_bytes)
+    held_by = staging_per_option(checkpoint_tensor_bytes(model_dir, dtype), bucket_bytes)
     if staging == "auto":
-        staging = "full" if whole <= AUTO_FULL_SHARE * total_bytes else "bucket"
-    held = staging_bytes(staging, whole, largest)
+        staging = "full" if held_by["full"] <= AUTO_FULL_SHARE * total_bytes else "bucket"
+    held = held_by[staging]
     fraction = budget - held / total_bytes
     if fraction <= MIN_VLLM_SHARE:
         gib = float(1 << 30)
         budget_flag = (f"--vllm-gpu-memory-utilization {budget}" if utilization is not None
                        else f"vLLM's default budget {budget}")
         if staging == "full":
-            bucket_held = staging_bytes("bucket", whole, largest)
-            fix = (f"use --update-weight-staging bucket (two buckets, {bucket_held / gib:.1f} GiB, with a transfer "
-                   f"mode that supports it), or raise --vllm-gpu-memory-utilization")
+            fix = (f"use --update-weight-staging bucket (two buckets, {held_by['bucket'] / gib:.1f} GiB, with a "
+                   f"transfer mode that supports it), or raise --vllm-gpu-memory-utilization")
         else:
             fix = "lower --update-weight-buffer-size, or raise --vllm-gpu-memory-utilization"
         raise ConfigError(f"an update under --update-weight-staging {staging} holds {held / gib:.1f} GiB in {dtype} "

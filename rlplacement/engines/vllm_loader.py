@@ -44,16 +44,26 @@ def validate(staged: list[NamedTensor], expected: dict[str, tuple[int, ...]] | N
     tensor), so an engine never serves a mix of two versions. ``optional``: checkpoint names an
     update may leave out (a tied ``lm_head``, which is the embedding); ``hf_shapes``: the HF shapes of
     staged tensors held in another (``transfer.base.HFShapes``)."""
+    seen: set[str] = set()
+    if expected is None:  # no checkpoint to check against: only that the update holds something
+        seen.update(name for name, _ in staged)
+    else:
+        check_tensors(staged, expected, where, seen, hf_shapes)
+    check_complete(expected, seen, where, optional)
+
+
+def check_tensors(pairs: list[NamedTensor], expected: dict[str, tuple[int, ...]] | None, where: str,
+                  seen: set[str], hf_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Raise naming the first of ``pairs`` already in ``seen`` (sent before in this update; ``seen`` is
+    extended), not in the engine's checkpoint ``expected``, or in another shape there (``hf_shapes``: as
+    :func:`validate`; ``expected`` None: only repeats are checked)."""
     hf_shapes = hf_shapes or {}
-    if not staged:
-        raise TransferError(f"{where}: the update holds no tensors; send the model's HF-named tensors")
-    if expected is None:
-        return
-    seen = set()
-    for name, tensor in staged:
+    for name, tensor in pairs:
         if name in seen:
             raise TransferError(f"{where}: tensor {name!r} was sent twice in one update")
         seen.add(name)
+        if expected is None:
+            continue
         if name not in expected:
             raise TransferError(f"{where}: tensor {name!r} is not in the engine's checkpoint; send Hugging Face "
                                 f"names of this model (e.g. {next(iter(expected))!r})")
@@ -61,11 +71,20 @@ def validate(staged: list[NamedTensor], expected: dict[str, tuple[int, ...]] | N
         if shape != expected[name]:
             raise TransferError(f"{where}: tensor {name!r} has shape {shape}, the engine's "
                                 f"checkpoint has {expected[name]}")
-    if len(seen) < len(expected):
-        missing = next((n for n in expected if n not in seen and n not in optional), None)
-        if missing is not None:
-            raise TransferError(f"{where}: the update has no tensor {missing!r} ({len(seen)} of the engine's "
-                                f"{len(expected)} tensors); send every tensor of the model in each update")
+
+
+def check_complete(expected: dict[str, tuple[int, ...]] | None, seen: set[str], where: str,
+                   optional: frozenset[str] = frozenset()) -> None:
+    """Raise when the update (the names in ``seen``, each checked by :func:`check_tensors`) is empty or
+    leaves out a checkpoint tensor other than the ``optional`` ones."""
+    if not seen:
+        raise TransferError(f"{where}: the update holds no tensors; send the model's HF-named tensors")
+    if expected is None or len(seen) >= len(expected):
+        return
+    missing = next((n for n in expected if n not in seen and n not in optional), None)
+    if missing is not None:
+        raise TransferError(f"{where}: the update has no tensor {missing!r} ({len(seen)} of the engine's "
+                            f"{len(expected)} tensors); send every tensor of the model in each update")
 
 
 def has_layerwise_reload() -> bool:
@@ -121,7 +140,7 @@ class BucketwiseLoad:
         self._open = False
 
     def apply(self, bucket: list[NamedTensor]) -> None:
-        self._check(bucket)
+        check_tensors(bucket, self.expected, self.where, self.seen)
         if not bucket:
             return
         if not self._open:
@@ -136,31 +155,10 @@ class BucketwiseLoad:
         if self.layerwise:
             self.copied_out += _copy_out_pending(self.model, bucket)
 
-    def _check(self, bucket: list[NamedTensor]) -> None:
-        for name, tensor in bucket:
-            if name in self.seen:
-                raise TransferError(f"{self.where}: tensor {name!r} was sent twice in one update")
-            self.seen.add(name)
-            if self.expected is None:
-                continue
-            if name not in self.expected:
-                raise TransferError(f"{self.where}: tensor {name!r} is not in the engine's checkpoint; send Hugging "
-                                    f"Face names of this model (e.g. {next(iter(self.expected))!r})")
-            if tuple(tensor.shape) != self.expected[name]:
-                raise TransferError(f"{self.where}: tensor {name!r} has shape {tuple(tensor.shape)}, the engine's "
-                                    f"checkpoint has {self.expected[name]}")
-
     def finish(self) -> None:
         """The update is off the wire and every bucket loaded: refuse one that left a tensor out, then
         end vLLM's reload (its post-load processing of what is left)."""
-        if not self.seen:
-            raise TransferError(f"{self.where}: the update holds no tensors; send the model's HF-named tensors")
-        if self.expected is not None:
-            missing = next((n for n in self.expected if n not in self.seen and n not in self.optional), None)
-            if missing is not None:
-                raise TransferError(f"{self.where}: the update has no tensor {missing!r} ({len(self.seen)} of the "
-                                    f"engine's {len(self.expected)} tensors); send every tensor of the model in "
-                                    f"each update")
+        check_complete(self.expected, self.seen, self.where, self.optional)
         self.close()
         refresh_tied_lm_head(self.model, self.model_config)
 

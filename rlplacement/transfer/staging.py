@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 from rlplacement.transfer.base import (ApplyFn, BucketManifest, Instants, NamedTensor, TransferEndpoint, TransferError,
                                        UpdateReport, WeightMismatchError, WeightReceiver, tensor_checksum)
@@ -81,29 +81,31 @@ class StagingReceiver(WeightReceiver):
     def receive(self) -> UpdateReport:
         if self._pending is None:
             raise TransferError("receive() without begin(version)")
-        start = time.perf_counter()
-        try:
+
+        def stage() -> tuple[list[NamedTensor], int, int, int]:
             staged, num_buckets, nbytes = self._stage()
-        except BaseException:
-            self.abort()
-            raise
-        self._staged = staged
-        self.instants.mark("staged")
-        return UpdateReport(self._pending, len(staged), num_buckets, nbytes, time.perf_counter() - start,
-                            self.verified_checksums, self.last_path, dict(self.instants))
+            return staged, len(staged), num_buckets, nbytes
+
+        return self._received(stage)
 
     def receive_bucketwise(self, apply_bucket: ApplyFn) -> UpdateReport:
         if self._pending is None:
             raise TransferError("receive_bucketwise() without begin(version)")
         if not self.bucketwise:
             return super().receive_bucketwise(apply_bucket)
+        # nothing kept: every bucket is in the model, and commit only serves the version
+        return self._received(lambda: ([], *self._stream(apply_bucket)))
+
+    def _received(self, run: Callable[[], tuple[list[NamedTensor], int, int, int]]) -> UpdateReport:
+        """``run()`` -> (what is staged, tensors, buckets, bytes) kept as the staged set and reported; a
+        failure drops everything staged."""
         start = time.perf_counter()
         try:
-            num_tensors, num_buckets, nbytes = self._stream(apply_bucket)
+            staged, num_tensors, num_buckets, nbytes = run()
         except BaseException:
             self.abort()
             raise
-        self._staged = []  # nothing kept: every bucket is in the model; commit serves the version
+        self._staged = staged
         self.instants.mark("staged")
         return UpdateReport(self._pending, num_tensors, num_buckets, nbytes, time.perf_counter() - start,
                             self.verified_checksums, self.last_path, dict(self.instants))

@@ -43,6 +43,11 @@ class Route:
     nbytes: int
 
 
+def sent_bytes(nbytes: int, num_receivers: int, fanout: str) -> int:
+    """What a route of ``nbytes`` costs its sender: once under ``broadcast``, once per receiver under ``write``."""
+    return nbytes * (1 if fanout == BROADCAST else num_receivers)
+
+
 @dataclasses.dataclass(frozen=True)
 class TransferPlan:
     """Every route of one update. ``fanout``: ``broadcast`` (a route's bytes leave its sender once, the
@@ -56,7 +61,7 @@ class TransferPlan:
     def bytes_per_sender(self) -> dict[int, int]:
         out = {r: 0 for r in range(self.num_senders)}
         for route in self.routes:
-            out[route.sender] += route.nbytes * (1 if self.fanout == BROADCAST else len(route.receivers))
+            out[route.sender] += sent_bytes(route.nbytes, len(route.receivers), self.fanout)
         return out
 
     def bytes_per_receiver(self) -> dict[Receiver, int]:
@@ -107,7 +112,7 @@ def build_plan(model: ModelTensors, holdings: list[dict[str, Box]], needs: dict[
     for name, part, ranks, receivers in sorted(pieces, key=lambda p: (-volume(p[1]) * len(p[3]), p[0], p[1])):
         nbytes = volume(part) * item
         sender = min(ranks, key=lambda r: (load[r], r))
-        load[sender] += nbytes * (1 if fanout == BROADCAST else len(receivers))
+        load[sender] += sent_bytes(nbytes, len(receivers), fanout)
         routes.append(Route(name, part, sender, receivers, nbytes))
     plan = TransferPlan(tuple(routes), len(holdings), tuple(sorted(needs)), fanout)
     check_coverage(plan, holdings, needs)
