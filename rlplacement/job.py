@@ -403,12 +403,23 @@ class RLJob:
         t = self.config.transfer
         if buffer_size is not None:
             t = dataclasses.replace(t, buffer_size=buffer_size)
-        get_all([self.trainers[0].transfer_setup_from_config.remote(t, timeout_s=self.timeout_s, base_dir=self.hf_dir,
-                                                                     mode=mode, check_equal=check_equal,
-                                                                     run_id=self.run_id, epoch=self.epoch)],
-                self.timeout_s, "transfer set-up", ["trainer rank 0"])
-        driver.connect(self.trainers[0], self.engines, timeout_s=self.timeout_s)
-        self.check_equal, self.transfer_mode = check_equal, mode
+        self.transfer_mode = mode
+        senders = self.senders
+        get_all([s.transfer_setup_from_config.remote(t, timeout_s=self.timeout_s, base_dir=self.hf_dir, mode=mode,
+                                                     check_equal=check_equal, run_id=self.run_id, epoch=self.epoch,
+                                                     spread=len(senders) > 1) for s in senders],
+                self.timeout_s, "transfer set-up", self.trainer_names[:len(senders)])
+        driver.connect(senders, self.engines, timeout_s=self.timeout_s)
+        self.check_equal = check_equal
+
+    @property
+    def senders(self) -> list:
+        """The trainer ranks that send an update, in rank order: every rank where the mode that runs lets
+        each send its share (``ModeSpec.every_rank_sends``, split layouts), else rank 0 alone."""
+        from rlplacement.transfer import registry
+
+        spread = registry.spec(self.transfer_mode).every_rank_sends and not self.config.placement.colocate
+        return list(self.trainers) if spread else self.trainers[:1]
 
     def update_weights(self) -> "UpdateResult":
         """Send the trainer's current weights to every engine as a fresh version number (:attr:`issued` + 1).
@@ -435,14 +446,15 @@ class RLJob:
         if self.stale is not None:
             self._reconnect()
         version = self.issued = self.issued + 1
-        helpers = [t.gather_for_update.remote() for t in self.trainers[1:]]
+        senders = self.senders
+        helpers = [t.gather_for_update.remote() for t in self.trainers[len(senders):]]
         try:
-            result = self.updates.run(self.trainers[0], self.engines, version, check_equal=self.check_equal)
+            result = self.updates.run(senders, self.engines, version, check_equal=self.check_equal)
         except BaseException as exc:
             self.stale = f"the update to version {version} failed ({type(exc).__name__}: {exc})"
-            _wait_quietly(helpers, self.timeout_s)  # rank 0 drains its stream on failure, so they finish
+            _wait_quietly(helpers, self.timeout_s)  # a sender drains its stream on failure, so they finish
             raise
-        get_all(helpers, self.timeout_s, "trainer gathers", self.trainer_names[1:])
+        get_all(helpers, self.timeout_s, "trainer gathers", self.trainer_names[len(senders):])
         self.version, self.stale = version, None
         return result
 
@@ -495,7 +507,7 @@ class RLJob:
         from rlplacement.runtime import transfer_driver as driver
 
         self.updates.close()
-        driver.connect(self.trainers[0], self.engines, timeout_s=self.timeout_s)
+        driver.connect(self.senders, self.engines, timeout_s=self.timeout_s)
 
     def close(self) -> None:
         """Release the update graph, every actor and the placement group; a second call does nothing."""

@@ -3,8 +3,9 @@ burns its number and the next rollout brings every engine to the trainer's weigh
 checked bit for bit); under ``--use-fault-tolerance`` a killed engine is restarted and rejoins, a killed
 trainer restarts from the last ``--save`` while the engines are kept.
 
-One job for the module (an FSDP trainer, two one-GPU engines, every update checked); the transfer mode is
-switched per test with ``RLJob.set_transfer``.
+One job for the module (an FSDP trainer of two ranks, two one-GPU engines, every update checked); the transfer
+mode is switched per test with ``RLJob.set_transfer``. In the split modes that spread the sending, both trainer
+ranks send their share of every update, so a failure on one sender fails the update on every engine.
 """
 
 import contextlib
@@ -29,7 +30,7 @@ def job(tmp_path_factory):
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec())
     save = tmp_path_factory.mktemp("save")
     args = rlplacement.add_arguments(__import__("argparse").ArgumentParser()).parse_args(
-        ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--num-gpus-per-node", "4",
+        ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--num-gpus-per-node", "4",
          "--train-backend", "fsdp", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
          "--check-weight-update-equal", "--save", str(save), "--use-fault-tolerance",
          "--ft-components", "rollout,train", "--rollout-health-check-interval", "0.1",
@@ -51,7 +52,7 @@ def _batch(seed: int):
 
 
 def _trainer_sums(job) -> dict:
-    return ray.get(job.trainers[0].hf_checksums.remote(), timeout=60)
+    return ray.get([t.hf_checksums.remote() for t in job.trainers], timeout=60)[0]  # collective: every rank
 
 
 def _engine_sums(job) -> list[dict]:

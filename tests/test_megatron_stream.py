@@ -68,3 +68,65 @@ def test_bucketed_stream_is_bit_exact_and_issues_a_collective_per_bucket_not_per
     # any rank: its stage's buckets gathered and, at a later stage's first rank, sent on
     for r in results:
         assert r["collectives"] <= 2 * r["my_buckets"] + pp * (pp > 1)
+
+
+def _spread_worker(rank, world, hf, tp, pp):
+    from megatron.core import parallel_state as ps
+
+    from rlplacement.backends import megatron_model as mm
+    from rlplacement.backends.megatron import MegatronBackend
+
+    mm.GATHER_BUCKET_BYTES = BUCKET
+    backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf,
+                                                        tensor_model_parallel_size=tp,
+                                                        pipeline_model_parallel_size=pp))
+    sent = {n: t.clone() for n, t in backend.iter_update_tensors(spread=True)}
+    held = [(n, tuple(p.shape), p.dtype, mm.mapping.tp_partition_dim(n)) for n, p in
+            mm.global_named_parameters(backend.model)]
+    full = [mm._nbytes(mm._full_shape(row, tp), row[2]) for row in held]
+    out = {"sent": sent, "stage": ps.get_pipeline_model_parallel_rank(), "collectives": backend.last_stream_collectives,
+           "stage_bytes": sum(full), "largest": max(full), "held": [row[0] for row in held]}
+    backend.close()
+    return out
+
+
+@pytest.mark.slow
+def test_every_rank_sends_its_share_of_its_own_stage_and_the_union_is_the_model(tmp_path):
+    """TP=2 x PP=2 x DP=2 (8 gloo ranks), ``iter_update_tensors(spread=True)``: every HF tensor is sent by
+    exactly one rank, bit for bit as the folder holds it; each rank sends only tensors of its own stage (no
+    byte crosses a pipeline stage, no name table either); the 4 ranks of a stage share its bytes to within
+    one parameter of their mean."""
+    from safetensors.torch import load_file
+
+    tp, pp, world = 2, 2, 8
+    hf = make_tiny_model(tmp_path / "hf", SPEC)
+    results = launch.spawn(_spread_worker, world, str(hf), tp, pp, timeout_s=600)
+    want = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        want.update(load_file(str(f)))
+    senders = {}
+    for rank, r in enumerate(results):
+        for name in r["sent"]:
+            assert name not in senders, f"{name} sent by ranks {senders[name]} and {rank}"
+            senders[name] = rank
+    assert set(senders) == set(want)
+    assert sum(t.numel() * t.element_size() for r in results for t in r["sent"].values()) == \
+        sum(t.numel() * t.element_size() for t in want.values())
+    assert [n for n in want if not torch.equal(results[senders[n]]["sent"][n], want[n])] == []
+    for rank, r in enumerate(results):  # a rank's tensors are its stage's parameters, in HF names
+        own_layers = {n.split(".")[2] for n in r["held"] if n.startswith("decoder.layers.")}
+        for name in r["sent"]:
+            if name.startswith("model.layers."):
+                assert name.split(".")[2] in own_layers, (rank, name)
+            elif name == "model.embed_tokens.weight":
+                assert r["stage"] == 0, (rank, name)
+            else:
+                assert r["stage"] == pp - 1, (rank, name)
+    for stage in range(pp):
+        ranks = [r for r in results if r["stage"] == stage]
+        sent = [sum(t.numel() * t.element_size() for t in r["sent"].values()) for r in ranks]
+        assert sum(sent) <= ranks[0]["stage_bytes"]  # megatron pads the vocabulary; HF tensors are unpadded
+        assert max(sent) <= sum(sent) / len(sent) + ranks[0]["largest"], sent
+        assert min(sent) > 0, f"stage {stage}: a rank sent nothing ({sent})"
+    # no collective beyond the TP gathers of the rank's own replica: none in a PP group
+    assert all(r["collectives"] <= 2 * len(r["held"]) for r in results)

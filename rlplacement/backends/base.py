@@ -147,13 +147,47 @@ class TrainerBackend(abc.ABC):
                     p.grad.mul_(scale)
 
     @abc.abstractmethod
-    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective on every rank; yields ``(hf_name, full_tensor)`` on the source rank, one at a time."""
+    def iter_hf_tensors(self, owners: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective on every rank; yields ``(hf_name, full_tensor)`` on the source rank, one at a time, or,
+        with ``owners`` (:meth:`update_owners`), each tensor on the rank ``owners`` names."""
 
-    def iter_update_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_update_tensors(self, spread: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """What a weight update streams: :meth:`iter_hf_tensors`, except that a backend yielding resident
-        tensors may yield some in another shape (:attr:`update_hf_shapes`) to avoid copying them."""
-        return self.iter_hf_tensors()
+        tensors may yield some in another shape (:attr:`update_hf_shapes`) to avoid copying them.
+
+        ``spread``: every rank sends its share (each whole tensor yielded on exactly one rank, chosen by
+        :meth:`update_owners`), instead of every tensor on global rank 0. Collective either way: every rank
+        calls it and consumes it to the end."""
+        return self.iter_hf_tensors(owners=self.update_owners() if spread else None)
+
+    def update_owners(self) -> dict[str, int] | None:
+        """HF name -> the rank that sends it when every rank sends (``spread``): whole tensors balanced by
+        bytes over the ranks, a fused parameter's pieces on one rank
+        (:func:`~rlplacement.transfer.plan.senders.spread_owners_by_group`). None: one rank holds everything
+        (a single-rank trainer), so rank 0 sends it all as before."""
+        import torch.distributed as dist
+
+        if dist.get_world_size() == 1:
+            return None
+        owners = self.__dict__.get("_update_owners")
+        if owners is None:
+            from rlplacement.transfer.bucket import fused_group_of
+            from rlplacement.transfer.plan.senders import spread_owners_by_group
+
+            owners = self.__dict__["_update_owners"] = spread_owners_by_group(
+                self._update_sizes(), dist.get_world_size(), fused_group_of)
+        return owners
+
+    def update_shares(self) -> list[tuple[str, int, int]]:
+        """``(hf_name, bytes as streamed, sending rank)`` of every tensor when every rank sends
+        (:meth:`update_owners`): what each rank's share of an update is, before any byte moves."""
+        owners = self.update_owners() or {}
+        return [(name, nbytes, owners.get(name, 0)) for name, nbytes in self._update_sizes()]
+
+    def _update_sizes(self) -> list[tuple[str, int]]:
+        """``(hf_name, bytes as streamed)`` of every tensor an update sends, in stream order, the same on every
+        rank (what :meth:`update_owners` balances)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot spread an update over its ranks")
 
     def set_train(self, training: bool) -> None:
         """Hook: switch dropout etc.; models here have no dropout."""

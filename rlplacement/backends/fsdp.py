@@ -175,7 +175,12 @@ class FSDPBackend(TrainerBackend):
         dist.all_reduce(total)
         return math.sqrt(float(total))
 
-    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _update_sizes(self) -> list[tuple[str, int]]:
+        return [(name, p.numel() * (self.stream_dtype or p.dtype).itemsize) for name, p in self.model.named_parameters()]
+
+    def iter_hf_tensors(self, owners: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """With ``owners`` every rank still gathers every parameter (``full_tensor()``, one at a time), and
+        yields those it owns: the sending is spread, the gathering is not."""
         self.root.reshard()  # see log_probs: stream the sharded parameters, never a stale gathered copy
         if dist.get_world_size() == 1:
             whole = self._whole_parameters()
@@ -184,6 +189,7 @@ class FSDPBackend(TrainerBackend):
             else:
                 yield from self._served_copies()
             return
+        rank = dist.get_rank()
         for name, param in self.model.named_parameters():
             if not hasattr(param, "full_tensor"):
                 full = param.detach()
@@ -194,5 +200,5 @@ class FSDPBackend(TrainerBackend):
                 full = param.to_local() if full is None else full
             else:
                 full = param.full_tensor()
-            if self.is_source:
+            if (owners[name] == rank) if owners is not None else self.is_source:
                 yield name, full.detach() if self.stream_dtype is None else full.detach().to(self.stream_dtype)

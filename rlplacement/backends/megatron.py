@@ -383,10 +383,14 @@ class MegatronBackend(TrainerBackend):
     def update_hf_shapes(self) -> dict[str, tuple[int, ...]] | None:
         return self._resident_views()[1] if self.yields_resident_tensors else None
 
-    def iter_update_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_update_tensors(self, spread: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """With resident tensors, views of the parameters (:func:`megatron_mapping.hf_views`): q, k and v
         as the fused QKV's row groups (:attr:`update_hf_shapes`), the rest in their HF shapes; else
-        :meth:`iter_hf_tensors`."""
+        :meth:`iter_hf_tensors`, or with ``spread`` every rank's share of its own stage
+        (:func:`megatron_model.iter_own_stage_megatron`: megatron parameters whole, so q/k/v and gate/up
+        of one fused parameter go from one rank)."""
+        if spread and not self.yields_resident_tensors:
+            return self._iter_stream(spread=True)
         if not self.yields_resident_tensors:
             return self.iter_hf_tensors()
         self.last_stream_collectives = 0
@@ -406,11 +410,17 @@ class MegatronBackend(TrainerBackend):
             self._views = (views, shapes)
         return self._views
 
-    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_hf_tensors(self, owners: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Bucket by bucket (:func:`megatron_model.iter_full_megatron`); once the stream ends,
-        :attr:`last_stream_collectives` holds the collectives this rank issued in its TP and PP groups."""
+        :attr:`last_stream_collectives` holds the collectives this rank issued in its TP and PP groups.
+        Megatron shares an update out by its own parameters (:meth:`iter_update_tensors`), not by ``owners``."""
+        if owners is not None:
+            raise ValueError("megatron spreads an update by its own parameters: iter_update_tensors(spread=True)")
+        return self._iter_stream(spread=False)
+
+    def _iter_stream(self, *, spread: bool) -> Iterator[tuple[str, torch.Tensor]]:
         counter = mm.CollectiveCount()
-        for name, tensor in mm.iter_hf_tensors(self.model, self.shape, self.family, counter=counter):
+        for name, tensor in mm.iter_hf_tensors(self.model, self.shape, self.family, counter=counter, spread=spread):
             yield name, tensor if self.stream_dtype is None else tensor.to(self.stream_dtype)
         self.last_stream_collectives = counter.count
 

@@ -297,21 +297,23 @@ def _buckets(meta: list[tuple], limit: int) -> list[list[tuple]]:
 
 class _BucketGather:
     """One bucket's TP gather, started at once (``async_op``) and finished by :meth:`result`: the full
-    tensors on TP rank 0 of the stage (None elsewhere). Replicated tensors are taken from TP rank 0."""
+    tensors on TP rank ``dst`` of the stage's replica (None elsewhere). Replicated tensors are taken from
+    that rank's own parameters."""
 
-    def __init__(self, bucket: list[tuple], params: dict[str, torch.Tensor], counter: CollectiveCount):
+    def __init__(self, bucket: list[tuple], params: dict[str, torch.Tensor], counter: CollectiveCount,
+                 dst: int = 0):
         from megatron.core import parallel_state as ps
 
         self.bucket, self.params = bucket, params
         self.tp = ps.get_tensor_model_parallel_world_size()
-        self.first = ps.get_tensor_model_parallel_rank() == 0
+        self.first = ps.get_tensor_model_parallel_rank() == dst
         self.split = [row for row in bucket if row[3] is not None and self.tp > 1]
         self.work, self.shards = None, None
         if self.split:
             group = ps.get_tensor_model_parallel_group()
             local = _flat_bytes([params[row[0]] for row in self.split])
             self.shards = [torch.empty_like(local) for _ in range(self.tp)] if self.first else None
-            self.work = dist.gather(local, self.shards, dst=dist.get_global_rank(group, 0), group=group,
+            self.work = dist.gather(local, self.shards, dst=dist.get_global_rank(group, dst), group=group,
                                     async_op=True)
             counter.add()
 
@@ -381,6 +383,42 @@ def iter_full_megatron(model, bucket_bytes: int | None = None,
                 yield from zip([row[0] for row in bucket], _split_bytes(flat, specs))
 
 
+def iter_own_stage_megatron(model, bucket_bytes: int | None = None,
+                            counter: CollectiveCount | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective within each stage: every rank yields ``(global megatron name, full tensor)`` for the
+    parameters of its own stage that it sends; nothing crosses a pipeline stage.
+
+    The stage's parameters are shared out over its ``DP x TP`` ranks whole, by full bytes
+    (:func:`~rlplacement.transfer.plan.senders.spread_owners`: every rank computes the same answer from the
+    same shapes). A DP replica's TP ranks then gather each of their replica's parameters to the TP rank
+    that sends it, in buckets of at most ``bucket_bytes`` local bytes per owner, the next bucket's gather
+    started before the current one is handed on. Replicas work on disjoint parameters at once, and so do
+    stages. Memory on a sending rank: two buckets' full tensors, as on rank 0 in :func:`iter_full_megatron`.
+    """
+    from megatron.core import parallel_state as ps
+
+    from rlplacement.transfer.plan.senders import spread_owners
+
+    counter = counter if counter is not None else CollectiveCount()
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    stage_params = list(global_named_parameters(model))
+    params = dict(stage_params)
+    rows = [(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params]
+    owners = spread_owners([_nbytes(_full_shape(row, tp), row[2]) for row in rows], dp * tp)
+    work = []  # (bucket, TP rank it is gathered to) of this replica, in order
+    for dst in range(tp):
+        mine = [row for row, owner in zip(rows, owners) if owner == dp_rank * tp + dst]
+        work.extend((bucket, dst) for bucket in _buckets(mine, bucket_bytes or GATHER_BUCKET_BYTES))
+    pending = _BucketGather(work[0][0], params, counter, work[0][1]) if work else None
+    for i in range(len(work)):
+        current, pending = pending, (_BucketGather(work[i + 1][0], params, counter, work[i + 1][1])
+                                     if i + 1 < len(work) else None)
+        full = current.result()
+        if full is not None:
+            yield from full
+
+
 def _stage_source_rank(stage: int) -> int:
     """Global rank of (pipeline stage, TP rank 0, DP rank 0).
 
@@ -403,10 +441,12 @@ def _full_shape(row: tuple, tp: int) -> tuple[int, ...]:
 
 
 def iter_hf_tensors(model, shape: mapping.ModelShape, family: DenseFamily,
-                    counter: CollectiveCount | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    counter: CollectiveCount | None = None, *, spread: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: HF-named full tensors on global rank 0 (nothing elsewhere), bucket by bucket
-    (:func:`iter_full_megatron`); ``counter`` counts this rank's collectives."""
-    for mname, full in iter_full_megatron(model, counter=counter):
+    (:func:`iter_full_megatron`), or with ``spread`` each on the rank of its stage that sends it
+    (:func:`iter_own_stage_megatron`); ``counter`` counts this rank's collectives."""
+    source = iter_own_stage_megatron(model, counter=counter) if spread else iter_full_megatron(model, counter=counter)
+    for mname, full in source:
         yield from mapping.megatron_to_hf(mname, full, shape, family)
 
 

@@ -23,6 +23,7 @@ model; every rank is a data-parallel replica.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator
 
 import torch
@@ -102,12 +103,21 @@ class TorchtitanBackend(FSDPBackend):
         return dist.get_world_size() == 1 and (self.stream_dtype is None or all(
             t.dtype == self.stream_dtype for _, t in self._whole_parameters()))
 
-    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _update_sizes(self) -> list[tuple[str, int]]:
+        from rlplacement.backends import torchtitan_model as ttm
+
+        return [(name, math.prod(shape) * (self.stream_dtype or dtype).itemsize)
+                for name, shape, dtype in ttm.hf_tensor_shapes(self.model)]
+
+    def iter_hf_tensors(self, owners: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        import torch.distributed as dist
+
         from rlplacement.backends import torchtitan_model as ttm
 
         self.root.reshard()  # stream the sharded parameters, never a stale gathered copy (see FSDPBackend)
+        rank = dist.get_rank()
         for name, full in ttm.hf_named_tensors(self.model, self.hf_config):
-            if self.is_source:
+            if (owners[name] == rank) if owners is not None else self.is_source:
                 yield name, full if self.stream_dtype is None else full.to(self.stream_dtype)
 
 

@@ -128,3 +128,10 @@ def hf_named_tensors(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[s
     for tt_name, param in model.named_parameters():
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
         yield names.torchtitan_to_hf_name(tt_name), torchtitan_to_hf_tensor(tt_name, full.detach(), hf_config)
+
+
+def hf_tensor_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(hf_name, HF shape, dtype)`` of what :func:`hf_named_tensors` yields, in its order, without gathering
+    (a DTensor's shape is the whole tensor's; the torchtitan -> HF conversion permutes rows, keeping shapes)."""
+    return [(names.torchtitan_to_hf_name(n), tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+

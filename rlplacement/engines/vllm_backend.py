@@ -30,6 +30,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from rlplacement.engines import copy_plan, vllm_loader
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, TransferEndpoint, TransferError, hf_shaped, tensor_checksum
+from rlplacement.transfer.multi_sender import receiver_for
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class RlplacementInitInfo(WeightTransferInitInfo):
     check_equal: bool = False
     mode_info: dict = dataclasses.field(default_factory=dict)
     staging: str = "full"  # --update-weight-staging as the engine resolved it: full or bucket
+    more_senders: list = dataclasses.field(default_factory=list)  # TransferEndpoint.more_senders
 
 
 @dataclasses.dataclass
@@ -95,7 +97,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         version = self.served_version
         if self.receiver is not None:
             self.receiver.close()
-        self.receiver = registry.receiver_class(init_info.mode)(self.device, version=version)
+        self.receiver = receiver_for(registry.receiver_class(init_info.mode), endpoint, self.device, version=version)
         if init_info.staging == "bucket" and not self.receiver.bucketwise:
             raise TransferError(f"mode {init_info.mode!r} stages whole updates: use --update-weight-staging full")
         self.staging = init_info.staging

@@ -16,6 +16,8 @@ from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, HFShapes, NamedTensor, 
 
 class TrainerTransferMixin:
     transfer_sender = None
+    spread_update = False
+    """This rank sends its own share of every update (one of several senders), not everything (rank 0)."""
 
     def hf_named_tensors(self) -> Iterable[NamedTensor]:
         raise NotImplementedError("the trainer actor must yield (hf_name, tensor) from hf_named_tensors()")
@@ -35,17 +37,21 @@ class TrainerTransferMixin:
         return None
 
     def transfer_setup(self, mode: str, buffer_size: int, *, check_equal: bool = False,
-                       timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **mode_options) -> None:
+                       timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, spread: bool = False,
+                       **mode_options) -> None:
         """``mode_options`` go to the mode's sender only (disk-delta: disk_dir, delta_encoding, base_dir,
-        run_id, epoch)."""
+        run_id, epoch). ``spread``: every trainer rank sends its share (each is set up as a sender), so
+        ``hf_named_tensors()`` yields only this rank's share."""
         if self.transfer_sender is not None:
             self.transfer_sender.close()
+        self.spread_update = spread
         self.transfer_sender = registry.sender_class(mode)(buffer_size, check_equal=check_equal,
                                                            timeout_s=timeout_s, device=device, **mode_options)
 
     def transfer_setup_from_config(self, transfer_config, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                                    device: str | None = None, base_dir: str | None = None, mode: str | None = None,
-                                   check_equal: bool | None = None, run_id: str = "", epoch: int = 0) -> None:
+                                   check_equal: bool | None = None, run_id: str = "", epoch: int = 0,
+                                   spread: bool = False) -> None:
         """Set up from ``rlplacement.config.TransferConfig``: the mode that runs (``cuda_ipc`` under
         --colocate) unless ``mode`` overrides it, with every option of that mode from the config
         (:func:`registry.sender_options`), so none is dropped on the way. ``base_dir``: the checkpoint the
@@ -54,7 +60,7 @@ class TrainerTransferMixin:
         mode = mode or transfer_config.mode
         check = transfer_config.check_equal if check_equal is None else check_equal
         self.transfer_setup(mode, transfer_config.buffer_size, check_equal=check, timeout_s=timeout_s, device=device,
-                            **registry.sender_options(transfer_config, mode, base_dir, run_id=run_id, epoch=epoch))
+                            spread=spread, **registry.sender_options(transfer_config, mode, base_dir, run_id=run_id, epoch=epoch))
 
     def transfer_listen(self, world_size: int, host: str | None = None) -> dict:
         if self.transfer_sender is None:

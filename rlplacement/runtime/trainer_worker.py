@@ -144,7 +144,7 @@ class TrainerWorker(TrainerTransferMixin):
         # checked inside the stream: the sender turns a refusal there into an abort every engine sees
         def stream():
             self._require_resident("a weight update")
-            yield from self.backend.iter_update_tensors()
+            yield from self.backend.iter_update_tensors(spread=self.spread_update)
 
         fault, self._update_fault = self._update_fault, None
         return stream() if fault is None else FaultyStream(stream(), *fault)
@@ -166,10 +166,15 @@ class TrainerWorker(TrainerTransferMixin):
     def hf_update_shapes(self):
         return self.backend.update_hf_shapes  # None unless its tensors are resident
 
+    def update_shares(self) -> list[tuple[str, int, int]]:
+        """``(hf_name, bytes, sending rank)`` of every tensor an update sends when every rank sends
+        (``TrainerBackend.update_shares``)."""
+        return self.backend.update_shares()
+
     def gather_for_update(self) -> int:
         """Ranks other than 0: take part in the collective gathers of an update; returns tensors seen."""
         self._require_resident("a weight update")
-        return sum(1 for _ in self.backend.iter_update_tensors())
+        return sum(1 for _ in self.backend.iter_update_tensors(spread=self.spread_update))
 
     def hf_checksums(self) -> dict[str, str]:
         """Per-tensor checksums of the weights as the trainer holds them (collective)."""

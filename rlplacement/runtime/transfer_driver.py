@@ -45,21 +45,39 @@ def join_refs(engines: Sequence, infos: Sequence[dict], endpoint: dict, staging:
     return refs
 
 
+def sender_list(trainer) -> list:
+    """The sending trainer actors: ``trainer`` itself (rank 0 sends everything), or a list of them in rank
+    order (every rank sends its share, each in a group of its own with every engine worker)."""
+    return list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
+
+
+def sender_names(num_senders: int) -> list[str]:
+    """How failures and results name the senders: ``trainer`` (rank 0), then ``trainer rank i``."""
+    return ["trainer"] + [f"trainer rank {i}" for i in range(1, num_senders)]
+
+
 def connect(trainer, engines: Sequence, *, timeout_s: float = 120.0, host: str | None = None,
             staging: str | None = None) -> dict:
-    """Build the transfer group: trainer rank 0 plus every worker of every engine. Returns the endpoint.
-    ``staging``: how the engines take this group's updates (None: each engine's own)."""
+    """Build the transfer groups: each sender (``trainer``: one actor or a list, :func:`sender_list`) plus
+    every worker of every engine. Returns the endpoint the engines joined (the first sender's, carrying the
+    others'). ``staging``: how the engines take this group's updates (None: each engine's own)."""
+    from rlplacement.transfer.multi_sender import with_more_senders
+
+    senders = sender_list(trainer)
+    names = sender_names(len(senders))
     infos = engine_infos(engines, timeout_s)
-    endpoint = wait_named({"trainer": trainer.transfer_listen.remote(group_size(infos), host)}, timeout_s,
-                          "opening the transfer group")["trainer"]
-    wait_all({"trainer": trainer.transfer_connect.remote(), **join_refs(engines, infos, endpoint, staging)},
-             timeout_s)
+    opened = wait_named({n: s.transfer_listen.remote(group_size(infos), host) for n, s in zip(names, senders)},
+                        timeout_s, "opening the transfer group")
+    endpoint = with_more_senders([opened[n] for n in names]) if len(senders) > 1 else opened["trainer"]
+    wait_all({**{n: s.transfer_connect.remote() for n, s in zip(names, senders)},
+              **join_refs(engines, infos, endpoint, staging)}, timeout_s)
     return endpoint
 
 
 def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 120.0,
                check_equal: bool = False, graph=None) -> UpdateResult:
-    """Send version ``version`` from the trainer to every engine at once; wait at most ``timeout_s``.
+    """Send version ``version`` from the trainer (one actor, or every sending rank: :func:`sender_list`) to
+    every engine at once; wait at most ``timeout_s``. The trainer's report merges the senders'.
 
     With ``check_equal`` each engine's received per-tensor checksums are compared with the
     trainer's; a difference raises WeightUpdateError naming the engine and the tensor (engines
@@ -67,13 +85,16 @@ def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 1
     ``graph``: a :class:`rlplacement.runtime.update_graph.CompiledUpdate` of these actors, which makes
     the same calls through a Ray Compiled Graph.
     """
+    from rlplacement.transfer.multi_sender import merge_sender_reports
+
+    names = sender_names(len(sender_list(trainer)))
     if graph is not None:
         results = graph.run(version, timeout_s)
     else:
-        refs = {"trainer": trainer.transfer_send.remote(version)}
+        refs = {n: s.transfer_send.remote(version) for n, s in zip(names, sender_list(trainer))}
         refs.update({f"engine {i}": e.update_weights.remote(version) for i, e in enumerate(engines)})
         results = wait_all(refs, timeout_s, version)
-    report = results["trainer"]
+    report = merge_sender_reports([results[n] for n in names])
     if check_equal:
         check_received(engines, report.checksums, version, timeout_s)
     return UpdateResult(version=version, trainer=report,

@@ -33,19 +33,26 @@ class CompiledUpdate:
     def __init__(self, trainer, engines: Sequence, *, timeout_s: float):
         from ray.dag import InputNode, MultiOutputNode
 
+        from rlplacement.runtime.transfer_driver import sender_list, sender_names
+
+        senders = sender_list(trainer)
         self.timeout_s = float(timeout_s)
-        self.actors = (trainer, *engines)
-        self.names = ["trainer", *(f"engine {i}" for i in range(len(engines)))]
+        self.actors = (*senders, *engines)
+        self.names = [*sender_names(len(senders)), *(f"engine {i}" for i in range(len(engines)))]
         with InputNode() as version:
-            outputs = [trainer.transfer_send.bind(version), *(e.update_weights.bind(version) for e in engines)]
+            outputs = [*(s.transfer_send.bind(version) for s in senders),
+                       *(e.update_weights.bind(version) for e in engines)]
         self._graph = MultiOutputNode(outputs).experimental_compile(_submit_timeout=timeout_s)
         self._teardown: threading.Thread | None = None
         self.broken: str | None = None
 
     def serves(self, trainer, engines: Sequence) -> bool:
         """Whether this graph was built for exactly these actor handles and still works."""
-        return self.broken is None and len(self.actors) == 1 + len(engines) and all(
-            a is b for a, b in zip(self.actors, (trainer, *engines)))
+        from rlplacement.runtime.transfer_driver import sender_list
+
+        actors = (*sender_list(trainer), *engines)
+        return self.broken is None and len(self.actors) == len(actors) and all(
+            a is b for a, b in zip(self.actors, actors))
 
     def run(self, version: int, timeout_s: float) -> dict[str, Any]:
         """Results by name (``"trainer"``, ``"engine i"``); raises WeightUpdateError naming the failures."""
@@ -75,7 +82,7 @@ class CompiledUpdate:
             failures = self._who_did_not_answer(timeout_s if timed_out else None)
             self._tear_down(f"no answer within {timeout_s:.0f}s" if timed_out else cause_of(exc))
         if failures:
-            ordered = dict(sorted(failures.items(), key=lambda kv: kv[0] == "trainer"))
+            ordered = dict(sorted(failures.items(), key=lambda kv: kv[0].startswith("trainer")))
             raise WeightUpdateError(version, ordered)
         return results
 

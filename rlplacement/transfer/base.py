@@ -88,6 +88,9 @@ class TransferEndpoint:
     mode_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The mode's own init record (its ``ModeSpec.init_record``, e.g. p2p's Mooncake transport) as plain
     data; every other field is every mode's."""
+    more_senders: tuple[dict[str, Any], ...] = ()
+    """The other senders' endpoints (plain data, trainer rank order) when several trainer ranks send an
+    update: a worker joins each one's group too, at the same rank (:mod:`rlplacement.transfer.multi_sender`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -114,6 +117,9 @@ class UpdateReport:
     fallback: str = ""  # why a resident update did not take the mode's in-place path ("" when it did or has none)
     transport: str = ""
     """What carried the bytes (the sender's :attr:`WeightSender.transport`); "" on a receiver's report."""
+    bytes_per_sender: tuple[int, ...] = ()
+    """Bytes each trainer rank sent, in rank order, when several sent this update (``()``: one sender, all of
+    ``bytes``)."""
 
     @property
     def gbps(self) -> float:
@@ -129,6 +135,9 @@ class UpdateReport:
             out["perf/update_collectives"] = self.stream_collectives
         if self.transport:
             out["transfer_transport"] = self.transport
+        senders = self.bytes_per_sender or (self.bytes,)
+        out["perf/update_weights_senders"] = len(senders)
+        out["perf/update_weights_max_sender_bytes"] = max(senders)
         return out
 
 

@@ -83,6 +83,9 @@ class ModeSpec:
     """Its receivers can commit each bucket into the served weights as it arrives
     (``--update-weight-staging bucket``: an engine worker holds two buckets, not the whole model);
     its receiver class says the same (``WeightReceiver.bucketwise``)."""
+    every_rank_sends: bool = False
+    """A trainer of several ranks sends with every rank, each its share in a group of its own
+    (:mod:`rlplacement.transfer.multi_sender`); False: trainer rank 0 sends the whole update."""
     moves_changed_bytes_only: bool = False
     """Only the bytes that changed since the last version travel (the advisor scales by the density)."""
     bench: BenchSpec | None = None

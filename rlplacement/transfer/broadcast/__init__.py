@@ -12,6 +12,7 @@ SPEC = register_mode(ModeSpec(
     receiver="rlplacement.transfer.broadcast.receiver:BroadcastReceiver",
     summary="one broadcast per tensor from trainer rank 0 to every engine worker",
     layouts=frozenset({SPLIT}), named_under_colocate=True, advisor_path=LINK, bucket_staging=True,
+    every_rank_sends=True,
     # verl's NCCL receive ran at ~16% of a NIC (its published Qwen3-30B-A3B figure); on two H200s the
     # whole update reached 0.49-0.56 of a flat NCCL broadcast at 4B-8B (benchmarks/gpu/results/split_h200.json)
     advisor_efficiency=0.2,

@@ -15,6 +15,7 @@ SPEC = register_mode(ModeSpec(
     receiver="rlplacement.transfer.broadcast_packed.receiver:PackedBroadcastReceiver",
     summary="one broadcast per bucket (the flat packed buffer) from trainer rank 0 to every engine worker",
     layouts=frozenset({SPLIT}), named_under_colocate=True, advisor_path=LINK, bucket_staging=True,
+    every_rank_sends=True,
     # the whole update reached 0.55-0.64 of a flat NCCL broadcast at 4B-8B on two H200s (split_h200.json)
     advisor_efficiency=0.5,
     # 16.4 GB on the wire in 49.5 ms (split_h200.json, 8B)

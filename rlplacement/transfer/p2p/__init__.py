@@ -85,6 +85,7 @@ SPEC = register_mode(ModeSpec(
     receiver="rlplacement.transfer.p2p.receiver:P2PReceiver",
     summary="the trainer writes each bucket into every engine worker's staging memory with Mooncake (RDMA or TCP)",
     options=P2POptions, init_record=P2PInit, layouts=frozenset({SPLIT}), advisor_path=LINK, bucket_staging=True,
+    every_rank_sends=True,
     # 0.82-0.85 of a raw Mooncake TCP write on CPU; no RDMA run yet: an estimate
     advisor_efficiency=0.5,
     bench=BenchSpec(ceiling="mooncake", device="cpu", transport={"cpu": "mooncake tcp", "cuda": "mooncake tcp"}),

@@ -1,0 +1,174 @@
+"""Several trainer ranks sending one update: an engine worker joins one group per sender and takes the
+update from all of them at once; the sender reports merge into one.
+
+Each sending trainer rank runs its mode's ordinary sender on its share of the tensors (the backend's
+``iter_update_tensors(spread=True)``), in a group of its own with every engine worker: the groups
+share nothing, so the senders never wait on one another and no byte is forwarded through rank 0.
+The first sender's endpoint carries the others' (``TransferEndpoint.more_senders``).
+
+:class:`MultiSenderReceiver` is one engine worker's side: one receiver of the mode per sender (a
+*channel*), each run in its own thread, and every bucket handed to the engine's loader from the
+calling thread, one at a time (vLLM's loaders keep thread-local state, and a bucketwise load is not
+safe to enter twice). The update is one update: it is whole only when every channel reached its END,
+and a failure on any channel fails it, raised once every channel is off the wire, so no sender stalls.
+Under bucket staging the first failed bucket stops the loading on every channel.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
+
+from rlplacement.transfer.base import (ApplyFn, NamedTensor, TransferEndpoint, TransferError, UpdateReport,
+                                       WeightReceiver)
+from rlplacement.transfer.staging import StagingReceiver
+
+if TYPE_CHECKING:
+    import torch
+
+def sender_endpoints(endpoint: TransferEndpoint) -> list[TransferEndpoint]:
+    """Every sender's endpoint, in trainer rank order: ``endpoint`` and those it carries."""
+    return [dataclasses.replace(endpoint, more_senders=())] + [
+        TransferEndpoint.from_dict(d) for d in endpoint.more_senders]
+
+
+def with_more_senders(endpoints: Sequence[dict]) -> dict:
+    """The endpoint engines join (plain data): the first sender's, carrying the others'."""
+    first = dict(endpoints[0])
+    first["more_senders"] = [dict(e) for e in endpoints[1:]]
+    return first
+
+
+def receiver_for(mode_class: type, endpoint: TransferEndpoint, device, *, version: int) -> WeightReceiver:
+    """A receiver of ``mode_class`` for ``endpoint``: the mode's own for one sender, else one channel per sender."""
+    if endpoint.more_senders:
+        return MultiSenderReceiver(mode_class, len(endpoint.more_senders) + 1, device, version=version)
+    return mode_class(device, version=version)
+
+
+def merge_sender_reports(reports: Sequence[UpdateReport]) -> UpdateReport:
+    """One update's trainer report from every sender's (trainer rank order): counts and bytes summed, the
+    slowest sender's time, checksums merged, rank 0's instants, and each sender's bytes in
+    ``bytes_per_sender``."""
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0]
+    checksums = None
+    if all(r.checksums is not None for r in reports):
+        checksums = {}
+        for r in reports:
+            checksums.update(r.checksums)
+    collectives = [r.stream_collectives for r in reports if r.stream_collectives is not None]
+    return dataclasses.replace(
+        first, num_tensors=sum(r.num_tensors for r in reports), num_buckets=sum(r.num_buckets for r in reports),
+        bytes=sum(r.bytes for r in reports), seconds=max(r.seconds for r in reports), checksums=checksums,
+        stream_collectives=max(collectives) if collectives else None,
+        fallback=next((r.fallback for r in reports if r.fallback), ""),
+        bytes_per_sender=tuple(r.bytes for r in reports))
+
+
+class MultiSenderReceiver(StagingReceiver):
+    """One engine worker's receiver of an update sent by several trainer ranks: a channel (the mode's own
+    receiver) per sender, run concurrently; the update is staged, verified and committed as one."""
+
+    mode: ClassVar[str] = ""
+
+    def __init__(self, mode_class: type, num_senders: int, device: "torch.device | str" = "cpu", *,
+                 version: int = 0):
+        super().__init__(device, version=version)
+        self.mode = mode_class.mode
+        self.bucketwise = mode_class.bucketwise
+        self.channels: list[StagingReceiver] = [mode_class(device, version=version) for _ in range(num_senders)]
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._joined_all = False
+
+    def _joined(self) -> bool:
+        return self._joined_all
+
+    def connect(self, endpoint: TransferEndpoint, rank: int) -> None:
+        endpoints = sender_endpoints(endpoint)
+        if len(endpoints) != len(self.channels):
+            raise TransferError(f"the endpoint names {len(endpoints)} senders, this receiver was made for "
+                                f"{len(self.channels)}")
+        self._check_endpoint(endpoints[0], rank)
+        self._joined_all = False
+        for channel, e in zip(self.channels, endpoints):  # every member joins the groups in this order
+            channel.connect(e, rank)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(len(self.channels), thread_name_prefix="rlp-channel")
+        self._joined_all = True
+
+    def begin(self, version: int) -> None:
+        super().begin(version)
+        for channel in self.channels:
+            channel.begin(version)
+
+    def abort(self) -> None:
+        super().abort()
+        for channel in getattr(self, "channels", ()):
+            channel.abort()
+
+    def _stage(self) -> tuple[list[NamedTensor], int, int]:
+        results = self._run_all(lambda channel, _: channel._stage())
+        staged = [pair for r in results for pair in r[0]]
+        return staged, sum(r[1] for r in results), sum(r[2] for r in results)
+
+    def _stream(self, apply_bucket: ApplyFn) -> tuple[int, int, int]:
+        results = self._run_all(lambda channel, relay: channel._stream(relay), apply_bucket)
+        return tuple(sum(r[i] for r in results) for i in range(3))
+
+    def _run_all(self, job: Callable[[StagingReceiver, ApplyFn], tuple], apply_bucket: ApplyFn | None = None) -> list:
+        """``job(channel, relay)`` for every channel at once, where ``relay`` queues a bucket here and waits
+        until this thread handed it to ``apply_bucket``. Returns the results in channel order, or raises the
+        first channel's failure once every channel finished."""
+        requests: queue.Queue = queue.Queue()
+        stopped: list[BaseException] = []  # the first failed apply: later buckets are received, not applied
+
+        def relay(tensors: list[NamedTensor]) -> None:
+            done, outcome = threading.Event(), []
+            requests.put((tensors, done, outcome))
+            done.wait()
+            if outcome:
+                raise outcome[0]
+
+        futures = [self._pool.submit(job, channel, relay) for channel in self.channels]
+        for future in futures:
+            future.add_done_callback(lambda _: requests.put(None))
+        running = len(futures)
+        while running:
+            request = requests.get()  # each channel's own group bounds how long it can take
+            if request is None:
+                running -= 1
+                continue
+            tensors, done, outcome = request
+            try:
+                if stopped:
+                    raise TransferError(f"not loaded: an earlier bucket of this update failed ({stopped[0]})")
+                apply_bucket(tensors)
+            except BaseException as exc:  # noqa: BLE001 - raised in the channel, which defers it to its END
+                if not stopped:
+                    stopped.append(exc)
+                outcome.append(exc)
+            done.set()
+        failures = [f.exception() for f in futures if f.exception() is not None]
+        if failures:
+            raise failures[0]
+        return [f.result() for f in futures]
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(c.staging_bytes for c in self.channels)
+
+    def release_staging(self) -> int:
+        return sum(c.release_staging() for c in self.channels)
+
+    def close(self) -> None:
+        self._joined_all = False
+        for channel in self.channels:
+            channel.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None

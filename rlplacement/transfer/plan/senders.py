@@ -1,0 +1,45 @@
+"""Which trainer rank sends which whole tensor when every rank sends (``broadcast``, ``broadcast_packed``
+and ``p2p`` from a trainer of several ranks): the assignment the senders run.
+
+The senders execute whole-tensor routes: every engine worker still receives every tensor whole (its
+loader slices it), so a route here is (tensor, sender) and the sender is one of the ranks that hold
+the tensor whole after the backend's own gather (every FSDP rank after ``full_tensor()``; the TP rank a
+megatron stage gathers a parameter to). The sharded plan of :mod:`~rlplacement.transfer.plan.build`,
+where each worker receives only its slice, is what receivers move to next; the balance rule is the
+same: largest first, each to the least-loaded sender, ties to the lower rank.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+
+def spread_owners(sizes: Sequence[int], num_senders: int) -> list[int]:
+    """The sender (0 .. ``num_senders`` - 1) of each item of ``sizes`` bytes: largest first, each to the
+    sender with the fewest bytes so far (ties: the lower index, then the lower sender). Deterministic, so
+    every rank computes the same answer from the same sizes without talking to the others. The largest
+    sender ends at most one item above the mean (greedy LPT)."""
+    if num_senders < 1:
+        raise ValueError(f"num_senders {num_senders}: need at least one sender")
+    load = [0] * num_senders
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        sender = min(range(num_senders), key=lambda s: (load[s], s))
+        owners[i] = sender
+        load[sender] += sizes[i]
+    return owners
+
+
+def spread_owners_by_group(items: Sequence[tuple[str, int]], num_senders: int,
+                           group_of=lambda name: name) -> dict[str, int]:
+    """Name -> sender for ``(name, bytes)`` items, the items of one group (``group_of(name)``: a fused
+    parameter's pieces, q/k/v or gate/up) kept on one sender so a receiver gets them in one bucket."""
+    groups: dict[Hashable, list[str]] = {}
+    sizes: dict[Hashable, int] = {}
+    for name, nbytes in items:
+        key = group_of(name)
+        groups.setdefault(key, []).append(name)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    keys = list(groups)
+    owners = spread_owners([sizes[k] for k in keys], num_senders)
+    return {name: owner for key, owner in zip(keys, owners) for name in groups[key]}

@@ -1,0 +1,75 @@
+"""Every trainer rank sends its share of an update, through ``RLJob`` on a real vLLM CPU engine of two
+workers (TP=2): an FSDP trainer of two ranks (gloo), ``--update-weight-staging bucket``, each split mode
+that spreads its senders, every update checked tensor by tensor against the trainer's checksums.
+
+One job for the module; the mode is switched per test with ``RLJob.set_transfer``. Full staging with two
+senders runs in ``test_job_recovery`` (its trainer has two ranks too).
+"""
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("vllm")
+
+import rlplacement  # noqa: E402
+from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
+from rlplacement.transfer.bucket import fused_group_of  # noqa: E402
+from rlplacement.transfer.plan.senders import spread_owners_by_group  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SPREAD_MODES = ["broadcast", "broadcast_packed", "p2p"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec())
+    args = rlplacement.add_arguments(__import__("argparse").ArgumentParser()).parse_args(
+        ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+         "--num-gpus-per-node", "4", "--train-backend", "fsdp", "--n-samples-per-prompt", "2",
+         "--rollout-max-response-len", "4", "--check-weight-update-equal", "--update-weight-staging", "bucket",
+         "--update-weight-buffer-size", "64KiB"])
+    with rlplacement.RLJob.start(rlplacement.config_from_args(args), str(model_dir), timeout_s=180) as started:
+        yield started
+
+
+def _batch(seed: int):
+    import torch
+
+    from rlplacement.train_io import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 200, (2, 8), generator=g)
+    mask = torch.zeros(2, 8)
+    mask[:, 4:] = 1
+    return Batch(ids, mask, torch.tensor([1.0, -1.0]))
+
+
+@pytest.mark.parametrize("mode", SPREAD_MODES)
+def test_both_ranks_send_their_share_and_the_engine_serves_the_trainers_weights(job, mode):
+    job.set_transfer(mode, check_equal=True)
+    assert len(job.senders) == 2
+    for seed in (1, 2):
+        job.train(_batch(seed))
+        result = job.update_weights()  # checked: every tensor equal to the trainer's, on both workers
+        assert result.checked and job.served_versions() == [job.version]
+        per_sender = result.trainer.bytes_per_sender
+        assert len(per_sender) == 2 and min(per_sender) > 0 and sum(per_sender) == result.trainer.bytes
+        # each rank sent the share the assignment gives it, computed alike on both ranks before any byte moved
+        shares = ray.get([t.update_shares.remote() for t in job.trainers], timeout=60)
+        assert shares[0] == shares[1]
+        assert {n for n, _, _ in shares[0]} == set(ray.get(job.engines[0].received_checksums.remote(), timeout=60))
+        assert per_sender == tuple(sum(b for _, b, owner in shares[0] if owner == s) for s in range(2))
+        owners = spread_owners_by_group([(n, b) for n, b, _ in shares[0]], 2, fused_group_of)
+        assert owners == {n: owner for n, _, owner in shares[0]}
+        largest = max(b for _, b, _ in shares[0])
+        assert max(per_sender) <= sum(per_sender) / 2 + largest
+        assert result.trainer.metrics["perf/update_weights_senders"] == 2
+
+
+def test_the_engine_generates_after_spread_updates(job):
+    job.set_transfer("broadcast", check_equal=True)
+    job.train(_batch(3))
+    job.update_weights()
+    out = job.generate([[5, 6, 7, 8]], max_tokens=3, exact_lengths=True)
+    assert len(out) == 2 and all(len(s.token_ids) == 3 and s.weight_version == job.version for s in out)

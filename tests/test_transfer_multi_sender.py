@@ -1,0 +1,192 @@
+"""Several trainer ranks sending one update (``rlplacement.transfer.multi_sender``): real private gloo groups,
+one per sender, senders and receivers as threads; p2p over real Mooncake on loopback TCP.
+
+Each sender sends only its share; every receiver ends with the union, bit for bit, whole or bucket by
+bucket; a failure on one sender fails the update on every receiver, which keeps its previous version.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from rlplacement.transfer import registry
+from rlplacement.transfer.bucket import fused_group_of
+from rlplacement.transfer.base import TransferEndpoint, UpdateAborted, UpdateReport
+from rlplacement.transfer.multi_sender import (MultiSenderReceiver, merge_sender_reports, receiver_for,
+                                               with_more_senders)
+from rlplacement.transfer.plan.senders import spread_owners, spread_owners_by_group
+
+MODES = ("broadcast", "broadcast_packed", "p2p")
+
+
+def _model(seed):
+    g = torch.Generator().manual_seed(seed)
+    named = []
+    for layer in range(4):
+        p = f"model.layers.{layer}."
+        named += [(p + "self_attn.q_proj.weight", torch.randn(32, 16, generator=g).to(torch.bfloat16)),
+                  (p + "self_attn.k_proj.weight", torch.randn(16, 16, generator=g).to(torch.bfloat16)),
+                  (p + "self_attn.v_proj.weight", torch.randn(16, 16, generator=g).to(torch.bfloat16)),
+                  (p + "input_layernorm.weight", torch.randn(16, generator=g))]
+    named += [("model.embed_tokens.weight", torch.randn(64, 16, generator=g))]
+    return named
+
+
+def _run_threads(fns):
+    errors, results = [None] * len(fns), [None] * len(fns)
+
+    def wrap(i):
+        try:
+            results[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            errors[i] = exc
+
+    threads = [threading.Thread(target=wrap, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results, errors
+
+
+class Senders:
+    """``num_senders`` senders of ``mode`` (trainer ranks) and ``n_receivers`` receivers (engine workers)."""
+
+    def __init__(self, mode, num_senders=2, n_receivers=2, buffer_size=1024):
+        self.senders = [registry.sender_class(mode)(buffer_size, timeout_s=20.0, device="cpu")
+                        for _ in range(num_senders)]
+        endpoints = [s.listen(1 + n_receivers, host="127.0.0.1").to_dict() for s in self.senders]
+        endpoint = TransferEndpoint.from_dict(with_more_senders(endpoints))
+        self.receivers = [receiver_for(registry.receiver_class(mode), endpoint, "cpu", version=0)
+                          for _ in range(n_receivers)]
+        _, errors = _run_threads([s.connect for s in self.senders] +
+                                 [lambda i=i, r=r: r.connect(endpoint, i + 1) for i, r in enumerate(self.receivers)])
+        assert errors == [None] * len(errors)
+
+    def run(self, version, shares, *, bucketwise=False):
+        applied = [[] for _ in self.receivers]
+
+        def recv(i):
+            r = self.receivers[i]
+            r.begin(version)
+            if bucketwise:
+                r.receive_bucketwise(lambda tensors: applied[i].extend((n, t.clone()) for n, t in tensors))
+                r.commit(lambda staged: None)
+            else:
+                r.receive()
+                r.commit(lambda staged: applied[i].extend((n, t.clone()) for n, t in staged))
+
+        results, errors = _run_threads([lambda s=s, share=share: s.update(version, share)
+                                        for s, share in zip(self.senders, shares)] +
+                                       [lambda i=i: recv(i) for i in range(len(self.receivers))])
+        return results[:len(self.senders)], errors, applied
+
+    def close(self):
+        for x in self.senders + self.receivers:
+            x.close()
+
+
+def _shares(named, num_senders):
+    owners = spread_owners_by_group([(n, t.numel() * t.element_size()) for n, t in named], num_senders, fused_group_of)
+    return [[(n, t) for n, t in named if owners[n] == s] for s in range(num_senders)], owners
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bucketwise", [False, True], ids=["full", "bucket"])
+def test_every_receiver_gets_the_union_of_the_shares_bit_exact(mode, bucketwise):
+    session = Senders(mode)
+    try:
+        assert all(isinstance(r, MultiSenderReceiver) for r in session.receivers)
+        for version in (1, 2):
+            named = _model(version)
+            shares, owners = _shares(named, 2)
+            assert all(shares), "both senders have a share"
+            reports, errors, applied = session.run(version, shares, bucketwise=bucketwise)
+            assert errors == [None] * 4
+            want = dict(named)
+            for got in applied:
+                assert sorted(n for n, _ in got) == sorted(want)
+                for name, tensor in got:
+                    assert tensor.dtype == want[name].dtype and torch.equal(
+                        tensor.view(torch.uint8), want[name].contiguous().view(torch.uint8)), name
+            assert [r.version for r in session.receivers] == [version, version]
+            merged = merge_sender_reports(reports)
+            assert merged.num_tensors == len(named)
+            assert merged.bytes_per_sender == tuple(sum(t.numel() * t.element_size() for _, t in share)
+                                                    for share in shares)
+            assert merged.metrics["perf/update_weights_senders"] == 2
+            # q/k/v of a layer go from one sender: a fused parameter arrives in one bucket
+            for layer in range(4):
+                p = f"model.layers.{layer}.self_attn."
+                assert owners[p + "q_proj.weight"] == owners[p + "k_proj.weight"] == owners[p + "v_proj.weight"]
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("bucketwise", [False, True], ids=["full", "bucket"])
+def test_one_sender_failing_fails_the_update_on_every_receiver_and_the_next_one_lands(bucketwise):
+    session = Senders("broadcast")
+    try:
+        named = _model(1)
+        shares, _ = _shares(named, 2)
+
+        def failing():
+            yield shares[1][0]
+            raise RuntimeError("gather failed on trainer rank 1")
+
+        reports, errors, _ = session.run(1, [shares[0], failing()], bucketwise=bucketwise)
+        assert isinstance(errors[1], UpdateAborted) and "gather failed on trainer rank 1" in str(errors[1])
+        assert errors[0] is None  # rank 0's share went out whole; the update is still one update
+        for e in errors[2:]:
+            assert isinstance(e, UpdateAborted) and "gather failed on trainer rank 1" in str(e)
+        assert [r.version for r in session.receivers] == [0, 0]
+        named = _model(2)
+        shares, _ = _shares(named, 2)
+        reports, errors, applied = session.run(2, shares, bucketwise=bucketwise)
+        assert errors == [None] * 4 and [r.version for r in session.receivers] == [2, 2]
+        assert all(len(got) == len(named) for got in applied)
+    finally:
+        session.close()
+
+
+def test_a_failed_bucket_stops_loading_on_every_channel():
+    """Under bucket staging the first bucket the loader refuses stops the loading of every later bucket,
+    whichever sender's channel it came from, and the failure is raised once every channel is drained."""
+    session = Senders("broadcast", n_receivers=1, buffer_size=256)
+    try:
+        named = _model(1)
+        shares, _ = _shares(named, 2)
+        loaded = []
+
+        def apply(tensors):
+            if len(loaded) == 2:
+                raise ValueError("loader refused a bucket")
+            loaded.append([n for n, _ in tensors])
+
+        receiver = session.receivers[0]
+        receiver.begin(1)
+        results, errors = _run_threads([lambda s=s, share=share: s.update(1, share)
+                                        for s, share in zip(session.senders, shares)] +
+                                       [lambda: receiver.receive_bucketwise(apply)])
+        assert errors[:2] == [None, None]
+        assert isinstance(errors[2], ValueError) and "loader refused a bucket" in str(errors[2])
+        assert len(loaded) == 2 and receiver.version == 0
+    finally:
+        session.close()
+
+
+def test_spread_owners_balance_largest_first():
+    assert spread_owners([10, 1, 1, 1, 7, 2], 2) == [0, 1, 0, 1, 1, 1]  # 10+1 and 7+2+1+1
+    owners = spread_owners([100] * 7 + [400], 4)
+    load = [sum(s for s, o in zip([100] * 7 + [400], owners) if o == k) for k in range(4)]
+    assert max(load) <= 400 and sum(load) == 1100
+    with pytest.raises(ValueError, match="at least one sender"):
+        spread_owners([1], 0)
+
+
+def test_merge_keeps_one_sender_report_as_it_is():
+    report = UpdateReport(1, 3, 1, 30, 0.1)
+    assert merge_sender_reports([report]) is report
+    assert report.metrics["perf/update_weights_senders"] == 1
+    assert report.metrics["perf/update_weights_max_sender_bytes"] == 30
