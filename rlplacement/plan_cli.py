@@ -1,7 +1,7 @@
 """``rlplacement plan [flags] [--json | --emit verl|miles | --simulate-transfer]``: the layout the flags ask
 for, without a cluster; the same layout in verl's or Miles' settings; or its weight-transfer plan with
-the bytes on every link and the predicted update time, the sharded plan against the rank-0 plan today's
-senders run. The link rates are the advisor's flags (``--link-gbps``, ``--nvlink-gbps``, ``--ipc-gbps``,
+the bytes on every link and the predicted update time: the sharded plan, the plan that runs (every rank
+sending its share in split layouts of the modes that spread, else rank 0 alone) and the rank-0 plan. The link rates are the advisor's flags (``--link-gbps``, ``--nvlink-gbps``, ``--ipc-gbps``,
 ``--disk-gbps``) with the same defaults and help.
 
 It lives at the top of the package because it joins three layers: placement's layout, transfer's
@@ -84,8 +84,12 @@ def render(result: dict) -> str:
              f"({result['model_bytes'] / gb:.2f} GB a version)",
              f"{'plan':<22}{'routes':>8}{'max sent/rank':>15}{'max recv/worker':>17}{'gather s':>10}"
              f"{'wire s':>9}{'total s':>9}  busiest link"]
-    for key, title in (("sharded", "sharded (planned)"), ("rank0", "rank 0 (runs today)")):
+    runs = result["runs"]
+    for key, title in (("sharded", "sharded (planned)"), ("spread", "every rank sends"), ("rank0", "rank 0 sends")):
+        if key not in result:
+            continue
         r = result[key]
+        title += " *" if key == runs else ""
         lines.append(f"{title:<22}{r['routes']:>8}{r['max_sender_bytes'] / gb:>12.2f} GB{r['max_receiver_bytes'] / gb:>14.2f}"
                      f" GB{r['gather_seconds']:>10.3f}{r['wire_seconds']:>9.3f}{r['predicted_seconds']:>9.3f}  "
                      f"{r['busiest_link']} ({r['busiest_link_bytes'] / gb:.2f} GB)")
@@ -94,6 +98,7 @@ def render(result: dict) -> str:
     lines.append(f"engine worker memory for an update (--update-weight-staging {staging['requested']}): {held} "
                  f"(bucket: two of the largest buckets at --update-weight-buffer-size {staging['bucket_size'] / gb:.2f}"
                  f" GB), counted inside --vllm-gpu-memory-utilization")
+    lines.append("* the plan this layout and mode run")
     lines.append(f"modelled: the busiest link at the datasheet rate x the mode's efficiency, the busiest worker's "
                  f"commit, {result['sharded']['rpc_seconds'] * 1e3:.0f} ms of calls (docs/transfer/README.md#simulator)")
     return "\n".join(lines)

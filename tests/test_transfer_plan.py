@@ -219,7 +219,7 @@ def test_a_width_vllm_cannot_shard_is_refused_naming_the_flag():
         megatron_holdings(model, 1, 5, 1)
 
 
-def test_plan_simulate_transfer_prints_both_plans(tmp_path, capsys):
+def test_plan_simulate_transfer_prints_the_plans_and_marks_the_one_that_runs(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(QWEN3_8B))
     argv = ["plan", "--actor-num-gpus-per-node", "8", "--rollout-num-gpus", "8", "--rollout-num-gpus-per-engine", "2",
@@ -231,13 +231,22 @@ def test_plan_simulate_transfer_prints_both_plans(tmp_path, capsys):
     assert out["transfer"]["rank0"]["max_sender_bytes"] == 8 * 16381470720
     assert out["transfer"]["sharded"]["max_sender_bytes"] < 1.01 * 16381470720
     assert out["transfer"]["sharded"]["predicted_seconds"] < out["transfer"]["rank0"]["predicted_seconds"]
+    # what runs: all 8 ranks write whole tensors of their own stage to all 8 workers, an eighth of rank 0's each
+    spread = out["transfer"]["spread"]
+    assert out["transfer"]["runs"] == "spread"
+    assert len([b for b in spread["bytes_per_sender"].values() if b]) == 8
+    assert sum(spread["bytes_per_sender"].values()) == 8 * 16381470720
+    assert spread["max_sender_bytes"] < 1.1 * 16381470720
+    assert spread["max_receiver_bytes"] == 16381470720  # each worker still receives whole tensors
+    assert out["transfer"]["sharded"]["predicted_seconds"] < spread["predicted_seconds"] < \
+        out["transfer"]["rank0"]["predicted_seconds"]
     staging = out["transfer"]["engine_staging"]
     assert staging["bytes"]["full"] == 16381470720  # every worker stages the whole model
     # two of the largest buckets: the 1.24 GB embedding (and the untied head) go alone, over the 512 MiB default
     assert staging["bytes"]["bucket"] == 2 * 151936 * 4096 * 2
     assert cli_main(argv) == 0
     text = capsys.readouterr().out
-    assert "sharded (planned)" in text and "rank 0 (runs today)" in text
+    assert "sharded (planned)" in text and "every rank sends *" in text and "rank 0 sends" in text
     assert ("engine worker memory for an update (--update-weight-staging auto): full 16.38 GB, bucket 2.49 GB"
             in text), text
 

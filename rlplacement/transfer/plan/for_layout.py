@@ -1,6 +1,7 @@
-"""The two plans of a layout, from the validated flags and a model's config: the sharded plan (every
-rank sends what it holds, every worker receives its slice) and the rank-0 plan today's senders run;
-each simulated on the layout's GPUs.
+"""The plans of a layout, from the validated flags and a model's config: the sharded plan (every rank sends
+what it holds, every worker receives its slice), the spread plan (every rank sends its share of whole
+tensors: what split layouts of ``broadcast``, ``broadcast_packed`` and ``p2p`` run) and the rank-0 plan (what
+the other layouts and modes run); each simulated on the layout's GPUs.
 """
 
 from __future__ import annotations
@@ -12,20 +13,32 @@ from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, buil
 from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_model_needs
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
-from rlplacement.transfer.plan.trainer_shards import fsdp_holdings, megatron_holdings, rank0_holdings
+from rlplacement.transfer.plan.trainer_shards import (fsdp_holdings, megatron_holdings, rank0_holdings,
+                                                      spread_holdings)
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanPair:
+    """The plans of one layout: ``sharded`` (each worker receives its slice: planned), ``spread`` (every
+    trainer rank sends its share of whole tensors: what split layouts of the spreading modes run; None where
+    rank 0 sends alone) and ``rank0`` (rank 0 sends everything). ``runs``: the key of the one that runs."""
+
     sharded: TransferPlan
     sharded_sim: Simulation
     rank0: TransferPlan
     rank0_sim: Simulation
+    spread: TransferPlan | None = None
+    spread_sim: Simulation | None = None
+
+    @property
+    def runs(self) -> str:
+        return "spread" if self.spread is not None else "rank0"
 
     def to_json(self) -> dict:
-        return {name: {**plan.summary(), **sim.to_json()}
-                for name, plan, sim in (("sharded", self.sharded, self.sharded_sim),
-                                        ("rank0", self.rank0, self.rank0_sim))}
+        plans = [("sharded", self.sharded, self.sharded_sim), ("rank0", self.rank0, self.rank0_sim)]
+        if self.spread is not None:
+            plans.append(("spread", self.spread, self.spread_sim))
+        return {"runs": self.runs, **{name: {**plan.summary(), **sim.to_json()} for name, plan, sim in plans}}
 
 
 def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1):
@@ -85,11 +98,24 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
         gather = None
         sharded = build_plan(model, holdings, needs, fanout)
     whole = whole_model_needs(model, width)
+    whole_needs = {r: whole[r[1]] for r in receivers}
     gathered0 = rank0_holdings(model, world)
-    rank0 = build_plan(model, gathered0, {r: whole[r[1]] for r in receivers}, fanout)
+    rank0 = build_plan(model, gathered0, whole_needs, fanout)
     gather0 = {0: _missing_bytes(model, holdings[0], gathered0[0])}
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
+    spread = spread_sim = None
+    if spec.every_rank_sends and not layout.colocate and world > 1:
+        gathered = spread_holdings(model, backend, world, pp if backend == "megatron" else 1)
+        spread = build_plan(model, gathered, whole_needs, fanout)
+        mine: list[dict] = [{} for _ in range(world)]
+        for route in spread.routes:
+            mine[route.sender][route.tensor] = route.box
+        # FSDP all-gathers every parameter on every rank; a megatron rank gathers what it sends from its TP peers
+        gather_spread = {rank: _missing_bytes(model, holdings[rank], gathered[rank] if backend != "megatron"
+                                              else mine[rank]) for rank in range(world)}
+        spread_sim = simulate(spread, layout.trainer_gpus, layout.engines, rates, disk=disk,
+                              gather_bytes=gather_spread, rpc_s=rpc)
     return PlanPair(sharded, simulate(sharded, layout.trainer_gpus, layout.engines, rates, disk=disk,
                                       gather_bytes=gather, rpc_s=rpc),
                     rank0, simulate(rank0, layout.trainer_gpus, layout.engines, rates, disk=disk, gather_bytes=gather0,
-                                    rpc_s=rpc))
+                                    rpc_s=rpc), spread, spread_sim)
