@@ -73,7 +73,7 @@ class BucketManifest:
 class TransferEndpoint:
     """Where and how receivers join a sender; plain data so it crosses Ray and vLLM RPCs as a dict.
 
-    ``world_size`` counts the sender (rank 0) and every engine worker; an engine's workers take
+    ``world_size`` counts the sender (rank 0 of the group) and every engine worker; an engine's workers take
     ranks ``rank_offset .. rank_offset + workers - 1``.
     """
 
@@ -246,7 +246,8 @@ def hf_shaped(named_tensors: Iterable[NamedTensor], hf_shapes: HFShapes | None) 
 
 
 class WeightSender(abc.ABC):
-    """Trainer side: lives in the process holding the full HF-named tensors (trainer rank 0).
+    """Trainer side: lives in a trainer rank holding the full HF-named tensors it sends (rank 0 alone, or each
+    rank with its share where the mode spreads the sending: :mod:`rlplacement.transfer.multi_sender`).
 
     ``listen`` -> (engines join with the returned endpoint) ``connect`` -> ``update`` per step
     -> ``close``. ``update`` consumes ``named_tensors`` lazily, so a backend can gather and

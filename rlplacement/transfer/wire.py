@@ -1,10 +1,11 @@
 """The framed wire four modes share (``broadcast``, ``broadcast_packed``, ``p2p``, ``cuda_ipc``): a
-private group of trainer rank 0 + every engine worker, control frames as broadcasts from rank 0, and
+private group of one sending trainer rank + every engine worker (one group per sender where several
+send: :mod:`rlplacement.transfer.multi_sender`), control frames as broadcasts from the sender, and
 the frame loop on both sides. A mode subclasses :class:`FramedSender` and :class:`FramedReceiver` and
 changes how one bucket's bytes travel (``_send_payload`` / ``_recv_payload``) and, where it must
 answer per bucket, ``_take_bucket``.
 
-Wire, per update (every frame is a broadcast from rank 0):
+Wire, per update and sender (every frame is a broadcast from the sender, the group's rank 0):
 
 | frame | header int64[4] = (kind, version, manifest_len, aux) | then |
 |---|---|---|
@@ -76,7 +77,7 @@ def wire_device(backend: str, device: "torch.device") -> "torch.device":
 
 
 class FramedSender(WeightSender):
-    """Trainer rank 0: tensors -> buckets -> header + manifest frame, then the mode's payload per bucket."""
+    """A sending trainer rank: tensors -> buckets -> header + manifest frame, then the mode's payload per bucket."""
 
     def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: "torch.device | str | None" = None, group_of: GroupFn = fused_group_of):

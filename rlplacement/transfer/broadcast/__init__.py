@@ -1,5 +1,5 @@
 """Mode ``broadcast``: the framed wire (:mod:`rlplacement.transfer.wire`) with one broadcast per tensor
-after each bucket's manifest, in a private group of trainer rank 0 + every engine worker (NCCL between
+after each bucket's manifest, in a private group of each sending trainer rank + every engine worker (NCCL between
 GPUs, gloo on CPU). The engines' loaders re-fuse and re-shard what arrives. :mod:`.sender` and
 :mod:`.receiver` hold its two classes; this package registers its spec.
 """
@@ -10,7 +10,7 @@ from rlplacement.transfer.spec import LINK, SPLIT, BenchSpec, ModeSpec
 SPEC = register_mode(ModeSpec(
     name="broadcast", sender="rlplacement.transfer.broadcast.sender:BroadcastSender",
     receiver="rlplacement.transfer.broadcast.receiver:BroadcastReceiver",
-    summary="one broadcast per tensor from trainer rank 0 to every engine worker",
+    summary="one broadcast per tensor from each sending trainer rank to every engine worker",
     layouts=frozenset({SPLIT}), named_under_colocate=True, advisor_path=LINK, bucket_staging=True,
     every_rank_sends=True,
     # verl's NCCL receive ran at ~16% of a NIC (its published Qwen3-30B-A3B figure); on two H200s the

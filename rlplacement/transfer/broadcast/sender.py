@@ -10,7 +10,7 @@ from rlplacement.transfer.wire import FramedSender
 
 
 class BroadcastSender(FramedSender):
-    """Trainer rank 0: tensors -> buckets -> manifest + one broadcast per tensor."""
+    """A sending trainer rank: tensors -> buckets -> manifest + one broadcast per tensor."""
 
     mode: ClassVar[str] = "broadcast"
 

@@ -13,7 +13,7 @@ from rlplacement.transfer.spec import LINK, SPLIT, BenchSpec, ModeSpec
 SPEC = register_mode(ModeSpec(
     name="broadcast_packed", sender="rlplacement.transfer.broadcast_packed.sender:PackedBroadcastSender",
     receiver="rlplacement.transfer.broadcast_packed.receiver:PackedBroadcastReceiver",
-    summary="one broadcast per bucket (the flat packed buffer) from trainer rank 0 to every engine worker",
+    summary="one broadcast per bucket (the flat packed buffer) from each sending trainer rank to every engine worker",
     layouts=frozenset({SPLIT}), named_under_colocate=True, advisor_path=LINK, bucket_staging=True,
     every_rank_sends=True,
     # the whole update reached 0.55-0.64 of a flat NCCL broadcast at 4B-8B on two H200s (split_h200.json)

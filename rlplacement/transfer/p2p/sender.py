@@ -26,7 +26,7 @@ class _WriteFailed(AbortUpdate):
 
 
 class P2PSender(FramedSender):
-    """Trainer rank 0: two registered host (or GPU) slots; writes bucket i while packing bucket i+1."""
+    """A sending trainer rank: two registered host (or GPU) slots; writes bucket i while packing bucket i+1."""
 
     mode: ClassVar[str] = "p2p"
     NUM_SLOTS = 2
