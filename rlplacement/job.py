@@ -405,6 +405,10 @@ class RLJob:
             t = dataclasses.replace(t, buffer_size=buffer_size)
         self.transfer_mode = mode
         senders = self.senders
+        if len(senders) > 1:
+            from rlplacement.transfer.multi_sender import sender_bucket_size
+
+            t = dataclasses.replace(t, buffer_size=sender_bucket_size(t.buffer_size, len(senders)))
         get_all([s.transfer_setup_from_config.remote(t, timeout_s=self.timeout_s, base_dir=self.hf_dir, mode=mode,
                                                      check_equal=check_equal, run_id=self.run_id, epoch=self.epoch,
                                                      spread=len(senders) > 1) for s in senders],

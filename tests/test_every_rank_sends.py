@@ -28,7 +28,7 @@ def job(tmp_path_factory):
         ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
          "--num-gpus-per-node", "4", "--train-backend", "fsdp", "--n-samples-per-prompt", "2",
          "--rollout-max-response-len", "4", "--check-weight-update-equal", "--update-weight-staging", "bucket",
-         "--update-weight-buffer-size", "64KiB"])
+         "--update-weight-buffer-size", "2MiB"])
     with rlplacement.RLJob.start(rlplacement.config_from_args(args), str(model_dir), timeout_s=180) as started:
         yield started
 
@@ -64,6 +64,11 @@ def test_both_ranks_send_their_share_and_the_engine_serves_the_trainers_weights(
         assert owners == {n: owner for n, _, owner in shares[0]}
         largest = max(b for _, b, _ in shares[0])
         assert max(per_sender) <= sum(per_sender) / 2 + largest
+        # each sender packs buckets of half the flag's size (at least 1 MiB): the tiny model's shares fit one
+        # bucket each, and a worker keeps one buffer per sender of at most that
+        paths = ray.get(job.engines[0].call_workers.remote("rlplacement_load_path"), timeout=60)
+        assert [p["staging"] for p in paths] == ["bucket", "bucket"]
+        assert all(0 < p["staging_bytes"] <= sum(per_sender) + 2 * 64 * len(shares[0]) for p in paths), paths
         assert result.trainer.metrics["perf/update_weights_senders"] == 2
 
 

@@ -14,7 +14,7 @@ from rlplacement.transfer import registry
 from rlplacement.transfer.bucket import fused_group_of
 from rlplacement.transfer.base import TransferEndpoint, UpdateAborted, UpdateReport
 from rlplacement.transfer.multi_sender import (MultiSenderReceiver, merge_sender_reports, receiver_for,
-                                               with_more_senders)
+                                               sender_bucket_size, with_more_senders)
 from rlplacement.transfer.plan.senders import spread_owners, spread_owners_by_group
 
 MODES = ("broadcast", "broadcast_packed", "p2p")
@@ -183,6 +183,13 @@ def test_spread_owners_balance_largest_first():
     assert max(load) <= 400 and sum(load) == 1100
     with pytest.raises(ValueError, match="at least one sender"):
         spread_owners([1], 0)
+
+
+def test_senders_divide_the_bucket_size_so_a_worker_holds_the_same_in_flight():
+    mib = 1 << 20
+    assert sender_bucket_size(512 * mib, 1) == 512 * mib
+    assert sender_bucket_size(512 * mib, 8) == 64 * mib  # 8 channels x 2 slots x 64 MiB = 2 x 512 MiB
+    assert sender_bucket_size(4 * mib, 16) == mib  # never below 1 MiB
 
 
 def test_merge_keeps_one_sender_report_as_it_is():

@@ -34,7 +34,9 @@ SHARED_FLAGS = (
          help="How weights reach the engines in a split layout. Under --colocate the "
               "in-GPU CUDA IPC path is used (broadcast modes only)."),
     flag("--update-weight-buffer-size", type=bucket_size, default=default_of(TransferConfig, "buffer_size"),
-         help="Bucket size with its unit (512MiB, 2GB, 64KiB); a bare number is bytes and must be at least 1 MiB."),
+         help="Bucket size with its unit (512MiB, 2GB, 64KiB); a bare number is bytes and must be at least 1 MiB. "
+              "Where every trainer rank sends its share, each packs buckets of this size divided by the ranks "
+              "(at least 1 MiB), so an engine worker holds the same bytes in flight whatever the senders."),
     flag("--update-weight-staging", type=str, default=default_of(TransferConfig, "staging"),
          choices=STAGING_CHOICES,
          help="What an engine worker holds of an update: full (the whole model; a failed update keeps the "

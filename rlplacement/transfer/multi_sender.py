@@ -49,6 +49,17 @@ def receiver_for(mode_class: type, endpoint: TransferEndpoint, device, *, versio
     return mode_class(device, version=version)
 
 
+MIN_SENDER_BUCKET = 1 << 20
+
+
+def sender_bucket_size(buffer_size: int, num_senders: int) -> int:
+    """Each sender's bucket when ``num_senders`` share an update: ``--update-weight-buffer-size`` divided
+    among them (at least 1 MiB), so an engine worker under bucket staging, which holds two buckets per
+    sender in flight, holds two of ``buffer_size`` whatever the number of senders. A tensor larger than a
+    bucket still goes alone, as with one sender."""
+    return max(MIN_SENDER_BUCKET, buffer_size // num_senders) if num_senders > 1 else buffer_size
+
+
 def merge_sender_reports(reports: Sequence[UpdateReport]) -> UpdateReport:
     """One update's trainer report from every sender's (trainer rank order): counts and bytes summed, the
     slowest sender's time, checksums merged, rank 0's instants, and each sender's bytes in
@@ -122,8 +133,8 @@ class MultiSenderReceiver(StagingReceiver):
 
     def _run_all(self, job: Callable[[StagingReceiver, ApplyFn], tuple], apply_bucket: ApplyFn | None = None) -> list:
         """``job(channel, relay)`` for every channel at once, where ``relay`` queues a bucket here and waits
-        until this thread handed it to ``apply_bucket``. Returns the results in channel order, or raises the
-        first channel's failure once every channel finished."""
+        until this thread handed it to ``apply_bucket``. Returns the results in channel order, or, once every
+        channel finished, raises the first bucket the loader refused, else the first channel's failure."""
         requests: queue.Queue = queue.Queue()
         stopped: list[BaseException] = []  # the first failed apply: later buckets are received, not applied
 
@@ -154,8 +165,8 @@ class MultiSenderReceiver(StagingReceiver):
                 outcome.append(exc)
             done.set()
         failures = [f.exception() for f in futures if f.exception() is not None]
-        if failures:
-            raise failures[0]
+        if failures:  # the refused bucket itself, not the "not loaded" of the buckets after it
+            raise stopped[0] if stopped else failures[0]
         return [f.result() for f in futures]
 
     @property
