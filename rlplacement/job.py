@@ -422,7 +422,7 @@ class RLJob:
         each send its share (``ModeSpec.every_rank_sends``, split layouts), else rank 0 alone."""
         from rlplacement.transfer import registry
 
-        spread = registry.spec(self.transfer_mode).every_rank_sends and not self.config.placement.colocate
+        spread = registry.spec(self.transfer_mode).sends_from_every_rank(colocate=self.config.placement.colocate)
         return list(self.trainers) if spread else self.trainers[:1]
 
     def update_weights(self) -> "UpdateResult":

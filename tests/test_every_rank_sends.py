@@ -11,10 +11,9 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
-import rlplacement  # noqa: E402
-from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
 from rlplacement.transfer.bucket import fused_group_of  # noqa: E402
 from rlplacement.transfer.plan.senders import spread_owners_by_group  # noqa: E402
+from tests.transfer_helpers.tiny_job import tiny_job, two_sample_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -23,26 +22,12 @@ SPREAD_MODES = ["broadcast", "broadcast_packed", "p2p"]
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec())
-    args = rlplacement.add_arguments(__import__("argparse").ArgumentParser()).parse_args(
-        ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
-         "--num-gpus-per-node", "4", "--train-backend", "fsdp", "--n-samples-per-prompt", "2",
-         "--rollout-max-response-len", "4", "--check-weight-update-equal", "--update-weight-staging", "bucket",
-         "--update-weight-buffer-size", "2MiB"])
-    with rlplacement.RLJob.start(rlplacement.config_from_args(args), str(model_dir), timeout_s=180) as started:
+    with tiny_job(tmp_path_factory, [
+            "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+            "--num-gpus-per-node", "4", "--train-backend", "fsdp", "--n-samples-per-prompt", "2",
+            "--rollout-max-response-len", "4", "--check-weight-update-equal", "--update-weight-staging", "bucket",
+            "--update-weight-buffer-size", "2MiB"], timeout_s=180) as started:
         yield started
-
-
-def _batch(seed: int):
-    import torch
-
-    from rlplacement.train_io import Batch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 200, (2, 8), generator=g)
-    mask = torch.zeros(2, 8)
-    mask[:, 4:] = 1
-    return Batch(ids, mask, torch.tensor([1.0, -1.0]))
 
 
 @pytest.mark.parametrize("mode", SPREAD_MODES)
@@ -50,7 +35,7 @@ def test_both_ranks_send_their_share_and_the_engine_serves_the_trainers_weights(
     job.set_transfer(mode, check_equal=True)
     assert len(job.senders) == 2
     for seed in (1, 2):
-        job.train(_batch(seed))
+        job.train(two_sample_batch(seed))
         result = job.update_weights()  # checked: every tensor equal to the trainer's, on both workers
         assert result.checked and job.served_versions() == [job.version]
         per_sender = result.trainer.bytes_per_sender
@@ -74,7 +59,7 @@ def test_both_ranks_send_their_share_and_the_engine_serves_the_trainers_weights(
 
 def test_the_engine_generates_after_spread_updates(job):
     job.set_transfer("broadcast", check_equal=True)
-    job.train(_batch(3))
+    job.train(two_sample_batch(3))
     job.update_weights()
     out = job.generate([[5, 6, 7, 8]], max_tokens=3, exact_lengths=True)
     assert len(out) == 2 and all(len(s.token_ids) == 3 and s.weight_version == job.version for s in out)

@@ -15,9 +15,8 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
-import rlplacement  # noqa: E402
 from rlplacement.errors import WeightUpdateError  # noqa: E402
-from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
+from tests.transfer_helpers.tiny_job import tiny_job, two_sample_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -27,28 +26,14 @@ SPLIT_MODES = ["broadcast", "broadcast_packed", "p2p", "disk-delta"]
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec())
     save = tmp_path_factory.mktemp("save")
-    args = rlplacement.add_arguments(__import__("argparse").ArgumentParser()).parse_args(
-        ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--num-gpus-per-node", "4",
-         "--train-backend", "fsdp", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
-         "--check-weight-update-equal", "--save", str(save), "--use-fault-tolerance",
-         "--ft-components", "rollout,train", "--rollout-health-check-interval", "0.1",
-         "--rollout-health-check-timeout", "20"])
-    with rlplacement.RLJob.start(rlplacement.config_from_args(args), str(model_dir), timeout_s=120) as started:
+    with tiny_job(tmp_path_factory, [
+            "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--num-gpus-per-node", "4",
+            "--train-backend", "fsdp", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+            "--check-weight-update-equal", "--save", str(save), "--use-fault-tolerance",
+            "--ft-components", "rollout,train", "--rollout-health-check-interval", "0.1",
+            "--rollout-health-check-timeout", "20"]) as started:
         yield started
-
-
-def _batch(seed: int):
-    import torch
-
-    from rlplacement.train_io import Batch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 200, (2, 8), generator=g)
-    mask = torch.zeros(2, 8)
-    mask[:, 4:] = 1
-    return Batch(ids, mask, torch.tensor([1.0, -1.0]))
 
 
 def _trainer_sums(job) -> dict:
@@ -75,7 +60,7 @@ def _without_fault_tolerance(job):
 def test_a_failed_update_burns_its_number_and_the_next_rollout_brings_every_engine_to_the_trainer(job, mode):
     job.set_transfer(mode, check_equal=True)
     landed = job.update_weights().version
-    job.train(_batch(landed))
+    job.train(two_sample_batch(landed))
     ray.get(job.trainers[0].inject_update_fault.remote(1, "injected gather failure"))
     with _without_fault_tolerance(job), pytest.raises(WeightUpdateError, match="injected gather failure"):
         job.update_weights()
@@ -100,7 +85,7 @@ def test_under_fault_tolerance_a_failed_update_is_tried_once_more_under_a_fresh_
 def test_a_killed_engine_is_restarted_and_serves_the_trainers_weights_before_it_generates(job):
     job.set_transfer("broadcast", check_equal=True)
     job.update_weights()
-    job.train(_batch(7))
+    job.train(two_sample_batch(7))
     job.update_weights()
     job.pop_ft_metrics()
     kept = job.engines[0]
@@ -116,16 +101,16 @@ def test_a_killed_engine_is_restarted_and_serves_the_trainers_weights_before_it_
 
 def test_a_killed_trainer_restarts_from_the_last_save_and_the_engines_are_kept(job):
     job.set_transfer("broadcast", check_equal=True)
-    job.train(_batch(11))
+    job.train(two_sample_batch(11))
     job.save_checkpoint()
     saved_calls = job.train_calls
     job.update_weights()
     saved_sums = _trainer_sums(job)
-    job.train(_batch(12))  # lost with the trainer
+    job.train(two_sample_batch(12))  # lost with the trainer
     engines, epoch, issued = list(job.engines), job.epoch, job.issued
     job.pop_ft_metrics()
     ray.kill(job.trainers[0], no_restart=True)
-    job.log_probs(_batch(13))  # finds the trainer dead: restarted from the checkpoint, the call runs again
+    job.log_probs(two_sample_batch(13))  # finds the trainer dead: restarted from the checkpoint, the call runs again
     metrics = job.pop_ft_metrics()
     assert metrics["ft/trainer_restarts"] == 1 and metrics["ft/steps_lost"] == 1
     assert job.train_calls == saved_calls and job.epoch == epoch + 1

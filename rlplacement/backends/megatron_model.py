@@ -11,6 +11,7 @@ is used when TE imports and CUDA is present, else the local spec (with the CPU s
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import warnings
@@ -331,6 +332,18 @@ class _BucketGather:
         return [(row[0], gathered.get(row[0], self.params[row[0]].detach())) for row in self.bucket]
 
 
+def _gathered(work: list[tuple[list[tuple], int]], params: dict[str, torch.Tensor],
+              counter: CollectiveCount) -> Iterator[list[tuple[str, torch.Tensor]] | None]:
+    """Each ``(bucket, TP rank)`` of ``work`` gathered to that TP rank (:class:`_BucketGather`), in order: its
+    full tensors on that rank, None on the others. The next bucket's gather is started before the current
+    one is handed on, so at most two buckets' full tensors are held."""
+    pending = _BucketGather(work[0][0], params, counter, work[0][1]) if work else None
+    for i in range(len(work)):
+        current, pending = pending, (_BucketGather(work[i + 1][0], params, counter, work[i + 1][1])
+                                     if i + 1 < len(work) else None)
+        yield current.result()
+
+
 def iter_full_megatron(model, bucket_bytes: int | None = None,
                        counter: CollectiveCount | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: yields ``(global megatron name, full tensor)`` on global rank 0, bucket by bucket.
@@ -361,13 +374,8 @@ def iter_full_megatron(model, bucket_bytes: int | None = None,
             counter.add()
         buckets = _buckets(meta[0], bucket_bytes or GATHER_BUCKET_BYTES)
         gathering = stage == my_stage and dp_rank == 0
-        pending = _BucketGather(buckets[0], params, counter) if gathering and buckets else None
-        for i, bucket in enumerate(buckets):
-            full = None
-            if gathering:
-                current, pending = pending, (_BucketGather(buckets[i + 1], params, counter)
-                                             if i + 1 < len(buckets) else None)
-                full = current.result()
+        fulls = _gathered([(b, 0) for b in buckets], params, counter) if gathering else itertools.repeat(None)
+        for bucket, full in zip(buckets, fulls):
             if src == 0:
                 if rank == 0:
                     yield from full
@@ -410,11 +418,7 @@ def iter_own_stage_megatron(model, bucket_bytes: int | None = None,
     for dst in range(tp):
         mine = [row for row, owner in zip(rows, owners) if owner == dp_rank * tp + dst]
         work.extend((bucket, dst) for bucket in _buckets(mine, bucket_bytes or GATHER_BUCKET_BYTES))
-    pending = _BucketGather(work[0][0], params, counter, work[0][1]) if work else None
-    for i in range(len(work)):
-        current, pending = pending, (_BucketGather(work[i + 1][0], params, counter, work[i + 1][1])
-                                     if i + 1 < len(work) else None)
-        full = current.result()
+    for full in _gathered(work, params, counter):
         if full is not None:
             yield from full
 

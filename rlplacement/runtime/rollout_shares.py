@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from rlplacement.balance import largest_first
+
 
 def groups_of(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     """Sample indices grouped by identical prompt, in order of first appearance."""
@@ -22,14 +24,8 @@ def groups_of(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
 def assign_groups(group_tokens: Sequence[int], num_engines: int) -> list[int]:
     """The engine of each group: longest group first onto the engine with the fewest tokens so far
     (ties: the lower engine index), so the most loaded engine carries at most the average plus one
-    group."""
-    loads = [0] * num_engines
-    engine_of = [0] * len(group_tokens)
-    for g in sorted(range(len(group_tokens)), key=lambda g: (-group_tokens[g], g)):
-        e = min(range(num_engines), key=lambda e: (loads[e], e))
-        engine_of[g] = e
-        loads[e] += group_tokens[g]
-    return engine_of
+    group (:func:`rlplacement.balance.largest_first`)."""
+    return largest_first(group_tokens, num_engines)
 
 
 def engine_shares(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], num_engines: int) -> list[list[int]]:

@@ -60,7 +60,8 @@ class TrainerTransferMixin:
         mode = mode or transfer_config.mode
         check = transfer_config.check_equal if check_equal is None else check_equal
         self.transfer_setup(mode, transfer_config.buffer_size, check_equal=check, timeout_s=timeout_s, device=device,
-                            spread=spread, **registry.sender_options(transfer_config, mode, base_dir, run_id=run_id, epoch=epoch))
+                            spread=spread,
+                            **registry.sender_options(transfer_config, mode, base_dir, run_id=run_id, epoch=epoch))
 
     def transfer_listen(self, world_size: int, host: str | None = None) -> dict:
         if self.transfer_sender is None:

@@ -87,11 +87,12 @@ def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 1
     """
     from rlplacement.transfer.multi_sender import merge_sender_reports
 
-    names = sender_names(len(sender_list(trainer)))
+    senders = sender_list(trainer)
+    names = sender_names(len(senders))
     if graph is not None:
         results = graph.run(version, timeout_s)
     else:
-        refs = {n: s.transfer_send.remote(version) for n, s in zip(names, sender_list(trainer))}
+        refs = {n: s.transfer_send.remote(version) for n, s in zip(names, senders)}
         refs.update({f"engine {i}": e.update_weights.remote(version) for i, e in enumerate(engines)})
         results = wait_all(refs, timeout_s, version)
     report = merge_sender_reports([results[n] for n in names])

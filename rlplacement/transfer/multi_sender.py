@@ -119,7 +119,7 @@ class MultiSenderReceiver(StagingReceiver):
 
     def abort(self) -> None:
         super().abort()
-        for channel in getattr(self, "channels", ()):
+        for channel in self.channels:
             channel.abort()
 
     def _stage(self) -> tuple[list[NamedTensor], int, int]:

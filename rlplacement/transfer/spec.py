@@ -95,6 +95,12 @@ class ModeSpec:
     miles_factory: str | None = None
     """Its factory's name in ``rlplacement.integrations.miles`` (None: not offered to Miles)."""
 
+    def sends_from_every_rank(self, *, colocate: bool) -> bool:
+        """Whether every trainer rank sends its share in this layout (:attr:`every_rank_sends`, split layouts
+        only); else rank 0 sends the whole update. What runs (``RLJob.senders``) and what the simulator
+        prices as running (``plan.for_layout.plans_for``) both ask this."""
+        return self.every_rank_sends and not colocate
+
     def sender_class(self) -> type:
         return _load(self.sender)
 

@@ -104,7 +104,7 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     gather0 = {0: _missing_bytes(model, holdings[0], gathered0[0])}
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     spread = spread_sim = None
-    if spec.every_rank_sends and not layout.colocate and world > 1:
+    if spec.sends_from_every_rank(colocate=layout.colocate) and world > 1:
         gathered = spread_holdings(model, backend, world, pp if backend == "megatron" else 1)
         spread = build_plan(model, gathered, whole_needs, fanout)
         mine: list[dict] = [{} for _ in range(world)]

@@ -13,21 +13,16 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
+from rlplacement.balance import largest_first
+
 
 def spread_owners(sizes: Sequence[int], num_senders: int) -> list[int]:
-    """The sender (0 .. ``num_senders`` - 1) of each item of ``sizes`` bytes: largest first, each to the
-    sender with the fewest bytes so far (ties: the lower index, then the lower sender). Deterministic, so
-    every rank computes the same answer from the same sizes without talking to the others. The largest
-    sender ends at most one item above the mean (greedy LPT)."""
+    """The sender (0 .. ``num_senders`` - 1) of each item of ``sizes`` bytes
+    (:func:`rlplacement.balance.largest_first`): every rank computes the same answer from the same sizes
+    without talking to the others."""
     if num_senders < 1:
         raise ValueError(f"num_senders {num_senders}: need at least one sender")
-    load = [0] * num_senders
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        sender = min(range(num_senders), key=lambda s: (load[s], s))
-        owners[i] = sender
-        load[sender] += sizes[i]
-    return owners
+    return largest_first(sizes, num_senders)
 
 
 def spread_owners_by_group(items: Sequence[tuple[str, int]], num_senders: int,
