@@ -28,7 +28,9 @@ from rlplacement.engines.registry import DEFAULT_ENGINE_KIND, engine_class
 from rlplacement.errors import ConfigError
 from rlplacement.job_start import make_handoff, raise_with_offload_hint, release, setup_trainers, start_actors
 from rlplacement.rollout import PendingRollout, RolloutSample
+from rlplacement.placement.layout import colocated_sender_ranks
 from rlplacement.runtime.waits import get_all
+from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 if TYPE_CHECKING:
     import torch
@@ -398,32 +400,56 @@ class RLJob:
 
         Engines keep serving their current version; the next update continues the numbering.
         """
-        from rlplacement.runtime import transfer_driver as driver
-
         t = self.config.transfer
         if buffer_size is not None:
             t = dataclasses.replace(t, buffer_size=buffer_size)
         self.transfer_mode = mode
-        senders = self.senders
-        if len(senders) > 1:
+        share, ranks = self.update_share, set(self.sender_ranks)
+        if share == SHARES:
             from rlplacement.transfer.multi_sender import sender_bucket_size
 
-            t = dataclasses.replace(t, buffer_size=sender_bucket_size(t.buffer_size, len(senders)))
-        get_all([s.transfer_setup_from_config.remote(t, timeout_s=self.timeout_s, base_dir=self.hf_dir, mode=mode,
-                                                     check_equal=check_equal, run_id=self.run_id, epoch=self.epoch,
-                                                     spread=len(senders) > 1) for s in senders],
-                self.timeout_s, "transfer set-up", self.trainer_names[:len(senders)])
-        driver.connect(senders, self.engines, timeout_s=self.timeout_s)
+            t = dataclasses.replace(t, buffer_size=sender_bucket_size(t.buffer_size, len(ranks)))
+        refs = {f"trainer rank {r}": self.trainers[r].transfer_setup_from_config.remote(
+                    t, timeout_s=self.timeout_s, base_dir=self.hf_dir, mode=mode, check_equal=check_equal,
+                    run_id=self.run_id, epoch=self.epoch, share=share) if r in ranks
+                else self.trainers[r].set_update_share.remote(share) for r in range(len(self.trainers))}
+        get_all(list(refs.values()), self.timeout_s, "transfer set-up", list(refs))
+        self._connect()
         self.check_equal = check_equal
 
     @property
-    def senders(self) -> list:
-        """The trainer ranks that send an update, in rank order: every rank where the mode that runs lets
-        each send its share (``ModeSpec.every_rank_sends``, split layouts), else rank 0 alone."""
+    def update_share(self) -> str:
+        """Who sends an update (``ModeSpec.who_sends`` for the mode that runs, in this layout); rank 0 alone
+        for a trainer of one rank."""
         from rlplacement.transfer import registry
 
-        spread = registry.spec(self.transfer_mode).sends_from_every_rank(colocate=self.config.placement.colocate)
-        return list(self.trainers) if spread else self.trainers[:1]
+        if len(self.trainers) == 1:
+            return RANK0
+        return registry.spec(self.transfer_mode).who_sends(colocate=self.config.placement.colocate)
+
+    @property
+    def sender_ranks(self) -> list[int]:
+        """The trainer ranks that send an update: every rank, in rank order, where each sends its share
+        (:data:`SHARES`); under :data:`OWN_GPU` the rank on each engine worker's GPU, in worker order
+        (``placement.layout.colocated_sender_ranks``); else rank 0 alone."""
+        share = self.update_share
+        if share == SHARES:
+            return list(range(len(self.trainers)))
+        if share == OWN_GPU:
+            return colocated_sender_ranks(self.placement.layout)
+        return [0]
+
+    @property
+    def senders(self) -> list:
+        """The actors of :attr:`sender_ranks`, in that order."""
+        return [self.trainers[r] for r in self.sender_ranks]
+
+    def _connect(self) -> None:
+        """Build the transfer groups between :attr:`senders` and every engine worker."""
+        from rlplacement.runtime import transfer_driver as driver
+
+        driver.connect(self.senders, self.engines, timeout_s=self.timeout_s,
+                       per_worker=self.update_share == OWN_GPU)
 
     def update_weights(self) -> "UpdateResult":
         """Send the trainer's current weights to every engine as a fresh version number (:attr:`issued` + 1).
@@ -450,15 +476,17 @@ class RLJob:
         if self.stale is not None:
             self._reconnect()
         version = self.issued = self.issued + 1
-        senders = self.senders
-        helpers = [t.gather_for_update.remote() for t in self.trainers[len(senders):]]
+        senders, ranks = self.senders, set(self.sender_ranks)
+        helpers = {f"trainer rank {r}": t.gather_for_update.remote() for r, t in enumerate(self.trainers)
+                   if r not in ranks}
         try:
-            result = self.updates.run(senders, self.engines, version, check_equal=self.check_equal)
+            result = self.updates.run(senders, self.engines, version, check_equal=self.check_equal,
+                                      whole_each=self.update_share == OWN_GPU)
         except BaseException as exc:
             self.stale = f"the update to version {version} failed ({type(exc).__name__}: {exc})"
-            _wait_quietly(helpers, self.timeout_s)  # a sender drains its stream on failure, so they finish
+            _wait_quietly(list(helpers.values()), self.timeout_s)  # a sender drains its stream on failure
             raise
-        get_all(helpers, self.timeout_s, "trainer gathers", self.trainer_names[len(senders):])
+        get_all(list(helpers.values()), self.timeout_s, "trainer gathers", list(helpers))
         self.version, self.stale = version, None
         return result
 
@@ -511,7 +539,7 @@ class RLJob:
         from rlplacement.runtime import transfer_driver as driver
 
         self.updates.close()
-        driver.connect(self.senders, self.engines, timeout_s=self.timeout_s)
+        self._connect()
 
     def close(self) -> None:
         """Release the update graph, every actor and the placement group; a second call does nothing."""

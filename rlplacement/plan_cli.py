@@ -85,7 +85,8 @@ def render(result: dict) -> str:
              f"{'plan':<22}{'routes':>8}{'max sent/rank':>15}{'max recv/worker':>17}{'gather s':>10}"
              f"{'wire s':>9}{'total s':>9}  busiest link"]
     runs = result["runs"]
-    for key, title in (("sharded", "sharded (planned)"), ("spread", "every rank sends"), ("rank0", "rank 0 sends")):
+    spread_title = "each GPU's rank sends" if result.get("who_sends") == "own gpu" else "every rank sends"
+    for key, title in (("sharded", "sharded (planned)"), ("spread", spread_title), ("rank0", "rank 0 sends")):
         if key not in result:
             continue
         r = result[key]

@@ -6,7 +6,7 @@ import pytest
 
 from rlplacement.config import PlacementConfig
 from rlplacement.errors import ConfigError
-from rlplacement.placement.layout import ClusterShape, Split, compute_layout, feasible_splits
+from rlplacement.placement.layout import ClusterShape, Split, colocated_sender_ranks, compute_layout, feasible_splits
 
 
 def cfg(colocate=False, nodes=1, per_node=8, rollout=None, per_engine=1, gpus_per_node=8):
@@ -63,6 +63,10 @@ def test_colocate_layout_shares_the_trainer_gpus(nodes, per_node, per_engine, gp
     assert len(layout.gpus) == max(c.trainer_num_gpus, c.rollout_num_gpus) == nodes * per_node
     assert all(len({n for n, _ in e}) == 1 for e in layout.engines)
     assert layout.to_json()["mode"] == "colocate"
+    # each engine worker's sender is the trainer rank on its own GPU, every rank at most once
+    ranks = colocated_sender_ranks(layout)
+    assert [layout.trainer_gpus[r] for r in ranks] == list(layout.rollout_gpus)
+    assert len(set(ranks)) == len(ranks)
 
 
 def test_split_example_two_nodes():

@@ -2,12 +2,15 @@
 HF tensors global rank 0 yields equal the HF folder the model was loaded from, bit for bit, and the
 collectives each rank issues in its TP and PP groups follow the buckets and stages, not the parameters."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from rlplacement.backends import launch
 from rlplacement.config import BackendConfig
 from rlplacement.models.tiny import TinySpec, make_tiny_model
+from rlplacement.transfer.spec import OWN_GPU, SHARES
 
 SPEC = TinySpec(family="qwen3", num_attention_heads=4, num_key_value_heads=2, vocab_size=300, num_hidden_layers=4)
 BUCKET = 40 * 1024  # a few parameters per bucket: the ~120 KB layers make several buckets per stage
@@ -80,22 +83,48 @@ def _spread_worker(rank, world, hf, tp, pp):
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf,
                                                         tensor_model_parallel_size=tp,
                                                         pipeline_model_parallel_size=pp))
-    sent = {n: t.clone() for n, t in backend.iter_update_tensors(spread=True)}
+    sent = {n: t.clone() for n, t in backend.iter_update_tensors(SHARES)}
+    shares_collectives = backend.last_stream_collectives
+    # colocated: every rank yields the whole model, for the engine worker on its GPU
+    from safetensors.torch import load_file
+
+    want = {}
+    for f in sorted(Path(hf).glob("*.safetensors")):
+        want.update(load_file(str(f)))
+    everywhere = {n: t.clone() for n, t in backend.iter_update_tensors(OWN_GPU)}
+    everywhere_ok = set(everywhere) == set(want) and all(torch.equal(everywhere[n], want[n]) for n in want)
     held = [(n, tuple(p.shape), p.dtype, mm.mapping.tp_partition_dim(n)) for n, p in
             mm.global_named_parameters(backend.model)]
     full = [mm._nbytes(mm._full_shape(row, tp), row[2]) for row in held]
-    out = {"sent": sent, "stage": ps.get_pipeline_model_parallel_rank(), "collectives": backend.last_stream_collectives,
-           "stage_bytes": sum(full), "largest": max(full), "held": [row[0] for row in held]}
+    out = {"sent": sent, "stage": ps.get_pipeline_model_parallel_rank(), "collectives": shares_collectives,
+           "stage_bytes": sum(full), "largest": max(full), "held": [row[0] for row in held],
+           "everywhere_ok": everywhere_ok, "everywhere_collectives": backend.last_stream_collectives,
+           "buckets": [len(mm._buckets(rows, BUCKET)) for rows in _stage_rows(backend.model, pp)]}
     backend.close()
     return out
 
 
+def _stage_rows(model, pp):
+    """Every stage's (name, local shape, dtype, partition dim) rows, as each rank's stream cuts them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from rlplacement.backends import megatron_model as mm
+
+    mine = [(n, tuple(p.shape), p.dtype, mm.mapping.tp_partition_dim(n)) for n, p in mm.global_named_parameters(model)]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (ps.get_pipeline_model_parallel_rank(), mine))
+    return [next(rows for stage, rows in every if stage == s) for s in range(pp)]
+
+
 @pytest.mark.slow
 def test_every_rank_sends_its_share_of_its_own_stage_and_the_union_is_the_model(tmp_path):
-    """TP=2 x PP=2 x DP=2 (8 gloo ranks), ``iter_update_tensors(spread=True)``: every HF tensor is sent by
+    """TP=2 x PP=2 x DP=2 (8 gloo ranks), ``iter_update_tensors(SHARES)``: every HF tensor is sent by
     exactly one rank, bit for bit as the folder holds it; each rank sends only tensors of its own stage (no
     byte crosses a pipeline stage, no name table either); the 4 ranks of a stage share its bytes to within
-    one parameter of their mean."""
+    one parameter of their mean. ``iter_update_tensors(OWN_GPU)`` (colocated: each rank hands the worker on
+    its GPU the whole model): every rank yields every tensor, bit for bit, with one all-gather per bucket of
+    its own stage and one broadcast per bucket (and name table) of every stage in its pipeline group."""
     from safetensors.torch import load_file
 
     tp, pp, world = 2, 2, 8
@@ -130,3 +159,7 @@ def test_every_rank_sends_its_share_of_its_own_stage_and_the_union_is_the_model(
         assert min(sent) > 0, f"stage {stage}: a rank sent nothing ({sent})"
     # no collective beyond the TP gathers of the rank's own replica: none in a PP group
     assert all(r["collectives"] <= 2 * len(r["held"]) for r in results)
+    assert all(r["everywhere_ok"] for r in results), [r["everywhere_ok"] for r in results]
+    for r in results:  # each stage's name table and one broadcast per bucket, plus its own stage's all-gathers
+        broadcasts = pp + sum(r["buckets"])
+        assert broadcasts <= r["everywhere_collectives"] <= broadcasts + r["buckets"][r["stage"]], r

@@ -197,3 +197,32 @@ def test_merge_keeps_one_sender_report_as_it_is():
     assert merge_sender_reports([report]) is report
     assert report.metrics["perf/update_weights_senders"] == 1
     assert report.metrics["perf/update_weights_max_sender_bytes"] == 30
+
+
+def test_a_sender_per_worker_counts_the_update_once_and_its_ranks_must_agree():
+    """Colocated (``whole_each``): every rank sent the whole update to the worker on its GPU."""
+    from rlplacement.transfer.base import TransferError
+
+    a = UpdateReport(1, 3, 2, 30, 0.1, checksums={"w": "x", "b": "y"})
+    b = UpdateReport(1, 3, 2, 30, 0.2, checksums={"w": "x", "b": "y"})
+    merged = merge_sender_reports([a, b], whole_each=True)
+    assert (merged.num_tensors, merged.num_buckets, merged.bytes, merged.seconds) == (3, 2, 30, 0.2)
+    assert merged.bytes_per_sender == (30, 30) and merged.checksums == {"w": "x", "b": "y"}
+    with pytest.raises(TransferError, match="different bytes for 'b'"):
+        merge_sender_reports([a, UpdateReport(1, 3, 2, 30, 0.1, checksums={"w": "x", "b": "z"})], whole_each=True)
+
+
+def test_each_worker_joins_its_own_senders_group_at_rank_1():
+    from rlplacement.transfer.base import TransferError
+    from rlplacement.transfer.multi_sender import own_sender
+
+    endpoints = [TransferEndpoint("cuda_ipc", "127.0.0.1", 1000 + i, 2, "gloo", f"g{i}").to_dict() for i in range(3)]
+    joined = TransferEndpoint.from_dict(with_more_senders(endpoints, per_worker=True))
+    for rank in (1, 2, 3):
+        endpoint, rank_there = own_sender(joined, rank)
+        assert (endpoint.port, endpoint.group_name, rank_there) == (999 + rank, f"g{rank - 1}", 1)
+        assert not endpoint.more_senders and not endpoint.sender_per_worker
+    with pytest.raises(TransferError, match="worker ranks 1 to 3"):
+        own_sender(joined, 4)
+    plain = TransferEndpoint.from_dict(endpoints[0])
+    assert own_sender(plain, 3) == (plain, 3)  # every worker in one group: joined as it is

@@ -185,8 +185,16 @@ def test_colocated_workers_read_only_the_trainer_rank_on_their_own_gpu():
         for e, w in route.receivers:
             assert layout.trainer_gpus[route.sender] == layout.engines[e][w]
     assert not [n for n in pair.sharded_sim.link_bytes if "nvlink" in n and "gather" not in n]
-    # today's colocated path: worker 1 reads rank 0's GPU over NVLink
+    # the rank-0 plan: worker 1 reads rank 0's GPU over NVLink
     assert pair.rank0_sim.link_bytes["node 0 gpu 0 out nvlink"] == model.total_bytes
+    # what runs: each rank hands the whole model to the worker on its GPU, nothing read across GPUs
+    assert pair.who == "own gpu" and pair.runs == "spread"
+    for route in pair.spread.routes:
+        for e, w in route.receivers:
+            assert layout.trainer_gpus[route.sender] == layout.engines[e][w]
+    assert pair.spread.bytes_per_sender() == {0: model.total_bytes, 1: model.total_bytes}
+    assert not [n for n in pair.spread_sim.link_bytes if "nvlink" in n and "gather" not in n]
+    assert pair.spread_sim.total_s < pair.rank0_sim.total_s
 
 
 # ---- the simulator ---------------------------------------------------------------------------------------

@@ -83,8 +83,7 @@ class Advice:
 def candidate_placements(total_gpus: int, num_gpus_per_node: int, gpus_per_engine: int,
                          trainer_min_gpus: int = 1, trainer_multiple: int = 1) -> list[Placement]:
     """Feasible splits (from the placement layer) plus colocate on all GPUs when that is valid: one node
-    (colocated weights go by IPC from trainer rank 0, which reaches only its own node's engines, so the
-    flags refuse --colocate across nodes), whole engines, the trainer's floor and multiple."""
+    (the flags refuse --colocate across nodes), whole engines, the trainer's floor and multiple."""
     out = [Placement(False, s.trainer_gpus, s.rollout_gpus)
            for s in feasible_splits(total_gpus, num_gpus_per_node, gpus_per_engine, trainer_min_gpus, trainer_multiple)]
     if (total_gpus >= trainer_min_gpus and total_gpus % gpus_per_engine == 0

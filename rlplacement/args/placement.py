@@ -77,9 +77,10 @@ def placement_from_args(args: argparse.Namespace) -> PlacementConfig:
             f"{gpus_per_node}) but not a whole number of nodes: use {gpus_per_node} or a multiple of it.")
     if colocate and nodes > 1:
         raise ConfigError(
-            f"--colocate with --actor-num-nodes {nodes}: colocated weights go by IPC from trainer rank 0, which "
-            f"reaches only the engines on its own node: use --actor-num-nodes 1, or drop --colocate and use "
-            f"--update-weight-transfer-mode broadcast_packed.")
+            f"--colocate with --actor-num-nodes {nodes}: colocated layouts are placed and run on one node only "
+            f"(each engine worker reads the trainer rank on its own GPU by IPC; a layout across nodes has not been "
+            f"run): use --actor-num-nodes 1, or drop --colocate and use --update-weight-transfer-mode "
+            f"broadcast_packed.")
     if colocate and per_engine > per_node and per_engine % per_node:
         raise ConfigError(
             f"Under --colocate an engine of --rollout-num-gpus-per-engine {per_engine} would straddle "

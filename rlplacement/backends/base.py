@@ -33,6 +33,7 @@ from rlplacement.backends.registry import backend_class
 from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
 from rlplacement.train_io import Batch
+from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 # per optimizer step, summed over micro-batches then data-parallel ranks: what the report averages
 _SUMS = ("loss", "policy", "kl", "entropy", "clipped", "logp", "tokens")
@@ -151,17 +152,23 @@ class TrainerBackend(abc.ABC):
         """Collective on every rank; yields ``(hf_name, full_tensor)`` on the source rank, one at a time, or,
         with ``owners`` (:meth:`update_owners`), each tensor on the rank ``owners`` names."""
 
-    def iter_update_tensors(self, spread: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_update_tensors(self, share: str = RANK0) -> Iterator[tuple[str, torch.Tensor]]:
         """What a weight update streams: :meth:`iter_hf_tensors`, except that a backend yielding resident
         tensors may yield some in another shape (:attr:`update_hf_shapes`) to avoid copying them.
 
-        ``spread``: every rank sends its share (each whole tensor yielded on exactly one rank, chosen by
-        :meth:`update_owners`), instead of every tensor on global rank 0. Collective either way: every rank
-        calls it and consumes it to the end."""
-        return self.iter_hf_tensors(owners=self.update_owners() if spread else None)
+        ``share`` (who sends, :data:`~rlplacement.transfer.spec.RANK0` and its kin): every tensor on global rank
+        0; :data:`~rlplacement.transfer.spec.SHARES`, each whole tensor on exactly one rank, chosen by
+        :meth:`update_owners`; :data:`~rlplacement.transfer.spec.OWN_GPU`, every tensor on every rank.
+        Collective in every case: every rank calls it and consumes it to the end."""
+        import torch.distributed as dist
+
+        if share == OWN_GPU and dist.get_world_size() > 1:
+            rank = dist.get_rank()
+            return self.iter_hf_tensors(owners={name: rank for name, _ in self._update_sizes()})
+        return self.iter_hf_tensors(owners=self.update_owners() if share == SHARES else None)
 
     def update_owners(self) -> dict[str, int] | None:
-        """HF name -> the rank that sends it when every rank sends (``spread``): whole tensors balanced by
+        """HF name -> the rank that sends it when every rank sends its share: whole tensors balanced by
         bytes over the ranks, a fused parameter's pieces on one rank
         (:func:`~rlplacement.transfer.plan.senders.spread_owners_by_group`). None: one rank holds everything
         (a single-rank trainer), so rank 0 sends it all as before."""

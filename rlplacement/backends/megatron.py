@@ -28,6 +28,7 @@ from rlplacement.backends import megatron_model as mm
 from rlplacement.backends.base import TrainerBackend, resolve_bf16
 from rlplacement.backends.objective import TokenStats
 from rlplacement.families import family_for
+from rlplacement.transfer.spec import RANK0
 
 
 class MegatronBackend(TrainerBackend):
@@ -383,18 +384,17 @@ class MegatronBackend(TrainerBackend):
     def update_hf_shapes(self) -> dict[str, tuple[int, ...]] | None:
         return self._resident_views()[1] if self.yields_resident_tensors else None
 
-    def iter_update_tensors(self, spread: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_update_tensors(self, share: str = RANK0) -> Iterator[tuple[str, torch.Tensor]]:
         """With resident tensors, views of the parameters (:func:`megatron_mapping.hf_views`): q, k and v
         as the fused QKV's row groups (:attr:`update_hf_shapes`), the rest in their HF shapes; else
-        :meth:`iter_hf_tensors`, or with ``spread`` every rank's share of its own stage
+        :meth:`iter_hf_tensors`, or, by ``share``, every rank's share of its own stage
         (:func:`megatron_model.iter_own_stage_megatron`: megatron parameters whole, so q/k/v and gate/up
-        of one fused parameter go from one rank)."""
-        if spread and not self.yields_resident_tensors:
-            return self._iter_stream(spread=True)
-        if not self.yields_resident_tensors:
-            return self.iter_hf_tensors()
-        self.last_stream_collectives = 0
-        return iter(self._resident_views()[0])
+        of one fused parameter go from one rank) or every tensor on every rank
+        (:func:`megatron_model.iter_everywhere_megatron`)."""
+        if self.yields_resident_tensors:
+            self.last_stream_collectives = 0
+            return iter(self._resident_views()[0])
+        return self._iter_stream(share)
 
     def _resident_views(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, tuple[int, ...]]]:
         """Made once: the parameters are never replaced (loads copy into them), and views follow their
@@ -415,12 +415,12 @@ class MegatronBackend(TrainerBackend):
         :attr:`last_stream_collectives` holds the collectives this rank issued in its TP and PP groups.
         Megatron shares an update out by its own parameters (:meth:`iter_update_tensors`), not by ``owners``."""
         if owners is not None:
-            raise ValueError("megatron spreads an update by its own parameters: iter_update_tensors(spread=True)")
-        return self._iter_stream(spread=False)
+            raise ValueError("megatron spreads an update by its own parameters: iter_update_tensors(share)")
+        return self._iter_stream(RANK0)
 
-    def _iter_stream(self, *, spread: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_stream(self, share: str) -> Iterator[tuple[str, torch.Tensor]]:
         counter = mm.CollectiveCount()
-        for name, tensor in mm.iter_hf_tensors(self.model, self.shape, self.family, counter=counter, spread=spread):
+        for name, tensor in mm.iter_hf_tensors(self.model, self.shape, self.family, counter=counter, share=share):
             yield name, tensor if self.stream_dtype is None else tensor.to(self.stream_dtype)
         self.last_stream_collectives = counter.count
 

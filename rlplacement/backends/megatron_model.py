@@ -26,6 +26,7 @@ from rlplacement.families import megatron_mapping as mapping
 from rlplacement.families import DenseFamily, family_for, rope_parameters
 from rlplacement.backends.megatron_cpu import apply_cpu_shims, cuda_absent
 from rlplacement.hf_folder import HFTensors
+from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 SPECS = ("auto", "local", "te")
 
@@ -298,24 +299,27 @@ def _buckets(meta: list[tuple], limit: int) -> list[list[tuple]]:
 
 class _BucketGather:
     """One bucket's TP gather, started at once (``async_op``) and finished by :meth:`result`: the full
-    tensors on TP rank ``dst`` of the stage's replica (None elsewhere). Replicated tensors are taken from
-    that rank's own parameters."""
+    tensors on TP rank ``dst`` of the stage's replica (None elsewhere), or on every TP rank where ``dst`` is
+    None (an all-gather). Replicated tensors are taken from that rank's own parameters."""
 
     def __init__(self, bucket: list[tuple], params: dict[str, torch.Tensor], counter: CollectiveCount,
-                 dst: int = 0):
+                 dst: int | None = 0):
         from megatron.core import parallel_state as ps
 
         self.bucket, self.params = bucket, params
         self.tp = ps.get_tensor_model_parallel_world_size()
-        self.first = ps.get_tensor_model_parallel_rank() == dst
+        self.first = dst is None or ps.get_tensor_model_parallel_rank() == dst
         self.split = [row for row in bucket if row[3] is not None and self.tp > 1]
         self.work, self.shards = None, None
         if self.split:
             group = ps.get_tensor_model_parallel_group()
             local = _flat_bytes([params[row[0]] for row in self.split])
             self.shards = [torch.empty_like(local) for _ in range(self.tp)] if self.first else None
-            self.work = dist.gather(local, self.shards, dst=dist.get_global_rank(group, dst), group=group,
-                                    async_op=True)
+            if dst is None:
+                self.work = dist.all_gather(self.shards, local, group=group, async_op=True)
+            else:
+                self.work = dist.gather(local, self.shards, dst=dist.get_global_rank(group, dst), group=group,
+                                        async_op=True)
             counter.add()
 
     def result(self) -> list[tuple[str, torch.Tensor]] | None:
@@ -332,10 +336,10 @@ class _BucketGather:
         return [(row[0], gathered.get(row[0], self.params[row[0]].detach())) for row in self.bucket]
 
 
-def _gathered(work: list[tuple[list[tuple], int]], params: dict[str, torch.Tensor],
+def _gathered(work: list[tuple[list[tuple], int | None]], params: dict[str, torch.Tensor],
               counter: CollectiveCount) -> Iterator[list[tuple[str, torch.Tensor]] | None]:
-    """Each ``(bucket, TP rank)`` of ``work`` gathered to that TP rank (:class:`_BucketGather`), in order: its
-    full tensors on that rank, None on the others. The next bucket's gather is started before the current
+    """Each ``(bucket, TP rank)`` of ``work`` gathered to that TP rank (every TP rank where None:
+    :class:`_BucketGather`), in order: its full tensors there, None on the others. The next bucket's gather is started before the current
     one is handed on, so at most two buckets' full tensors are held."""
     pending = _BucketGather(work[0][0], params, counter, work[0][1]) if work else None
     for i in range(len(work)):
@@ -423,6 +427,49 @@ def iter_own_stage_megatron(model, bucket_bytes: int | None = None,
             yield from full
 
 
+def iter_everywhere_megatron(model, bucket_bytes: int | None = None,
+                             counter: CollectiveCount | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: every rank yields every ``(global megatron name, full tensor)``, bucket by bucket: what a
+    colocated engine worker reads from the trainer rank on its own GPU.
+
+    Per pipeline stage in order, in buckets of ``bucket_bytes`` local bytes (default
+    :data:`GATHER_BUCKET_BYTES`): the stage's TP ranks all-gather each bucket, every DP replica at once, the
+    next bucket's gather started before the current one is handed on; with PP > 1 each of the stage's ranks
+    then broadcasts the bucket's bytes in one message through its pipeline group, to the ranks of the same
+    DP and TP position in the other stages. ``counter`` counts this rank's collectives. Memory on every
+    rank: two buckets' full tensors, plus one received bucket with PP > 1.
+    """
+    from megatron.core import parallel_state as ps
+
+    counter = counter if counter is not None else CollectiveCount()
+    pp, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    tp = ps.get_tensor_model_parallel_world_size()
+    stage_params = list(global_named_parameters(model))
+    params = dict(stage_params)
+    device = next(model.parameters()).device
+    pp_group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+    for stage in range(pp):
+        meta = [[(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params]] \
+            if stage == my_stage else [None]
+        if pp > 1:
+            dist.broadcast_object_list(meta, src=_stage_source_rank(stage),
+                                       device=device if device.type == "cuda" else None)
+            counter.add()
+        buckets = _buckets(meta[0], bucket_bytes or GATHER_BUCKET_BYTES)
+        fulls = _gathered([(b, None) for b in buckets], params, counter) if stage == my_stage \
+            else itertools.repeat(None)
+        for bucket, full in zip(buckets, fulls):
+            if pp > 1:
+                specs = [(_full_shape(row, tp), row[2]) for row in bucket]
+                flat = _flat_bytes([t for _, t in full]) if stage == my_stage else torch.empty(
+                    sum(_nbytes(*spec) for spec in specs), dtype=torch.uint8, device=device)
+                dist.broadcast(flat, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+                counter.add()
+                if stage != my_stage:
+                    full = list(zip([row[0] for row in bucket], _split_bytes(flat, specs)))
+            yield from full
+
+
 def _stage_source_rank(stage: int) -> int:
     """Global rank of (pipeline stage, TP rank 0, DP rank 0).
 
@@ -445,12 +492,13 @@ def _full_shape(row: tuple, tp: int) -> tuple[int, ...]:
 
 
 def iter_hf_tensors(model, shape: mapping.ModelShape, family: DenseFamily,
-                    counter: CollectiveCount | None = None, *, spread: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: HF-named full tensors on global rank 0 (nothing elsewhere), bucket by bucket
-    (:func:`iter_full_megatron`), or with ``spread`` each on the rank of its stage that sends it
-    (:func:`iter_own_stage_megatron`); ``counter`` counts this rank's collectives."""
-    source = iter_own_stage_megatron(model, counter=counter) if spread else iter_full_megatron(model, counter=counter)
-    for mname, full in source:
+                    counter: CollectiveCount | None = None, *, share: str = RANK0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: HF-named full tensors by ``share`` (who sends): on global rank 0 alone (nothing elsewhere,
+    :func:`iter_full_megatron`), each on the rank of its stage that sends it (:data:`SHARES`,
+    :func:`iter_own_stage_megatron`) or all on every rank (:data:`OWN_GPU`, :func:`iter_everywhere_megatron`);
+    bucket by bucket. ``counter`` counts this rank's collectives."""
+    streams = {RANK0: iter_full_megatron, SHARES: iter_own_stage_megatron, OWN_GPU: iter_everywhere_megatron}
+    for mname, full in streams[share](model, counter=counter):
         yield from mapping.megatron_to_hf(mname, full, shape, family)
 
 

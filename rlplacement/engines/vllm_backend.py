@@ -30,7 +30,8 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from rlplacement.engines import copy_plan, vllm_loader
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, TransferEndpoint, TransferError, hf_shaped, tensor_checksum
-from rlplacement.transfer.multi_sender import receiver_for
+from rlplacement.transfer.group import gpu_identity
+from rlplacement.transfer.multi_sender import own_sender, receiver_for
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class RlplacementInitInfo(WeightTransferInitInfo):
     mode_info: dict = dataclasses.field(default_factory=dict)
     staging: str = "full"  # --update-weight-staging as the engine resolved it: full or bucket
     more_senders: list = dataclasses.field(default_factory=list)  # TransferEndpoint.more_senders
+    sender_per_worker: bool = False  # TransferEndpoint.sender_per_worker
 
 
 @dataclasses.dataclass
@@ -88,12 +90,19 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
     def served_version(self) -> int:
         return self.receiver.version if self.receiver is not None else 0
 
+    @property
+    def gpu(self) -> str:
+        """This worker's GPU as every process on the host names it (``transfer.group.gpu_identity``): the
+        engine's GPUs are its workers' in order."""
+        return gpu_identity(self.device, worker_rank(self.parallel_config))
+
     def _where(self) -> str:
         rank = self.receiver.rank if self.receiver is not None else None
         return f"engine worker rank {'?' if rank is None else rank}"
 
     def init_transfer_engine(self, init_info: RlplacementInitInfo) -> None:
-        endpoint = TransferEndpoint.from_dict(dataclasses.asdict(init_info))
+        endpoint, rank = own_sender(TransferEndpoint.from_dict(dataclasses.asdict(init_info)),
+                                    init_info.rank_offset + worker_rank(self.parallel_config))
         version = self.served_version
         if self.receiver is not None:
             self.receiver.close()
@@ -102,7 +111,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             raise TransferError(f"mode {init_info.mode!r} stages whole updates: use --update-weight-staging full")
         self.staging = init_info.staging
         self.check_equal = init_info.check_equal
-        self.receiver.connect(endpoint, init_info.rank_offset + worker_rank(self.parallel_config))
+        self.receiver.connect(endpoint, rank)
 
     def start_weight_update(self) -> None:
         if self.receiver is None:

@@ -135,6 +135,10 @@ class RlplacementWorkerExtension:
         mapped = engine.receiver.mapped_allocations if engine.receiver is not None else 0
         if mapped:
             out["mapped_allocations"] = int(mapped)  # the trainer's, each mapped once per update
+        read_from = engine.receiver.read_from if engine.receiver is not None else {}
+        if read_from:  # bytes read out of trainer memory, by GPU, beside this worker's own GPU
+            out["read_from"] = read_from
+            out["gpu"] = engine.gpu
         return out
 
     # ---- memory ------------------------------------------------------------------------------

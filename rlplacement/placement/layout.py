@@ -146,6 +146,13 @@ def _colocated_engines(cfg: PlacementConfig, trainer: list[Gpu]) -> list[tuple[G
     return [tuple(trainer[i:i + width]) for i in range(0, cfg.rollout_num_gpus, width)]
 
 
+def colocated_sender_ranks(layout: Layout) -> list[int]:
+    """Under ``--colocate``: for each engine worker, engines in order and each engine's workers in order (the
+    order of its GPUs, which is its workers' local device order), the trainer rank on the same GPU."""
+    rank_of = {gpu: r for r, gpu in enumerate(layout.trainer_gpus)}
+    return [rank_of[gpu] for engine in layout.engines for gpu in engine]
+
+
 def _describe(cluster: ClusterShape) -> str:
     if cluster.gpus_per_node is None:
         return "unbounded"

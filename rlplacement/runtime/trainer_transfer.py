@@ -12,12 +12,13 @@ from typing import Iterable
 
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, HFShapes, NamedTensor, TransferError, UpdateReport
+from rlplacement.transfer.spec import RANK0
 
 
 class TrainerTransferMixin:
     transfer_sender = None
-    spread_update = False
-    """This rank sends its own share of every update (one of several senders), not everything (rank 0)."""
+    update_share = RANK0
+    """Who sends (``ModeSpec.who_sends``): what this rank's ``hf_named_tensors()`` yields of an update."""
 
     def hf_named_tensors(self) -> Iterable[NamedTensor]:
         raise NotImplementedError("the trainer actor must yield (hf_name, tensor) from hf_named_tensors()")
@@ -37,21 +38,29 @@ class TrainerTransferMixin:
         return None
 
     def transfer_setup(self, mode: str, buffer_size: int, *, check_equal: bool = False,
-                       timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, spread: bool = False,
+                       timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, share: str = RANK0,
                        **mode_options) -> None:
         """``mode_options`` go to the mode's sender only (disk-delta: disk_dir, delta_encoding, base_dir,
-        run_id, epoch). ``spread``: every trainer rank sends its share (each is set up as a sender), so
-        ``hf_named_tensors()`` yields only this rank's share."""
+        run_id, epoch). ``share``: who sends (``ModeSpec.who_sends``); where several ranks send, each is set
+        up as a sender and ``hf_named_tensors()`` yields what this rank sends."""
         if self.transfer_sender is not None:
             self.transfer_sender.close()
-        self.spread_update = spread
+        self.update_share = share
         self.transfer_sender = registry.sender_class(mode)(buffer_size, check_equal=check_equal,
                                                            timeout_s=timeout_s, device=device, **mode_options)
+
+    def set_update_share(self, share: str) -> None:
+        """A rank that sends nothing itself but takes part in an update's gathers (``gather_for_update``):
+        what it streams depends on who sends (``ModeSpec.who_sends``)."""
+        if self.transfer_sender is not None:
+            self.transfer_sender.close()
+            self.transfer_sender = None
+        self.update_share = share
 
     def transfer_setup_from_config(self, transfer_config, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                                    device: str | None = None, base_dir: str | None = None, mode: str | None = None,
                                    check_equal: bool | None = None, run_id: str = "", epoch: int = 0,
-                                   spread: bool = False) -> None:
+                                   share: str = RANK0) -> None:
         """Set up from ``rlplacement.config.TransferConfig``: the mode that runs (``cuda_ipc`` under
         --colocate) unless ``mode`` overrides it, with every option of that mode from the config
         (:func:`registry.sender_options`), so none is dropped on the way. ``base_dir``: the checkpoint the
@@ -60,7 +69,7 @@ class TrainerTransferMixin:
         mode = mode or transfer_config.mode
         check = transfer_config.check_equal if check_equal is None else check_equal
         self.transfer_setup(mode, transfer_config.buffer_size, check_equal=check, timeout_s=timeout_s, device=device,
-                            spread=spread,
+                            share=share,
                             **registry.sender_options(transfer_config, mode, base_dir, run_id=run_id, epoch=epoch))
 
     def transfer_listen(self, world_size: int, host: str | None = None) -> dict:

@@ -144,7 +144,7 @@ class TrainerWorker(TrainerTransferMixin):
         # checked inside the stream: the sender turns a refusal there into an abort every engine sees
         def stream():
             self._require_resident("a weight update")
-            yield from self.backend.iter_update_tensors(spread=self.spread_update)
+            yield from self.backend.iter_update_tensors(self.update_share)
 
         fault, self._update_fault = self._update_fault, None
         return stream() if fault is None else FaultyStream(stream(), *fault)
@@ -174,7 +174,7 @@ class TrainerWorker(TrainerTransferMixin):
     def gather_for_update(self) -> int:
         """Ranks other than 0: take part in the collective gathers of an update; returns tensors seen."""
         self._require_resident("a weight update")
-        return sum(1 for _ in self.backend.iter_update_tensors(spread=self.spread_update))
+        return sum(1 for _ in self.backend.iter_update_tensors(self.update_share))
 
     def hf_checksums(self) -> dict[str, str]:
         """Per-tensor checksums of the weights as the trainer holds them (collective)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from rlplacement.runtime.waits import get_all, wait_named
-from rlplacement.transfer.base import UpdateResult, WeightMismatchError, WeightUpdateError
+from rlplacement.transfer.base import TransferError, UpdateResult, WeightMismatchError, WeightUpdateError
 
 
 def wait_all(refs: dict[str, Any], timeout_s: float, version: int = 0) -> dict[str, Any]:
@@ -57,25 +57,32 @@ def sender_names(num_senders: int) -> list[str]:
 
 
 def connect(trainer, engines: Sequence, *, timeout_s: float = 120.0, host: str | None = None,
-            staging: str | None = None) -> dict:
+            staging: str | None = None, per_worker: bool = False) -> dict:
     """Build the transfer groups: each sender (``trainer``: one actor or a list, :func:`sender_list`) plus
-    every worker of every engine. Returns the endpoint the engines joined (the first sender's, carrying the
-    others'). ``staging``: how the engines take this group's updates (None: each engine's own)."""
+    every worker of every engine, or, with ``per_worker``, sender i plus engine worker i alone (engines in
+    order, each engine's workers in order: a colocated worker and the trainer rank on its GPU). Returns the
+    endpoint the engines joined (the first sender's, carrying the others'). ``staging``: how the engines
+    take this group's updates (None: each engine's own)."""
     from rlplacement.transfer.multi_sender import with_more_senders
 
     senders = sender_list(trainer)
     names = sender_names(len(senders))
     infos = engine_infos(engines, timeout_s)
-    opened = wait_named({n: s.transfer_listen.remote(group_size(infos), host) for n, s in zip(names, senders)},
-                        timeout_s, "opening the transfer group")
-    endpoint = with_more_senders([opened[n] for n in names]) if len(senders) > 1 else opened["trainer"]
+    workers = group_size(infos) - 1
+    if per_worker and len(senders) != workers:
+        raise TransferError(f"{len(senders)} trainer ranks for {workers} engine workers: a sender per worker needs "
+                            f"one of each")
+    opened = wait_named({n: s.transfer_listen.remote(2 if per_worker else workers + 1, host)
+                         for n, s in zip(names, senders)}, timeout_s, "opening the transfer group")
+    endpoint = with_more_senders([opened[n] for n in names], per_worker=per_worker) if len(senders) > 1 \
+        else opened["trainer"]
     wait_all({**{n: s.transfer_connect.remote() for n, s in zip(names, senders)},
               **join_refs(engines, infos, endpoint, staging)}, timeout_s)
     return endpoint
 
 
 def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 120.0,
-               check_equal: bool = False, graph=None) -> UpdateResult:
+               check_equal: bool = False, graph=None, whole_each: bool = False) -> UpdateResult:
     """Send version ``version`` from the trainer (one actor, or every sending rank: :func:`sender_list`) to
     every engine at once; wait at most ``timeout_s``. The trainer's report merges the senders'.
 
@@ -83,7 +90,8 @@ def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 1
     trainer's; a difference raises WeightUpdateError naming the engine and the tensor (engines
     also refuse a mismatching update themselves when the group was built with check_equal).
     ``graph``: a :class:`rlplacement.runtime.update_graph.CompiledUpdate` of these actors, which makes
-    the same calls through a Ray Compiled Graph.
+    the same calls through a Ray Compiled Graph. ``whole_each``: every sender sent the whole update (to the
+    workers of its group, ``connect(per_worker=True)``), so the report counts it once.
     """
     from rlplacement.transfer.multi_sender import merge_sender_reports
 
@@ -95,7 +103,7 @@ def run_update(trainer, engines: Sequence, version: int, *, timeout_s: float = 1
         refs = {n: s.transfer_send.remote(version) for n, s in zip(names, senders)}
         refs.update({f"engine {i}": e.update_weights.remote(version) for i, e in enumerate(engines)})
         results = wait_all(refs, timeout_s, version)
-    report = merge_sender_reports([results[n] for n in names])
+    report = merge_sender_reports([results[n] for n in names], whole_each=whole_each)
     if check_equal:
         check_received(engines, report.checksums, version, timeout_s)
     return UpdateResult(version=version, trainer=report,

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class UpdateDispatch:
-    """Runs :func:`transfer_driver.run_update` for the current trainer rank 0 and engines, compiled or plain."""
+    """Runs :func:`transfer_driver.run_update` for the current senders and engines, compiled or plain."""
 
     def __init__(self, *, compiled: bool, timeout_s: float):
         self.compiled = compiled
@@ -27,9 +27,10 @@ class UpdateDispatch:
         self.timeout_s = timeout_s
         self._graph = None
 
-    def run(self, trainer, engines: Sequence, version: int, *, check_equal: bool) -> UpdateResult:
+    def run(self, trainer, engines: Sequence, version: int, *, check_equal: bool,
+            whole_each: bool = False) -> UpdateResult:
         return driver.run_update(trainer, engines, version, timeout_s=self.timeout_s, check_equal=check_equal,
-                                 graph=self._graph_for(trainer, engines))
+                                 graph=self._graph_for(trainer, engines), whole_each=whole_each)
 
     def _graph_for(self, trainer, engines: Sequence):
         """The compiled graph of these actors (built on first use, and again after it broke or an actor

@@ -91,6 +91,9 @@ class TransferEndpoint:
     more_senders: tuple[dict[str, Any], ...] = ()
     """The other senders' endpoints (plain data, trainer rank order) when several trainer ranks send an
     update: a worker joins each one's group too, at the same rank (:mod:`rlplacement.transfer.multi_sender`)."""
+    sender_per_worker: bool = False
+    """Each sender's group is that sender and one engine worker (colocated: the trainer rank on the worker's
+    GPU); worker ``i`` (group rank ``i + 1`` of the whole) joins sender ``i``'s group, at rank 1 there."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -328,6 +331,13 @@ class WeightReceiver(abc.ABC):
 
     @abc.abstractmethod
     def connect(self, endpoint: TransferEndpoint, rank: int) -> None: ...
+
+    @property
+    def read_from(self) -> dict[str, int]:
+        """Bytes of the last update this receiver read out of another process's memory, by the GPU that
+        memory is on (:func:`~rlplacement.transfer.group.gpu_identity`; ``cuda_ipc``); empty in modes whose
+        bytes are sent to it."""
+        return {}
 
     @property
     def rank(self) -> int | None:

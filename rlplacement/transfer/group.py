@@ -28,6 +28,21 @@ def default_device() -> "torch.device":
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def gpu_identity(device: "torch.device | str", local_index: int = 0) -> str:
+    """Which GPU ``device`` is, as every process on the host names it: its UUID under CUDA; on a host without
+    CUDA, the logical GPU the placement gave this process (entry ``local_index`` of its
+    ``CUDA_VISIBLE_DEVICES``, Ray's GPU id), or "" where it has none."""
+    import os
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[local_index].strip() if local_index < len(visible) else ""
+
+
 def local_host() -> str:
     """Where the group's store listens: loopback for a one-machine job, else Ray's node IP
     (:func:`rlplacement.rendezvous.job_host`; the store is bound to that interface only)."""

@@ -2,9 +2,15 @@
 update from all of them at once; the sender reports merge into one.
 
 Each sending trainer rank runs its mode's ordinary sender on its share of the tensors (the backend's
-``iter_update_tensors(spread=True)``), in a group of its own with every engine worker: the groups
+``iter_update_tensors(SHARES)``), in a group of its own with every engine worker: the groups
 share nothing, so the senders never wait on one another and no byte is forwarded through rank 0.
 The first sender's endpoint carries the others' (``TransferEndpoint.more_senders``).
+
+Colocated (``OWN_GPU``, ``TransferEndpoint.sender_per_worker``), each sender's group is that trainer rank
+and the one engine worker on its GPU, and the rank sends the whole update: a worker joins its own sender's
+group only (:func:`own_sender`) with the mode's own receiver. Each engine still commits on all its workers
+or none; engines in different groups may end a failed update on different versions (the job then sends the
+next update to all of them).
 
 :class:`MultiSenderReceiver` is one engine worker's side: one receiver of the mode per sender (a
 *channel*), each run in its own thread, and every bucket handed to the engine's loader from the
@@ -31,20 +37,36 @@ if TYPE_CHECKING:
 
 def sender_endpoints(endpoint: TransferEndpoint) -> list[TransferEndpoint]:
     """Every sender's endpoint, in trainer rank order: ``endpoint`` and those it carries."""
-    return [dataclasses.replace(endpoint, more_senders=())] + [
+    return [dataclasses.replace(endpoint, more_senders=(), sender_per_worker=False)] + [
         TransferEndpoint.from_dict(d) for d in endpoint.more_senders]
 
 
-def with_more_senders(endpoints: Sequence[dict]) -> dict:
-    """The endpoint engines join (plain data): the first sender's, carrying the others'."""
+def with_more_senders(endpoints: Sequence[dict], *, per_worker: bool = False) -> dict:
+    """The endpoint engines join (plain data): the first sender's, carrying the others'; ``per_worker``: each
+    sender's group holds one engine worker (:attr:`TransferEndpoint.sender_per_worker`)."""
     first = dict(endpoints[0])
     first["more_senders"] = [dict(e) for e in endpoints[1:]]
+    first["sender_per_worker"] = per_worker
     return first
 
 
+def own_sender(endpoint: TransferEndpoint, rank: int) -> tuple[TransferEndpoint, int]:
+    """The group an engine worker of group rank ``rank`` joins, and its rank there: ``endpoint`` as it is, or,
+    where each sender serves one worker (:attr:`TransferEndpoint.sender_per_worker`), worker ``rank - 1``'s
+    sender, at rank 1."""
+    if not endpoint.sender_per_worker:
+        return endpoint, rank
+    endpoints = sender_endpoints(endpoint)
+    if not 1 <= rank <= len(endpoints):
+        raise TransferError(f"engine worker rank {rank}: the endpoint has senders for worker ranks 1 to "
+                            f"{len(endpoints)}")
+    return endpoints[rank - 1], 1
+
+
 def receiver_for(mode_class: type, endpoint: TransferEndpoint, device, *, version: int) -> WeightReceiver:
-    """A receiver of ``mode_class`` for ``endpoint``: the mode's own for one sender, else one channel per sender."""
-    if endpoint.more_senders:
+    """A receiver of ``mode_class`` for ``endpoint``: the mode's own for one sender (or a sender of its own,
+    :func:`own_sender`), else one channel per sender."""
+    if endpoint.more_senders and not endpoint.sender_per_worker:
         return MultiSenderReceiver(mode_class, len(endpoint.more_senders) + 1, device, version=version)
     return mode_class(device, version=version)
 
@@ -60,10 +82,11 @@ def sender_bucket_size(buffer_size: int, num_senders: int) -> int:
     return max(MIN_SENDER_BUCKET, buffer_size // num_senders) if num_senders > 1 else buffer_size
 
 
-def merge_sender_reports(reports: Sequence[UpdateReport]) -> UpdateReport:
-    """One update's trainer report from every sender's (trainer rank order): counts and bytes summed, the
-    slowest sender's time, checksums merged, rank 0's instants, and each sender's bytes in
-    ``bytes_per_sender``."""
+def merge_sender_reports(reports: Sequence[UpdateReport], *, whole_each: bool = False) -> UpdateReport:
+    """One update's trainer report from every sender's (in sender order): the slowest sender's time, checksums
+    merged, the first sender's instants, and each sender's bytes in ``bytes_per_sender``. Counts and bytes are
+    summed over the shares, or, with ``whole_each`` (every sender sent the whole update to the workers of its
+    group), the update's own, which every sender's checksums must then agree on."""
     if len(reports) == 1:
         return reports[0]
     first = reports[0]
@@ -71,11 +94,16 @@ def merge_sender_reports(reports: Sequence[UpdateReport]) -> UpdateReport:
     if all(r.checksums is not None for r in reports):
         checksums = {}
         for r in reports:
+            if whole_each and r.checksums != first.checksums:
+                name = next(n for n in first.checksums if r.checksums.get(n) != first.checksums[n])
+                raise TransferError(f"the senders streamed different bytes for {name!r}: every trainer rank must "
+                                    f"hold the same weights")
             checksums.update(r.checksums)
     collectives = [r.stream_collectives for r in reports if r.stream_collectives is not None]
+    count = max if whole_each else sum
     return dataclasses.replace(
-        first, num_tensors=sum(r.num_tensors for r in reports), num_buckets=sum(r.num_buckets for r in reports),
-        bytes=sum(r.bytes for r in reports), seconds=max(r.seconds for r in reports), checksums=checksums,
+        first, num_tensors=count(r.num_tensors for r in reports), num_buckets=count(r.num_buckets for r in reports),
+        bytes=count(r.bytes for r in reports), seconds=max(r.seconds for r in reports), checksums=checksums,
         stream_collectives=max(collectives) if collectives else None,
         fallback=next((r.fallback for r in reports if r.fallback), ""),
         bytes_per_sender=tuple(r.bytes for r in reports))

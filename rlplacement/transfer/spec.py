@@ -23,6 +23,12 @@ disk, or a CUDA IPC handle on the same GPU."""
 SPLIT, COLOCATE = "split", "colocate"
 """Layouts a mode serves (``ModeSpec.layouts``)."""
 
+RANK0, SHARES, OWN_GPU = "rank 0", "shares", "own gpu"
+"""Who sends an update (:meth:`ModeSpec.who_sends`): trainer rank 0 sends every tensor to every engine worker
+(the other ranks help it gather); every rank sends its share, each in a group of its own with every worker
+(:mod:`rlplacement.transfer.multi_sender`); or each rank with an engine worker on its own GPU hands that
+worker the whole update (colocated), so no engine reads another GPU's trainer memory."""
+
 UNSET = object()
 """A flag default of :func:`flag_field` meaning: the flag is unset unless given, and the mode resolves
 the value on each host (``OptionsBase.resolved``), not from the dataclass default."""
@@ -86,6 +92,9 @@ class ModeSpec:
     every_rank_sends: bool = False
     """A trainer of several ranks sends with every rank, each its share in a group of its own
     (:mod:`rlplacement.transfer.multi_sender`); False: trainer rank 0 sends the whole update."""
+    reads_own_gpu: bool = False
+    """Colocated with a trainer of several ranks, each engine worker takes the update from the trainer rank
+    on its own GPU, which holds every tensor in turn; False: every worker reads trainer rank 0's memory."""
     moves_changed_bytes_only: bool = False
     """Only the bytes that changed since the last version travel (the advisor scales by the density)."""
     bench: BenchSpec | None = None
@@ -95,11 +104,14 @@ class ModeSpec:
     miles_factory: str | None = None
     """Its factory's name in ``rlplacement.integrations.miles`` (None: not offered to Miles)."""
 
-    def sends_from_every_rank(self, *, colocate: bool) -> bool:
-        """Whether every trainer rank sends its share in this layout (:attr:`every_rank_sends`, split layouts
-        only); else rank 0 sends the whole update. What runs (``RLJob.senders``) and what the simulator
-        prices as running (``plan.for_layout.plans_for``) both ask this."""
-        return self.every_rank_sends and not colocate
+    def who_sends(self, *, colocate: bool) -> str:
+        """:data:`SHARES` in split layouts of a mode that :attr:`every_rank_sends`, :data:`OWN_GPU` under
+        ``--colocate`` for a mode that :attr:`reads_own_gpu`, else :data:`RANK0` (also what a one-rank
+        trainer does whatever this says). What runs (``RLJob.senders``) and what the simulator prices as
+        running (``plan.for_layout.plans_for``) both ask this."""
+        if colocate:
+            return OWN_GPU if self.reads_own_gpu else RANK0
+        return SHARES if self.every_rank_sends else RANK0
 
     def sender_class(self) -> type:
         return _load(self.sender)

@@ -1,5 +1,8 @@
-"""Mode ``cuda_ipc``: the colocated path (``--colocate``): trainer rank 0 and the engine workers
-share the GPU(s), so a bucket is handed over as a memory handle instead of being sent.
+"""Mode ``cuda_ipc``: the colocated path (``--colocate``): the trainer and the engine workers share the
+GPU(s), so a bucket is handed over as a memory handle instead of being sent. With several trainer ranks
+each worker takes the update from the rank on its own GPU, in a group of two (``ModeSpec.reads_own_gpu``,
+:mod:`rlplacement.transfer.multi_sender`); a slot's descriptor names its GPU, and each receiver counts the
+bytes it read per GPU (``read_from``).
 
 Per bucket the sender packs the flat buffer (``bucket.pack_into``) into one of two exportable
 slot buffers (``buckets.SharedSlots``: CUDA IPC on GPU, a /dev/shm mapping on CPU) and
@@ -62,7 +65,7 @@ SPEC = register_mode(ModeSpec(
     receiver="rlplacement.transfer.cuda_ipc.receiver:IpcReceiver",
     summary="--colocate: buckets (or the trainer's own memory) handed to engines on the same GPU by CUDA IPC "
             "handles (/dev/shm on CPU)",
-    layouts=frozenset({COLOCATE}), advisor_path=IPC,
+    layouts=frozenset({COLOCATE}), advisor_path=IPC, reads_own_gpu=True,
     # 0.16-0.27 of an in-GPU copy at 4B-8B on one H200 (colocate_h200.json; fixed costs dominate there)
     advisor_efficiency=0.5,
     # 16.4 GB read in 11.7 ms through IPC handles on one H200 (colocate_h200.json, 8B)

@@ -38,6 +38,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from rlplacement.transfer.base import TransferError
+from rlplacement.transfer.group import gpu_identity
 
 if TYPE_CHECKING:
     import torch
@@ -178,12 +179,12 @@ class SharedSlots:
         key = f"{self.tag}-{slot}-{self.allocations}"
         if self.device.type == "cpu":
             buf = _ShmBuffer(os.path.join(shm_dir(), SHM_PREFIX + key), size)
-            desc = {"kind": "shm", "key": key, "nbytes": size, "path": buf.path}
+            desc = {"kind": "shm", "key": key, "nbytes": size, "path": buf.path, "gpu": gpu_identity(self.device)}
             tensor = buf.tensor
         else:
             tensor = buf = _exportable_cuda_buffer(size, self.device)
             desc = {"kind": "cuda", "key": key, "nbytes": size, "handle": _export_cuda(tensor),
-                    "gpu_uuid": _gpu_uuid(self.device)}
+                    "gpu_uuid": gpu_identity(self.device)}
         desc["host"] = socket.gethostname()
         self._slots[slot] = (buf, desc)
         self.allocations += 1
@@ -209,19 +210,13 @@ class SharedSlots:
         return sum(desc["nbytes"] for _, desc in self._slots.values())
 
 
-def _gpu_uuid(device: "torch.device") -> str:
-    import torch
-
-    return str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
-
-
 def _local_index_of(gpu_uuid: str, fallback: int) -> int:
     """This process's index of the GPU with ``gpu_uuid`` (processes may see different CUDA_VISIBLE_DEVICES)."""
     import torch
 
     if gpu_uuid:
         for i in range(torch.cuda.device_count()):
-            if _gpu_uuid(torch.device("cuda", i)) == gpu_uuid:
+            if gpu_identity(torch.device("cuda", i)) == gpu_uuid:
                 return i
     return fallback
 
@@ -269,8 +264,8 @@ class OpenedBuffer:
         here = socket.gethostname()
         if desc.get("host", here) != here:
             raise TransferError(f"mode cuda_ipc shares memory within one host: the trainer's buckets are on host "
-                                f"{desc['host']!r}, this engine worker runs on {here!r}; place every engine on trainer "
-                                f"rank 0's node, or drop --colocate and use broadcast_packed")
+                                f"{desc['host']!r}, this engine worker runs on {here!r}; place every engine on its "
+                                f"trainer rank's node, or drop --colocate and use broadcast_packed")
         if self.kind == "shm":
             import numpy as np
 

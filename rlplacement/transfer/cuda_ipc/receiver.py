@@ -30,6 +30,13 @@ class IpcReceiver(FramedReceiver):
         self.handles_opened = 0
         self.direct = MappedAllocations(self.device)
         self._held = False  # a direct update is staged: the sender waits for our commit-or-drop ack
+        self._read_from: dict[str, int] = {}
+
+    @property
+    def read_from(self) -> dict[str, int]:
+        """Bytes of the last bucketed update copied out of the sender's slot buffers, by the GPU they are on
+        (a direct update reads the trainer rank that sent its manifest: not counted here)."""
+        return dict(self._read_from)
 
     @property
     def staged_hf_shapes(self):
@@ -41,6 +48,7 @@ class IpcReceiver(FramedReceiver):
 
     def _stage(self) -> tuple[list[NamedTensor], int, int]:
         self._failure = None
+        self._read_from = {}
         self.verified_checksums = None  # set again only by a checked direct update
         kind, version, blob = frame = self._recv_frame()
         self.instants.mark("first_frame")
@@ -172,6 +180,8 @@ class IpcReceiver(FramedReceiver):
         if self._payload_info is None:
             raise TransferError(f"bucket {manifest.index} came without a shared-buffer handle")
         self._open(self._payload_info).copy_to(buf, manifest.nbytes)
+        gpu = self._payload_info.get("gpu_uuid", self._payload_info.get("gpu", ""))
+        self._read_from[gpu] = self._read_from.get(gpu, 0) + manifest.nbytes
 
     def _ack_direct(self, failed: bool) -> None:
         import torch

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class IpcSender(FramedSender):
-    """Trainer rank 0 under --colocate: one exported buffer per slot, two slots, one handle each."""
+    """A sending trainer rank under --colocate: one exported buffer per slot, two slots, one handle each."""
 
     mode: ClassVar[str] = "cuda_ipc"
     NUM_SLOTS = 2
@@ -42,7 +42,11 @@ class IpcSender(FramedSender):
         return "cuda ipc" if self.device.type == "cuda" else "shared memory"
 
     def connect(self) -> None:
+        """A new group's receivers have nothing open, and a slot's name is unlinked once the old group opened
+        it: the slots are made afresh, under new names, at their first use."""
         super().connect()
+        self._in_flight = {}
+        self.buffers.close()
         self._direct_sent = self._direct_kept = None
 
     def keep_mapped_between_updates(self) -> bool:

@@ -1,7 +1,8 @@
 """The plans of a layout, from the validated flags and a model's config: the sharded plan (every rank sends
 what it holds, every worker receives its slice), the spread plan (every rank sends its share of whole
-tensors: what split layouts of ``broadcast``, ``broadcast_packed`` and ``p2p`` run) and the rank-0 plan (what
-the other layouts and modes run); each simulated on the layout's GPUs.
+tensors: what split layouts of ``broadcast``, ``broadcast_packed`` and ``p2p`` run; colocated ``cuda_ipc``: every
+rank hands the whole model to the worker on its own GPU) and the rank-0 plan (what the other layouts and
+modes run); each simulated on the layout's GPUs.
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, buil
 from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_model_needs
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
-from rlplacement.transfer.plan.trainer_shards import (fsdp_holdings, megatron_holdings, rank0_holdings,
-                                                      spread_holdings)
+from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, fsdp_holdings, megatron_holdings,
+                                                      rank0_holdings, spread_holdings)
+from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanPair:
-    """The plans of one layout: ``sharded`` (each worker receives its slice: planned), ``spread`` (every
-    trainer rank sends its share of whole tensors: what split layouts of the spreading modes run; None where
-    rank 0 sends alone) and ``rank0`` (rank 0 sends everything). ``runs``: the key of the one that runs."""
+    """The plans of one layout: ``sharded`` (each worker receives its slice: planned), ``spread`` (several
+    trainer ranks send whole tensors, as ``who`` says: each its share, what split layouts of the spreading
+    modes run, or each the whole model to the worker on its GPU, what ``cuda_ipc`` runs colocated; None
+    where rank 0 sends alone) and ``rank0`` (rank 0 sends everything). ``runs``: the key of the one that
+    runs."""
 
     sharded: TransferPlan
     sharded_sim: Simulation
@@ -29,6 +33,8 @@ class PlanPair:
     rank0_sim: Simulation
     spread: TransferPlan | None = None
     spread_sim: Simulation | None = None
+    who: str = RANK0
+    """Who sends in the plan that runs (``ModeSpec.who_sends``; :data:`RANK0` for a one-rank trainer)."""
 
     @property
     def runs(self) -> str:
@@ -38,7 +44,7 @@ class PlanPair:
         plans = [("sharded", self.sharded, self.sharded_sim), ("rank0", self.rank0, self.rank0_sim)]
         if self.spread is not None:
             plans.append(("spread", self.spread, self.spread_sim))
-        return {"runs": self.runs, **{name: {**plan.summary(), **sim.to_json()} for name, plan, sim in plans}}
+        return {"runs": self.runs, "who_sends": self.who, **{name: {**plan.summary(), **sim.to_json()} for name, plan, sim in plans}}
 
 
 def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1):
@@ -71,8 +77,8 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
 
     Sharded, split: each worker's slice comes from the ranks that hold it. Sharded, colocated: each
     trainer rank first gathers what the worker on its GPU keeps and the worker reads it there, so no
-    engine reads another GPU's trainer memory. Rank 0 (today, both layouts): rank 0 gathers the whole
-    model and every worker is sent every tensor whole (colocated: every worker reads rank 0's GPU).
+    engine reads another GPU's trainer memory. Rank 0: rank 0 gathers the whole model and every worker is
+    sent every tensor whole (colocated: every worker reads rank 0's GPU).
     """
     from rlplacement.transfer import registry
 
@@ -104,7 +110,8 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     gather0 = {0: _missing_bytes(model, holdings[0], gathered0[0])}
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     spread = spread_sim = None
-    if spec.sends_from_every_rank(colocate=layout.colocate) and world > 1:
+    who = spec.who_sends(colocate=layout.colocate) if world > 1 else RANK0
+    if who == SHARES:
         gathered = spread_holdings(model, backend, world, pp if backend == "megatron" else 1)
         spread = build_plan(model, gathered, whole_needs, fanout)
         mine: list[dict] = [{} for _ in range(world)]
@@ -113,9 +120,15 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
         # FSDP all-gathers every parameter on every rank; a megatron rank gathers what it sends from its TP peers
         gather_spread = {rank: _missing_bytes(model, holdings[rank], gathered[rank] if backend != "megatron"
                                               else mine[rank]) for rank in range(world)}
+    elif who == OWN_GPU:
+        # every rank gathers the whole model and hands it to the worker on its own GPU
+        gathered = everywhere_holdings(model, set(local.values()), world)
+        spread = build_plan(model, gathered, whole_needs, fanout, local=local)
+        gather_spread = {rank: _missing_bytes(model, holdings[rank], gathered[rank]) for rank in set(local.values())}
+    if spread is not None:
         spread_sim = simulate(spread, layout.trainer_gpus, layout.engines, rates, disk=disk,
                               gather_bytes=gather_spread, rpc_s=rpc)
     return PlanPair(sharded, simulate(sharded, layout.trainer_gpus, layout.engines, rates, disk=disk,
                                       gather_bytes=gather, rpc_s=rpc),
                     rank0, simulate(rank0, layout.trainer_gpus, layout.engines, rates, disk=disk, gather_bytes=gather0,
-                                    rpc_s=rpc), spread, spread_sim)
+                                    rpc_s=rpc), spread, spread_sim, who)

@@ -66,9 +66,17 @@ def rank0_holdings(model: ModelTensors, world: int) -> Holdings:
     return [{t.name: whole(t.shape) for t in model.tensors}] + [{} for _ in range(world - 1)]
 
 
+def everywhere_holdings(model: ModelTensors, ranks, world: int) -> Holdings:
+    """Every tensor whole on each of ``ranks`` (each gathered the whole model, ``iter_update_tensors(OWN_GPU)``:
+    the colocated ranks that hand their GPU's engine worker the update), nothing on the others."""
+    everything = {t.name: whole(t.shape) for t in model.tensors}
+    ranks = set(ranks)
+    return [dict(everything) if r in ranks else {} for r in range(world)]
+
+
 def spread_holdings(model: ModelTensors, backend: str, world: int, pp: int = 1) -> Holdings:
     """What each rank holds whole once its backend gathered for an update where every rank sends its share
-    (``iter_update_tensors(spread=True)``): every tensor on every FSDP rank (each all-gathers every
+    (``iter_update_tensors(SHARES)``): every tensor on every FSDP rank (each all-gathers every
     parameter), its own stage's tensors on every megatron rank (a stage's ranks gather a parameter to the
     one that sends it, so any of them may)."""
     if backend != "megatron":
