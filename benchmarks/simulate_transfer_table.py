@@ -1,9 +1,11 @@
-"""The transfer docs' modelled table: dense 8B, 32B and 70B shapes on 8 to 1,024 GPUs, rank 0 sending
+"""The transfer docs' modelled tables: dense 8B, 32B and 70B shapes on 8 to 1,024 GPUs, rank 0 sending
 everything, every rank sending its share of whole tensors (what these split layouts run) and the sharded
-plan, predicted by the transfer simulator (nothing here ran on a cluster).
+plan, predicted by the transfer simulator (nothing here ran on a cluster); and the same shapes colocated
+(``cuda_ipc``), where the plan that runs has each trainer rank hand the worker on its GPU the whole model.
 
-Half the GPUs train (Megatron, the TP x PP below, the rest data-parallel), half serve engines of the
-width below, 8 GPUs a node, trainer and engines on their own nodes; rates are the advisor's defaults.
+Split: half the GPUs train (Megatron, the TP x PP below, the rest data-parallel), half serve engines of
+the width below, 8 GPUs a node, trainer and engines on their own nodes. Colocated: every GPU of one node
+trains and serves. Rates are the advisor's defaults.
 
     python benchmarks/simulate_transfer_table.py [--json OUT]
 """
@@ -37,6 +39,25 @@ MODELS = {  # Qwen3-8B, Qwen3-32B, Llama-3-70B shapes
 SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2), "70B": (8, 2, 8)}  # trainer TP, trainer PP, engine width
 GPUS = (8, 64, 256, 1024)
 MODES = ("broadcast_packed", "p2p")
+COLOCATED_SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2)}  # on one node of 8 GPUs (--colocate is refused across
+# nodes); 70B does not train on 8 GPUs
+
+
+def _row(name: str, model: ModelTensors, layout, mode: str, tp: int, pp: int, trainer_gpus: int) -> dict:
+    started = time.perf_counter()
+    pair = plans_for(model, layout, backend="megatron", tp=tp, pp=pp, mode=mode, assumptions=ModelAssumptions())
+    width = layout.gpus_per_engine
+    return {"model": name, "gpus": len(layout.gpus), "trainer": f"TP{tp} PP{pp} DP{trainer_gpus // (tp * pp)}",
+            "engines": f"{len(layout.engines)} x TP{width}", "mode": mode, "model_bytes": model.total_bytes,
+            "colocate": layout.colocate, "who_sends": pair.who,
+            "rank0_s": pair.rank0_sim.total_s, "sharded_s": pair.sharded_sim.total_s,
+            "spread_s": pair.spread_sim.total_s, "runs": pair.runs,
+            "rank0_max_sender_bytes": max(pair.rank0.bytes_per_sender().values()),
+            "spread_max_sender_bytes": max(pair.spread.bytes_per_sender().values()),
+            "sharded_max_sender_bytes": max(pair.sharded.bytes_per_sender().values()),
+            "rank0_busiest_link": pair.rank0_sim.busiest, "spread_busiest_link": pair.spread_sim.busiest,
+            "sharded_busiest_link": pair.sharded_sim.busiest,
+            "plan_build_s": time.perf_counter() - started}
 
 
 def rows() -> list[dict]:
@@ -51,27 +72,23 @@ def rows() -> list[dict]:
             nodes = max(1, half // 8)
             placement = PlacementConfig(actor_num_nodes=nodes, actor_num_gpus_per_node=half // nodes,
                                         rollout_num_gpus=half, rollout_num_gpus_per_engine=width)
-            layout = compute_layout(placement)
             for mode in MODES:
-                started = time.perf_counter()
-                pair = plans_for(model, layout, backend="megatron", tp=tp, pp=pp, mode=mode,
-                                 assumptions=ModelAssumptions())
-                out.append({"model": name, "gpus": total, "trainer": f"TP{tp} PP{pp} DP{half // (tp * pp)}",
-                            "engines": f"{half // width} x TP{width}", "mode": mode, "model_bytes": model.total_bytes,
-                            "rank0_s": pair.rank0_sim.total_s, "sharded_s": pair.sharded_sim.total_s,
-                            "spread_s": pair.spread_sim.total_s, "runs": pair.runs,
-                            "rank0_max_sender_bytes": max(pair.rank0.bytes_per_sender().values()),
-                            "spread_max_sender_bytes": max(pair.spread.bytes_per_sender().values()),
-                            "sharded_max_sender_bytes": max(pair.sharded.bytes_per_sender().values()),
-                            "sharded_busiest_link": pair.sharded_sim.busiest,
-                            "plan_build_s": time.perf_counter() - started})
+                out.append(_row(name, model, compute_layout(placement), mode, tp, pp, half))
+        if name in COLOCATED_SHAPES:
+            tp, pp, width = COLOCATED_SHAPES[name]
+            placement = PlacementConfig(colocate=True, actor_num_nodes=1, actor_num_gpus_per_node=8,
+                                        rollout_num_gpus=8, rollout_num_gpus_per_engine=width)
+            out.append(_row(name, model, compute_layout(placement), "cuda_ipc", tp, pp, 8))
     return out
 
 
-def markdown(table: list[dict]) -> str:
-    lines = ["| model | GPUs | trainer | engines | mode | rank 0 sends | every rank sends (runs) | sharded plan | "
-             "most bytes out of one GPU: rank 0 / every rank / sharded |", "|---|---|---|---|---|---|---|---|---|"]
+def markdown(table: list[dict], *, colocate: bool = False) -> str:
+    runs = "each rank to its GPU's worker (runs)" if colocate else "every rank sends (runs)"
+    lines = [f"| model | GPUs | trainer | engines | mode | rank 0 sends | {runs} | sharded plan | "
+             "most bytes out of one GPU: rank 0 / the plan that runs / sharded |", "|---|---|---|---|---|---|---|---|---|"]
     for r in table:
+        if r["colocate"] != colocate:
+            continue
         lines.append(f"| {r['model']} | {r['gpus']} | {r['trainer']} | {r['engines']} | {r['mode']} | "
                      f"{r['rank0_s']:.2f} s | {r['spread_s']:.2f} s | {r['sharded_s']:.2f} s | "
                      f"{r['rank0_max_sender_bytes'] / 1e9:,.0f} GB / {r['spread_max_sender_bytes'] / 1e9:,.1f} GB / "
@@ -85,6 +102,8 @@ def main() -> int:
     args = parser.parse_args()
     table = rows()
     print(markdown(table))
+    print()
+    print(markdown(table, colocate=True))
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "modelled": True, "rows": table},
                                               indent=1) + "\n")
