@@ -411,7 +411,8 @@ class RLJob:
             t = dataclasses.replace(t, buffer_size=sender_bucket_size(t.buffer_size, len(ranks)))
         refs = {f"trainer rank {r}": self.trainers[r].transfer_setup_from_config.remote(
                     t, timeout_s=self.timeout_s, base_dir=self.hf_dir, mode=mode, check_equal=check_equal,
-                    run_id=self.run_id, epoch=self.epoch, share=share) if r in ranks
+                    run_id=self.run_id, epoch=self.epoch, share=share,
+                    sender_index=r if share == SHARES else None) if r in ranks
                 else self.trainers[r].set_update_share.remote(share) for r in range(len(self.trainers))}
         get_all(list(refs.values()), self.timeout_s, "transfer set-up", list(refs))
         self._connect()

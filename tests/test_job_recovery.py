@@ -119,3 +119,18 @@ def test_a_killed_trainer_restarts_from_the_last_save_and_the_engines_are_kept(j
     job.generate(PROMPTS)  # the engines get the checkpoint's weights first, numbered above any served
     assert job.version > issued and job.served_versions() == [job.version] * 2
     assert all(got == saved_sums for got in _engine_sums(job))
+
+
+def test_disk_delta_is_written_by_both_trainer_ranks_each_its_share(job):
+    """Split disk-delta with two trainer ranks: each publishes its share in a folder of its own; the engines
+    take the union, checked tensor by tensor; the report's delta numbers cover both shares."""
+    job.set_transfer("disk-delta", check_equal=True)
+    assert len(job.senders) == 2
+    for seed in (11, 12):
+        job.train(two_sample_batch(seed))
+        result = job.update_weights()
+        assert result.checked and job.served_versions() == [job.version] * 2
+        report = result.trainer
+        assert len(report.bytes_per_sender) == 2 and min(report.bytes_per_sender) > 0
+        assert sum(report.bytes_per_sender) == report.bytes
+        assert len(report.folder.split(",")) == 2 and 0 < report.density <= 1

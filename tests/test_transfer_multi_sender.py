@@ -5,6 +5,7 @@ Each sender sends only its share; every receiver ends with the union, bit for bi
 bucket; a failure on one sender fails the update on every receiver, which keeps its previous version.
 """
 
+import json
 import threading
 
 import pytest
@@ -53,9 +54,9 @@ def _run_threads(fns):
 class Senders:
     """``num_senders`` senders of ``mode`` (trainer ranks) and ``n_receivers`` receivers (engine workers)."""
 
-    def __init__(self, mode, num_senders=2, n_receivers=2, buffer_size=1024):
-        self.senders = [registry.sender_class(mode)(buffer_size, timeout_s=20.0, device="cpu")
-                        for _ in range(num_senders)]
+    def __init__(self, mode, num_senders=2, n_receivers=2, buffer_size=1024, options=lambda i: {}):
+        self.senders = [registry.sender_class(mode)(buffer_size, timeout_s=20.0, device="cpu", **options(i))
+                        for i in range(num_senders)]
         endpoints = [s.listen(1 + n_receivers, host="127.0.0.1").to_dict() for s in self.senders]
         endpoint = TransferEndpoint.from_dict(with_more_senders(endpoints))
         self.receivers = [receiver_for(registry.receiver_class(mode), endpoint, "cpu", version=0)
@@ -120,6 +121,38 @@ def test_every_receiver_gets_the_union_of_the_shares_bit_exact(mode, bucketwise)
             for layer in range(4):
                 p = f"model.layers.{layer}.self_attn."
                 assert owners[p + "q_proj.weight"] == owners[p + "k_proj.weight"] == owners[p + "v_proj.weight"]
+    finally:
+        session.close()
+
+
+def test_disk_delta_senders_publish_their_shares_in_folders_of_their_own_and_deltas_chain(tmp_path):
+    """Two disk-delta senders on one ``--update-weight-disk-dir``: each publishes in ``sender{i}``; versions 2
+    and 3 are deltas on the bytes each receiver's channel committed last, bit-exact."""
+    session = Senders("disk-delta", options=lambda i: {"disk_dir": str(tmp_path), "sender_index": i})
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["sender0", "sender1"]
+        g = torch.Generator().manual_seed(0)
+        named = _model(1)
+        for version in (1, 2, 3):
+            named = [(n, t if i % 3 else t + torch.randn(t.shape, generator=g).to(t.dtype))
+                     for i, (n, t) in enumerate(named)]  # a third of the tensors change each version
+            shares, _ = _shares(named, 2)
+            reports, errors, applied = session.run(version, shares)
+            assert errors == [None] * 4
+            assert [r.base_version for r in reports] == ([None, None] if version == 1 else [version - 1] * 2)
+            merged = merge_sender_reports(reports)  # the delta's own numbers over both shares
+            assert merged.changed_bytes == sum(r.changed_bytes for r in reports) > 0
+            assert merged.wire_bytes == sum(r.wire_bytes for r in reports)
+            assert merged.density == pytest.approx(merged.changed_bytes / merged.bytes)
+            assert merged.base_version == reports[0].base_version
+            want = dict(named)
+            for got in applied:
+                assert sorted(n for n, _ in got) == sorted(want)
+                assert all(torch.equal(t.view(torch.uint8), want[n].contiguous().view(torch.uint8)) for n, t in got)
+            for i, share in enumerate(shares):  # each folder's latest version holds exactly its sender's share
+                index = json.loads((tmp_path / f"sender{i}" / f"weight_v{version:06d}" /
+                                    "model.safetensors.index.json").read_text())
+                assert set(index["tensors"]) == {n for n, _ in share}
     finally:
         session.close()
 

@@ -60,17 +60,19 @@ class TrainerTransferMixin:
     def transfer_setup_from_config(self, transfer_config, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                                    device: str | None = None, base_dir: str | None = None, mode: str | None = None,
                                    check_equal: bool | None = None, run_id: str = "", epoch: int = 0,
-                                   share: str = RANK0) -> None:
+                                   share: str = RANK0, sender_index: int | None = None) -> None:
         """Set up from ``rlplacement.config.TransferConfig``: the mode that runs (``cuda_ipc`` under
         --colocate) unless ``mode`` overrides it, with every option of that mode from the config
         (:func:`registry.sender_options`), so none is dropped on the way. ``base_dir``: the checkpoint the
         engines started from (disk-delta's version 0). ``run_id``/``epoch``: the run's identity and its
-        resumes so far (disk-delta starts a new segment of its folder at each; "": a fresh run id)."""
+        resumes so far (disk-delta starts a new segment of its folder at each; "": a fresh run id).
+        ``sender_index``: which of several senders this rank is (disk-delta: its own subfolder)."""
         mode = mode or transfer_config.mode
         check = transfer_config.check_equal if check_equal is None else check_equal
         self.transfer_setup(mode, transfer_config.buffer_size, check_equal=check, timeout_s=timeout_s, device=device,
                             share=share,
-                            **registry.sender_options(transfer_config, mode, base_dir, run_id=run_id, epoch=epoch))
+                            **registry.sender_options(transfer_config, mode, base_dir, run_id=run_id, epoch=epoch,
+                                                     sender_index=sender_index))
 
     def transfer_listen(self, world_size: int, host: str | None = None) -> dict:
         if self.transfer_sender is None:

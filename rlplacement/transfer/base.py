@@ -143,6 +143,11 @@ class UpdateReport:
         out["perf/update_weights_max_sender_bytes"] = max(senders)
         return out
 
+    def merged_fields(self, reports: "Sequence[UpdateReport]") -> dict[str, Any]:
+        """A mode's own fields of one update's report from its senders' (``reports``, this one first), where
+        several trainer ranks each sent a share (``multi_sender.merge_sender_reports``); {}: none."""
+        return {}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineUpdateReport:

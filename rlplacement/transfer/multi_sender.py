@@ -106,7 +106,7 @@ def merge_sender_reports(reports: Sequence[UpdateReport], *, whole_each: bool = 
         bytes=count(r.bytes for r in reports), seconds=max(r.seconds for r in reports), checksums=checksums,
         stream_collectives=max(collectives) if collectives else None,
         fallback=next((r.fallback for r in reports if r.fallback), ""),
-        bytes_per_sender=tuple(r.bytes for r in reports))
+        bytes_per_sender=tuple(r.bytes for r in reports), **first.merged_fields(reports))
 
 
 class MultiSenderReceiver(StagingReceiver):
@@ -149,6 +149,13 @@ class MultiSenderReceiver(StagingReceiver):
         super().abort()
         for channel in self.channels:
             channel.abort()
+
+    def on_committed(self, version: int) -> None:
+        """Every channel's share reached the model with the whole: each serves ``version`` too (disk-delta's
+        channels then hold the bytes their next delta applies to)."""
+        super().on_committed(version)
+        for channel in self.channels:
+            channel.on_committed(version)
 
     def _stage(self) -> tuple[list[NamedTensor], int, int]:
         results = self._run_all(lambda channel, _: channel._stage())

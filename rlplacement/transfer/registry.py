@@ -87,13 +87,14 @@ def receiver_class(mode: str) -> type:
 
 
 def sender_options(transfer_config, mode: str, base_dir: str | None = None, *, run_id: str = "",
-                   epoch: int = 0) -> dict[str, Any]:
+                   epoch: int = 0, sender_index: int | None = None) -> dict[str, Any]:
     """The keyword arguments ``mode``'s sender takes from a ``rlplacement.config.TransferConfig``: the
     fields of its options (a sender takes them by name and builds its options dataclass again, which
     validates them), from the flags, or the mode's defaults when the config was built for another mode;
     where the options have such fields, what the job knows and no flag says: ``base_dir`` (the
     checkpoint the engines started from), ``run_id`` (the run's identity across resumes; "" leaves the
-    mode's own choice) and ``epoch`` (how many times the run was resumed)."""
+    mode's own choice), ``epoch`` (how many times the run was resumed) and ``sender_index`` (which of
+    several sending trainer ranks this is; None: the only one)."""
     s = spec(mode)
     if s.options is None:
         return {}
@@ -105,4 +106,6 @@ def sender_options(transfer_config, mode: str, base_dir: str | None = None, *, r
         kwargs["run_id"] = run_id
     if "epoch" in kwargs:
         kwargs["epoch"] = epoch
+    if "sender_index" in kwargs:
+        kwargs["sender_index"] = sender_index
     return kwargs

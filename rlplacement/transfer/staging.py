@@ -124,8 +124,14 @@ class StagingReceiver(WeightReceiver):
         self._staged = self._pending = None
         apply(staged)
         self.instants.mark("applied")
-        self._version = version
+        self.on_committed(version)
         return version
+
+    def on_committed(self, version: int) -> None:
+        """Serve ``version``: the bytes this receiver staged for it reached the model (through :meth:`commit`,
+        or as one channel of an update several senders sent, ``multi_sender.MultiSenderReceiver``). A mode
+        that keeps state per served version (disk-delta's held bytes) extends it."""
+        self._version = version
 
     def abort(self) -> None:
         self._staged = self._pending = None

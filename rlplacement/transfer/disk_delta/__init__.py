@@ -39,7 +39,9 @@ class DiskDeltaOptions(OptionsBase):
     (version 0; None makes the first version a keyframe); ``run_id``, the run's identity across its
     resumes ("": the sender makes a fresh random one); ``epoch``, how many times the run was resumed
     (a ``--load`` resume or a trainer restart; 0 for a fresh run). A (run_id, epoch) is one segment of
-    the folder (:mod:`.folder_format`)."""
+    the folder (:mod:`.folder_format`). ``sender_index``: set by the job where several trainer ranks send
+    (each its share): this sender publishes in ``disk_dir/sender{i}``, a folder of its own with its own
+    pointer, segments and key, and each engine worker reads every sender's folder (None: ``disk_dir``)."""
 
     disk_dir: str | os.PathLike | None = flag_field(
         "--update-weight-disk-dir", None, type=str, help="disk-delta: the folder every engine reads versions from.")
@@ -49,12 +51,16 @@ class DiskDeltaOptions(OptionsBase):
     base_dir: str | os.PathLike | None = None
     run_id: str = ""
     epoch: int = 0
+    sender_index: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str):
             raise ConfigError(f"disk-delta run_id {self.run_id!r} must be a string (\"\": a fresh random one)")
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
             raise ConfigError(f"disk-delta epoch {self.epoch!r} must be an int >= 0 (the run's resumes so far)")
+        if self.sender_index is not None and (isinstance(self.sender_index, bool)
+                                              or not isinstance(self.sender_index, int) or self.sender_index < 0):
+            raise ConfigError(f"disk-delta sender_index {self.sender_index!r} must be an int >= 0 or None")
         if self.delta_encoding not in ENCODINGS:
             raise ConfigError(f"--update-weight-delta-encoding {self.delta_encoding!r} is unknown: use one of "
                               f"{', '.join(ENCODINGS)}")
@@ -89,4 +95,4 @@ SPEC = register_mode(ModeSpec(
     summary="per-tensor byte deltas written to a shared folder; engines read and verify each version",
     options=DiskDeltaOptions, init_record=DiskDeltaInit, layouts=frozenset({SPLIT}), advisor_path=DISK,
     advisor_efficiency=1.0,
-    moves_changed_bytes_only=True, bench=None, verl_backend="rlplacement_disk_delta", miles_factory="disk_delta"))
+    moves_changed_bytes_only=True, every_rank_sends=True, bench=None, verl_backend="rlplacement_disk_delta", miles_factory="disk_delta"))

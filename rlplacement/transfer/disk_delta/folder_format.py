@@ -94,8 +94,9 @@ def read_pointer(root: Path) -> dict | None:
     return pointer if isinstance(pointer, dict) and isinstance(pointer.get("version"), int) else None
 
 
-def read_safetensors_bytes(path: Path) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
-    """name -> (torch dtype name, shape, uint8 bytes) of one safetensors file, read raw (any dtype)."""
+def read_safetensors_bytes(path: Path, names: set[str] | None = None) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
+    """name -> (torch dtype name, shape, uint8 bytes) of one safetensors file, read raw (any dtype); with
+    ``names``, only those tensors, copied out so the rest of the file is not kept."""
     import numpy as np
 
     with open(path, "rb") as fh:
@@ -104,24 +105,25 @@ def read_safetensors_bytes(path: Path) -> dict[str, tuple[str, tuple[int, ...], 
         data = np.frombuffer(bytearray(fh.read()), dtype=np.uint8)
     out = {}
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__" or (names is not None and name not in names):
             continue
         if info["dtype"] not in _ST_DTYPES:
             raise TransferError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which disk-delta does not read")
         begin, end = info["data_offsets"]
-        out[name] = (_ST_DTYPES[info["dtype"]], tuple(info["shape"]), data[begin:end])
+        out[name] = (_ST_DTYPES[info["dtype"]], tuple(info["shape"]),
+                     data[begin:end] if names is None else data[begin:end].copy())
     return out
 
 
-def read_checkpoint_bytes(model_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
-    """Every tensor of a Hugging Face folder's ``*.safetensors`` files, as raw bytes."""
+def read_checkpoint_bytes(model_dir: str | Path, names: set[str] | None = None) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
+    """Every tensor of a Hugging Face folder's ``*.safetensors`` files (or those of ``names``), as raw bytes."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise TransferError(f"base checkpoint {model_dir} has no *.safetensors files: disk-delta diffs against "
                             f"the checkpoint the engines started from (--hf-checkpoint)")
     out: dict = {}
     for f in files:
-        out.update(read_safetensors_bytes(f))
+        out.update(read_safetensors_bytes(f, names))
     return out
 
 

@@ -94,13 +94,12 @@ class DiskDeltaReceiver(StagingReceiver):
         self._staged_held, self._staged_segment, self.last_index = (held, sums), segment, index
         return staged, len(set(index["weight_map"].values())), stored_bytes
 
-    def commit(self, apply: ApplyFn) -> int:
+    def on_committed(self, version: int) -> None:
+        super().on_committed(version)
         held_and_sums, self._staged_held = self._staged_held, None
-        version = super().commit(apply)
         self._held, self._held_sums = held_and_sums
         self._segment = self._staged_segment
         _COMMITTED[(str(self.root), self.rank)] = (version, *held_and_sums, self._segment)
-        return version
 
     def _describe_segment(self) -> str:
         if self._segment is None:
@@ -124,7 +123,8 @@ class DiskDeltaReceiver(StagingReceiver):
         if base_dir is None:
             raise TransferError(f"{self._where()}: version {index['version']} is a delta on the base checkpoint, "
                                 f"but neither the receiver nor the index names it")
-        self._held = folder_format.read_checkpoint_bytes(base_dir)
+        # only this version's tensors: one of several senders' folders holds its share of the model
+        self._held = folder_format.read_checkpoint_bytes(base_dir, names=set(index["tensors"]))
         self._held_sums = {}
         return self._held
 

@@ -66,30 +66,42 @@ class DeltaUpdateReport(UpdateReport):
         return {**super().metrics, "perf/update_weights_density": self.density,
                 "perf/update_weights_wire_bytes": self.wire_bytes}
 
+    def merged_fields(self, reports) -> dict[str, Any]:
+        """Several senders' shares: bytes changed and written summed, the density over the whole update; a
+        keyframe if any sender wrote one (each sender's folder chains on its own)."""
+        changed, total = sum(r.changed_bytes for r in reports), sum(r.bytes for r in reports)
+        keyframe = any(r.base_version is None for r in reports)
+        return {"changed_bytes": changed, "wire_bytes": sum(r.wire_bytes for r in reports),
+                "density": changed / total if total else 0.0, "base_version": None if keyframe else self.base_version,
+                "folder": ",".join(r.folder for r in reports)}
+
 
 class DiskDeltaSender(WeightSender):
-    """Trainer rank 0: named tensors -> per-tensor deltas against the last published bytes -> folder."""
+    """A sending trainer rank: named tensors -> per-tensor deltas against the last published bytes -> folder."""
 
     mode: ClassVar[str] = MODE
 
     def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: Any = None, disk_dir: str | os.PathLike | None = None, delta_encoding: str = "xor",
                  base_dir: str | os.PathLike | None = None, run_id: str = "", epoch: int = 0,
-                 keep_versions: int = KEEP_VERSIONS):
+                 sender_index: int | None = None, keep_versions: int = KEEP_VERSIONS):
         """``buffer_size`` bounds one shard's payload bytes. ``disk_dir`` None: a fresh folder under
         the system temp dir (one host only; removed on close). ``base_dir``: the HF checkpoint the
         engines started from (version 0); None makes the first version a keyframe. ``run_id`` and
-        ``epoch``: the segment this sender publishes (``DiskDeltaOptions``; "" makes a fresh run id)."""
+        ``epoch``: the segment this sender publishes (``DiskDeltaOptions``; "" makes a fresh run id).
+        ``sender_index``: one of several senders, publishing in ``disk_dir/sender{i}``."""
         if buffer_size <= 0:
             raise ValueError(f"buffer_size must be positive, got {buffer_size}: set --update-weight-buffer-size")
         self.options = DiskDeltaOptions(disk_dir=disk_dir, delta_encoding=delta_encoding, base_dir=base_dir,
-                                        run_id=run_id, epoch=epoch)  # validates
+                                        run_id=run_id, epoch=epoch, sender_index=sender_index)  # validates
         if keep_versions < 2:
             raise ValueError(f"keep_versions {keep_versions}: keep at least the newest version and its base")
         self.buffer_size, self.check_equal, self.timeout_s = buffer_size, check_equal, timeout_s
         self.encoding, self.keep_versions = delta_encoding, keep_versions
         self._owns_dir = disk_dir is None
         self.root = Path(disk_dir) if disk_dir is not None else Path(tempfile.mkdtemp(prefix="rlplacement-disk-delta-"))
+        if sender_index is not None and disk_dir is not None:
+            self.root = self.root / f"sender{sender_index}"
         self.base_dir = Path(base_dir) if base_dir is not None else None
         self._held: dict[str, tuple[str, tuple[int, ...], "np.ndarray"]] | None = None
         self._held_sums: dict[str, str] = {}
