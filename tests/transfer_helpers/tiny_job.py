@@ -9,9 +9,9 @@ from rlplacement.models.tiny import TinySpec, make_tiny_model
 
 
 @contextlib.contextmanager
-def tiny_job(tmp_path_factory, flags: list[str], *, timeout_s: float = 120):
-    """``RLJob.start`` on a fresh tiny model with ``flags`` (the library's own parser and validation)."""
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec())
+def tiny_job(tmp_path_factory, flags: list[str], *, timeout_s: float = 120, spec: TinySpec = TinySpec()):
+    """``RLJob.start`` on a fresh tiny model of ``spec`` with ``flags`` (the library's own parser and validation)."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny"), spec)
     args = rlplacement.add_arguments(argparse.ArgumentParser()).parse_args(flags)
     with rlplacement.RLJob.start(rlplacement.config_from_args(args), str(model_dir), timeout_s=timeout_s) as started:
         yield started
