@@ -122,16 +122,21 @@ def test_check_equal_sends_checksums_and_catches_corruption(mode, monkeypatch):
         report, send_error, errors = s.run(1, named)
         assert send_error is None and errors == [None]
         assert report.checksums == {n: tensor_checksum(t) for n, t in named}
-        # corrupt what lands in the receiver's buffer: it must refuse and stay on version 1
+        # corrupt what lands in the receiver's buffer: it must refuse and stay on version 1. p2p replays its
+        # second update (no per-bucket payload call; the checksums come with END): corrupt before it is read
         cls = type(s.receivers[0])
-        orig = cls._recv_payload
+        hook = "_unpack" if mode == "p2p" else "_recv_payload"
+        orig = getattr(cls, hook)
 
         def corrupting(self, buf, manifest):
-            orig(self, buf, manifest)
-            if manifest.index == 0:
+            if hook == "_unpack" and manifest.index == 0:
+                buf[0] ^= 0xFF
+            out = orig(self, buf, manifest)
+            if hook == "_recv_payload" and manifest.index == 0:
                 buf[0] ^= 0xFF  # first byte of the first tensor
+            return out
 
-        monkeypatch.setattr(cls, "_recv_payload", corrupting)
+        monkeypatch.setattr(cls, hook, corrupting)
         report, send_error, errors = s.run(2, _model(2))
         if mode == "cuda_ipc":  # receivers acknowledge each bucket: the sender aborts the update everywhere
             assert isinstance(send_error, UpdateAborted) and "rank(s) 1 failed on bucket 0" in str(send_error)
@@ -139,7 +144,7 @@ def test_check_equal_sends_checksums_and_catches_corruption(mode, monkeypatch):
             assert send_error is None
         assert isinstance(errors[0], WeightMismatchError) and "model.layers.0.self_attn.q_proj.weight" in str(errors[0])
         assert s.receivers[0].version == 1
-        monkeypatch.setattr(cls, "_recv_payload", orig)
+        monkeypatch.setattr(cls, hook, orig)
         report, send_error, errors = s.run(3, _model(3))  # the group is still usable
         assert send_error is None and errors == [None] and s.receivers[0].version == 3
     finally:
@@ -252,3 +257,46 @@ def test_each_side_marks_its_phases_on_one_clock(mode):
             assert sorted(r.instants.values()) == list(r.instants.values())
     finally:
         s.close()
+
+
+def _scaled(named, factor):
+    return [(n, (t.float() * factor).to(t.dtype)) for n, t in named]
+
+
+def test_p2p_replays_the_last_updates_buckets_with_no_collective_per_bucket():
+    """Real Mooncake over TCP, many small buckets: the first update learns every destination bucket by bucket
+    (3 collectives a bucket); later ones replay them with 4 collectives in all, bit-exact and checked; a
+    stream whose layout changes part-way is replayed up to the change and goes bucket by bucket after it."""
+    s = Session("p2p", buffer_size=2048, check_equal=True)
+    try:
+        named = _model(1)
+        before = s.sender.collectives
+        report, send_error, errors = s.run(1, named)
+        assert send_error is None and errors == [None, None] and report.path == "buckets"
+        buckets = report.num_buckets
+        assert buckets > 5 and s.sender.collectives - before >= 3 * buckets
+        for version in (2, 3):
+            named = _scaled(named, 1.5)
+            before = s.sender.collectives
+            report, send_error, errors = s.run(version, named)
+            assert send_error is None and errors == [None, None]
+            assert report.path == "replay" and report.num_buckets == buckets
+            assert s.sender.collectives - before == 4  # REPLAY, the refusals, END and its blob
+            for applied in s.applied:
+                assert [n for n, _ in applied] == [n for n, _ in named]
+                assert all(torch.equal(_bytes(src), _bytes(got)) for (_, src), (_, got) in zip(named, applied))
+        # the last tensor grows: every bucket before it replays, the rest goes bucket by bucket
+        changed = named[:-1] + [("big", torch.randn(4000))]
+        before = s.sender.collectives
+        report, send_error, errors = s.run(4, changed)
+        assert send_error is None and errors == [None, None] and report.path == "replay"
+        assert 4 < s.sender.collectives - before < 3 * buckets
+        for applied in s.applied:
+            assert all(torch.equal(_bytes(src), _bytes(got)) for (_, src), (_, got) in zip(changed, applied))
+        before = s.sender.collectives
+        report, send_error, errors = s.run(5, _scaled(changed, 2.0))  # the new layout replays in turn
+        assert send_error is None and errors == [None, None] and s.sender.collectives - before == 4
+        assert [r.version for r in s.receivers] == [5, 5]
+    finally:
+        s.close()
+

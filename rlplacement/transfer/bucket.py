@@ -179,6 +179,10 @@ class FlatBuffers:
             self.allocations += 1
         return buf
 
+    def peek(self, slot: int) -> "torch.Tensor | None":
+        """The slot's buffer as it stands (None: none yet), allocating nothing."""
+        return self._slots.get(slot)
+
     def trim(self, keep_slots: int) -> None:
         """Free slots beyond ``keep_slots`` (the model shrank or the bucket size changed)."""
         for slot in [s for s in self._slots if s >= keep_slots]:

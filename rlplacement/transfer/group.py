@@ -76,6 +76,8 @@ class TransferGroup:
         else:
             raise ValueError(f"transfer backend {backend!r} is unknown: use gloo or nccl")
         self._store = store  # keep the rendezvous alive as long as the group
+        self.collectives = 0
+        """Broadcasts and all-reduces this member issued (what a mode's wire costs in round trips)."""
 
     def broadcast(self, tensor: "torch.Tensor", *, async_op: bool = False):
         """Broadcast from rank 0 into ``tensor``; with ``async_op`` return the work to ``wait()`` on.
@@ -88,6 +90,7 @@ class TransferGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
+        self.collectives += 1
         work = self._pg.broadcast([tensor], opts)
         if async_op:
             return work
@@ -100,6 +103,7 @@ class TransferGroup:
 
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
+        self.collectives += 1
         work = self._pg.allreduce([tensor], opts)
         if async_op:
             return work

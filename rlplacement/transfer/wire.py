@@ -22,6 +22,7 @@ update cleanly: every receiver gets an ABORT frame and the group stays usable.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import json
 import time
 import uuid
@@ -76,6 +77,27 @@ def wire_device(backend: str, device: "torch.device") -> "torch.device":
     return torch.device("cpu") if backend == "gloo" else device
 
 
+@dataclasses.dataclass
+class SentSoFar:
+    """What an update has moved so far: counts, bytes and, with checksums on, every tensor's checksum."""
+
+    num_tensors: int = 0
+    num_buckets: int = 0
+    nbytes: int = 0
+    checksums: dict[str, str] | None = None
+
+    @classmethod
+    def none(cls, check_equal: bool) -> "SentSoFar":
+        return cls(checksums={} if check_equal else None)
+
+    def add(self, bucket: list[NamedTensor], manifest: BucketManifest) -> None:
+        self.num_buckets += 1
+        self.num_tensors += len(bucket)
+        self.nbytes += sum(m.nbytes for m in manifest.tensors)
+        if self.checksums is not None:
+            self.checksums.update((m.name, m.checksum) for m in manifest.tensors)
+
+
 class FramedSender(WeightSender):
     """A sending trainer rank: tensors -> buckets -> header + manifest frame, then the mode's payload per bucket."""
 
@@ -100,6 +122,12 @@ class FramedSender(WeightSender):
     def transport(self) -> str:
         """The group's backend, which carries the payloads: ``nccl`` for CUDA tensors, ``gloo`` for CPU ones."""
         return self.backend
+
+    @property
+    def collectives(self) -> int:
+        """Broadcasts and all-reduces this sender issued in its group so far (0 before ``connect``): what the
+        wire costs in round trips."""
+        return self._group.collectives if self._group is not None else 0
 
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint:
         if world_size < 2:
@@ -162,25 +190,25 @@ class FramedSender(WeightSender):
         (the tensors are the trainer's own memory) lets a mode read them in place; here it changes nothing
         but that the tensors of ``hf_shapes`` are packed in their HF shapes."""
         named_tensors = hf_shaped(named_tensors, hf_shapes)
-        num_tensors = num_buckets = nbytes = 0
-        checksums: dict[str, str] | None = {} if self.check_equal else None
-        for index, bucket in enumerate(iter_buckets(guard(named_tensors), self.buffer_size, self.group_of)):
+        return self._send_buckets(version, enumerate(iter_buckets(guard(named_tensors), self.buffer_size,
+                                                                   self.group_of)), SentSoFar.none(self.check_equal))
+
+    def _send_buckets(self, version: int, buckets: Iterable[tuple[int, list[NamedTensor]]], sent: "SentSoFar"):
+        """Each ``(index, bucket)`` as a BUCKET frame and its payload, then END; ``sent``: what this update
+        already moved another way (a mode that replays its last buckets, then goes bucket by bucket)."""
+        for index, bucket in buckets:
             manifest = plan_manifest(index, bucket, self.check_equal)
             prepared = self._prepare_payload(bucket, manifest)  # before the header: overlaps the last send
             self._send_frame(KIND_BUCKET, version, self._manifest_blob(manifest, prepared), manifest.nbytes)
             self._send_payload(bucket, manifest, prepared)
-            num_buckets += 1
-            num_tensors += len(bucket)
-            nbytes += sum(m.nbytes for m in manifest.tensors)
-            if checksums is not None:
-                checksums.update((m.name, m.checksum) for m in manifest.tensors)
+            sent.add(bucket, manifest)
         self._drain()
-        self._send_frame(KIND_END, version, b"", num_tensors)
+        self._send_frame(KIND_END, version, b"", sent.num_tensors)
         if self.wire_device.type == "cuda":
             import torch
 
             torch.cuda.current_stream(self.wire_device).synchronize()  # sent means off the wire
-        return num_tensors, num_buckets, nbytes, checksums, "buckets"
+        return sent.num_tensors, sent.num_buckets, sent.nbytes, sent.checksums, "buckets"
 
     def _forget_sent(self) -> None:
         """After an abort, receivers may hold none of the manifests sent: send them whole again."""
@@ -286,13 +314,14 @@ class FramedReceiver(StagingReceiver):
         staged, _, num_buckets, nbytes = self._receive_buckets(frame, None)
         return staged, num_buckets, nbytes
 
-    def _receive_buckets(self, frame: tuple[int, int, bytes], apply_bucket: ApplyFn | None):
+    def _receive_buckets(self, frame: tuple[int, int, bytes], apply_bucket: ApplyFn | None,
+                         before: tuple[list[NamedTensor], int, int, int] | None = None):
         """Buckets until END, starting with ``frame``: ``(staged, tensors, buckets, bytes)``. Without
         ``apply_bucket`` each bucket stays in its own kept buffer and is staged; with it, buckets take two
         buffers in turn (a bucket's views are handed over before the one after next lands in them) and go
-        to ``apply_bucket`` as they arrive, until the first failure (kept in ``self._failure``)."""
-        staged: list[NamedTensor] = []
-        nbytes = num_buckets = num_tensors = 0
+        to ``apply_bucket`` as they arrive, until the first failure (kept in ``self._failure``).
+        ``before``: what this update staged already another way (its buckets are the first positions)."""
+        staged, num_tensors, num_buckets, nbytes = before if before is not None else ([], 0, 0, 0)
         while True:
             kind, version, blob = frame
             if kind == KIND_ABORT:

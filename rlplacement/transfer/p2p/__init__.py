@@ -15,6 +15,17 @@ Per bucket, in the same order on every rank:
    finish within ``--p2p-transfer-timeout``; it then sends ABORT, so every engine keeps its
    previous version and the trainer raises naming the engine worker and the bucket.
 
+Replay (steady state, ``--update-weight-staging full``): an update after one that went bucket by bucket
+starts with a REPLAY frame naming the last update's bucket count; every receiver that still holds each of
+those buckets' staging buffer, registered and at the address it gave, accepts (one all-reduce of refusals).
+Then the sender packs and writes each bucket whose layout (``layout_key``: names, dtypes, shapes, offsets)
+is the last update's straight to the addresses learned then, with no collective per bucket, and sends END
+once every write landed, carrying the bucket count and the checksums (if on). At the first bucket whose
+layout differs, a REPLAYED frame closes the replayed part and the rest goes bucket by bucket. A refusal
+(bucket staging, whose two buffers are reused as the model loads them; a buffer regrown or dropped) sends
+the whole update bucket by bucket. An update is 4 collectives whatever its bucket count (REPLAY, the
+refusals, END and its blob), against 3 per bucket.
+
 Receivers verify checksums (``--check-weight-update-equal``) and commit through the same
 stage-then-commit path as the other modes. Session ids (``ip:port``, metadata ``P2PHANDSHAKE``:
 no metadata server) are exchanged once per group through the group's rendezvous store.
@@ -27,6 +38,7 @@ initialises).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from rlplacement.errors import ConfigError
@@ -34,6 +46,16 @@ from rlplacement.transfer.registry import register_mode
 from rlplacement.transfer.spec import LINK, SPLIT, UNSET, BenchSpec, ModeSpec, OptionsBase, flag_field
 
 PROTOCOLS = ("tcp", "rdma")
+KIND_REPLAY, KIND_REPLAYED = 7, 8
+"""p2p's own frames beside the framed wire's: the offer to replay the last update's buckets (aux: their
+count), and the end of a replay that goes on bucket by bucket (aux: tensors so far; blob: JSON bucket count
+and checksums)."""
+
+
+def layout_key(manifest) -> str:
+    """A bucket's layout without its checksums: equal keys, equal bytes at equal places."""
+    return json.dumps([manifest.index, manifest.nbytes,
+                       [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in manifest.tensors]])
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 
 

@@ -3,12 +3,15 @@ unregistered before they are freed); their addresses go to the trainer per bucke
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import weakref
 from typing import TYPE_CHECKING, ClassVar
 
-from rlplacement.transfer.base import BucketManifest, TransferEndpoint
-from rlplacement.transfer.p2p import P2PInit
+from rlplacement.transfer.base import ApplyFn, BucketManifest, NamedTensor, TransferEndpoint, TransferError
+from rlplacement.transfer.p2p import KIND_REPLAY, KIND_REPLAYED, P2PInit
 from rlplacement.transfer.p2p.mooncake import MooncakeEngine, RegisteredBuffers, address_toward, session_key
-from rlplacement.transfer.wire import FramedReceiver
+from rlplacement.transfer.wire import KIND_ABORT, KIND_END, FramedReceiver
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +25,7 @@ class P2PReceiver(FramedReceiver):
     def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0):
         super().__init__(device, version=version)
         self._engine: MooncakeEngine | None = None
+        self._given: dict[int, weakref.ref] = {}  # bucket index -> the staging buffer whose address the sender has
 
     def connect(self, endpoint: TransferEndpoint, rank: int) -> None:
         super().connect(endpoint, rank)  # closes the old group, engine and registrations first
@@ -30,6 +34,77 @@ class P2PReceiver(FramedReceiver):
         self._group._store.set(session_key(endpoint.group_name, rank), self._engine.session)
         # staging lives where the model does, registered at first use, unregistered when it grows or goes
         self.buffers = RegisteredBuffers(self.device, self._engine)
+        self._given = {}
+
+    def _stage(self) -> tuple[list[NamedTensor], int, int]:
+        self._failure = None
+        frame = self._recv_frame()
+        if frame[0] != KIND_REPLAY:
+            return self._stage_buckets(frame)
+        if self._answer_replay(self._can_replay(self._end_count)):
+            return self._stage_replayed()
+        return self._stage_buckets(self._recv_frame())
+
+    def _stream(self, apply_bucket: ApplyFn) -> tuple[int, int, int]:
+        """Bucket staging refuses a replay: its two buffers are reused as the model takes each bucket, which
+        only the per-bucket exchange paces."""
+        self._failure = None
+        frame = self._recv_frame()
+        if frame[0] == KIND_REPLAY:
+            self._answer_replay(False)
+            frame = self._recv_frame()
+        _, num_tensors, num_buckets, nbytes = self._receive_buckets(frame, apply_bucket)
+        return num_tensors, num_buckets, nbytes
+
+    def _answer_replay(self, accept: bool) -> bool:
+        """This receiver's answer to a REPLAY offer; True when every receiver accepted."""
+        import torch
+
+        refused = torch.zeros(self._endpoint.world_size, dtype=torch.int64)
+        refused[self._group.rank] = int(not accept)
+        self._group.all_reduce_sum(refused)
+        return not int(refused.sum())
+
+    def _can_replay(self, count: int) -> bool:
+        """Every one of the last update's ``count`` buckets still has its manifest here and, in its staging
+        slot, the very buffer whose address the sender learned (still registered, large enough)."""
+        for index in range(count):
+            entry, given = self._manifests.get(index), self._given.get(index)
+            buf = self.buffers.peek(index)
+            if entry is None or given is None or buf is None or given() is not buf or buf.numel() < entry[0].nbytes:
+                return False
+        return True
+
+    def _stage_replayed(self) -> tuple[list[NamedTensor], int, int]:
+        """The replayed buckets, read where they landed once END (or REPLAYED, then bucket by bucket) came."""
+        kind, version, blob = self._recv_frame()
+        if kind == KIND_ABORT:
+            self._given = {}
+            self._on_abort_frame(version, blob)
+        if kind not in (KIND_END, KIND_REPLAYED):
+            raise TransferError(f"unexpected frame kind {kind} from the trainer during a replay")
+        info = json.loads(blob)
+        checksums = info["checksums"]
+        staged: list[NamedTensor] = []
+        nbytes = 0
+        for index in range(int(info["buckets"])):
+            manifest = self._manifests[index][0]
+            if checksums is not None:
+                manifest = dataclasses.replace(manifest, tensors=tuple(
+                    dataclasses.replace(t, checksum=checksums[t.name]) for t in manifest.tensors))
+            tensors = self._unpack(self.buffers.peek(index), manifest)
+            if self._failure is None:
+                self._failure = self.first_mismatch(manifest, tensors, self._where())
+            staged.extend(tensors)
+            nbytes += sum(t.nbytes for t in manifest.tensors)
+        replayed = int(info["buckets"])
+        if kind == KIND_END:
+            self._after_end(len(staged))
+            self.buffers.trim(replayed)
+            return staged, replayed, nbytes
+        staged, _, num_buckets, nbytes = self._receive_buckets(self._recv_frame(), None,
+                                                               (staged, len(staged), replayed, nbytes))
+        return staged, num_buckets, nbytes
 
     def release_staging(self) -> int:
         """Kept: the staging is registered with Mooncake and its addresses were given to the trainer
@@ -44,6 +119,8 @@ class P2PReceiver(FramedReceiver):
         addresses = torch.zeros(self._endpoint.world_size, dtype=torch.int64)
         addresses[self._group.rank] = self._engine.register(buf)
         self._group.all_reduce_sum(addresses)
+        if self.buffers.peek(manifest.index) is buf:  # a buffer of its own per bucket: a replay may write here again
+            self._given[manifest.index] = weakref.ref(buf)
         landed = torch.zeros(self._endpoint.world_size, dtype=torch.int64)
         # the sender's entry says whether the bytes landed; if not, its ABORT frame follows and this
         # staging buffer is dropped with the update

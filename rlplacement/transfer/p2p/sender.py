@@ -1,19 +1,25 @@
 """Trainer side of ``p2p``: pack bucket i+1 into the other registered slot while bucket i's batched
 writes fly to every engine worker; a failed or late write aborts the update everywhere. A slot that
-grows is unregistered before its memory is let go."""
+grows is unregistered before its memory is let go.
+
+Once an update went bucket by bucket, the next one offers to replay it (the package docstring's replay):
+the same buckets written to the destinations learned then, with no collective per bucket."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import time
 from typing import TYPE_CHECKING, ClassVar
 
-from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, TransferError
-from rlplacement.transfer.bucket import GroupFn, fused_group_of, pack_into
-from rlplacement.transfer.p2p import DEFAULT_TRANSFER_TIMEOUT_S, P2PInit, P2POptions
+from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, BucketManifest, HFShapes, NamedTensor, hf_shaped
+from rlplacement.transfer.bucket import GroupFn, fused_group_of, iter_buckets, pack_into, plan_manifest
+from rlplacement.transfer.p2p import (DEFAULT_TRANSFER_TIMEOUT_S, KIND_REPLAY, KIND_REPLAYED, P2PInit, P2POptions,
+                                     layout_key)
 from rlplacement.transfer.p2p.mooncake import (SLICE_BYTES, MooncakeEngine, RegisteredBuffers, address_toward,
                                                session_key)
-from rlplacement.transfer.wire import AbortUpdate, FramedSender
+from rlplacement.transfer.wire import KIND_END, AbortUpdate, FramedSender, SentSoFar, guard
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +50,10 @@ class P2PSender(FramedSender):
         self._engine: MooncakeEngine | None = None
         self._sessions: list[str] = []
         self._pending: tuple[int, list[tuple[int, int]]] | None = None  # (bucket index, [(rank, batch id)])
+        self._plan: list[str] = []  # the last update's buckets (layout_key), each with known destinations
+        self._addresses: dict[int, list[int]] = {}  # bucket index -> destination address per group rank
+        self._replaying = False  # this update writes to the destinations learned before: no collective
+        self.last_path = ""  # of the last update: "replay" or "buckets"
 
     @property
     def transport(self) -> str:
@@ -62,6 +72,57 @@ class P2PSender(FramedSender):
         self.buffers.engine = self._engine
         self._sessions = [""] + [self._store.get(session_key(e.group_name, r)).decode() for r in range(1, e.world_size)]
         self._pending = None
+        self._plan, self._addresses = [], {}
+
+    def _forget_sent(self) -> None:
+        """After an abort a receiver may have dropped its buffers: learn every destination again."""
+        super()._forget_sent()
+        self._plan, self._addresses = [], {}
+
+    def _send_update(self, version: int, named_tensors, resident: bool, hf_shapes: HFShapes | None = None):
+        """Offer to replay the last update's buckets; every receiver accepts, or it goes bucket by bucket."""
+        self._replaying = False
+        buckets = enumerate(iter_buckets(guard(hf_shaped(named_tensors, hf_shapes)), self.buffer_size, self.group_of))
+        if self._plan and self._replay_accepted(version):
+            return self._replay(version, buckets)
+        self.last_path, self._plan = "buckets", []
+        return self._send_buckets(version, buckets, SentSoFar.none(self.check_equal))
+
+    def _replay_accepted(self, version: int) -> bool:
+        """One REPLAY frame naming the last update's bucket count, one all-reduce of each receiver's refusal."""
+        import torch
+
+        self._send_frame(KIND_REPLAY, version, b"", len(self._plan))
+        refused = torch.zeros(self._endpoint.world_size, dtype=torch.int64)
+        self._group.all_reduce_sum(refused)
+        return not int(refused.sum())
+
+    def _replay(self, version: int, buckets):
+        """Each bucket whose layout is the last update's straight to the destinations learned then, several
+        writes in flight and no collective; then END with the checksums, if on. At the first bucket whose
+        layout differs (or one past the last update's), a REPLAYED frame closes the replayed part and the
+        rest goes bucket by bucket from there."""
+        self.last_path, self._replaying = "replay", True  # until the next update: an abort drains without a collective
+        sent = SentSoFar.none(self.check_equal)
+        for index, bucket in buckets:
+            manifest = plan_manifest(index, bucket, self.check_equal)
+            if index >= len(self._plan) or layout_key(manifest) != self._plan[index]:
+                self._drain()
+                self._replaying = False
+                self._send_frame(KIND_REPLAYED, version, self._replay_blob(sent), sent.num_tensors)
+                del self._plan[index:]
+                rest = self._send_buckets(version, itertools.chain([(index, bucket)], buckets), sent)
+                return (*rest[:4], "replay")
+            self._send_payload(bucket, manifest, self._prepare_payload(bucket, manifest))
+            sent.add(bucket, manifest)
+        self._drain()
+        del self._plan[sent.num_buckets:]
+        self._send_frame(KIND_END, version, self._replay_blob(sent), sent.num_tensors)
+        return sent.num_tensors, sent.num_buckets, sent.nbytes, sent.checksums, "replay"
+
+    @staticmethod
+    def _replay_blob(sent: SentSoFar) -> bytes:
+        return json.dumps({"buckets": sent.num_buckets, "checksums": sent.checksums}).encode()
 
     def _prepare_payload(self, bucket: list[NamedTensor], manifest: BucketManifest):
         """Pack into the slot bucket i-1 used (its writes are done), then finish bucket i's writes:
@@ -83,8 +144,14 @@ class P2PSender(FramedSender):
         if prepared is None:
             return
         src = self._engine.register(self.buffers.get(manifest.index % self.NUM_SLOTS, manifest.nbytes))
-        addresses = torch.zeros(self._endpoint.world_size, dtype=torch.int64)
-        self._group.all_reduce_sum(addresses)
+        if self._replaying:
+            addresses = self._addresses[manifest.index]
+        else:
+            exchanged = torch.zeros(self._endpoint.world_size, dtype=torch.int64)
+            self._group.all_reduce_sum(exchanged)
+            addresses = self._addresses[manifest.index] = [int(a) for a in exchanged]
+            if manifest.index == len(self._plan):
+                self._plan.append(layout_key(manifest))
         batches = []
         n = manifest.nbytes
         offsets = list(range(0, n, SLICE_BYTES))
@@ -109,9 +176,10 @@ class P2PSender(FramedSender):
             why = self._wait(batch, deadline)
             if why is not None and failed is None:
                 failed = f"engine worker rank {rank}: bucket {index} {why}"
-        landed = torch.zeros(self._endpoint.world_size, dtype=torch.int64)
-        landed[0] = int(failed is not None)
-        self._group.all_reduce_sum(landed)
+        if not self._replaying:  # replayed: END (or ABORT) says whether every write landed
+            landed = torch.zeros(self._endpoint.world_size, dtype=torch.int64)
+            landed[0] = int(failed is not None)
+            self._group.all_reduce_sum(landed)
         if failed is not None:
             raise _WriteFailed(failed)
 
