@@ -2,6 +2,7 @@
 HF tensors global rank 0 yields equal the HF folder the model was loaded from, bit for bit, and the
 collectives each rank issues in its TP and PP groups follow the buckets and stages, not the parameters."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -118,8 +119,10 @@ def _stage_rows(model, pp):
 
 
 @pytest.mark.slow
-def test_every_rank_sends_its_share_of_its_own_stage_and_the_union_is_the_model(tmp_path):
-    """TP=2 x PP=2 x DP=2 (8 gloo ranks), ``iter_update_tensors(SHARES)``: every HF tensor is sent by
+@pytest.mark.parametrize("tp, pp, world, tied", [(2, 2, 8, False), (1, 2, 4, True)], ids=["tp2-pp2-dp2", "pp2-dp2-tied"])
+def test_every_rank_sends_its_share_of_its_own_stage_and_the_union_is_the_model(tmp_path, tp, pp, world, tied):
+    """TP=2 x PP=2 x DP=2 (8 gloo ranks), and PP=2 x DP=2 with tied embeddings (the last stage's output layer
+    is the embedding, which HF does not hold twice), ``iter_update_tensors(SHARES)``: every HF tensor is sent by
     exactly one rank, bit for bit as the folder holds it; each rank sends only tensors of its own stage (no
     byte crosses a pipeline stage, no name table either); the 4 ranks of a stage share its bytes to within
     one parameter of their mean. ``iter_update_tensors(OWN_GPU)`` (colocated: each rank hands the worker on
@@ -127,8 +130,7 @@ def test_every_rank_sends_its_share_of_its_own_stage_and_the_union_is_the_model(
     its own stage and one broadcast per bucket (and name table) of every stage in its pipeline group."""
     from safetensors.torch import load_file
 
-    tp, pp, world = 2, 2, 8
-    hf = make_tiny_model(tmp_path / "hf", SPEC)
+    hf = make_tiny_model(tmp_path / "hf", dataclasses.replace(SPEC, tie_word_embeddings=tied))
     results = launch.spawn(_spread_worker, world, str(hf), tp, pp, timeout_s=600)
     want = {}
     for f in sorted(hf.glob("*.safetensors")):
