@@ -74,3 +74,31 @@ def test_one_rank_streams_the_same_views_until_a_parameter_is_replaced(tmp_path)
     hf = make_tiny_model(tmp_path / "hf", SPEC)
     got = launch.spawn(_stream_after_replacing, 1, str(hf), timeout_s=300)[0]
     assert got == {"same_objects": True, "follows_the_step": True, "norm_is_new": True, "names": True}
+
+
+def _streams_by_who_sends(rank, world, hf):
+    from rlplacement.backends import make_backend
+    from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
+
+    backend = make_backend(BackendConfig(name="fsdp", hf_checkpoint=hf), SGD, stream_dtype=torch.bfloat16)
+    backend.train_step(random_batch(SPEC.vocab_size, seed=5))  # fp32 master weights move; bf16 is served
+    return {share: {n: t.clone() for n, t in backend.iter_update_tensors(share)} for share in (RANK0, SHARES, OWN_GPU)}
+
+
+def test_every_way_of_sending_streams_the_same_bf16_tensors(tmp_path):
+    """Two ranks, fp32 training streamed as bf16: rank 0 alone, each rank its share (the union, each tensor
+    once) and every rank everything (colocated) stream the same bytes."""
+    from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
+
+    hf = make_tiny_model(tmp_path / "hf", SPEC)
+    got = launch.spawn(_streams_by_who_sends, 2, str(hf), timeout_s=300)
+    whole = got[0][RANK0]
+    assert whole and got[1][RANK0] == {} and all(t.dtype == torch.bfloat16 for t in whole.values())
+    shares = [got[r][SHARES] for r in range(2)]
+    assert not set(shares[0]) & set(shares[1]) and set(shares[0]) | set(shares[1]) == set(whole)
+    assert shares[0] and shares[1]  # both ranks send
+    for r in range(2):
+        for name, t in shares[r].items():
+            assert torch.equal(t, whole[name]), name
+        assert set(got[r][OWN_GPU]) == set(whole)
+        assert all(torch.equal(got[r][OWN_GPU][n], whole[n]) for n in whole)
