@@ -55,6 +55,25 @@ def test_both_ranks_send_their_share_and_the_engine_serves_the_trainers_weights(
         assert [p["staging"] for p in paths] == ["bucket", "bucket"]
         assert all(0 < p["staging_bytes"] <= sum(per_sender) + 2 * 64 * len(shares[0]) for p in paths), paths
         assert result.trainer.metrics["perf/update_weights_senders"] == 2
+        # the simulator's plan of this layout sends what ran, rank by rank
+        assert _planned_bytes_per_sender(job, mode) == per_sender
+
+
+def _planned_bytes_per_sender(job, mode) -> tuple[int, ...]:
+    """Each trainer rank's tensor bytes in the plan ``plan --simulate-transfer`` prices as running."""
+    import os
+
+    from rlplacement.advisor.thresholds import ModelAssumptions
+    from rlplacement.transfer.plan.build import WRITE
+    from rlplacement.transfer.plan.for_layout import plans_for
+    from rlplacement.transfer.plan.tensors import ModelTensors
+
+    model = ModelTensors.from_hf_config(os.path.join(job.hf_dir, "config.json"))
+    layout = job.placement.layout
+    pair = plans_for(model, layout, backend="fsdp", tp=1, pp=1, mode=mode, assumptions=ModelAssumptions())
+    assert pair.runs == "spread" and pair.who == "shares"
+    copies = len(layout.rollout_gpus) if pair.spread.fanout == WRITE else 1  # a write leaves once per worker
+    return tuple(b // copies for _, b in sorted(pair.spread.bytes_per_sender().items()))
 
 
 def test_the_engine_generates_after_spread_updates(job):

@@ -74,6 +74,22 @@ def everywhere_holdings(model: ModelTensors, ranks, world: int) -> Holdings:
     return [dict(everything) if r in ranks else {} for r in range(world)]
 
 
+def share_holdings(model: ModelTensors, world: int) -> Holdings:
+    """What each rank of an FSDP or torchtitan trainer sends when every rank sends its share: exactly the
+    tensors ``TrainerBackend.update_owners`` gives it (whole, a fused parameter's pieces together, largest
+    first), so the plan's bytes per sender are the run's. (Which of two equal-sized tensors a rank gets may
+    differ, since the model's parameter order is not this list's; the bytes per rank do not.)"""
+    from rlplacement.transfer.bucket import fused_group_of
+    from rlplacement.transfer.plan.senders import spread_owners_by_group
+
+    owners = spread_owners_by_group([(t.name, t.bytes(model.itemsize)) for t in model.tensors], world,
+                                    fused_group_of)
+    out: Holdings = [{} for _ in range(world)]
+    for t in model.tensors:
+        out[owners[t.name]][t.name] = whole(t.shape)
+    return out
+
+
 def spread_holdings(model: ModelTensors, backend: str, world: int, pp: int = 1) -> Holdings:
     """What each rank holds whole once its backend gathered for an update where every rank sends its share
     (``iter_update_tensors(SHARES)``): every tensor on every FSDP rank (each all-gathers every
