@@ -100,19 +100,22 @@ def _spread_worker(rank, world, hf, tp, pp):
     out = {"sent": sent, "stage": ps.get_pipeline_model_parallel_rank(), "collectives": shares_collectives,
            "stage_bytes": sum(full), "largest": max(full), "held": [row[0] for row in held],
            "everywhere_ok": everywhere_ok, "everywhere_collectives": backend.last_stream_collectives,
-           "buckets": [len(mm._buckets(rows, BUCKET)) for rows in _stage_rows(backend.model, pp)]}
+           "buckets": [len(mm._buckets(rows, BUCKET)) for rows in _stage_rows(
+               backend.model, pp, frozenset({"output_layer.weight"}) if backend.shape.tied else frozenset())]}
     backend.close()
     return out
 
 
-def _stage_rows(model, pp):
-    """Every stage's (name, local shape, dtype, partition dim) rows, as each rank's stream cuts them."""
+def _stage_rows(model, pp, skip=frozenset()):
+    """Every stage's (name, local shape, dtype, partition dim) rows, as each rank's stream cuts them (``skip``:
+    names the stream leaves out, a tied output layer)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from rlplacement.backends import megatron_model as mm
 
-    mine = [(n, tuple(p.shape), p.dtype, mm.mapping.tp_partition_dim(n)) for n, p in mm.global_named_parameters(model)]
+    mine = [(n, tuple(p.shape), p.dtype, mm.mapping.tp_partition_dim(n)) for n, p in mm.global_named_parameters(model)
+            if n not in skip]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, (ps.get_pipeline_model_parallel_rank(), mine))
     return [next(rows for stage, rows in every if stage == s) for s in range(pp)]
@@ -159,6 +162,18 @@ def test_every_rank_sends_its_share_of_its_own_stage_and_the_union_is_the_model(
         assert sum(sent) <= ranks[0]["stage_bytes"]  # megatron pads the vocabulary; HF tensors are unpadded
         assert max(sent) <= sum(sent) / len(sent) + ranks[0]["largest"], sent
         assert min(sent) > 0, f"stage {stage}: a rank sent nothing ({sent})"
+    # the simulator's plan of this trainer sends what ran, rank by rank
+    from rlplacement.advisor.thresholds import ModelAssumptions
+    from rlplacement.placement.layout import Layout
+    from rlplacement.transfer.plan.for_layout import plans_for
+    from rlplacement.transfer.plan.tensors import ModelTensors
+
+    layout = Layout(False, tuple((0, g) for g in range(world)), (((1, 0),),), 8)
+    pair = plans_for(ModelTensors.from_hf_config(str(hf / "config.json")), layout, backend="megatron", tp=tp, pp=pp,
+                     mode="broadcast", assumptions=ModelAssumptions())
+    assert pair.runs == "spread"
+    assert pair.spread.bytes_per_sender() == {
+        rank: sum(t.numel() * t.element_size() for t in r["sent"].values()) for rank, r in enumerate(results)}
     # no collective beyond the TP gathers of the rank's own replica: none in a PP group
     assert all(r["collectives"] <= 2 * len(r["held"]) for r in results)
     assert all(r["everywhere_ok"] for r in results), [r["everywhere_ok"] for r in results]

@@ -349,7 +349,8 @@ def _gathered(work: list[tuple[list[tuple], int | None]], params: dict[str, torc
 
 
 def iter_full_megatron(model, bucket_bytes: int | None = None,
-                       counter: CollectiveCount | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                       counter: CollectiveCount | None = None,
+                       skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: yields ``(global megatron name, full tensor)`` on global rank 0, bucket by bucket.
 
     Per pipeline stage in order: the stage's parameters are cut into buckets of ``bucket_bytes`` local
@@ -358,7 +359,7 @@ def iter_full_megatron(model, bucket_bytes: int | None = None,
     global rank 0 sends each whole bucket there in one message, received on rank 0's own device (a
     CPU buffer would fail under NCCL). ``counter`` counts this rank's collectives: on global rank 0,
     one per bucket and one per stage beyond the first (its table of names). Memory on global rank 0:
-    two buckets' full tensors.
+    two buckets' full tensors. ``skip``: megatron names left out (a tied output layer: nothing to send).
     """
     from megatron.core import parallel_state as ps
 
@@ -366,7 +367,7 @@ def iter_full_megatron(model, bucket_bytes: int | None = None,
     pp, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     rank = dist.get_rank()
     dp_rank = ps.get_data_parallel_rank()
-    stage_params = list(global_named_parameters(model))
+    stage_params = [(n, p) for n, p in global_named_parameters(model) if n not in skip]
     params = dict(stage_params)
     device = next(model.parameters()).device
     for stage in range(pp):
@@ -396,7 +397,8 @@ def iter_full_megatron(model, bucket_bytes: int | None = None,
 
 
 def iter_own_stage_megatron(model, bucket_bytes: int | None = None,
-                            counter: CollectiveCount | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                            counter: CollectiveCount | None = None,
+                            skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective within each stage: every rank yields ``(global megatron name, full tensor)`` for the
     parameters of its own stage that it sends; nothing crosses a pipeline stage.
 
@@ -406,6 +408,7 @@ def iter_own_stage_megatron(model, bucket_bytes: int | None = None,
     that sends it, in buckets of at most ``bucket_bytes`` local bytes per owner, the next bucket's gather
     started before the current one is handed on. Replicas work on disjoint parameters at once, and so do
     stages. Memory on a sending rank: two buckets' full tensors, as on rank 0 in :func:`iter_full_megatron`.
+    ``skip`` as there.
     """
     from megatron.core import parallel_state as ps
 
@@ -414,7 +417,7 @@ def iter_own_stage_megatron(model, bucket_bytes: int | None = None,
     counter = counter if counter is not None else CollectiveCount()
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    stage_params = list(global_named_parameters(model))
+    stage_params = [(n, p) for n, p in global_named_parameters(model) if n not in skip]
     params = dict(stage_params)
     rows = [(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params]
     owners = spread_owners([_nbytes(_full_shape(row, tp), row[2]) for row in rows], dp * tp)
@@ -428,7 +431,8 @@ def iter_own_stage_megatron(model, bucket_bytes: int | None = None,
 
 
 def iter_everywhere_megatron(model, bucket_bytes: int | None = None,
-                             counter: CollectiveCount | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                             counter: CollectiveCount | None = None,
+                             skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: every rank yields every ``(global megatron name, full tensor)``, bucket by bucket: what a
     colocated engine worker reads from the trainer rank on its own GPU.
 
@@ -437,14 +441,15 @@ def iter_everywhere_megatron(model, bucket_bytes: int | None = None,
     next bucket's gather started before the current one is handed on; with PP > 1 each of the stage's ranks
     then broadcasts the bucket's bytes in one message through its pipeline group, to the ranks of the same
     DP and TP position in the other stages. ``counter`` counts this rank's collectives. Memory on every
-    rank: two buckets' full tensors, plus one received bucket with PP > 1.
+    rank: two buckets' full tensors, plus one received bucket with PP > 1. ``skip`` as in
+    :func:`iter_full_megatron`.
     """
     from megatron.core import parallel_state as ps
 
     counter = counter if counter is not None else CollectiveCount()
     pp, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     tp = ps.get_tensor_model_parallel_world_size()
-    stage_params = list(global_named_parameters(model))
+    stage_params = [(n, p) for n, p in global_named_parameters(model) if n not in skip]
     params = dict(stage_params)
     device = next(model.parameters()).device
     pp_group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
@@ -496,9 +501,11 @@ def iter_hf_tensors(model, shape: mapping.ModelShape, family: DenseFamily,
     """Collective: HF-named full tensors by ``share`` (who sends): on global rank 0 alone (nothing elsewhere,
     :func:`iter_full_megatron`), each on the rank of its stage that sends it (:data:`SHARES`,
     :func:`iter_own_stage_megatron`) or all on every rank (:data:`OWN_GPU`, :func:`iter_everywhere_megatron`);
-    bucket by bucket. ``counter`` counts this rank's collectives."""
+    bucket by bucket. ``counter`` counts this rank's collectives. A tied output layer (the last stage's copy
+    of the embedding at PP > 1) is neither gathered nor counted: it streams to no HF tensor."""
     streams = {RANK0: iter_full_megatron, SHARES: iter_own_stage_megatron, OWN_GPU: iter_everywhere_megatron}
-    for mname, full in streams[share](model, counter=counter):
+    skip = frozenset({"output_layer.weight"}) if shape.tied else frozenset()
+    for mname, full in streams[share](model, counter=counter, skip=skip):
         yield from mapping.megatron_to_hf(mname, full, shape, family)
 
 

@@ -15,7 +15,8 @@ from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_mod
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
 from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, fsdp_holdings, megatron_holdings,
-                                                      rank0_holdings, share_holdings, spread_holdings)
+                                                      megatron_share_holdings, rank0_holdings, share_holdings,
+                                                      spread_holdings)
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 
@@ -113,10 +114,10 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     who = spec.who_sends(colocate=layout.colocate) if world > 1 else RANK0
     if who == SHARES:
         gathered = spread_holdings(model, backend, world, pp if backend == "megatron" else 1)
-        # FSDP and torchtitan: each rank sends the shares the runtime assigns (plan.senders); megatron: the
-        # plan balances each stage's tensors over its ranks as the runtime does its parameters
-        spread = build_plan(model, gathered if backend == "megatron" else share_holdings(model, world),
-                            whole_needs, fanout)
+        # each rank sends the share the runtime assigns it: the same rule on the same sizes
+        shares = megatron_share_holdings(model, tp, pp, world // (tp * pp)) if backend == "megatron" \
+            else share_holdings(model, world)
+        spread = build_plan(model, shares, whole_needs, fanout)
         mine: list[dict] = [{} for _ in range(world)]
         for route in spread.routes:
             mine[route.sender][route.tensor] = route.box

@@ -90,6 +90,34 @@ def share_holdings(model: ModelTensors, world: int) -> Holdings:
     return out
 
 
+def megatron_share_holdings(model: ModelTensors, tp: int, pp: int, dp: int) -> Holdings:
+    """What each rank of a Megatron trainer sends when every rank sends its share
+    (``megatron_model.iter_own_stage_megatron``): each stage's parameters (an HF fused group is one megatron
+    parameter: q/k/v, gate/up) shared out whole over the stage's ``DP x TP`` ranks by their full bytes,
+    vocabulary padded as Megatron pads it, largest first; the rank sends the parameter's HF tensors. The
+    same rule on the same sizes as the runtime, so the bytes per rank are the run's."""
+    from rlplacement.transfer.bucket import fused_group_of
+    from rlplacement.transfer.plan.senders import spread_owners
+
+    check_megatron(model, tp, pp)
+    padded = megatron_padded_vocab(model.vocab_size, tp)
+    out: Holdings = [{} for _ in range(tp * pp * dp)]
+    for stage in range(pp):
+        groups: dict[str, list] = {}
+        for t in model.tensors:
+            if model.stage_of(t, pp) == stage:
+                groups.setdefault(fused_group_of(t.name), []).append(t)
+        keys = list(groups)
+        sizes = []
+        for key in keys:
+            elements = [(padded * t.shape[1] if t.kind == "vocab" else volume(whole(t.shape))) for t in groups[key]]
+            sizes.append(sum(elements) * model.itemsize)
+        for key, owner in zip(keys, spread_owners(sizes, dp * tp)):  # owner: DP rank x TP + TP rank, in its stage
+            for t in groups[key]:
+                out[stage * dp * tp + owner][t.name] = whole(t.shape)
+    return out
+
+
 def spread_holdings(model: ModelTensors, backend: str, world: int, pp: int = 1) -> Holdings:
     """What each rank holds whole once its backend gathered for an update where every rank sends its share
     (``iter_update_tensors(SHARES)``): every tensor on every FSDP rank (each all-gathers every
