@@ -82,7 +82,7 @@ def render(result: dict) -> str:
     gb = 1e9
     lines = [f"transfer: {result['mode']} from {result['backend']}, {result['model']} "
              f"({result['model_bytes'] / gb:.2f} GB a version)",
-             f"{'plan':<22}{'routes':>8}{'max sent/rank':>15}{'max recv/worker':>17}{'gather s':>10}"
+             f"{'plan':<24}{'routes':>8}{'max sent/rank':>15}{'max recv/worker':>17}{'gather s':>10}"
              f"{'wire s':>9}{'total s':>9}  busiest link"]
     runs = result["runs"]
     spread_title = "each GPU's rank sends" if result.get("who_sends") == "own gpu" else "every rank sends"
@@ -91,7 +91,7 @@ def render(result: dict) -> str:
             continue
         r = result[key]
         title += " *" if key == runs else ""
-        lines.append(f"{title:<22}{r['routes']:>8}{r['max_sender_bytes'] / gb:>12.2f} GB{r['max_receiver_bytes'] / gb:>14.2f}"
+        lines.append(f"{title:<24}{r['routes']:>8}{r['max_sender_bytes'] / gb:>12.2f} GB{r['max_receiver_bytes'] / gb:>14.2f}"
                      f" GB{r['gather_seconds']:>10.3f}{r['wire_seconds']:>9.3f}{r['predicted_seconds']:>9.3f}  "
                      f"{r['busiest_link']} ({r['busiest_link_bytes'] / gb:.2f} GB)")
     staging = result["engine_staging"]
