@@ -179,13 +179,12 @@ class SharedSlots:
         key = f"{self.tag}-{slot}-{self.allocations}"
         if self.device.type == "cpu":
             buf = _ShmBuffer(os.path.join(shm_dir(), SHM_PREFIX + key), size)
-            desc = {"kind": "shm", "key": key, "nbytes": size, "path": buf.path, "gpu": gpu_identity(self.device)}
+            desc = {"kind": "shm", "key": key, "nbytes": size, "path": buf.path}
             tensor = buf.tensor
         else:
             tensor = buf = _exportable_cuda_buffer(size, self.device)
-            desc = {"kind": "cuda", "key": key, "nbytes": size, "handle": _export_cuda(tensor),
-                    "gpu_uuid": gpu_identity(self.device)}
-        desc["host"] = socket.gethostname()
+            desc = {"kind": "cuda", "key": key, "nbytes": size, "handle": _export_cuda(tensor)}
+        desc["host"], desc["gpu"] = socket.gethostname(), gpu_identity(self.device)
         self._slots[slot] = (buf, desc)
         self.allocations += 1
         return tensor, desc
@@ -287,7 +286,7 @@ class OpenedBuffer:
             # index 6 of reduce_tensor's args is the device index, which is the sender's numbering: map the
             # sender's GPU by UUID into this process's numbering (else: this worker's own device)
             own = device.index if device.index is not None else torch.cuda.current_device()
-            args[6] = _local_index_of(desc.get("gpu_uuid", ""), own)
+            args[6] = _local_index_of(desc.get("gpu", ""), own)
             self.view = rebuild_cuda_tensor(*args)
         else:
             raise TransferError(f"unknown shared buffer kind {self.kind!r} in a bucket manifest")

@@ -180,7 +180,7 @@ class IpcReceiver(FramedReceiver):
         if self._payload_info is None:
             raise TransferError(f"bucket {manifest.index} came without a shared-buffer handle")
         self._open(self._payload_info).copy_to(buf, manifest.nbytes)
-        gpu = self._payload_info.get("gpu_uuid", self._payload_info.get("gpu", ""))
+        gpu = self._payload_info.get("gpu", "")
         self._read_from[gpu] = self._read_from.get(gpu, 0) + manifest.nbytes
 
     def _ack_direct(self, failed: bool) -> None:
