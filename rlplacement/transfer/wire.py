@@ -189,9 +189,12 @@ class FramedSender(WeightSender):
         """Every bucket, then END: ``(tensors, buckets, bytes, checksums or None, path)``. ``resident``
         (the tensors are the trainer's own memory) lets a mode read them in place; here it changes nothing
         but that the tensors of ``hf_shapes`` are packed in their HF shapes."""
-        named_tensors = hf_shaped(named_tensors, hf_shapes)
-        return self._send_buckets(version, enumerate(iter_buckets(guard(named_tensors), self.buffer_size,
-                                                                   self.group_of)), SentSoFar.none(self.check_equal))
+        return self._send_buckets(version, self._buckets(named_tensors, hf_shapes), SentSoFar.none(self.check_equal))
+
+    def _buckets(self, named_tensors: Iterable[NamedTensor], hf_shapes: HFShapes | None):
+        """``(index, bucket)`` of this update, tensors of ``hf_shapes`` in their HF shapes, a failure of the
+        trainer's source turned into :class:`SourceFailed`."""
+        return enumerate(iter_buckets(guard(hf_shaped(named_tensors, hf_shapes)), self.buffer_size, self.group_of))
 
     def _send_buckets(self, version: int, buckets: Iterable[tuple[int, list[NamedTensor]]], sent: "SentSoFar"):
         """Each ``(index, bucket)`` as a BUCKET frame and its payload, then END; ``sent``: what this update

@@ -79,15 +79,14 @@ class P2PReceiver(FramedReceiver):
         """The replayed buckets, read where they landed once END (or REPLAYED, then bucket by bucket) came."""
         kind, version, blob = self._recv_frame()
         if kind == KIND_ABORT:
-            self._given = {}
             self._on_abort_frame(version, blob)
         if kind not in (KIND_END, KIND_REPLAYED):
             raise TransferError(f"unexpected frame kind {kind} from the trainer during a replay")
         info = json.loads(blob)
-        checksums = info["checksums"]
+        checksums, replayed = info["checksums"], int(info["buckets"])
         staged: list[NamedTensor] = []
         nbytes = 0
-        for index in range(int(info["buckets"])):
+        for index in range(replayed):
             manifest = self._manifests[index][0]
             if checksums is not None:
                 manifest = dataclasses.replace(manifest, tensors=tuple(
@@ -97,7 +96,6 @@ class P2PReceiver(FramedReceiver):
                 self._failure = self.first_mismatch(manifest, tensors, self._where())
             staged.extend(tensors)
             nbytes += sum(t.nbytes for t in manifest.tensors)
-        replayed = int(info["buckets"])
         if kind == KIND_END:
             self._after_end(len(staged))
             self.buffers.trim(replayed)

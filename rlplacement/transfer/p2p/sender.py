@@ -13,13 +13,13 @@ import json
 import time
 from typing import TYPE_CHECKING, ClassVar
 
-from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, BucketManifest, HFShapes, NamedTensor, hf_shaped
-from rlplacement.transfer.bucket import GroupFn, fused_group_of, iter_buckets, pack_into, plan_manifest
+from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, BucketManifest, HFShapes, NamedTensor
+from rlplacement.transfer.bucket import GroupFn, fused_group_of, pack_into, plan_manifest
 from rlplacement.transfer.p2p import (DEFAULT_TRANSFER_TIMEOUT_S, KIND_REPLAY, KIND_REPLAYED, P2PInit, P2POptions,
                                      layout_key)
 from rlplacement.transfer.p2p.mooncake import (SLICE_BYTES, MooncakeEngine, RegisteredBuffers, address_toward,
                                                session_key)
-from rlplacement.transfer.wire import KIND_END, AbortUpdate, FramedSender, SentSoFar, guard
+from rlplacement.transfer.wire import KIND_END, AbortUpdate, FramedSender, SentSoFar
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,6 @@ class P2PSender(FramedSender):
         self._plan: list[str] = []  # the last update's buckets (layout_key), each with known destinations
         self._addresses: dict[int, list[int]] = {}  # bucket index -> destination address per group rank
         self._replaying = False  # this update writes to the destinations learned before: no collective
-        self.last_path = ""  # of the last update: "replay" or "buckets"
 
     @property
     def transport(self) -> str:
@@ -82,10 +81,10 @@ class P2PSender(FramedSender):
     def _send_update(self, version: int, named_tensors, resident: bool, hf_shapes: HFShapes | None = None):
         """Offer to replay the last update's buckets; every receiver accepts, or it goes bucket by bucket."""
         self._replaying = False
-        buckets = enumerate(iter_buckets(guard(hf_shaped(named_tensors, hf_shapes)), self.buffer_size, self.group_of))
+        buckets = self._buckets(named_tensors, hf_shapes)
         if self._plan and self._replay_accepted(version):
             return self._replay(version, buckets)
-        self.last_path, self._plan = "buckets", []
+        self._plan = []
         return self._send_buckets(version, buckets, SentSoFar.none(self.check_equal))
 
     def _replay_accepted(self, version: int) -> bool:
@@ -102,7 +101,7 @@ class P2PSender(FramedSender):
         writes in flight and no collective; then END with the checksums, if on. At the first bucket whose
         layout differs (or one past the last update's), a REPLAYED frame closes the replayed part and the
         rest goes bucket by bucket from there."""
-        self.last_path, self._replaying = "replay", True  # until the next update: an abort drains without a collective
+        self._replaying = True  # until the next update: an abort drains without a collective
         sent = SentSoFar.none(self.check_equal)
         for index, bucket in buckets:
             manifest = plan_manifest(index, bucket, self.check_equal)
