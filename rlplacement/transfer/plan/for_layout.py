@@ -15,8 +15,7 @@ from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_mod
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
 from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, fsdp_holdings, megatron_holdings,
-                                                      megatron_share_holdings, rank0_holdings, share_holdings,
-                                                      spread_holdings)
+                                                      megatron_share_holdings, rank0_holdings, share_holdings)
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 
@@ -113,17 +112,13 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     spread = spread_sim = None
     who = spec.who_sends(colocate=layout.colocate) if world > 1 else RANK0
     if who == SHARES:
-        gathered = spread_holdings(model, backend, world, pp if backend == "megatron" else 1)
         # each rank sends the share the runtime assigns it: the same rule on the same sizes
         shares = megatron_share_holdings(model, tp, pp, world // (tp * pp)) if backend == "megatron" \
             else share_holdings(model, world)
         spread = build_plan(model, shares, whole_needs, fanout)
-        mine: list[dict] = [{} for _ in range(world)]
-        for route in spread.routes:
-            mine[route.sender][route.tensor] = route.box
         # FSDP all-gathers every parameter on every rank; a megatron rank gathers what it sends from its TP peers
-        gather_spread = {rank: _missing_bytes(model, holdings[rank], gathered[rank] if backend != "megatron"
-                                              else mine[rank]) for rank in range(world)}
+        gathered = shares if backend == "megatron" else everywhere_holdings(model, range(world), world)
+        gather_spread = {rank: _missing_bytes(model, holdings[rank], gathered[rank]) for rank in range(world)}
     elif who == OWN_GPU:
         # every rank gathers the whole model and hands it to the worker on its own GPU
         gathered = everywhere_holdings(model, set(local.values()), world)

@@ -116,16 +116,3 @@ def megatron_share_holdings(model: ModelTensors, tp: int, pp: int, dp: int) -> H
             for t in groups[key]:
                 out[stage * dp * tp + owner][t.name] = whole(t.shape)
     return out
-
-
-def spread_holdings(model: ModelTensors, backend: str, world: int, pp: int = 1) -> Holdings:
-    """What each rank holds whole once its backend gathered for an update where every rank sends its share
-    (``iter_update_tensors(SHARES)``): every tensor on every FSDP rank (each all-gathers every
-    parameter), its own stage's tensors on every megatron rank (a stage's ranks gather a parameter to the
-    one that sends it, so any of them may)."""
-    if backend != "megatron":
-        return [{t.name: whole(t.shape) for t in model.tensors} for _ in range(world)]
-    per_stage = world // pp
-    return [{t.name: whole(t.shape) for t in model.tensors if model.stage_of(t, pp) == rank // per_stage}
-            for rank in range(world)]
-
