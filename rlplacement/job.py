@@ -27,8 +27,8 @@ from rlplacement.config import Config, OptimConfig
 from rlplacement.engines.registry import DEFAULT_ENGINE_KIND, engine_class
 from rlplacement.errors import ConfigError
 from rlplacement.job_start import make_handoff, raise_with_offload_hint, release, setup_trainers, start_actors
-from rlplacement.rollout import PendingRollout, RolloutSample
 from rlplacement.placement.layout import colocated_sender_ranks
+from rlplacement.rollout import PendingRollout, RolloutSample
 from rlplacement.runtime.waits import get_all
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
@@ -477,12 +477,12 @@ class RLJob:
         if self.stale is not None:
             self._reconnect()
         version = self.issued = self.issued + 1
-        senders, ranks = self.senders, set(self.sender_ranks)
+        ranks = self.sender_ranks
         helpers = {f"trainer rank {r}": t.gather_for_update.remote() for r, t in enumerate(self.trainers)
                    if r not in ranks}
         try:
-            result = self.updates.run(senders, self.engines, version, check_equal=self.check_equal,
-                                      whole_each=self.update_share == OWN_GPU)
+            result = self.updates.run([self.trainers[r] for r in ranks], self.engines, version,
+                                      check_equal=self.check_equal, whole_each=self.update_share == OWN_GPU)
         except BaseException as exc:
             self.stale = f"the update to version {version} failed ({type(exc).__name__}: {exc})"
             _wait_quietly(list(helpers.values()), self.timeout_s)  # a sender drains its stream on failure
@@ -537,8 +537,6 @@ class RLJob:
     def _reconnect(self) -> None:
         """A new transfer group with the same senders: after a failure the old one is unusable, and each
         mode starts the next update from what every engine can take (disk-delta: a keyframe)."""
-        from rlplacement.runtime import transfer_driver as driver
-
         self.updates.close()
         self._connect()
 
