@@ -25,8 +25,9 @@ Every wait here is bounded by ``timeout_s`` (the engine's, which the job gives i
 and names what did not answer: :meth:`wait_idle` (requests still in flight), :meth:`call` (the engine
 held by a step, or the call itself not returning: it runs on a thread of its own so that the caller
 can stop waiting; the engine then refuses every later call by name, since the stuck call still holds
-it), and :meth:`poll` (no engine step finished for ``timeout_s`` while requests are in flight and
-generation is not paused).
+it), and :meth:`poll` (no engine step finished for ``timeout_s`` while requests are in flight,
+generation is not paused and no call holds the engine: a call has its own bound, and the time it held
+the engine is not charged to generation).
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class RequestStepper:
         """When the last step finished, or generation last had reason to start (a submit while idle, a resume)."""
         self._stuck: str | None = None
         """A :meth:`call` that did not return within its bound (it still holds the engine)."""
+        self._in_call = False
+        """A :meth:`call`'s function is running (it holds the engine: no step can finish meanwhile)."""
         self._abandon = threading.Lock()
         """Orders a caller giving up on a call against the call thread finishing it."""
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -200,11 +203,12 @@ class RequestStepper:
         return len(ids)
 
     def _stall_deadline(self) -> float:
-        return float("inf") if self.timeout_s is None else self._progress_at + self.timeout_s
+        return float("inf") if self.timeout_s is None or self._in_call else self._progress_at + self.timeout_s
 
     def _raise_if_stalled(self) -> None:
-        """Under ``self._changed``: raise when requests are in flight, generation is not paused, and no
-        step has finished within the bound (vLLM's step, or a worker under it, stopped answering)."""
+        """Under ``self._changed``: raise when requests are in flight, generation is not paused, no call
+        holds the engine, and no step has finished within the bound since generation could last go on
+        (vLLM's step, or a worker under it, stopped answering)."""
         if self._requests and not self._paused and time.monotonic() > self._stall_deadline():
             raise EngineStuckError(f"{self.name}: no generation step finished within {self.timeout_s:g} s with "
                                   f"{len(self._requests)} request(s) in flight (vLLM's engine or one of its workers "
@@ -289,11 +293,17 @@ class RequestStepper:
         abandoned call that returns at last frees the engine for later calls."""
         while True:
             fn, box, done = self._calls.get()
+            with self._changed:
+                self._in_call = True
             try:
                 box["value"] = fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
                 box["error"] = exc
             finally:
+                with self._changed:  # generation may go on again: its stall clock restarts
+                    self._in_call = False
+                    self._progress_at = time.monotonic()
+                    self._changed.notify_all()
                 with self._abandon:
                     if box.get("abandoned"):
                         self._stuck = None
