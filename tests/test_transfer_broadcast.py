@@ -35,11 +35,14 @@ def _model(seed):
 class Session:
     """A sender and N receiver threads joined on one group; ``run`` does one update everywhere."""
 
-    def __init__(self, mode, n_receivers=2, buffer_size=4096, check_equal=False, timeout_s=20.0):
+    def __init__(self, mode, n_receivers=2, buffer_size=4096, check_equal=False, timeout_s=20.0, keeps=None):
+        """``keeps``: per receiver, the slices it keeps (``transfer.shards.Keeps``; None: whole tensors)."""
         self.sender = registry.sender_class(mode)(buffer_size, check_equal=check_equal, timeout_s=timeout_s,
                                                   device="cpu")
         endpoint = self.sender.listen(1 + n_receivers, host="127.0.0.1")
         self.receivers = [registry.receiver_class(mode)("cpu") for _ in range(n_receivers)]
+        for receiver, kept in zip(self.receivers, keeps or []):
+            receiver.keep_slices(kept)
         self._threads([lambda i=i: self.receivers[i].connect(endpoint, i + 1) for i in range(n_receivers)],
                       self.sender.connect)
         self.applied = [None] * n_receivers

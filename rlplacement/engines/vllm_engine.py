@@ -382,15 +382,20 @@ class VllmRolloutEngine(RolloutEngine):
         return self._served
 
     def received_checksums(self) -> dict[str, str]:
-        """Per-tensor checksums (HF names) of the last update as the workers staged it, recorded only with
-        check_equal on; raises if two workers of this engine differ. What the model serves is checked
-        apart: ``model_checksums``, and on GPU the copy plan's served-bytes check."""
+        """Per-tensor checksums (HF names; a slice a worker kept as ``name[box]``,
+        ``transfer.shards.region_key``) of the last update as the workers staged it, recorded only with
+        check_equal on; raises if two workers of this engine differ on a tensor both received (workers that
+        receive whole tensors all receive the same ones). What the model serves is checked apart:
+        ``model_checksums``, and on GPU the copy plan's served-bytes check."""
         per_worker = self._workers("rlplacement_received_checksums")
+        merged = dict(per_worker[0])
+        sliced = any("[" in key for sums in per_worker for key in sums)
         for rank, sums in enumerate(per_worker[1:], start=1):
-            problem = workers_disagree(per_worker[0], sums)
+            problem = workers_disagree(per_worker[0], sums, sliced)
             if problem:
                 raise TransferError(f"engine {self.engine_index}: worker {rank} {problem} (compared with worker 0)")
-        return per_worker[0]
+            merged.update(sums)
+        return merged
 
     def model_checksums(self) -> dict[str, str]:
         """Checksums of worker 0's own parameters and buffers (vLLM names) whose bytes are readable.
@@ -537,15 +542,18 @@ def _keep_update_graph_channels_off_the_gpu() -> None:
     ChannelContext.get_current().set_torch_device(torch.device("cpu"))
 
 
-def workers_disagree(first: dict[str, str], other: dict[str, str]) -> str:
-    """How ``other``'s received checksums differ from ``first``'s, naming a tensor; "" when equal."""
-    missing = next((n for n in first if n not in other), None)
-    if missing is not None:
-        return f"did not receive tensor {missing!r}"
-    extra = next((n for n in other if n not in first), None)
-    if extra is not None:
-        return f"received tensor {extra!r}, which the first worker did not"
-    bad = next((n for n in first if other[n] != first[n]), None)
+def workers_disagree(first: dict[str, str], other: dict[str, str], sliced: bool = False) -> str:
+    """How ``other``'s received checksums differ from ``first``'s, naming a tensor; "" when equal. ``sliced``:
+    workers kept slices, so each received other keys; only the keys both have must agree (the trainer's
+    checksums of every slice are compared with the union: ``transfer_driver.check_received``)."""
+    if not sliced:
+        missing = next((n for n in first if n not in other), None)
+        if missing is not None:
+            return f"did not receive tensor {missing!r}"
+        extra = next((n for n in other if n not in first), None)
+        if extra is not None:
+            return f"received tensor {extra!r}, which the first worker did not"
+    bad = next((n for n in first if n in other and other[n] != first[n]), None)
     return f"received tensor {bad!r} with checksum {other[bad]} instead of {first[bad]}" if bad else ""
 
 

@@ -120,13 +120,16 @@ class RlplacementWorkerExtension:
     def rlplacement_load_path(self) -> dict:
         """How the last update was committed (``path``: "copy-plan", "recorded", "generic" or "bucketwise"),
         why not through a copy plan, the staging (``full`` or ``bucket``) and the bytes the receiver keeps
-        for it, the weights copied out of a bucket under ``bucket`` (``vllm_loader.BucketwiseLoad``), and the
+        for it, the bytes that reached this worker and how many tensors as its slice only, the weights copied out of a bucket under ``bucket`` (``vllm_loader.BucketwiseLoad``), and the
         trainer's allocations a direct update mapped."""
         engine = self._rlplacement_backend()
         if engine is None:
             return {}
+        receiver = engine.receiver
         out = {"path": engine.last_load_path, "plan_failure": engine.plan_failure, "staging": engine.staging,
-               "staging_bytes": int(engine.receiver.staging_bytes) if engine.receiver is not None else 0}
+               "staging_bytes": int(receiver.staging_bytes) if receiver is not None else 0,
+               "received_bytes": int(receiver.received_bytes) if receiver is not None else 0,
+               "sliced_tensors": len(receiver.sliced) if receiver is not None else 0}
         if engine.staging == "bucket":
             out["copied_out"] = int(engine.copied_out)
         summary = engine.chunk_kernel_summary()

@@ -334,8 +334,33 @@ class WeightReceiver(abc.ABC):
     the update is released); None: the engine hashes what was staged. Also the ``checksums`` of
     :meth:`receive`'s report."""
 
+    accepts_slices: ClassVar[bool] = False
+    """Can take only the slice of each tensor this worker keeps (:meth:`keep_slices`): the sender writes each
+    worker its own bytes. Modes whose bytes reach every worker of a group at once (a broadcast) cannot."""
+    keeps: "dict | None" = None
+    """The slices this worker keeps (:data:`rlplacement.transfer.shards.Keeps`); None: every tensor whole."""
+
     @abc.abstractmethod
     def connect(self, endpoint: TransferEndpoint, rank: int) -> None: ...
+
+    def keep_slices(self, keeps: "dict | None") -> None:
+        """Receive only ``keeps``' slices from the next :meth:`connect` on (None: whole tensors); the receiver
+        tells its sender at connect. Refused by modes that cannot (:attr:`accepts_slices`)."""
+        if keeps and not self.accepts_slices:
+            raise TransferError(f"mode {self.mode!r} sends every worker whole tensors; it cannot send slices")
+        self.keeps = keeps or None
+
+    @property
+    def sliced(self) -> "dict[str, tuple]":
+        """Tensors of the update staged last that arrived as this worker's slice: name -> (box, HF shape). The
+        staged tensor has the HF shape, but only its box holds the tensor's bytes
+        (:func:`rlplacement.transfer.shards.full_view`)."""
+        return {}
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes of the last update that reached this receiver (its slices only, where it keeps slices)."""
+        return 0
 
     @property
     def read_from(self) -> dict[str, int]:

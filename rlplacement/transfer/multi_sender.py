@@ -120,6 +120,7 @@ class MultiSenderReceiver(StagingReceiver):
         super().__init__(device, version=version)
         self.mode = mode_class.mode
         self.bucketwise = mode_class.bucketwise
+        self.accepts_slices = mode_class.accepts_slices
         self.channels: list[StagingReceiver] = [mode_class(device, version=version) for _ in range(num_senders)]
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._joined_all = False
@@ -139,6 +140,21 @@ class MultiSenderReceiver(StagingReceiver):
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(len(self.channels), thread_name_prefix="rlp-channel")
         self._joined_all = True
+
+    def keep_slices(self, keeps: dict | None) -> None:
+        super().keep_slices(keeps)
+        for channel in self.channels:
+            channel.keep_slices(keeps)
+
+    @property
+    def sliced(self) -> dict[str, tuple]:
+        return {name: where for channel in self.channels for name, where in channel.sliced.items()}
+
+    @property
+    def verified_checksums(self) -> dict[str, str] | None:
+        """Every channel's own checksums where each has them (channels that keep slices do)."""
+        sums = [channel.verified_checksums for channel in self.channels]
+        return None if any(s is None for s in sums) else {k: v for s in sums for k, v in s.items()}
 
     def begin(self, version: int) -> None:
         super().begin(version)

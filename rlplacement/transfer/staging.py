@@ -37,6 +37,7 @@ class StagingReceiver(WeightReceiver):
         self._pending: int | None = None
         self._rank: int | None = None
         self._staged: list[NamedTensor] | None = None
+        self._received_bytes = 0
         self.instants = Instants()  # of the update begun last (``begin`` .. ``applied``)
 
     @property
@@ -46,6 +47,10 @@ class StagingReceiver(WeightReceiver):
     @property
     def rank(self) -> int | None:
         return self._rank
+
+    @property
+    def received_bytes(self) -> int:
+        return self._received_bytes
 
     @property
     def staged(self) -> list[NamedTensor] | None:
@@ -105,7 +110,7 @@ class StagingReceiver(WeightReceiver):
         except BaseException:
             self.abort()
             raise
-        self._staged = staged
+        self._staged, self._received_bytes = staged, nbytes
         self.instants.mark("staged")
         return UpdateReport(self._pending, num_tensors, num_buckets, nbytes, time.perf_counter() - start,
                             self.verified_checksums, self.last_path, dict(self.instants))

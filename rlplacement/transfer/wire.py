@@ -90,12 +90,14 @@ class SentSoFar:
     def none(cls, check_equal: bool) -> "SentSoFar":
         return cls(checksums={} if check_equal else None)
 
-    def add(self, bucket: list[NamedTensor], manifest: BucketManifest) -> None:
+    def add(self, bucket: list[NamedTensor], manifest: BucketManifest, checksums: dict[str, str] | None = None) -> None:
+        """``checksums``: what the receivers check instead of the manifest's (slices', by ``shards.region_key``)."""
         self.num_buckets += 1
         self.num_tensors += len(bucket)
         self.nbytes += sum(m.nbytes for m in manifest.tensors)
         if self.checksums is not None:
-            self.checksums.update((m.name, m.checksum) for m in manifest.tensors)
+            self.checksums.update(checksums if checksums is not None else
+                                  ((m.name, m.checksum) for m in manifest.tensors))
 
 
 class FramedSender(WeightSender):
@@ -204,7 +206,7 @@ class FramedSender(WeightSender):
             prepared = self._prepare_payload(bucket, manifest)  # before the header: overlaps the last send
             self._send_frame(KIND_BUCKET, version, self._manifest_blob(manifest, prepared), manifest.nbytes)
             self._send_payload(bucket, manifest, prepared)
-            sent.add(bucket, manifest)
+            sent.add(bucket, manifest, self._checksums_sent(prepared))
         self._drain()
         self._send_frame(KIND_END, version, b"", sent.num_tensors)
         if self.wire_device.type == "cuda":
@@ -240,6 +242,11 @@ class FramedSender(WeightSender):
 
     def _prepare_payload(self, bucket: list[NamedTensor], manifest: BucketManifest):
         """Work done before the bucket's header goes out (packing, in overlapping modes)."""
+        return None
+
+    def _checksums_sent(self, prepared) -> dict[str, str] | None:
+        """The checksums receivers check for a bucket, where a mode sends other bytes than the manifest's
+        tensors (slices); None: the manifest's."""
         return None
 
     @abc.abstractmethod
@@ -280,8 +287,12 @@ class FramedReceiver(StagingReceiver):
         self._endpoint: TransferEndpoint | None = None
         self._wire = torch.device("cpu")  # where control frames (headers, manifests) live
         self._payload_info: dict | None = None  # the current bucket's "payload" entry, if the mode sends one
-        self._manifests: dict[int, tuple[BucketManifest, dict | None]] = {}  # as sent, per bucket index
+        self._manifests: dict[int, tuple[BucketManifest, dict | None, dict | None]] = {}  # as sent, per bucket
+        # index: the manifest, its "payload" entry and its slices' checksums (``shards.region_key``)
         self._views: dict[int, tuple] = {}  # bucket index -> (buffer, manifest, typed views) of the last update
+        self._regions: dict[int, tuple] = {}  # bucket index -> (manifest, slice sums, region, boxes) last derived
+        self._sliced: dict[str, tuple] = {}  # of the update staged last: name -> (box, HF shape)
+        self._slice_data: list[tuple[str, "torch.Tensor"]] = []  # (region key, the slice's bytes) of that update
         self._failure: BaseException | None = None  # the first failure of this update, raised once drained
 
     def _joined(self) -> bool:
@@ -304,13 +315,66 @@ class FramedReceiver(StagingReceiver):
         self._endpoint = endpoint
 
     def _stage(self) -> tuple[list[NamedTensor], int, int]:
-        self._failure = None
+        self._start_update()
         return self._stage_buckets(self._recv_frame())
 
     def _stream(self, apply_bucket: ApplyFn) -> tuple[int, int, int]:
-        self._failure = None
+        self._start_update()
         _, num_tensors, num_buckets, nbytes = self._receive_buckets(self._recv_frame(), apply_bucket)
         return num_tensors, num_buckets, nbytes
+
+    def _start_update(self) -> None:
+        self._failure = None
+        self._sliced, self._slice_data = {}, []
+        self.verified_checksums = None
+
+    @property
+    def sliced(self) -> dict[str, tuple]:
+        return self._sliced
+
+    def _region(self, manifest: BucketManifest, sums: dict | None = None) -> tuple[BucketManifest, tuple]:
+        """The bucket of ``manifest`` as this worker receives it (``shards.region_manifest``: its slices, or
+        ``manifest`` itself when it keeps none and ``sums`` is None), and each tensor's box."""
+        from rlplacement.transfer import shards
+
+        if not self.keeps and sums is None:
+            return manifest, (None,) * len(manifest.tensors)
+        cached = self._regions.get(manifest.index)
+        if cached is not None and cached[0] is manifest and cached[1] is sums:
+            return cached[2], cached[3]
+        region, boxes = shards.region_manifest(manifest, self.keeps, sums)
+        self._regions[manifest.index] = (manifest, sums, region, boxes)
+        return region, boxes
+
+    def _as_loaded(self, tensors: list[NamedTensor], manifest: BucketManifest, boxes: tuple,
+                   hash_now: bool = False) -> list[NamedTensor]:
+        """``tensors`` (a region's, in manifest order) as the loader takes them: a slice as a tensor of the HF
+        shape (``shards.full_view``), noted in :attr:`sliced`; a whole tensor as it is. ``hash_now``: the
+        region's buffer is reused before the update ends (bucket staging), so its checksums are taken now."""
+        if not self.keeps:
+            return tensors
+        from rlplacement.transfer import shards
+        from rlplacement.transfer.base import tensor_checksum
+
+        out = []
+        for (name, t), meta, box in zip(tensors, manifest.tensors, boxes):
+            key = shards.region_key(name, box)
+            self._slice_data.append((key, tensor_checksum(t) if hash_now and self._endpoint.check_equal else t))
+            if box is None:
+                out.append((name, t))
+            else:
+                self._sliced[name] = (box, meta.shape)
+                out.append((name, shards.full_view(t, box, meta.shape)))
+        return out
+
+    def _slices_landed(self) -> None:
+        """The whole update is off the wire: with checks on, this worker's own checksums of the slices it
+        received stand for what it serves (the staged tensors hold other bytes outside their boxes)."""
+        if self.keeps and self._endpoint.check_equal:
+            from rlplacement.transfer.base import tensor_checksum
+
+            self.verified_checksums = {key: t if isinstance(t, str) else tensor_checksum(t) for key, t in self._slice_data}
+        self._slice_data = []
 
     def _stage_buckets(self, frame: tuple[int, int, bytes]) -> tuple[list[NamedTensor], int, int]:
         """Stage buckets until END, starting with ``frame`` (the update's first, already received)."""
@@ -334,8 +398,10 @@ class FramedReceiver(StagingReceiver):
             if kind != KIND_BUCKET:
                 raise TransferError(f"unexpected frame kind {kind} from the trainer")
             manifest = self._parse_manifest(blob, num_buckets)
+            region, boxes = self._region(manifest, self._manifests[manifest.index][2])
             slot = manifest.index if apply_bucket is None else num_buckets % 2
-            tensors = self._take_bucket(self.buffers.get(slot, manifest.nbytes), manifest)
+            tensors = self._as_loaded(self._take_bucket(self.buffers.get(slot, region.nbytes), region), manifest,
+                                      boxes, hash_now=apply_bucket is not None)
             if apply_bucket is None:
                 staged.extend(tensors)
             elif self._failure is None:
@@ -348,10 +414,11 @@ class FramedReceiver(StagingReceiver):
                 except Exception as exc:  # noqa: BLE001 - raised once drained, so no peer stalls
                     self._failure = exc
             num_tensors += len(tensors)
-            nbytes += sum(m.nbytes for m in manifest.tensors)
+            nbytes += sum(m.nbytes for m in region.tensors)
             num_buckets += 1
             frame = self._recv_frame()
         self._after_end(num_tensors)
+        self._slices_landed()
         self.buffers.trim(num_buckets if apply_bucket is None else 2)
         return staged, num_tensors, num_buckets, nbytes
 
@@ -379,7 +446,7 @@ class FramedReceiver(StagingReceiver):
         if blob:
             obj = json.loads(blob)
             manifest = BucketManifest.from_wire(obj)
-            self._manifests[manifest.index] = (manifest, obj.get("payload"))
+            self._manifests[manifest.index] = (manifest, obj.get("payload"), obj.get("slice_checksums"))
         elif position in self._manifests:
             manifest = self._manifests[position][0]
         else:

@@ -115,3 +115,24 @@ def fail_bucketwise_load_after_buckets(worker, n_buckets: int, rank: int | None 
         original(self, bucket)
 
     cls.apply = failing
+
+
+def keep_another_workers_slices(worker, rank: int) -> None:
+    """On worker ``rank`` of its engine only: from the next join on, keep (and so be sent) the slices of the
+    worker after it, as a wrong sharding rule would; ``keep_own_slices`` undoes it."""
+    if getattr(worker, "rank", 0) != rank:
+        return
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    from rlplacement.transfer import shards
+
+    engine = worker.weight_transfer_engine
+    tp = get_tensor_model_parallel_world_size()
+    config = engine.model_config.hf_config.to_dict()
+    engine._keeps = lambda: shards.keeps_for_worker(config, (rank + 1) % tp, tp)
+
+
+def keep_own_slices(worker) -> None:
+    engine = worker.weight_transfer_engine
+    if "_keeps" in vars(engine):
+        del engine._keeps

@@ -23,6 +23,8 @@ class HookedWorkerExtension(RlplacementWorkerExtension):
     hook_fail_next_staging_on_rank = faults.fail_next_staging_on_rank
     hook_fail_next_load_on_rank = faults.fail_next_load_on_rank
     hook_fail_bucketwise_load_after_buckets = faults.fail_bucketwise_load_after_buckets
+    hook_keep_another_workers_slices = faults.keep_another_workers_slices
+    hook_keep_own_slices = faults.keep_own_slices
     hook_receiver_stats = ipc_probes.receiver_stats
 
     def hook_pid(self) -> int:

@@ -3,14 +3,15 @@ unregistered before they are freed); their addresses go to the trainer per bucke
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import weakref
 from typing import TYPE_CHECKING, ClassVar
 
 from rlplacement.transfer.base import ApplyFn, BucketManifest, NamedTensor, TransferEndpoint, TransferError
 from rlplacement.transfer.p2p import KIND_REPLAY, KIND_REPLAYED, P2PInit
-from rlplacement.transfer.p2p.mooncake import MooncakeEngine, RegisteredBuffers, address_toward, session_key
+from rlplacement.transfer.p2p.mooncake import (MooncakeEngine, RegisteredBuffers, address_toward, keeps_key,
+                                               session_key)
+from rlplacement.transfer.shards import keeps_to_json
 from rlplacement.transfer.wire import KIND_ABORT, KIND_END, FramedReceiver
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ class P2PReceiver(FramedReceiver):
     """One engine worker: a TransferEngine, staging buffers registered once and written by the trainer."""
 
     mode: ClassVar[str] = "p2p"
+    accepts_slices: ClassVar[bool] = True  # the sender writes each worker its own region of a bucket
 
     def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0):
         super().__init__(device, version=version)
@@ -31,13 +33,14 @@ class P2PReceiver(FramedReceiver):
         super().connect(endpoint, rank)  # closes the old group, engine and registrations first
         # a fresh engine and fresh registrations: the trainer never writes to an old one
         self._engine = MooncakeEngine(address_toward(endpoint.host), P2PInit(**endpoint.mode_info).protocol)
+        self._group._store.set(keeps_key(endpoint.group_name, rank), keeps_to_json(self.keeps))
         self._group._store.set(session_key(endpoint.group_name, rank), self._engine.session)
         # staging lives where the model does, registered at first use, unregistered when it grows or goes
         self.buffers = RegisteredBuffers(self.device, self._engine)
         self._given = {}
 
     def _stage(self) -> tuple[list[NamedTensor], int, int]:
-        self._failure = None
+        self._start_update()
         frame = self._recv_frame()
         if frame[0] != KIND_REPLAY:
             return self._stage_buckets(frame)
@@ -48,7 +51,7 @@ class P2PReceiver(FramedReceiver):
     def _stream(self, apply_bucket: ApplyFn) -> tuple[int, int, int]:
         """Bucket staging refuses a replay: its two buffers are reused as the model takes each bucket, which
         only the per-bucket exchange paces."""
-        self._failure = None
+        self._start_update()
         frame = self._recv_frame()
         if frame[0] == KIND_REPLAY:
             self._answer_replay(False)
@@ -71,7 +74,8 @@ class P2PReceiver(FramedReceiver):
         for index in range(count):
             entry, given = self._manifests.get(index), self._given.get(index)
             buf = self.buffers.peek(index)
-            if entry is None or given is None or buf is None or given() is not buf or buf.numel() < entry[0].nbytes:
+            if (entry is None or given is None or buf is None or given() is not buf
+                    or buf.numel() < self._region(entry[0], entry[2])[0].nbytes):
                 return False
         return True
 
@@ -88,16 +92,15 @@ class P2PReceiver(FramedReceiver):
         nbytes = 0
         for index in range(replayed):
             manifest = self._manifests[index][0]
-            if checksums is not None:
-                manifest = dataclasses.replace(manifest, tensors=tuple(
-                    dataclasses.replace(t, checksum=checksums[t.name]) for t in manifest.tensors))
-            tensors = self._unpack(self.buffers.peek(index), manifest)
+            region, boxes = self._region(manifest, checksums)
+            tensors = self._unpack(self.buffers.peek(index), region)
             if self._failure is None:
-                self._failure = self.first_mismatch(manifest, tensors, self._where())
-            staged.extend(tensors)
-            nbytes += sum(t.nbytes for t in manifest.tensors)
+                self._failure = self.first_mismatch(region, tensors, self._where())
+            staged.extend(self._as_loaded(tensors, manifest, boxes))
+            nbytes += sum(t.nbytes for t in region.tensors)
         if kind == KIND_END:
             self._after_end(len(staged))
+            self._slices_landed()
             self.buffers.trim(replayed)
             return staged, replayed, nbytes
         staged, _, num_buckets, nbytes = self._receive_buckets(self._recv_frame(), None,

@@ -1,6 +1,7 @@
 """Trainer side of ``p2p``: pack bucket i+1 into the other registered slot while bucket i's batched
 writes fly to every engine worker; a failed or late write aborts the update everywhere. A slot that
-grows is unregistered before its memory is let go.
+grows is unregistered before its memory is let go. Each worker is written only the slices it keeps
+(:mod:`rlplacement.transfer.shards`; whole tensors for a worker that keeps none).
 
 Once an update went bucket by bucket, the next one offers to replay it (the package docstring's replay):
 the same buckets written to the destinations learned then, with no collective per bucket."""
@@ -14,11 +15,12 @@ import time
 from typing import TYPE_CHECKING, ClassVar
 
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, BucketManifest, HFShapes, NamedTensor
-from rlplacement.transfer.bucket import GroupFn, fused_group_of, pack_into, plan_manifest
+from rlplacement.transfer.bucket import GroupFn, aligned, fused_group_of, pack_into, plan_manifest
 from rlplacement.transfer.p2p import (DEFAULT_TRANSFER_TIMEOUT_S, KIND_REPLAY, KIND_REPLAYED, P2PInit, P2POptions,
                                      layout_key)
 from rlplacement.transfer.p2p.mooncake import (SLICE_BYTES, MooncakeEngine, RegisteredBuffers, address_toward,
-                                               session_key)
+                                               keeps_key, session_key)
+from rlplacement.transfer.shards import Keeps, cut, keeps_from_json, region_key, region_manifest, slice_positions
 from rlplacement.transfer.wire import KIND_END, AbortUpdate, FramedSender, SentSoFar
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ class P2PSender(FramedSender):
         self._plan: list[str] = []  # the last update's buckets (layout_key), each with known destinations
         self._addresses: dict[int, list[int]] = {}  # bucket index -> destination address per group rank
         self._replaying = False  # this update writes to the destinations learned before: no collective
+        self._positions: list[tuple[Keeps | None, list[int]]] = []  # distinct keeps, and the group ranks keeping them
 
     @property
     def transport(self) -> str:
@@ -70,6 +73,8 @@ class P2PSender(FramedSender):
         self._engine = MooncakeEngine(address_toward(e.host), self.protocol)
         self.buffers.engine = self._engine
         self._sessions = [""] + [self._store.get(session_key(e.group_name, r)).decode() for r in range(1, e.world_size)]
+        self._positions = slice_positions([keeps_from_json(self._store.get(keeps_key(e.group_name, r)).decode())
+                                           for r in range(1, e.world_size)])
         self._pending = None
         self._plan, self._addresses = [], {}
 
@@ -112,8 +117,9 @@ class P2PSender(FramedSender):
                 del self._plan[index:]
                 rest = self._send_buckets(version, itertools.chain([(index, bucket)], buckets), sent)
                 return (*rest[:4], "replay")
-            self._send_payload(bucket, manifest, self._prepare_payload(bucket, manifest))
-            sent.add(bucket, manifest)
+            prepared = self._prepare_payload(bucket, manifest)
+            self._send_payload(bucket, manifest, prepared)
+            sent.add(bucket, manifest, self._checksums_sent(prepared))
         self._drain()
         del self._plan[sent.num_buckets:]
         self._send_frame(KIND_END, version, self._replay_blob(sent), sent.num_tensors)
@@ -125,24 +131,60 @@ class P2PSender(FramedSender):
 
     def _prepare_payload(self, bucket: list[NamedTensor], manifest: BucketManifest):
         """Pack into the slot bucket i-1 used (its writes are done), then finish bucket i's writes:
-        packing overlaps the writes in flight."""
+        packing overlaps the writes in flight. Where workers keep slices, the slot holds one region per
+        distinct keeps (``shards.region_manifest``), each written to the workers keeping those slices.
+        Returns ``(slot bytes, {group rank: (offset in the slot, bytes)}, slices' checksums or None)``."""
         if not manifest.nbytes:
             return None
         slot = manifest.index % self.NUM_SLOTS
-        flat = pack_into(self.buffers.get(slot, manifest.nbytes), bucket, manifest)
+        if not any(keeps for keeps, _ in self._positions):
+            flat = pack_into(self.buffers.get(slot, manifest.nbytes), bucket, manifest)
+            where = {rank: (0, manifest.nbytes) for rank in range(1, self._endpoint.world_size)}
+            sums = None
+        else:
+            flat, where, sums = self._pack_regions(slot, bucket, manifest)
         if flat.device.type == "cuda":
             import torch
 
             torch.cuda.current_stream(flat.device).synchronize()  # Mooncake reads it from its own threads
         self._complete_pending()
-        return flat
+        return flat, where, sums
+
+    def _pack_regions(self, slot: int, bucket: list[NamedTensor], manifest: BucketManifest):
+        from rlplacement.transfer.base import tensor_checksum
+
+        regions, total = [], 0
+        for keeps, ranks in self._positions:
+            region, boxes = region_manifest(manifest, keeps)
+            regions.append((region, boxes, ranks, total))
+            total = aligned(total + region.nbytes)
+        flat = self.buffers.get(slot, total)
+        where, sums = {}, {} if self.check_equal else None
+        for region, boxes, ranks, base in regions:
+            pieces = [(name, cut(t, box)) for (name, t), box in zip(bucket, boxes)]
+            pack_into(flat[base:base + region.nbytes], pieces, region)
+            where.update((rank, (base, region.nbytes)) for rank in ranks)
+            if sums is not None:
+                sums.update((region_key(name, box), tensor_checksum(piece))
+                            for (name, piece), box in zip(pieces, boxes))
+        return flat[:total], where, sums
+
+    def _manifest_wire(self, manifest: BucketManifest, prepared) -> dict:
+        out = manifest.to_wire()
+        if prepared is not None and prepared[2] is not None:
+            out["slice_checksums"] = prepared[2]
+        return out
+
+    def _checksums_sent(self, prepared) -> dict[str, str] | None:
+        return prepared[2] if prepared is not None else None
 
     def _send_payload(self, bucket: list[NamedTensor], manifest: BucketManifest, prepared) -> None:
         import torch
 
         if prepared is None:
             return
-        src = self._engine.register(self.buffers.get(manifest.index % self.NUM_SLOTS, manifest.nbytes))
+        flat, where, _ = prepared
+        src = self._engine.register(self.buffers.get(manifest.index % self.NUM_SLOTS, flat.numel()))
         if self._replaying:
             addresses = self._addresses[manifest.index]
         else:
@@ -152,13 +194,13 @@ class P2PSender(FramedSender):
             if manifest.index == len(self._plan):
                 self._plan.append(layout_key(manifest))
         batches = []
-        n = manifest.nbytes
-        offsets = list(range(0, n, SLICE_BYTES))
-        lens = [min(SLICE_BYTES, n - o) for o in offsets]
         for rank in range(1, self._endpoint.world_size):
+            base, n = where[rank]
+            offsets = list(range(0, n, SLICE_BYTES))
+            lens = [min(SLICE_BYTES, n - o) for o in offsets]
             dst = int(addresses[rank])
             batch = self._engine.te.batch_transfer_async_write(
-                self._sessions[rank], [src + o for o in offsets], [dst + o for o in offsets], lens)
+                self._sessions[rank], [src + base + o for o in offsets], [dst + o for o in offsets], lens)
             batches.append((rank, batch))
         self._pending = (manifest.index, batches)
 

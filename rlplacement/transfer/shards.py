@@ -1,0 +1,162 @@
+"""Engine workers that receive only their slice of each tensor: which slice (a worker's *keeps*), how a
+bucket is laid out for one (a *region*), and how a slice reaches vLLM's loader, which expects the whole
+HF tensor.
+
+* A worker's keeps are the boxes of ``transfer.plan.engine_shards.vllm_worker_needs``: the slice vLLM's
+  loader takes for it. A tensor kept whole (norms, KV heads a wider engine replicates, every tensor at
+  TP=1) is not in the map; neither is one whose slice is empty (a vocabulary shard of padding only: the
+  tensor is sent whole, so the loader's zero fill sees the shape it expects).
+* A region is a bucket's manifest for one set of keeps: each tensor's slice in C order, aligned as in a
+  bucket, named as the tensor. Sender and receiver derive it from the same bucket manifest and keeps, so
+  only the whole bucket's manifest travels. Checksums of slices are keyed ``name[box]``
+  (:func:`region_key`); a tensor sent whole keeps its name as key.
+* :func:`full_view` hands a slice to the loader as a tensor of the whole shape whose elements inside
+  the box are the slice. Its storage is the slice plus the elements before and after the box along the
+  sliced dimension: for a slice of rows, the rows outside it are allocated and never written or read
+  (host pages that are never touched are never resident); for a slice of columns, a few elements, and
+  the view's elements outside the box alias other rows of the slice. Either way the loader must read
+  only the box: ``engines.vllm_backend`` records the loader's reads on the first sliced load and
+  refuses by name one that reads outside it.
+
+Host memory only: on a GPU the rows outside a slice would be device memory, so workers there receive
+whole tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING
+
+from rlplacement.transfer.base import BucketManifest, TensorMeta
+from rlplacement.transfer.plan.boxes import Box, describe, volume, whole
+
+if TYPE_CHECKING:
+    import torch
+
+Keeps = dict[str, Box]
+"""HF name -> the box of it a worker keeps (tensors kept whole are absent)."""
+
+
+def keeps_for_worker(hf_config: dict, rank: int, tp: int) -> Keeps:
+    """What worker ``rank`` of a ``tp``-wide engine keeps of each tensor of the model of ``hf_config``
+    (its ``config.json`` as a dict); raises ``ValueError`` for a model the plan does not know."""
+    from rlplacement.transfer.plan.engine_shards import vllm_worker_needs
+    from rlplacement.transfer.plan.tensors import ModelTensors
+
+    model = ModelTensors.from_hf_config(hf_config, dtype="float32")  # boxes count elements: any dtype will do
+    needs = vllm_worker_needs(model, tp)[rank]
+    shapes = {t.name: t.shape for t in model.tensors}
+    return {name: box for name, box in needs.items() if box != whole(shapes[name]) and volume(box)}
+
+
+def keeps_to_json(keeps: Keeps | None) -> str:
+    return json.dumps(None if keeps is None else {n: [list(r) for r in box] for n, box in sorted(keeps.items())})
+
+
+def keeps_from_json(text: str) -> Keeps | None:
+    obj = json.loads(text)
+    return None if obj is None else {n: tuple((int(a), int(b)) for a, b in box) for n, box in obj.items()}
+
+
+def region_key(name: str, box: Box | None) -> str:
+    """The checksum key of ``name``'s slice ``box`` (None: the whole tensor, keyed by its name)."""
+    return name if box is None else f"{name}{describe(box)}"
+
+
+def sliced_dim(box: Box, shape: tuple[int, ...]) -> int:
+    """The one dimension ``box`` cuts (the rules cut one); raises for a box that cuts several."""
+    cut = [d for d, ((a, b), n) in enumerate(zip(box, shape)) if (a, b) != (0, n)]
+    if len(cut) != 1:
+        raise ValueError(f"a box of shape {shape} cutting dimensions {cut}: a slice cuts exactly one")
+    return cut[0]
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def region_manifest(manifest: BucketManifest, keeps: Keeps | None,
+                    checksums: dict[str, str] | None = None) -> tuple[BucketManifest, tuple[Box | None, ...]]:
+    """The bucket of ``manifest`` as a worker with ``keeps`` receives it, and each tensor's box (None:
+    whole). ``checksums``: by :func:`region_key`, replacing the manifest's (None: ``manifest`` itself where
+    nothing is sliced, else unchecked)."""
+    from rlplacement.transfer.bucket import aligned, dtype_from_name
+
+    if not keeps and checksums is None:
+        return manifest, (None,) * len(manifest.tensors)
+    metas, boxes, end = [], [], 0
+    for t in manifest.tensors:
+        box = keeps.get(t.name) if keeps else None
+        if box is not None and len(box) != len(t.shape):
+            raise ValueError(f"tensor {t.name!r} of shape {t.shape} arrived where a slice {describe(box)} is kept")
+        shape = box_shape(box) if box is not None else t.shape
+        n = math.prod(shape) * dtype_from_name(t.dtype).itemsize
+        offset = aligned(end)
+        key = region_key(t.name, box)
+        metas.append(TensorMeta(t.name, t.dtype, shape, offset, n, checksums.get(key) if checksums else None))
+        boxes.append(box)
+        end = offset + n
+    return BucketManifest(manifest.index, end, tuple(metas)), tuple(boxes)
+
+
+def cut(tensor: "torch.Tensor", box: Box | None) -> "torch.Tensor":
+    """The view of ``tensor`` a box selects (the tensor itself for None)."""
+    if box is None:
+        return tensor
+    for d, (a, b) in enumerate(box):
+        if (a, b) != (0, tensor.shape[d]):
+            tensor = tensor.narrow(d, a, b - a)
+    return tensor
+
+
+def full_view(data: "torch.Tensor", box: Box, shape: tuple[int, ...]) -> "torch.Tensor":
+    """A tensor of ``shape`` whose box ``box`` holds ``data`` (of the box's shape): a copy of ``data`` into
+    storage laid out as the module docstring says. Elements outside the box are not the tensor's."""
+    import torch
+
+    d = sliced_dim(box, shape)
+    a, b = box[d]
+    dims = box_shape(box)
+    strides = [math.prod(dims[k + 1:]) for k in range(len(dims))]
+    before, after = a * strides[d], (shape[d] - b) * strides[d]
+    storage = torch.empty(before + data.numel() + after, dtype=data.dtype, device=data.device)
+    storage[before:before + data.numel()].copy_(data.reshape(-1))
+    return storage.as_strided(shape, strides, 0)
+
+
+def slice_bounds(view: "torch.Tensor", box: Box, shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """For a :func:`full_view` ``view``: its storage's first element, and the box's elements' offsets
+    ``[start, stop)`` in that storage (what the loader may read)."""
+    d = sliced_dim(box, shape)
+    stride = view.stride()[d]
+    start = box[d][0] * stride
+    return view.untyped_storage().data_ptr(), start, start + volume(box)
+
+
+def slice_positions(keeps_by_worker: list[Keeps | None]) -> list[tuple[Keeps | None, list[int]]]:
+    """Workers (group ranks from 1, in ``keeps_by_worker`` order) grouped by what they keep: each distinct
+    keeps once, with the ranks keeping it (the same worker index of every engine of one width)."""
+    positions: dict[str, tuple[Keeps | None, list[int]]] = {}
+    for rank, keeps in enumerate(keeps_by_worker, start=1):
+        positions.setdefault(keeps_to_json(keeps), (keeps, []))[1].append(rank)
+    return list(positions.values())
+
+
+def misread(reads: dict[str, list], sliced: dict[str, tuple], strides: dict[str, tuple[int, ...]]) -> str | None:
+    """Why a load that read ``reads`` (``engines.copy_plan.ReadRecorder``: per tensor, each copy's source as
+    storage offset, size and stride) may have taken bytes outside the slices of ``sliced`` (name -> (box,
+    HF shape)) staged as :func:`full_view` tensors of ``strides``; None when every copy out of a slice is
+    exactly its box. Exactly, because the view's elements outside the box alias the box's own memory: a
+    copy of the box's size, the view's strides and the box's first offset can only be the box."""
+    for name, (box, shape) in sorted(sliced.items()):
+        d = sliced_dim(box, shape)
+        want = (box[d][0] * strides[name][d], box_shape(box), tuple(strides[name]))
+        got = reads.get(name, [])
+        if not got:
+            return f"the loader took nothing of {name!r} through a view of it (its slice {describe(box)} was sent)"
+        bad = next((r for r in got if tuple(r) != want), None)
+        if bad is not None:
+            return (f"the loader read {name!r} other than as its slice {describe(box)} (a view of size {bad[1]} at "
+                    f"offset {bad[0]}, strides {bad[2]}; the slice is size {want[1]} at offset {want[0]})")
+    return None
