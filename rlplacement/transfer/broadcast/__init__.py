@@ -2,6 +2,10 @@
 after each bucket's manifest, in a private group of each sending trainer rank + every engine worker (NCCL between
 GPUs, gloo on CPU). The engines' loaders re-fuse and re-shard what arrives. :mod:`.sender` and
 :mod:`.receiver` hold its two classes; this package registers its spec.
+
+Whole tensors: a broadcast reaches every worker of its group, so every engine worker receives every
+tensor whole and its loader keeps its slice (groups per worker position, each sent only its slices, are
+not built; ``p2p`` writes each worker its slices: :mod:`rlplacement.transfer.shards`).
 """
 
 from rlplacement.transfer.registry import register_mode

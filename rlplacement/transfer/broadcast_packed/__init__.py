@@ -5,6 +5,8 @@ The sender packs into two buffers it keeps across updates and alternates between
 i+1 is packed (before its header is sent) while bucket i is on the wire; a slot is reused only
 after its broadcast has completed. The receiver receives straight into its staging buffer, so each
 bucket costs one collective and no copy on that side. This package registers its spec.
+
+Whole tensors, as ``broadcast``: every engine worker receives every bucket whole.
 """
 
 from rlplacement.transfer.registry import register_mode

@@ -55,6 +55,9 @@ Package: :mod:`.protocol` (the kinds and the acknowledgements), :mod:`.buckets` 
 buffers: CUDA IPC handles, /dev/shm on CPU), :mod:`.direct` (the trainer's allocations exported and
 mapped), :mod:`.driver` (the CUDA driver calls the direct path needs), :mod:`.sender` and
 :mod:`.receiver` (each side's dispatch between the two paths). This package registers the spec.
+
+Slices: a direct update's loader reads only its worker's slice out of the trainer's memory, so only that
+slice is copied; the bucket path copies every bucket whole into each worker's staging first.
 """
 
 from rlplacement.transfer.registry import register_mode

@@ -4,6 +4,8 @@ folder; engines are told to load version N and read it from there.
 Data flow: trainer tensors -> diff against the bytes the engines hold (``delta_codec``) ->
 ``DIR/weight_v{N:06d}/`` (:mod:`.folder_format`: written, fsynced, published by renames) ->
 ``DIR/latest`` -> each engine worker reads, verifies and stages the full new tensors -> commit.
+Whole tensors: every worker reads and keeps a host copy of every tensor whole (a delta is checked by the
+whole tensor's checksum; reading a worker's slice would need checksums per slice in the index).
 :mod:`.sender` is the trainer side, :mod:`.receiver` the engine side.
 
 Coordination: ``transfer_driver.run_update`` starts the trainer's ``update`` and the engines'
