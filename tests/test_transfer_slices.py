@@ -21,16 +21,21 @@ def _box(t, box):
     return shards.cut(t, box)
 
 
-@pytest.mark.parametrize("buffer_size", [4096, 1 << 20])
-def test_p2p_writes_each_worker_only_its_slices_bit_exact_over_versions_and_replays(buffer_size):
-    s = Session("p2p", buffer_size=buffer_size, check_equal=True, keeps=KEEPS)
+@pytest.mark.parametrize("mode,buffer_size", [("p2p", 4096), ("p2p", 1 << 20), ("disk-delta", 4096)])
+def test_each_worker_receives_only_its_slices_bit_exact_over_versions(mode, buffer_size):
+    """p2p writes each worker its slices (bucket by bucket, then replayed); disk-delta's workers decode and hold
+    only theirs, the first version a keyframe, the next ones xor deltas."""
+    s = Session(mode, buffer_size=buffer_size, check_equal=True, keeps=KEEPS)
     try:
         named = _model(1)
         whole_bytes = sum(t.numel() * t.element_size() for _, t in named)
         for version in (1, 2, 3):
             report, send_error, errors = s.run(version, named)
             assert send_error is None and errors == [None, None]
-            assert report.path == ("buckets" if version == 1 else "replay")
+            if mode == "p2p":
+                assert report.path == ("buckets" if version == 1 else "replay")
+            else:
+                assert report.base_version == (None if version == 1 else version - 1)
             for w, (receiver, applied) in enumerate(zip(s.receivers, s.applied)):
                 got = dict(applied)
                 assert set(got) == {n for n, _ in named}
@@ -39,7 +44,10 @@ def test_p2p_writes_each_worker_only_its_slices_bit_exact_over_versions_and_repl
                     assert got[name].shape == src.shape
                     assert torch.equal(_bytes(_box(got[name], box)), _bytes(_box(src, box))), name
                 kept = sum(_box(t, KEEPS[w].get(n)).numel() * t.element_size() for n, t in named)
-                assert receiver.received_bytes == kept < whole_bytes
+                if mode == "p2p":
+                    assert receiver.received_bytes == kept < whole_bytes
+                else:  # the host copy kept for the next delta is the worker's share
+                    assert receiver.staging_bytes == kept < whole_bytes
                 assert set(receiver.sliced) == set(KEEPS[w])
                 # what each worker checks is its own slices, under the keys the trainer reported
                 assert receiver.verified_checksums == {
@@ -110,3 +118,60 @@ def test_a_mode_that_broadcasts_refuses_slices():
 
     with pytest.raises(TransferError, match="mode 'broadcast' sends every worker whole tensors"):
         registry.receiver_class("broadcast")("cpu").keep_slices(KEEPS[0])
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite", "full"])
+@pytest.mark.parametrize("box", [((2, 4), (0, 10)), ((0, 6), (3, 7))])
+def test_a_slice_decodes_from_the_whole_payload_and_its_own_base(encoding, box):
+    import numpy as np
+
+    from rlplacement.transfer import delta_codec as codec
+
+    rng = np.random.default_rng(0)
+    shape, itemsize = (6, 10), 2
+    old = rng.integers(0, 256, size=6 * 10 * 2, dtype=np.uint8)
+    new = old.copy()
+    new[rng.integers(0, old.size, size=17)] ^= 0x5A
+    enc = codec.encode(new, None if encoding == "full" else old, "xor" if encoding == "full" else encoding)
+    assert enc.encoding == encoding
+    base = None if encoding == "full" else codec.cut_bytes(old, shape, itemsize, box)
+    got = codec.decode_slice(enc.encoding, enc.payload, base, new.size, enc.extra, shape, itemsize, box)
+    assert np.array_equal(got, codec.cut_bytes(new, shape, itemsize, box))
+
+
+def test_a_disk_delta_worker_whose_slices_the_index_lacks_refuses_by_name():
+    from rlplacement.transfer.disk_delta import folder_format
+
+    s = Session("disk-delta", check_equal=True, keeps=KEEPS)
+    try:
+        (s.sender.root / folder_format.keeps_file(2)).unlink()  # the sender never learns worker 2's slices
+        report, send_error, errors = s.run(1, _model(1))
+        assert send_error is None and errors[0] is None
+        assert "the index has no checksum of this worker's slice model.layers.0" in str(errors[1])
+    finally:
+        s.close()
+
+
+def test_a_disk_delta_worker_that_cannot_write_the_folder_takes_whole_tensors_stand_in_for_a_read_only_mount(
+        monkeypatch):
+    """Root writes anywhere here, so the read-only mount is a publish that raises ``PermissionError``."""
+    from rlplacement.transfer.disk_delta import folder_format
+
+    publish = folder_format.publish_file
+
+    def read_only_for_engines(root, name, data):  # the trainer's own files still go in
+        if name.startswith("keeps."):
+            raise PermissionError(f"[Errno 30] Read-only file system: '{root / name}'")
+        publish(root, name, data)
+
+    monkeypatch.setattr(folder_format, "publish_file", read_only_for_engines)
+    s = Session("disk-delta", check_equal=True, keeps=KEEPS)
+    try:
+        named = _model(1)
+        report, send_error, errors = s.run(1, named)
+        assert send_error is None and errors == [None, None]
+        assert [r.keeps for r in s.receivers] == [None, None] and not s.receivers[0].sliced
+        got = dict(s.applied[0])
+        assert all(torch.equal(_bytes(src), _bytes(got[name])) for name, src in named)
+    finally:
+        s.close()

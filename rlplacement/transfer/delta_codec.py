@@ -12,6 +12,10 @@ Encodings of one tensor (``new`` and ``old`` are 1-D uint8 arrays of the same le
   base checkpoint, a new name, a dtype or shape change).
 * ``unchanged``: nothing is stored; the receiver keeps its bytes.
 
+A receiver that keeps only a slice of a tensor (a box of its elements) decodes that slice alone
+(:func:`decode_slice`) from its slice of the base: xor and overwrite are bytewise, so the slice of the
+result needs only the slice of the base (the payload is still decompressed whole, one tensor at a time).
+
 zstd level 1: on sparse changes (1-3% of bytes) the xor stream is mostly zeros and compresses
 at memory speed; the level barely changes the ratio there.
 """
@@ -124,5 +128,50 @@ def decode(encoding: str, payload, base: "np.ndarray | None", nbytes: int, extra
             raise DeltaDecodeError(f"overwrite position {int(positions[-1])} outside {nbytes} bytes")
         out = base.copy()
         out[positions] = np.frombuffer(raw, dtype=np.uint8, offset=count * index_dtype.itemsize)
+        return out
+    raise DeltaDecodeError(f"unknown tensor encoding {encoding!r}")
+
+
+def cut_bytes(data: "np.ndarray", shape: tuple[int, ...], itemsize: int, box) -> "np.ndarray":
+    """The bytes of the elements of ``box`` (``[start, stop)`` per dimension) of a C-order tensor of
+    ``shape`` whose raw bytes are ``data``, as a fresh contiguous uint8 array."""
+    import numpy as np
+
+    shaped = data.reshape(tuple(shape) + (itemsize,))
+    return np.ascontiguousarray(shaped[tuple(slice(a, b) for a, b in box)]).reshape(-1)
+
+
+def decode_slice(encoding: str, payload, base: "np.ndarray | None", nbytes: int, extra: dict,
+                 shape: tuple[int, ...], itemsize: int, box) -> "np.ndarray":
+    """The new bytes of ``box`` of the tensor (``shape``, ``itemsize``, ``nbytes`` in all), from the payload
+    of the whole tensor and ``base``, the slice's old bytes (a fresh array; ``base`` is never modified)."""
+    import numpy as np
+
+    if encoding == FULL:
+        return cut_bytes(decode(FULL, payload, None, nbytes, extra), shape, itemsize, box)
+    size = itemsize
+    for a, b in box:
+        size *= b - a
+    if base is None or base.size != size:
+        raise DeltaDecodeError(f"a {encoding} delta of a slice needs its {size} base bytes, "
+                               f"got {'none' if base is None else base.size}")
+    if encoding == "xor":
+        diff = np.frombuffer(_decompress(payload, nbytes), dtype=np.uint8)
+        return np.bitwise_xor(base, cut_bytes(diff, shape, itemsize, box))
+    if encoding == "overwrite":
+        count, index_dtype = int(extra["count"]), np.dtype(extra["index_dtype"])
+        raw = _decompress(payload, count * (index_dtype.itemsize + 1))
+        positions = np.cumsum(np.frombuffer(raw, dtype=index_dtype, count=count), dtype=np.int64)
+        if count and (positions[-1] >= nbytes or positions[0] < 0):
+            raise DeltaDecodeError(f"overwrite position {int(positions[-1])} outside {nbytes} bytes")
+        values = np.frombuffer(raw, dtype=np.uint8, offset=count * index_dtype.itemsize)
+        index = np.unravel_index(positions // itemsize, tuple(shape))
+        inside = np.ones(count, dtype=bool)
+        for k, (a, b) in enumerate(box):
+            inside &= (index[k] >= a) & (index[k] < b)
+        element = np.ravel_multi_index(tuple(index[k][inside] - a for k, (a, _) in enumerate(box)),
+                                       tuple(b - a for a, b in box)) if count else np.zeros(0, dtype=np.int64)
+        out = base.copy()
+        out[element * itemsize + positions[inside] % itemsize] = values[inside]
         return out
     raise DeltaDecodeError(f"unknown tensor encoding {encoding!r}")

@@ -4,8 +4,9 @@ folder; engines are told to load version N and read it from there.
 Data flow: trainer tensors -> diff against the bytes the engines hold (``delta_codec``) ->
 ``DIR/weight_v{N:06d}/`` (:mod:`.folder_format`: written, fsynced, published by renames) ->
 ``DIR/latest`` -> each engine worker reads, verifies and stages the full new tensors -> commit.
-Whole tensors: every worker reads and keeps a host copy of every tensor whole (a delta is checked by the
-whole tensor's checksum; reading a worker's slice would need checksums per slice in the index).
+A worker that keeps slices (``transfer.shards``) publishes them in the folder at join; the sender adds
+each slice's checksum to every index, and the worker decodes, checks and holds only its slices (each payload
+is still read and decompressed whole). Other workers read and hold every tensor whole.
 :mod:`.sender` is the trainer side, :mod:`.receiver` the engine side.
 
 Coordination: ``transfer_driver.run_update`` starts the trainer's ``update`` and the engines'

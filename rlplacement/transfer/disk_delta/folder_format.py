@@ -115,6 +115,58 @@ def read_safetensors_bytes(path: Path, names: set[str] | None = None) -> dict[st
     return out
 
 
+def read_checkpoint_slices(model_dir: str | Path, names: set[str], keeps: dict) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
+    """As :func:`read_checkpoint_bytes` for ``names``, but a tensor of ``keeps`` (name -> box) as the bytes of
+    its box only (shape: the box's), read through a memory map so the rest of the tensor is not copied."""
+    import numpy as np
+
+    from rlplacement.transfer.delta_codec import cut_bytes
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return read_checkpoint_bytes(model_dir, names)  # refuses, naming the folder
+    out: dict = {}
+    for path in files:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if path.stat().st_size > 8 + n else None
+        for name, info in header.items():
+            if name == "__metadata__" or name not in names:
+                continue
+            if info["dtype"] not in _ST_DTYPES:
+                raise TransferError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which disk-delta does not read")
+            begin, end = info["data_offsets"]
+            shape, raw = tuple(info["shape"]), data[begin:end]
+            box = keeps.get(name)
+            if box is None:
+                out[name] = (_ST_DTYPES[info["dtype"]], shape, np.array(raw))
+            else:
+                itemsize = (end - begin) // max(1, int(np.prod(shape)))
+                out[name] = (_ST_DTYPES[info["dtype"]], tuple(b - a for a, b in box), cut_bytes(raw, shape, itemsize, box))
+        del data
+    return out
+
+
+def keeps_file(rank: int) -> str:
+    """Where engine worker ``rank`` publishes the slices it keeps, for the sender's slice checksums."""
+    return f"keeps.rank{rank}.json"
+
+
+def read_keeps(root: Path, world_size: int) -> list:
+    """The slices each receiver of a ``world_size`` group published (``transfer.shards.keeps_from_json``; None:
+    whole tensors, or nothing published)."""
+    from rlplacement.transfer.shards import keeps_from_json
+
+    out = []
+    for rank in range(1, world_size):
+        try:
+            out.append(keeps_from_json((root / keeps_file(rank)).read_text()))
+        except (OSError, ValueError):
+            out.append(None)
+    return out
+
+
 def read_checkpoint_bytes(model_dir: str | Path, names: set[str] | None = None) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
     """Every tensor of a Hugging Face folder's ``*.safetensors`` files (or those of ``names``), as raw bytes."""
     files = sorted(Path(model_dir).glob("*.safetensors"))

@@ -9,11 +9,15 @@ the new segment's first version); overwrite applies on any held bytes and is acc
 resulting tensor's checksum equals the version's (so re-applying it is harmless). Every payload's checksum is checked before
 decoding and every result's after: corruption is refused naming the tensor, and nothing reaches
 the model before ``commit``. The receiver keeps a host copy of the bytes it serves (vLLM CPU
-repacks its linear layers, so the model's own parameters cannot serve as the base).
+repacks its linear layers, so the model's own parameters cannot serve as the base). A worker that keeps
+slices (``transfer.shards``) decodes, checks (against the index's ``slice_checksums``) and holds only those:
+its host copy is its share of the model; each payload is still read and decompressed whole, one tensor at
+a time.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -25,11 +29,14 @@ from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, ApplyFn, NamedTensor, 
 from rlplacement.transfer.disk_delta import folder_format
 from rlplacement.transfer.disk_delta import MODE
 from rlplacement.transfer.disk_delta.signing import SenderIdentity
+from rlplacement.transfer.shards import full_view, keeps_to_json, region_key
 from rlplacement.transfer.staging import StagingReceiver
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+logger = logging.getLogger(__name__)
 
 # (folder, rank) -> (version, held bytes, held checksums, segment) of the last commit in this process: a
 # receiver rebuilt on reconnect (the vLLM backend makes a new one per init) adopts it.
@@ -41,6 +48,7 @@ class DiskDeltaReceiver(StagingReceiver):
 
     mode: ClassVar[str] = MODE
     not_joined: ClassVar[str] = "the engine has not joined a disk-delta folder"
+    accepts_slices: ClassVar[bool] = True  # reads its slices of each version and holds only those
 
     def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0,
                  base_dir: str | os.PathLike | None = None):
@@ -58,6 +66,7 @@ class DiskDeltaReceiver(StagingReceiver):
         self.identity: SenderIdentity | None = None  # the sender of the endpoint this receiver joined
         self._segment: tuple[str, int] | None = None  # (run_id, epoch) of the version served; None: the checkpoint
         self._staged_segment: tuple[str, int] | None = None
+        self._sliced: dict[str, tuple] = {}  # of the version staged last: name -> (box, HF shape)
 
     def _joined(self) -> bool:
         return self.root is not None
@@ -73,6 +82,7 @@ class DiskDeltaReceiver(StagingReceiver):
                                 f"(disk-delta needs a folder shared by the trainer and the engines)")
         self.identity = SenderIdentity.from_mode_info(endpoint.mode_info, f"disk-delta receiver rank {rank}")
         self.root, self._timeout_s = root, endpoint.timeout_s
+        self._publish_keeps(root, rank)
         cached = _COMMITTED.get((str(root), rank))
         if self._held is None and cached is not None and cached[0] == self._version:
             _, self._held, self._held_sums, self._segment = cached
@@ -93,6 +103,31 @@ class DiskDeltaReceiver(StagingReceiver):
         staged, held, sums, stored_bytes = self._decode(folder, index)
         self._staged_held, self._staged_segment, self.last_index = (held, sums), segment, index
         return staged, len(set(index["weight_map"].values())), stored_bytes
+
+    def _publish_keeps(self, root: Path, rank: int) -> None:
+        """Tell the sender which slices this worker keeps (``DIR/keeps.rank{r}.json``); a worker that keeps
+        none removes an older run's file, if any. A folder this engine cannot write to leaves it taking whole
+        tensors (a warning says so): engines that only read the folder still work."""
+        path = root / folder_format.keeps_file(rank)
+        try:
+            if self.keeps:
+                folder_format.publish_file(root, path.name, keeps_to_json(self.keeps).encode())
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as exc:
+            if self.keeps:
+                logger.warning("disk-delta receiver rank %s takes whole tensors: cannot publish its slices in %s "
+                               "(%s)", rank, root, exc)
+                self.keeps = None
+
+    @property
+    def sliced(self) -> dict[str, tuple]:
+        return self._sliced
+
+    @property
+    def staging_bytes(self) -> int:
+        """The host copy of the served bytes kept for the next delta (a worker's slices where it keeps them)."""
+        return sum(int(a.size) for _, _, a in (self._held or {}).values())
 
     def on_committed(self, version: int) -> None:
         super().on_committed(version)
@@ -124,7 +159,9 @@ class DiskDeltaReceiver(StagingReceiver):
             raise TransferError(f"{self._where()}: version {index['version']} is a delta on the base checkpoint, "
                                 f"but neither the receiver nor the index names it")
         # only this version's tensors: one of several senders' folders holds its share of the model
-        self._held = folder_format.read_checkpoint_bytes(base_dir, names=set(index["tensors"]))
+        names = set(index["tensors"])
+        self._held = (folder_format.read_checkpoint_slices(base_dir, names, self.keeps) if self.keeps
+                      else folder_format.read_checkpoint_bytes(base_dir, names=names))
         self._held_sums = {}
         return self._held
 
@@ -144,8 +181,17 @@ class DiskDeltaReceiver(StagingReceiver):
         staged, new_held, new_sums = [], {}, {}
         stored_bytes = 0
         where = f"{self._where()}, version {index['version']}"
+        self._sliced, self.verified_checksums = {}, None
+        checked: dict[str, str] = {}
         for name, e in index["tensors"].items():
             dtype, shape, want = e["dtype"], tuple(e["shape"]), e["checksum"]
+            box = self.keeps.get(name) if self.keeps else None
+            if box is not None:
+                want = (e.get("slice_checksums") or {}).get(region_key(name, box))
+                if want is None:
+                    raise TransferError(f"{where}: the index has no checksum of this worker's slice "
+                                        f"{region_key(name, box)} (the trainer read no slices of this worker when "
+                                        f"it wrote the version: was {self.root} written for other engines?)")
             base = held.get(name)
             if e["encoding"] == codec.UNCHANGED:
                 if base is None or self._held_sum(name, held) != want:
@@ -159,19 +205,32 @@ class DiskDeltaReceiver(StagingReceiver):
                     raise TransferError(f"{where}: tensor {name!r} is corrupt in {index['weight_map'][name]} "
                                         f"(payload checksum {got}, index says {e['payload_checksum']})")
                 stored_bytes += payload.size
-                if e["encoding"] == "xor" and e.get("base_checksum") and (
+                # a slice's base is checked through its result's checksum: the index sums whole bases
+                if box is None and e["encoding"] == "xor" and e.get("base_checksum") and (
                         base is None or self._held_sum(name, held) != e["base_checksum"]):
                     raise TransferError(f"{where}: tensor {name!r} differs from the xor delta's base "
                                         f"(version {index['base_version']}); refusing to apply it")
                 try:
-                    data = codec.decode(e["encoding"], payload, base[2] if base is not None else None,
-                                        int(e["nbytes"]), e)
+                    if box is None:
+                        data = codec.decode(e["encoding"], payload, base[2] if base is not None else None,
+                                            int(e["nbytes"]), e)
+                    else:
+                        itemsize = dtype_from_name(dtype).itemsize
+                        data = codec.decode_slice(e["encoding"], payload, base[2] if base is not None else None,
+                                                  int(e["nbytes"]), e, shape, itemsize, box)
                 except DeltaDecodeError as exc:
                     raise TransferError(f"{where}: tensor {name!r} does not decode: {exc}") from exc
                 got = codec.checksum(data)
                 if got != want:
                     raise WeightMismatchError(name, want, got, where)
-            new_held[name], new_sums[name] = (dtype, shape, data), want
-            tensor = torch.from_numpy(data).view(dtype_from_name(dtype)).view(shape)
+            kept_shape = shape if box is None else tuple(b - a for a, b in box)
+            new_held[name], new_sums[name] = (dtype, kept_shape, data), want
+            checked[region_key(name, box)] = want
+            tensor = torch.from_numpy(data).view(dtype_from_name(dtype)).view(kept_shape)
+            if box is not None:
+                self._sliced[name] = (box, shape)
+                tensor = full_view(tensor, box, shape)
             staged.append((name, tensor if self.device.type == "cpu" else tensor.to(self.device)))
+        if self.keeps:  # what this worker checked stands for what it serves (the views hold more than its slices)
+            self.verified_checksums = checked
         return staged, new_held, new_sums, stored_bytes

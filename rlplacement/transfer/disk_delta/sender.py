@@ -1,6 +1,10 @@
 """The trainer side of disk-delta: named tensors -> per-tensor deltas against the bytes the engines
 hold -> one published version folder (:mod:`.folder_format`).
 
+Receivers that keep slices (``transfer.shards``) publish them in the folder at join; every version's index
+carries each such slice's checksum (``slice_checksums``), and the report's checksums are the slices' where
+receivers keep slices, the whole tensor's where any receiver takes it whole.
+
 Base bytes are the version the engines hold. Version 0 is the Hugging Face checkpoint they
 started from (``base_dir``); without one the first version is a keyframe. The sender keeps the
 last bytes it published so it can diff the next step. Version N is a delta only on version N-1
@@ -19,6 +23,7 @@ index and abort marker is signed with this sender's own key (:mod:`.signing`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import tempfile
@@ -74,6 +79,14 @@ class DeltaUpdateReport(UpdateReport):
         return {"changed_bytes": changed, "wire_bytes": sum(r.wire_bytes for r in reports),
                 "density": changed / total if total else 0.0, "base_version": None if keyframe else self.base_version,
                 "folder": ",".join(r.folder for r in reports)}
+
+
+def reader_slices(name: str, readers: list) -> dict:
+    """The slices of tensor ``name`` the receivers keep (``shards.region_key`` -> box), from what each
+    published (``folder_format.read_keeps``)."""
+    from rlplacement.transfer.shards import region_key
+
+    return {region_key(name, keeps[name]): keeps[name] for keeps in readers if keeps and name in keeps}
 
 
 class DiskDeltaSender(WeightSender):
@@ -153,7 +166,8 @@ class DiskDeltaSender(WeightSender):
         self._clean_leftovers()
         writer = folder_format.VersionWriter(self.root, version, self.buffer_size)
         try:
-            index, new_held, new_sums = self._write_version(writer, version, hf_shaped(named_tensors, hf_shapes))
+            index, new_held, (new_sums, checked) = self._write_version(writer, version,
+                                                                       hf_shaped(named_tensors, hf_shapes))
             writer.publish(index, self.identity)
         except BaseException as exc:
             writer.discard()
@@ -171,7 +185,7 @@ class DiskDeltaSender(WeightSender):
         meta = index["metadata"]
         return DeltaUpdateReport(version, len(index["tensors"]), max(1, len(set(index["weight_map"].values()))),
                                  meta["total_bytes"], time.perf_counter() - start,
-                                 dict(new_sums) if self.check_equal else None,
+                                 checked if self.check_equal else None,
                                  changed_bytes=meta["changed_bytes"], wire_bytes=meta["wire_bytes"],
                                  density=meta["density"], encoding=self.encoding, base_version=base_version,
                                  folder=str(self.root / folder_format.version_folder(version)),
@@ -227,8 +241,9 @@ class DiskDeltaSender(WeightSender):
         # hold it; otherwise a keyframe that any engine can load
         delta = self._held is not None and self._held_version == version - 1 and not self._keyframe_next
         held = self._held if delta else {}
+        readers = folder_format.read_keeps(self.root, self._endpoint.world_size)
         entries: dict[str, dict] = {}
-        new_held, new_sums = {}, {}
+        new_held, new_sums, checked = {}, {}, {}
         total = changed = 0
         for name, tensor in named_tensors:
             if name in entries:
@@ -255,6 +270,14 @@ class DiskDeltaSender(WeightSender):
                 np.copyto(keep, new)
                 new_held[name] = (dtype, shape, keep)
             new_sums[name] = entry["checksum"]
+            slices = reader_slices(name, readers)
+            if slices:
+                itemsize = int(new.size) // max(1, math.prod(shape))
+                entry["slice_checksums"] = {key: codec.checksum(codec.cut_bytes(new, shape, itemsize, box))
+                                            for key, box in slices.items()}
+                checked.update(entry["slice_checksums"])
+            if any(keeps is None or name not in keeps for keeps in readers):
+                checked[name] = entry["checksum"]
             entries[name] = entry
             total += int(new.size)
             changed += enc.changed_bytes
@@ -266,7 +289,7 @@ class DiskDeltaSender(WeightSender):
                  "tensors": entries,
                  "metadata": {"total_bytes": total, "changed_bytes": changed,
                               "density": changed / total if total else 0.0}}
-        return index, new_held, new_sums
+        return index, new_held, (new_sums, checked)
 
     def _clean_leftovers(self) -> None:
         """Remove tmp entries of crashed writes and abort markers of earlier versions."""
