@@ -117,6 +117,17 @@ def as_bytes(tensor: "torch.Tensor") -> "torch.Tensor":
     return tensor.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
+def raw_kinds(itemsize: int):
+    """(torch, numpy) integer dtypes of ``itemsize`` bytes, to move raw bytes of any dtype of that size; None
+    for sizes without one."""
+    import numpy as np
+
+    import torch
+
+    return {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
+            8: (torch.int64, np.int64)}.get(itemsize)
+
+
 def pack_into(buffer: "torch.Tensor", bucket: list[NamedTensor], manifest: BucketManifest) -> "torch.Tensor":
     """Copy the bucket's bytes into ``buffer`` (uint8, on any device); return the used prefix.
 
@@ -134,6 +145,12 @@ def pack_into(buffer: "torch.Tensor", bucket: list[NamedTensor], manifest: Bucke
     dsts, srcs = [], []
     for (_, tensor), meta in zip(bucket, manifest.tensors):
         if not meta.nbytes:
+            continue
+        kind = raw_kinds(tensor.element_size()) if host and tensor.device.type == "cpu" else None
+        if kind is not None and not tensor.is_contiguous():
+            # a strided view (a slice of columns, a transpose): one strided copy, not a gather and a copy
+            dst = dst_np[meta.offset:meta.offset + meta.nbytes].view(kind[1]).reshape(tuple(tensor.shape))
+            np.copyto(dst, tensor.detach().view(kind[0]).numpy())
             continue
         src = as_bytes(tensor)
         if host and src.device.type == "cpu":

@@ -29,6 +29,7 @@ import math
 from typing import TYPE_CHECKING
 
 from rlplacement.transfer.base import BucketManifest, TensorMeta
+from rlplacement.transfer.bucket import raw_kinds
 from rlplacement.transfer.plan.boxes import Box, describe, volume, whole
 
 if TYPE_CHECKING:
@@ -121,7 +122,14 @@ def full_view(data: "torch.Tensor", box: Box, shape: tuple[int, ...]) -> "torch.
     strides = [math.prod(dims[k + 1:]) for k in range(len(dims))]
     before, after = a * strides[d], (shape[d] - b) * strides[d]
     storage = torch.empty(before + data.numel() + after, dtype=data.dtype, device=data.device)
-    storage[before:before + data.numel()].copy_(data.reshape(-1))
+    into = storage[before:before + data.numel()]
+    kind = raw_kinds(data.element_size()) if data.device.type == "cpu" else None
+    if kind is not None:  # numpy's memcpy: torch's copy_ starts a thread team per call on a few cores
+        import numpy as np
+
+        np.copyto(into.view(kind[0]).numpy(), data.reshape(-1).view(kind[0]).numpy())
+    else:
+        into.copy_(data.reshape(-1))
     return storage.as_strided(shape, strides, 0)
 
 
