@@ -178,7 +178,8 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             if not load.touched:
                 self.weights_lost = (f"version {version} was being loaded bucket by bucket "
                                      f"(--update-weight-staging bucket) and did not complete")
-            load.apply([pair for pair in bucket if not (self._tied and pair[0] == "lm_head.weight")])
+            load.apply([pair for pair in bucket if not (self._tied and pair[0] == "lm_head.weight")],
+                       frozenset(self.receiver.sliced))
 
         recorder = copy_plan.ReadRecorder() if self._check_slices_now() else None
         strides: dict[str, tuple] = {}

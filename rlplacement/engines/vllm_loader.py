@@ -139,7 +139,10 @@ class BucketwiseLoad:
         self.copied_out = 0
         self._open = False
 
-    def apply(self, bucket: list[NamedTensor]) -> None:
+    def apply(self, bucket: list[NamedTensor], owned: frozenset[str] = frozenset()) -> None:
+        """Load ``bucket``. ``owned``: its tensors that own their memory rather than view the bucket's buffer
+        (a worker's slices, ``transfer.shards.full_view``): nothing reuses that memory, so nothing of them
+        is copied out."""
         check_tensors(bucket, self.expected, self.where, self.seen)
         if not bucket:
             return
@@ -153,7 +156,7 @@ class BucketwiseLoad:
         self.touched = True
         self.model.load_weights(iter(bucket))
         if self.layerwise:
-            self.copied_out += _copy_out_pending(self.model, bucket)
+            self.copied_out += _copy_out_pending(self.model, [pair for pair in bucket if pair[0] not in owned])
 
     def finish(self) -> None:
         """The update is off the wire and every bucket loaded: refuse one that left a tensor out, then
