@@ -18,8 +18,9 @@ HF tensor.
   only the box: ``engines.vllm_backend`` records the loader's reads on the first sliced load and
   refuses by name one that reads outside it.
 
-Host memory only: on a GPU the rows outside a slice would be device memory, so workers there receive
-whole tensors.
+Who uses it: ``p2p`` writes each worker its region of every bucket; ``disk-delta``'s workers decode, check
+and hold only their slices (``delta_codec.decode_slice``). Host memory only: on a GPU the rows outside a
+slice would be device memory, so workers there receive whole tensors.
 """
 
 from __future__ import annotations
