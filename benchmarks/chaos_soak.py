@@ -250,8 +250,16 @@ def check_step(job, samples_versions: set[int], served_at_generate: int, last: d
     served = job.served_versions()
     if job.stale is not None or any(v != job.version for v in served):
         raise Violation(f"engines serve {served}, the job {job.version} (stale: {job.stale})")
-    want = ray.get(job.trainers[0].hf_checksums.remote(), timeout=120)
+    from rlplacement.transfer.shards import parse_region_key
+
     got = ray.get([e.received_checksums.remote() for e in job.engines], timeout=120)
+    keys = sorted({key for sums in got for key in sums})  # workers that keep slices hold name[box] keys
+    want = ray.get([t.hf_checksums.remote(keys) for t in job.trainers], timeout=120)[0]  # collective
+    names = set(ray.get([t.hf_checksums.remote() for t in job.trainers], timeout=120)[0])
+    covered = {parse_region_key(key)[0] for key in keys}
+    if covered != names:
+        raise Violation(f"engines hold no bytes of {sorted(names - covered)[:3]} or of tensors the trainer does "
+                        f"not have {sorted(covered - names)[:3]}")
     for i, sums in enumerate(got):
         if sums != want:
             bad = next(n for n in want if sums.get(n) != want[n])

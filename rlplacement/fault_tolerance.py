@@ -172,6 +172,7 @@ class FaultTolerance:
         job = self.job
         job.updates.close()  # a compiled update graph runs loops on the actor that goes
         ray.kill(job.engines[index], no_restart=True)
+        _remove_shm_segments(job, index)
         engine = start_engine(job.config, job.hf_dir, job.placement, index, engine_kind=job.engine_kind,
                               engine_args=job.engine_args)
         info = get_all([engine.info.remote()], job.start_timeout_s, "restarted engine start", [f"engine {index}"])[0]
@@ -222,6 +223,24 @@ class FaultTolerance:
         recovery = Recovery("trainer", None, why, time.monotonic() - start, steps_lost=lost)
         self._record(recovery)
         return recovery
+
+
+def _remove_shm_segments(job, index: int) -> None:
+    """What killed engine ``index`` kept in ``/dev/shm`` (its ``info``'s ``shm_segments``), removed on its
+    node by a task that takes no resources: a SIGKILL leaves them, and each restart would add more."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from rlplacement.engines import shm_segments
+    from rlplacement.runtime.waits import get_all
+
+    names = (job.engine_info[index] or {}).get("shm_segments") or []
+    if not names:
+        return
+    remove = ray.remote(num_cpus=0)(shm_segments.remove)
+    node = job.placement.engine_node(index)
+    get_all([remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(names)],
+            60.0, "removing a killed engine's shared memory", [f"engine {index}"])
 
 
 def _published(save: str | None) -> str | None:

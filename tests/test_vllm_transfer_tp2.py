@@ -53,6 +53,21 @@ def test_the_engine_runs_two_workers(tp2):
     assert tp2["info"]["num_workers"] == 2
 
 
+def test_the_engine_records_the_shared_memory_a_kill_would_leave():
+    """Only segment names of the engine prefixes are recorded or removed (never Ray's object store), and a
+    name with a path in it is not removed."""
+    from rlplacement.engines import shm_segments
+
+    assert shm_segments.remove(["../etc/passwd", "plasma_store", "psm_/x"]) == []
+
+
+def test_the_two_worker_engine_records_its_shared_memory(tp2):
+    names = tp2["info"]["shm_segments"]
+    # vLLM's multiprocess executor: torch's shared memory, vLLM's CPU collectives' buffers, semaphores
+    assert any(n.startswith("psm_") for n in names) and any(n.startswith("vllm_") for n in names)
+    assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+
+
 @pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed"])
 def test_two_worker_engine_receives_on_every_worker(tp2, mode):
     trainer, engine = tp2["trainer"], tp2["engine"]

@@ -143,7 +143,11 @@ class VllmRolloutEngine(RolloutEngine):
         self.max_model_len = int(model_config.max_model_len)
         self.enforce_eager = bool(model_config.enforce_eager)
         self._served = None  # the version the workers serve, once asked; None also after a failed update
+        from rlplacement.engines import shm_segments
         from rlplacement.engines.request_stepper import RequestStepper
+
+        # what a kill would leave in /dev/shm: the job removes it when it replaces this engine
+        self.shm_segments = shm_segments.mapped_by_tree()
 
         self.timeout_s = float(timeout_s)
         self._stepper = RequestStepper(self.llm, name=f"engine {engine_index}", timeout_s=self.timeout_s)
@@ -170,7 +174,8 @@ class VllmRolloutEngine(RolloutEngine):
     # ---- weight transfer -------------------------------------------------------------------
     def info(self) -> dict:
         """Identity plus capacity: ``kv_cache_tokens`` (tokens the KV cache holds, from the engine's own
-        cache config after start-up) and ``max_num_seqs`` (its scheduler's cap on sequences in flight)."""
+        cache config after start-up) and ``max_num_seqs`` (its scheduler's cap on sequences in flight); and
+        ``shm_segments``, what its processes keep in ``/dev/shm`` (``engines.shm_segments``)."""
         vc = self.llm.llm_engine.vllm_config
         blocks = vc.cache_config.num_gpu_blocks or 0
         return {"engine_index": self.engine_index, "num_workers": self.num_workers, "model_dir": self.model_dir,
@@ -179,7 +184,7 @@ class VllmRolloutEngine(RolloutEngine):
                 "dtype": self.dtype, "max_model_len": self.max_model_len, "enforce_eager": self.enforce_eager,
                 "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
                 "gpu_memory_utilization": float(vc.cache_config.gpu_memory_utilization),
-                "update_weight_staging": self.staging}
+                "update_weight_staging": self.staging, "shm_segments": list(self.shm_segments)}
 
     # ---- memory hand-off (--offload-rollout) ------------------------------------------------
     def release_memory(self, keep_weights: bool = False) -> dict:

@@ -160,6 +160,10 @@ class RayPlacement:
         share = TRAINER_GPU_SHARE_COLOCATED if self.layout.colocate else 1
         return self._options((self.layout.trainer_gpus[rank],), share)
 
+    def engine_node(self, index: int) -> str:
+        """The Ray node id engine ``index`` runs on."""
+        return self.node_id_of[self.layout.engines[index][0][0]]
+
     def engine_options(self, index: int) -> dict:
         share = ENGINE_GPU_SHARE_COLOCATED if self.layout.colocate else 1
         return self._options(self.layout.engines[index], share)

@@ -176,12 +176,22 @@ class TrainerWorker(TrainerTransferMixin):
         self._require_resident("a weight update")
         return sum(1 for _ in self.backend.iter_update_tensors(self.update_share))
 
-    def hf_checksums(self) -> dict[str, str]:
-        """Per-tensor checksums of the weights as the trainer holds them (collective)."""
+    def hf_checksums(self, keys: "list[str] | None" = None) -> dict[str, str]:
+        """Per-tensor checksums of the weights as the trainer holds them (collective). ``keys``: the checksums
+        an engine holds (``received_checksums``), where a worker's slice is ``name[box]``
+        (``transfer.shards.region_key``): those slices' checksums instead of the whole tensors'."""
+        from rlplacement.transfer import shards
         from rlplacement.transfer.base import tensor_checksum
 
         self._require_resident("checksums")
-        return {name: tensor_checksum(t) for name, t in self.backend.iter_hf_tensors()}
+        if keys is None:
+            return {name: tensor_checksum(t) for name, t in self.backend.iter_hf_tensors()}
+        wanted: dict[str, list] = {}
+        for key in keys:
+            name, box = shards.parse_region_key(key)
+            wanted.setdefault(name, []).append((key, box))
+        return {key: tensor_checksum(shards.cut(t, box)) for name, t in self.backend.iter_hf_tensors()
+                for key, box in wanted.get(name, [])}
 
     def save_hf_folder(self, out_dir: str, like_dir: str) -> str | None:
         """Write the current weights as a Hugging Face folder (collective; rank 0 writes), with the

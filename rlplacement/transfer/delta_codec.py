@@ -134,11 +134,12 @@ def decode(encoding: str, payload, base: "np.ndarray | None", nbytes: int, extra
 
 def cut_bytes(data: "np.ndarray", shape: tuple[int, ...], itemsize: int, box) -> "np.ndarray":
     """The bytes of the elements of ``box`` (``[start, stop)`` per dimension) of a C-order tensor of
-    ``shape`` whose raw bytes are ``data``, as a fresh contiguous uint8 array."""
+    ``shape`` whose raw bytes are ``data``, as a fresh, writable contiguous uint8 array (never a view of
+    ``data``, which may be a read-only map of a file)."""
     import numpy as np
 
     shaped = data.reshape(tuple(shape) + (itemsize,))
-    return np.ascontiguousarray(shaped[tuple(slice(a, b) for a, b in box)]).reshape(-1)
+    return np.array(shaped[tuple(slice(a, b) for a, b in box)], order="C", copy=True).reshape(-1)
 
 
 def decode_slice(encoding: str, payload, base: "np.ndarray | None", nbytes: int, extra: dict,

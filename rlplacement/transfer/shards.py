@@ -66,6 +66,14 @@ def region_key(name: str, box: Box | None) -> str:
     return name if box is None else f"{name}{describe(box)}"
 
 
+def parse_region_key(key: str) -> tuple[str, Box | None]:
+    """``(name, box)`` of a :func:`region_key` (box None: the whole tensor)."""
+    if not key.endswith("]") or "[" not in key:
+        return key, None
+    name, _, ranges = key[:-1].rpartition("[")
+    return name, tuple(tuple(int(x) for x in r.split(":")) for r in ranges.split(", "))
+
+
 def sliced_dim(box: Box, shape: tuple[int, ...]) -> int:
     """The one dimension ``box`` cuts (the rules cut one); raises for a box that cuts several."""
     cut = [d for d, ((a, b), n) in enumerate(zip(box, shape)) if (a, b) != (0, n)]

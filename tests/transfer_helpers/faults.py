@@ -107,12 +107,12 @@ def fail_bucketwise_load_after_buckets(worker, n_buckets: int, rank: int | None 
     original = cls.apply
     seen = {"n": 0}
 
-    def failing(self, bucket):
+    def failing(self, bucket, *args):
         if bucket and seen["n"] == n_buckets:
             cls.apply = original  # back to normal for later updates
             raise RuntimeError(f"injected load fault after {n_buckets} buckets")
         seen["n"] += bool(bucket)
-        original(self, bucket)
+        original(self, bucket, *args)
 
     cls.apply = failing
 
