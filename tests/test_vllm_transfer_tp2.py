@@ -145,6 +145,17 @@ def _outputs(engine) -> list[dict]:
             for r in ray.get(engine.generate.remote(PROMPT, max_tokens=6), timeout=120)]
 
 
+def _send_again(tp2, mode: str, staging: str):
+    """The trainer's weights as they are, as a new version in ``mode`` under ``staging``, checked: the update's
+    result and every worker's ``rlplacement_load_path``."""
+    trainer, engine = tp2["trainer"], tp2["engine"]
+    version = tp2["version"] = tp2["version"] + 1
+    ray.get(trainer.transfer_setup.remote(mode, 64 * 1024, check_equal=True, timeout_s=60))
+    driver.connect(trainer, [engine], timeout_s=120, staging=staging)
+    result = driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
+    return result, ray.get(engine.call_workers.remote("rlplacement_load_path"), timeout=60)
+
+
 @pytest.mark.parametrize("mode", ["broadcast", "p2p"])
 def test_bucket_staging_on_two_workers_serves_what_full_staging_serves(tp2, mode):
     """The same weights sent twice, staged whole and then loaded bucket by bucket on both workers: the
@@ -153,11 +164,7 @@ def test_bucket_staging_on_two_workers_serves_what_full_staging_serves(tp2, mode
     ray.get(trainer.perturb.remote(tp2["version"] + 700))
     served = []
     for staging in ("full", "bucket"):
-        version = tp2["version"] = tp2["version"] + 1
-        ray.get(trainer.transfer_setup.remote(mode, 64 * 1024, check_equal=True, timeout_s=60))
-        driver.connect(trainer, [engine], timeout_s=120, staging=staging)
-        driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
-        paths = ray.get(engine.call_workers.remote("rlplacement_load_path"), timeout=60)
+        _, paths = _send_again(tp2, mode, staging)
         assert [p["staging"] for p in paths] == [staging, staging]
         served.append(_outputs(engine))
     assert served[1] == served[0]
@@ -177,11 +184,7 @@ def test_p2p_sends_each_worker_its_slices_and_the_engine_serves_what_whole_tenso
     ray.get(trainer.perturb.remote(tp2["version"] + 900))
     served = []
     for mode in ("p2p", "broadcast"):
-        version = tp2["version"] = tp2["version"] + 1
-        ray.get(trainer.transfer_setup.remote(mode, 64 * 1024, check_equal=True, timeout_s=60))
-        driver.connect(trainer, [engine], timeout_s=120, staging=staging)
-        result = driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
-        paths = ray.get(engine.call_workers.remote("rlplacement_load_path"), timeout=60)
+        result, paths = _send_again(tp2, mode, staging)
         if mode == "p2p":
             sizes = ray.get(trainer.tensor_bytes.remote())
             model = ModelTensors.from_hf_config(tp2["model_dir"] + "/config.json")

@@ -30,6 +30,7 @@ A plan is only used when it is provably what the loader did:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -317,19 +318,14 @@ class ReadRecorder:
     def fail(self, why: str) -> None:
         self.failure = self.failure or why
 
+    @contextlib.contextmanager
     def recording(self):
         """A context in which probes' copies are recorded here."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def active():
-            _ACTIVE.append(self)
-            try:
-                yield self
-            finally:
-                _ACTIVE.pop()
-
-        return active()
+        _ACTIVE.append(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.pop()
 
 
 def layout_of(staged: Sequence[NamedTensor], hf_shapes: dict | None = None) -> tuple:

@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
@@ -117,6 +118,7 @@ def as_bytes(tensor: "torch.Tensor") -> "torch.Tensor":
     return tensor.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
+@functools.lru_cache(maxsize=None)
 def raw_kinds(itemsize: int):
     """(torch, numpy) integer dtypes of ``itemsize`` bytes, to move raw bytes of any dtype of that size; None
     for sizes without one."""

@@ -108,6 +108,18 @@ def encode(new: "np.ndarray", old: "np.ndarray | None", encoding: str,
                          {"count": int(positions.size), "index_dtype": index_dtype})
 
 
+def _overwrites(payload, nbytes: int, extra: dict) -> tuple["np.ndarray", "np.ndarray"]:
+    """An ``overwrite`` payload's changed byte positions (int64, in the tensor's ``nbytes``) and new bytes."""
+    import numpy as np
+
+    count, index_dtype = int(extra["count"]), np.dtype(extra["index_dtype"])
+    raw = _decompress(payload, count * (index_dtype.itemsize + 1))
+    positions = np.cumsum(np.frombuffer(raw, dtype=index_dtype, count=count), dtype=np.int64)
+    if count and (positions[-1] >= nbytes or positions[0] < 0):
+        raise DeltaDecodeError(f"overwrite position {int(positions[-1])} outside {nbytes} bytes")
+    return positions, np.frombuffer(raw, dtype=np.uint8, offset=count * index_dtype.itemsize)
+
+
 def decode(encoding: str, payload, base: "np.ndarray | None", nbytes: int, extra: dict) -> "np.ndarray":
     """The new bytes (a fresh writable uint8 array; ``base`` is never modified)."""
     import numpy as np
@@ -121,13 +133,9 @@ def decode(encoding: str, payload, base: "np.ndarray | None", nbytes: int, extra
         diff = np.frombuffer(_decompress(payload, nbytes), dtype=np.uint8)
         return np.bitwise_xor(base, diff)
     if encoding == "overwrite":
-        count, index_dtype = int(extra["count"]), np.dtype(extra["index_dtype"])
-        raw = _decompress(payload, count * (index_dtype.itemsize + 1))
-        positions = np.cumsum(np.frombuffer(raw, dtype=index_dtype, count=count), dtype=np.int64)
-        if count and (positions[-1] >= nbytes or positions[0] < 0):
-            raise DeltaDecodeError(f"overwrite position {int(positions[-1])} outside {nbytes} bytes")
+        positions, values = _overwrites(payload, nbytes, extra)
         out = base.copy()
-        out[positions] = np.frombuffer(raw, dtype=np.uint8, offset=count * index_dtype.itemsize)
+        out[positions] = values
         return out
     raise DeltaDecodeError(f"unknown tensor encoding {encoding!r}")
 
@@ -160,12 +168,8 @@ def decode_slice(encoding: str, payload, base: "np.ndarray | None", nbytes: int,
         diff = np.frombuffer(_decompress(payload, nbytes), dtype=np.uint8)
         return np.bitwise_xor(base, cut_bytes(diff, shape, itemsize, box))
     if encoding == "overwrite":
-        count, index_dtype = int(extra["count"]), np.dtype(extra["index_dtype"])
-        raw = _decompress(payload, count * (index_dtype.itemsize + 1))
-        positions = np.cumsum(np.frombuffer(raw, dtype=index_dtype, count=count), dtype=np.int64)
-        if count and (positions[-1] >= nbytes or positions[0] < 0):
-            raise DeltaDecodeError(f"overwrite position {int(positions[-1])} outside {nbytes} bytes")
-        values = np.frombuffer(raw, dtype=np.uint8, offset=count * index_dtype.itemsize)
+        positions, values = _overwrites(payload, nbytes, extra)
+        count = positions.size
         index = np.unravel_index(positions // itemsize, tuple(shape))
         inside = np.ones(count, dtype=bool)
         for k, (a, b) in enumerate(box):

@@ -94,15 +94,25 @@ def read_pointer(root: Path) -> dict | None:
     return pointer if isinstance(pointer, dict) and isinstance(pointer.get("version"), int) else None
 
 
-def read_safetensors_bytes(path: Path, names: set[str] | None = None) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
+def read_safetensors_bytes(path: Path, names: set[str] | None = None,
+                           keeps: dict | None = None) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
     """name -> (torch dtype name, shape, uint8 bytes) of one safetensors file, read raw (any dtype); with
-    ``names``, only those tensors, copied out so the rest of the file is not kept."""
+    ``names``, only those tensors, copied out so the rest of the file is not kept. ``keeps`` (name -> box,
+    ``transfer.shards.Keeps``): those tensors as the bytes of their box only (the shape is the box's), the
+    file read through a memory map so the rest of them is never copied."""
     import numpy as np
+
+    from rlplacement.transfer.delta_codec import cut_bytes
 
     with open(path, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(n))
-        data = np.frombuffer(bytearray(fh.read()), dtype=np.uint8)
+        if not keeps:
+            data = np.frombuffer(bytearray(fh.read()), dtype=np.uint8)
+        elif path.stat().st_size > 8 + n:
+            data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+        else:
+            data = np.zeros(0, dtype=np.uint8)
     out = {}
     for name, info in header.items():
         if name == "__metadata__" or (names is not None and name not in names):
@@ -110,41 +120,13 @@ def read_safetensors_bytes(path: Path, names: set[str] | None = None) -> dict[st
         if info["dtype"] not in _ST_DTYPES:
             raise TransferError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which disk-delta does not read")
         begin, end = info["data_offsets"]
-        out[name] = (_ST_DTYPES[info["dtype"]], tuple(info["shape"]),
-                     data[begin:end] if names is None else data[begin:end].copy())
-    return out
-
-
-def read_checkpoint_slices(model_dir: str | Path, names: set[str], keeps: dict) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
-    """As :func:`read_checkpoint_bytes` for ``names``, but a tensor of ``keeps`` (name -> box) as the bytes of
-    its box only (shape: the box's), read through a memory map so the rest of the tensor is not copied."""
-    import numpy as np
-
-    from rlplacement.transfer.delta_codec import cut_bytes
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        return read_checkpoint_bytes(model_dir, names)  # refuses, naming the folder
-    out: dict = {}
-    for path in files:
-        with open(path, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if path.stat().st_size > 8 + n else None
-        for name, info in header.items():
-            if name == "__metadata__" or name not in names:
-                continue
-            if info["dtype"] not in _ST_DTYPES:
-                raise TransferError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which disk-delta does not read")
-            begin, end = info["data_offsets"]
-            shape, raw = tuple(info["shape"]), data[begin:end]
-            box = keeps.get(name)
-            if box is None:
-                out[name] = (_ST_DTYPES[info["dtype"]], shape, np.array(raw))
-            else:
-                itemsize = (end - begin) // max(1, int(np.prod(shape)))
-                out[name] = (_ST_DTYPES[info["dtype"]], tuple(b - a for a, b in box), cut_bytes(raw, shape, itemsize, box))
-        del data
+        dtype, shape, raw = _ST_DTYPES[info["dtype"]], tuple(info["shape"]), data[begin:end]
+        box = keeps.get(name) if keeps else None
+        if box is not None:
+            itemsize = (end - begin) // max(1, int(np.prod(shape)))
+            out[name] = (dtype, tuple(b - a for a, b in box), cut_bytes(raw, shape, itemsize, box))
+        else:
+            out[name] = (dtype, shape, raw if names is None and not keeps else raw.copy())
     return out
 
 
@@ -167,15 +149,17 @@ def read_keeps(root: Path, world_size: int) -> list:
     return out
 
 
-def read_checkpoint_bytes(model_dir: str | Path, names: set[str] | None = None) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
-    """Every tensor of a Hugging Face folder's ``*.safetensors`` files (or those of ``names``), as raw bytes."""
+def read_checkpoint_bytes(model_dir: str | Path, names: set[str] | None = None,
+                          keeps: dict | None = None) -> dict[str, tuple[str, tuple[int, ...], "np.ndarray"]]:
+    """Every tensor of a Hugging Face folder's ``*.safetensors`` files (or those of ``names``), as raw bytes;
+    those of ``keeps``, their box only (:func:`read_safetensors_bytes`)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise TransferError(f"base checkpoint {model_dir} has no *.safetensors files: disk-delta diffs against "
                             f"the checkpoint the engines started from (--hf-checkpoint)")
     out: dict = {}
     for f in files:
-        out.update(read_safetensors_bytes(f, names))
+        out.update(read_safetensors_bytes(f, names, keeps))
     return out
 
 

@@ -160,8 +160,7 @@ class DiskDeltaReceiver(StagingReceiver):
                                 f"but neither the receiver nor the index names it")
         # only this version's tensors: one of several senders' folders holds its share of the model
         names = set(index["tensors"])
-        self._held = (folder_format.read_checkpoint_slices(base_dir, names, self.keeps) if self.keeps
-                      else folder_format.read_checkpoint_bytes(base_dir, names=names))
+        self._held = folder_format.read_checkpoint_bytes(base_dir, names=names, keeps=self.keeps)
         self._held_sums = {}
         return self._held
 
