@@ -290,7 +290,14 @@ def test_the_health_check_answers_beside_a_long_update_and_names_dead_and_stuck_
     ray.get([e.info.remote() for e in engines])
     busy = engines[0].update_weights.remote(1)
     ray.get(engines[1].abandon_a_call.remote("worker call rlplacement_receive_and_commit"))
-    ray.kill(engines[2], no_restart=True)
+    ray.kill(engines[2], no_restart=True)  # only asks: wait until it is gone, or it may answer the probe first
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(engines[2].info.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - the actor died: what the probe must find
+            break
+        time.sleep(0.05)
     ft = FaultTolerance(types.SimpleNamespace(engines=engines, stale=None),
                         FaultToleranceConfig(enabled=True, health_check_timeout_s=10))
     start = time.monotonic()
