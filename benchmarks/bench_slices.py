@@ -1,13 +1,14 @@
 """Each engine worker taking only its slices (``rlplacement.transfer.shards``) against every worker taking
-every tensor whole, in the same run: p2p (Mooncake over loopback TCP) and disk-delta, one sender and the
-workers of one TP engine as receiver threads, a Qwen3-shaped bf16 model.
+every tensor whole, in the same run: p2p (Mooncake over loopback TCP), broadcast and broadcast_packed (gloo
+over loopback, a group per worker position) and disk-delta, one sender and the workers of one TP engine as
+receiver threads, a Qwen3-shaped bf16 model.
 
     python benchmarks/bench_slices.py [--hidden 1024] [--layers 16] [--tp 2 4] [--repeats 3] [--json FILE]
 
 Per mode and width it prints, for whole tensors and for slices: seconds per update (median of the timed
 updates after one warm-up: every write landed, every worker staged and committed, its commit copying what
 vLLM's loader copies: a slice's box, a whole tensor whole),
-bytes per worker (p2p: received; disk-delta: the host copy kept for the next delta) and the ratios
+bytes per worker (received; disk-delta: the host copy kept for the next delta) and the ratios
 slices / whole. The workers are threads of one process on this machine's cores, so the times say what
 the bytes cost here (loopback TCP, memcpy), not on a NIC.
 """
@@ -85,7 +86,7 @@ def one(mode: str, named, keeps: list, repeats: int) -> dict:
                 raise RuntimeError(f"{mode}: {send_error or errors}")
             if version > 1:  # the first update learns destinations (p2p) or is a keyframe (disk-delta)
                 seconds.append(time.perf_counter() - start)
-        per_worker = [r.received_bytes if mode == "p2p" else r.staging_bytes for r in s.receivers]
+        per_worker = [r.staging_bytes if mode == "disk-delta" else r.received_bytes for r in s.receivers]
         return {"seconds": round(statistics.median(seconds), 4), "bytes_per_worker": per_worker}
     finally:
         s.close()
@@ -96,7 +97,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--modes", nargs="+", default=["p2p", "disk-delta"])
+    parser.add_argument("--modes", nargs="+", default=["p2p", "broadcast", "broadcast_packed", "disk-delta"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

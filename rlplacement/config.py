@@ -98,6 +98,11 @@ class TransferConfig:
     whole update lands); ``auto``, ``full`` where it fits beside the engine's budget, else ``bucket``, decided
     by each engine on its GPU (``engines.engine_settings.resolve_engine_memory``). ``auto`` with a mode whose
     receivers stage whole updates is ``full``."""
+    slices: str = "auto"
+    """What a worker of a tensor-parallel engine receives (``--update-weight-slices``): ``auto``, only the slices
+    its loader takes where the mode, the model and the engine allow (``transfer.shards``: host memory, no
+    pipeline stages, a family the plan knows; the first load from slices is checked against what the loader
+    read); ``off``, every tensor whole (the way out should a loader read outside its slices)."""
     options: Any = None
     """``requested_mode``'s options (a frozen dataclass, validated and resolved for this run: disk-delta's
     folder, p2p's transport); None for a mode that has none."""

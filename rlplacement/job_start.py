@@ -69,6 +69,7 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     engine_args = {**config.rollout.engine_kwargs(), **(engine_kwargs or {})}
     engine_args["dtype"] = resolve_dtype(hf_dir, engine_args.get("dtype", "auto"))
     engine_args.setdefault("update_weight_staging", config.transfer.staging)
+    engine_args.setdefault("update_weight_slices", config.transfer.slices)
     engine_args.setdefault("update_weight_buffer_size", config.transfer.buffer_size)
     engine_args.setdefault("verbose", verbose)
     if timeout_s is not None:

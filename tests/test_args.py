@@ -401,3 +401,11 @@ def test_bucket_staging_agrees_between_a_modes_spec_and_its_receiver():
 
     for name, spec in registry.specs().items():
         assert spec.bucket_staging == spec.receiver_class().bucketwise, name
+
+
+def test_update_weight_slices_is_auto_unless_turned_off_and_a_bad_value_is_refused_by_name(capsys):
+    assert config_from_args(parse("--rollout-num-gpus", "2")).transfer.slices == "auto"
+    assert config_from_args(parse("--rollout-num-gpus", "2", "--update-weight-slices", "off")).transfer.slices == "off"
+    with pytest.raises(SystemExit):
+        parse("--update-weight-slices", "some")
+    assert "--update-weight-slices: invalid choice: 'some'" in capsys.readouterr().err

@@ -43,9 +43,9 @@ def test_both_ranks_send_their_share_and_the_engine_serves_the_trainers_weights(
         # each rank sent the share the assignment gives it, computed alike on both ranks before any byte moved
         shares = ray.get([t.update_shares.remote() for t in job.trainers], timeout=60)
         assert shares[0] == shares[1]
-        received = ray.get(job.engines[0].received_checksums.remote(), timeout=60)  # p2p: slices, "name[box]"
+        received = ray.get(job.engines[0].received_checksums.remote(), timeout=60)  # slices, "name[box]"
         assert {n for n, _, _ in shares[0]} == {key.split("[")[0] for key in received}
-        assert (mode == "p2p") == any("[" in key for key in received)
+        assert any("[" in key for key in received)  # a 2-wide engine in host memory: every mode sends slices
         assert per_sender == tuple(sum(b for _, b, owner in shares[0] if owner == s) for s in range(2))
         owners = spread_owners_by_group([(n, b) for n, b, _ in shares[0]], 2, fused_group_of)
         assert owners == {n: owner for n, _, owner in shares[0]}

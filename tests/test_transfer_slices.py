@@ -1,6 +1,7 @@
 """Engine workers that receive only their slice of each tensor (``transfer.shards``), over the real wire: p2p
-(Mooncake over loopback TCP) into receiver threads, each keeping another slice; and the pure parts (the
-worker's keeps from vLLM's rules, the view the loader is handed, the check of what a loader read)."""
+(Mooncake over loopback TCP), broadcast and broadcast_packed (gloo, a group per worker position) and disk-delta
+into receiver threads, each keeping another slice; and the pure parts (the worker's keeps from vLLM's rules,
+the view the loader is handed, the check of what a loader read)."""
 
 import pytest
 import torch
@@ -21,10 +22,13 @@ def _box(t, box):
     return shards.cut(t, box)
 
 
-@pytest.mark.parametrize("mode,buffer_size", [("p2p", 4096), ("p2p", 1 << 20), ("disk-delta", 4096)])
+@pytest.mark.parametrize("mode,buffer_size", [("p2p", 4096), ("p2p", 1 << 20), ("broadcast", 4096),
+                                              ("broadcast_packed", 4096), ("broadcast_packed", 1 << 20),
+                                              ("disk-delta", 4096)])
 def test_each_worker_receives_only_its_slices_bit_exact_over_versions(mode, buffer_size):
-    """p2p writes each worker its slices (bucket by bucket, then replayed); disk-delta's workers decode and hold
-    only theirs, the first version a keyframe, the next ones xor deltas."""
+    """p2p writes each worker its slices (bucket by bucket, then replayed); the broadcast modes broadcast each
+    position's slices in its own group; disk-delta's workers decode and hold only theirs, the first version a
+    keyframe, the next ones xor deltas."""
     s = Session(mode, buffer_size=buffer_size, check_equal=True, keeps=KEEPS)
     try:
         named = _model(1)
@@ -34,7 +38,7 @@ def test_each_worker_receives_only_its_slices_bit_exact_over_versions(mode, buff
             assert send_error is None and errors == [None, None]
             if mode == "p2p":
                 assert report.path == ("buckets" if version == 1 else "replay")
-            else:
+            elif mode == "disk-delta":
                 assert report.base_version == (None if version == 1 else version - 1)
             for w, (receiver, applied) in enumerate(zip(s.receivers, s.applied)):
                 got = dict(applied)
@@ -44,7 +48,7 @@ def test_each_worker_receives_only_its_slices_bit_exact_over_versions(mode, buff
                     assert got[name].shape == src.shape
                     assert torch.equal(_bytes(_box(got[name], box)), _bytes(_box(src, box))), name
                 kept = sum(_box(t, KEEPS[w].get(n)).numel() * t.element_size() for n, t in named)
-                if mode == "p2p":
+                if mode != "disk-delta":
                     assert receiver.received_bytes == kept < whole_bytes
                 else:  # the host copy kept for the next delta is the worker's share
                     assert receiver.staging_bytes == kept < whole_bytes
@@ -58,8 +62,47 @@ def test_each_worker_receives_only_its_slices_bit_exact_over_versions(mode, buff
         s.close()
 
 
-def test_a_corrupted_slice_is_refused_by_its_checksum_and_the_version_kept(monkeypatch):
-    s = Session("p2p", check_equal=True, keeps=KEEPS)
+@pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed"])
+def test_two_engines_of_two_workers_take_their_slices_in_a_group_per_position(mode):
+    """Workers 0 and 2, and 1 and 3 (the same position of two 2-wide engines) keep the same slices: the sender
+    builds a group for each position and broadcasts each region once, in it; every worker gets its slices
+    bit-exact, and a worker's bytes are its share."""
+    keeps = KEEPS + KEEPS
+    s = Session(mode, n_receivers=4, check_equal=True, keeps=keeps)
+    try:
+        assert [ranks for _, ranks in s.sender._positions] == [[1, 3], [2, 4]]
+        assert [g.world_size for g in s.sender._position_groups] == [3, 3]
+        named = _model(1)
+        for version in (1, 2):
+            report, send_error, errors = s.run(version, named)
+            assert send_error is None and errors == [None] * 4
+            for w, receiver in enumerate(s.receivers):
+                got = dict(s.applied[w])
+                for name, src in named:
+                    assert torch.equal(_bytes(_box(got[name], keeps[w].get(name))), _bytes(_box(src, keeps[w].get(name))))
+                assert receiver.received_bytes == sum(
+                    _box(t, keeps[w].get(n)).numel() * t.element_size() for n, t in named)
+            named = _scaled(named, 1.5)
+    finally:
+        s.close()
+
+
+def test_workers_that_all_keep_whole_tensors_share_the_one_group():
+    """No worker keeps slices (TP=1 engines, GPU workers): no group per position, each bucket one broadcast in
+    the group of all, as before slices."""
+    s = Session("broadcast_packed", n_receivers=2, check_equal=True)
+    try:
+        assert s.sender._position_groups == [] and not s.sender._sliced
+        report, send_error, errors = s.run(1, _model(1))
+        assert send_error is None and errors == [None, None]
+        assert s.sender.collectives == s.receivers[0]._group.collectives
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("mode", ["p2p", "broadcast_packed"])
+def test_a_corrupted_slice_is_refused_by_its_checksum_and_the_version_kept(monkeypatch, mode):
+    s = Session(mode, check_equal=True, keeps=KEEPS)
     try:
         named = _model(1)
         report, send_error, errors = s.run(1, named)
@@ -113,11 +156,11 @@ def test_the_loader_gets_the_whole_shape_with_the_slice_in_its_box(box):
     assert "took nothing of 't'" in shards.misread({}, sliced, {"t": view.stride()})
 
 
-def test_a_mode_that_broadcasts_refuses_slices():
+def test_a_mode_that_hands_over_whole_buckets_refuses_slices():
     from rlplacement.transfer import registry
 
-    with pytest.raises(TransferError, match="mode 'broadcast' sends every worker whole tensors"):
-        registry.receiver_class("broadcast")("cpu").keep_slices(KEEPS[0])
+    with pytest.raises(TransferError, match="mode 'cuda_ipc' sends every worker whole tensors"):
+        registry.receiver_class("cuda_ipc")("cpu").keep_slices(KEEPS[0])
 
 
 @pytest.mark.parametrize("encoding", ["xor", "overwrite", "full"])

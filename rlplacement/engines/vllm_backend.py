@@ -52,6 +52,7 @@ class RlplacementInitInfo(WeightTransferInitInfo):
     check_equal: bool = False
     mode_info: dict = dataclasses.field(default_factory=dict)
     staging: str = "full"  # --update-weight-staging as the engine resolved it: full or bucket
+    slices: str = "auto"  # --update-weight-slices: off makes every worker take whole tensors
     more_senders: list = dataclasses.field(default_factory=list)  # TransferEndpoint.more_senders
     sender_per_worker: bool = False  # TransferEndpoint.sender_per_worker
 
@@ -114,7 +115,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self.staging = init_info.staging
         self.check_equal = init_info.check_equal
         if self.receiver.accepts_slices:
-            self.receiver.keep_slices(self._keeps())
+            self.receiver.keep_slices(self._keeps() if init_info.slices == "auto" else None)
         self.receiver.connect(endpoint, rank)
 
     def _keeps(self) -> dict | None:
@@ -301,8 +302,8 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         if problem:
             self.weights_lost = f"a load from slices read outside them ({problem})"
             raise TransferError(f"{self._where()}: this worker was sent only the slices its loader takes, and the "
-                                f"loader read otherwise: {problem}. Its weights are not the trainer's; use a mode "
-                                f"that sends whole tensors (--update-weight-transfer-mode broadcast) for this model")
+                                f"loader read otherwise: {problem}. Its weights are not the trainer's; start the "
+                                f"engines with --update-weight-slices off (whole tensors) for this model")
         self.slices_checked = self.receiver.keeps
 
     @staticmethod

@@ -49,7 +49,7 @@ class VllmRolloutEngine(RolloutEngine):
                  sleep_mode: bool = False, enforce_eager: bool = False, verbose: bool = True,
                  engine_core_in_own_process: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  update_weight_staging: str = "full", update_weight_buffer_size: int = DEFAULT_BUFFER_SIZE,
-                 **llm_kwargs: Any):
+                 update_weight_slices: str = "auto", **llm_kwargs: Any):
         """``dtype``: ``auto`` is the dtype the model's config declares (``engine_settings.declared_dtype``),
         given to vLLM by name so the engine and the trainer's stream agree on it; ``max_model_len``: None is
         the model's own context; ``enforce_eager``: no CUDA graphs (CPU engines are always eager);
@@ -59,6 +59,8 @@ class VllmRolloutEngine(RolloutEngine):
         is the engine's whole budget on each GPU: vLLM gets it less what an update holds on each worker
         (``update_weight_staging`` ``full``, ``bucket`` or ``auto``, with ``update_weight_buffer_size``:
         ``engine_settings.resolve_engine_memory``). On CPU the staging is host memory and ``auto`` is ``full``.
+        ``update_weight_slices`` (``--update-weight-slices``): ``auto``, each worker receives only its slices
+        where the mode and model allow; ``off``, whole tensors.
 
         ``engine_core_in_own_process``: where vLLM's engine core (and, at one worker, the worker) runs.
         On a GPU always in its own process, as vLLM runs it; on CPU in this process by default (~5 s to
@@ -118,6 +120,11 @@ class VllmRolloutEngine(RolloutEngine):
 
             raise ConfigError(f"update_weight_staging {update_weight_staging!r}: use full, bucket or auto "
                               f"(--update-weight-staging)")
+        if update_weight_slices not in ("auto", "off"):
+            from rlplacement.errors import ConfigError
+
+            raise ConfigError(f"update_weight_slices {update_weight_slices!r}: use auto or off (--update-weight-slices)")
+        self.slices = update_weight_slices
         # whether the prefix cache may hold KV computed with weights older than those served: only
         # generation fills it, and a reset or a sleep (level >= 1 clears it in vLLM's engine core) empties
         # it. The reset is a round trip into the engine core (~2 ms on an H200), paid only when needed.
@@ -277,7 +284,7 @@ class VllmRolloutEngine(RolloutEngine):
         if staging == "full" and self.staging == "bucket" and self.device_is_gpu:
             raise TransferError(f"engine {self.engine_index} was started with --update-weight-staging bucket: its "
                                 f"memory budget has no room to stage a whole update")
-        init_info = {**endpoint, "rank_offset": rank_offset, "staging": staging}
+        init_info = {**endpoint, "rank_offset": rank_offset, "staging": staging, "slices": self.slices}
         self._group_staging = staging
         self._between_steps(lambda: self.llm.collective_rpc("init_weight_transfer_engine",
                                                             kwargs={"init_info": init_info}),

@@ -18,19 +18,25 @@ HF tensor.
   only the box: ``engines.vllm_backend`` records the loader's reads on the first sliced load and
   refuses by name one that reads outside it.
 
-Who uses it: ``p2p`` writes each worker its region of every bucket; ``disk-delta``'s workers decode, check
-and hold only their slices (``delta_codec.decode_slice``). Host memory only: on a GPU the rows outside a
-slice would be device memory, so workers there receive whole tensors.
+Who uses it: ``p2p`` writes each worker its region of every bucket; ``broadcast`` and ``broadcast_packed``
+broadcast each region in a group of its own (the sender and the workers keeping it: one worker position of
+every engine, :func:`position_key`); ``disk-delta``'s workers decode, check and hold only their slices
+(``delta_codec.decode_slice``). Host memory only: on a GPU the rows outside a slice would be device memory,
+so workers there receive whole tensors.
+
+Receivers publish their keeps in their group's store at join (:func:`keeps_key`); the sender reads them
+once per group (:func:`slice_positions`), so the cut of every bucket is known before any bytes move.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import TYPE_CHECKING
 
 from rlplacement.transfer.base import BucketManifest, TensorMeta
-from rlplacement.transfer.bucket import raw_kinds
+from rlplacement.transfer.bucket import aligned, pack_into, raw_kinds
 from rlplacement.transfer.plan.boxes import Box, describe, volume, whole
 
 if TYPE_CHECKING:
@@ -59,6 +65,18 @@ def keeps_to_json(keeps: Keeps | None) -> str:
 def keeps_from_json(text: str) -> Keeps | None:
     obj = json.loads(text)
     return None if obj is None else {n: tuple((int(a), int(b)) for a, b in box) for n, box in obj.items()}
+
+
+def keeps_key(group_name: str, rank: int) -> str:
+    """Where receiver ``rank`` of a transfer group publishes the slices it keeps (:func:`keeps_to_json`) for its
+    sender."""
+    return f"rlplacement/{group_name}/keeps/{rank}"
+
+
+def position_key(group_name: str) -> str:
+    """Where a broadcast mode's sender publishes the group ranks of every position (a JSON list of lists, in
+    :func:`slice_positions` order): the members of each position's group."""
+    return f"rlplacement/{group_name}/positions"
 
 
 def region_key(name: str, box: Box | None) -> str:
@@ -91,7 +109,7 @@ def region_manifest(manifest: BucketManifest, keeps: Keeps | None,
     """The bucket of ``manifest`` as a worker with ``keeps`` receives it, and each tensor's box (None:
     whole). ``checksums``: by :func:`region_key`, replacing the manifest's (None: ``manifest`` itself where
     nothing is sliced, else unchecked)."""
-    from rlplacement.transfer.bucket import aligned, dtype_from_name
+    from rlplacement.transfer.bucket import dtype_from_name
 
     if not keeps and checksums is None:
         return manifest, (None,) * len(manifest.tensors)
@@ -158,6 +176,48 @@ def slice_positions(keeps_by_worker: list[Keeps | None]) -> list[tuple[Keeps | N
     for rank, keeps in enumerate(keeps_by_worker, start=1):
         positions.setdefault(keeps_to_json(keeps), (keeps, []))[1].append(rank)
     return list(positions.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One position's part of a bucket: its :func:`region_manifest`, each tensor's slice (a view of the bucket's
+    tensor, in manifest order) and the group ranks that receive it."""
+
+    manifest: BucketManifest
+    pieces: list
+    ranks: list[int]
+
+
+def regions(bucket: list, manifest: BucketManifest, positions: list[tuple[Keeps | None, list[int]]],
+            check_equal: bool) -> tuple[list[Region], dict[str, str] | None]:
+    """``bucket`` (``(name, tensor)`` in ``manifest`` order) cut for every position, and with ``check_equal``
+    each slice's checksum by :func:`region_key` (what receivers check instead of the manifest's)."""
+    from rlplacement.transfer.base import tensor_checksum
+
+    out, sums = [], {} if check_equal else None
+    for keeps, ranks in positions:
+        region, boxes = region_manifest(manifest, keeps)
+        pieces = [(name, cut(t, box)) for (name, t), box in zip(bucket, boxes)]
+        out.append(Region(region, pieces, ranks))
+        if sums is not None:
+            for (name, piece), box in zip(pieces, boxes):
+                key = region_key(name, box)
+                if key not in sums:
+                    sums[key] = tensor_checksum(piece)
+    return out, sums
+
+
+def pack_regions(get_buffer, cut_regions: list[Region]) -> tuple["torch.Tensor", list[tuple[int, int]]]:
+    """Every region packed one after another (each at an aligned offset) into ``get_buffer(total bytes)``: the
+    packed bytes and each region's ``(offset, bytes)`` in them."""
+    spans, total = [], 0
+    for region in cut_regions:
+        spans.append((total, region.manifest.nbytes))
+        total = aligned(total + region.manifest.nbytes)
+    flat = get_buffer(total)
+    for region, (base, n) in zip(cut_regions, spans):
+        pack_into(flat[base:base + n], region.pieces, region.manifest)
+    return flat[:total], spans
 
 
 def misread(reads: dict[str, list], sliced: dict[str, tuple], strides: dict[str, tuple[int, ...]]) -> str | None:

@@ -17,6 +17,13 @@ Kinds 4-6 belong to ``cuda_ipc`` (its package docstring has them). Receivers dra
 spotting a checksum mismatch, so one engine's refusal never stalls the group for the others; they
 raise only once the update is fully off the wire. :class:`AbortUpdate` is how a sender stops an
 update cleanly: every receiver gets an ABORT frame and the group stays usable.
+
+Slices (:mod:`rlplacement.transfer.shards`): a receiver that keeps slices publishes them in the group's store
+at join; a sender that sends slices (``sends_slices``) reads every receiver's at connect and groups the
+receivers by what they keep (its *positions*). A mode that broadcasts payloads (``groups_per_position``) then
+builds one more group per position, of the sender and that position's workers, and broadcasts each region
+there; control frames stay in the group of all. Where all receivers keep the same (every worker whole), the
+group of all carries the payloads as well.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, ClassVar, Iterable, Iterator
 
 from rlplacement.rendezvous import host_store, join_store
 from rlplacement.transfer import group as groups
@@ -103,6 +110,11 @@ class SentSoFar:
 class FramedSender(WeightSender):
     """A sending trainer rank: tensors -> buckets -> header + manifest frame, then the mode's payload per bucket."""
 
+    sends_slices: ClassVar[bool] = False
+    """Sends each receiver only the slices it keeps: reads every receiver's keeps at connect (``_positions``)."""
+    groups_per_position: ClassVar[bool] = False
+    """Payloads are broadcasts: one group per position where receivers keep different slices."""
+
     def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: "torch.device | str | None" = None, group_of: GroupFn = fused_group_of):
         import torch
@@ -117,6 +129,8 @@ class FramedSender(WeightSender):
         self._broken: str | None = None
         self._in_flight: dict = {}  # slot -> work of a payload still on the wire (overlapping modes)
         self._sent_manifests: dict[int, bytes] = {}  # bucket index -> manifest the group already has
+        self._positions: list = []  # (keeps, group ranks keeping them) per distinct keeps (shards.slice_positions)
+        self._position_groups: list = []  # a group per position (groups_per_position, several positions), else []
         self.instants = Instants()  # of the last update
         self.fallback = ""  # of the last update: why a resident update did not go in place (UpdateReport.fallback)
 
@@ -127,9 +141,11 @@ class FramedSender(WeightSender):
 
     @property
     def collectives(self) -> int:
-        """Broadcasts and all-reduces this sender issued in its group so far (0 before ``connect``): what the
+        """Broadcasts and all-reduces this sender issued in its groups so far (0 before ``connect``): what the
         wire costs in round trips."""
-        return self._group.collectives if self._group is not None else 0
+        if self._group is None:
+            return 0
+        return self._group.collectives + sum(g.collectives for g in self._position_groups)
 
     def listen(self, world_size: int, *, host: str | None = None) -> TransferEndpoint:
         if world_size < 2:
@@ -148,10 +164,38 @@ class FramedSender(WeightSender):
         if self._endpoint is None:
             raise TransferError("connect() before listen(): call listen(world_size) first")
         e = self._endpoint
+        self._close_position_groups()
         self._group = groups.TransferGroup(self._store, e.group_name, 0, e.world_size, e.backend,
                                            self.wire_device, e.timeout_s)
         self._broken = None
         self._sent_manifests = {}
+        self._positions = []
+        if self.sends_slices:
+            from rlplacement.transfer.shards import keeps_from_json, keeps_key, position_key, slice_positions
+
+            self._positions = slice_positions([keeps_from_json(self._store.get(keeps_key(e.group_name, r)).decode())
+                                               for r in range(1, e.world_size)])
+            if self.groups_per_position:
+                self._store.set(position_key(e.group_name), json.dumps([ranks for _, ranks in self._positions]))
+                if len(self._positions) > 1:
+                    self._position_groups = [
+                        groups.TransferGroup(self._store, f"{e.group_name}/position{i}", 0, len(ranks) + 1,
+                                             e.backend, self.wire_device, e.timeout_s)
+                        for i, (_, ranks) in enumerate(self._positions)]
+
+    @property
+    def _sliced(self) -> bool:
+        """Some receiver keeps slices: buckets are cut per position (``shards.regions``)."""
+        return any(keeps for keeps, _ in self._positions)
+
+    def _payload_groups(self) -> list:
+        """The group each position's payload is broadcast in (``_positions`` order)."""
+        return self._position_groups or [self._group] * len(self._positions)
+
+    def _close_position_groups(self) -> None:
+        for group in self._position_groups:
+            group.close()
+        self._position_groups = []
 
     def update(self, version: int, named_tensors: Iterable[NamedTensor], *, resident: bool = False,
                hf_shapes: HFShapes | None = None) -> UpdateReport:
@@ -237,8 +281,13 @@ class FramedSender(WeightSender):
         return blob
 
     def _manifest_wire(self, manifest: BucketManifest, prepared) -> dict:
-        """The bucket's JSON frame; modes may add a ``"payload"`` entry (e.g. an IPC handle)."""
-        return manifest.to_wire()
+        """The bucket's JSON frame, with the slices' checksums where receivers keep slices; modes may add a
+        ``"payload"`` entry (e.g. an IPC handle)."""
+        out = manifest.to_wire()
+        sums = self._checksums_sent(prepared)
+        if sums is not None:
+            out["slice_checksums"] = sums
+        return out
 
     def _prepare_payload(self, bucket: list[NamedTensor], manifest: BucketManifest):
         """Work done before the bucket's header goes out (packing, in overlapping modes)."""
@@ -261,6 +310,7 @@ class FramedSender(WeightSender):
         self._drain()
 
     def close(self) -> None:
+        self._close_position_groups()
         if self._group is not None:
             self._group.close()
         self._group = self._store = self._endpoint = None
@@ -277,6 +327,9 @@ class FramedReceiver(StagingReceiver):
     """
 
     bucketwise = True
+    groups_per_position: ClassVar[bool] = False
+    """Payloads arrive by broadcast: a worker keeping slices joins its position's group (the sender's
+    ``groups_per_position``)."""
 
     def __init__(self, device: "torch.device | str" = "cpu", *, version: int = 0):
         import torch
@@ -284,6 +337,7 @@ class FramedReceiver(StagingReceiver):
         super().__init__(device, version=version)
         self.buffers: FlatBuffers | None = None
         self._group = None
+        self._payload_group = None  # where payloads arrive: this worker's position group, else the group of all
         self._endpoint: TransferEndpoint | None = None
         self._wire = torch.device("cpu")  # where control frames (headers, manifests) live
         self._payload_info: dict | None = None  # the current bucket's "payload" entry, if the mode sends one
@@ -306,8 +360,20 @@ class FramedReceiver(StagingReceiver):
         self.close()
         store = join_store(endpoint.host, endpoint.port, endpoint.world_size, endpoint.timeout_s)
         wire = wire_device(endpoint.backend, self.device)
-        self._group = groups.TransferGroup(store, endpoint.group_name, rank, endpoint.world_size,
-                                           endpoint.backend, wire, endpoint.timeout_s)
+        self._group = self._payload_group = groups.TransferGroup(store, endpoint.group_name, rank,
+                                                                 endpoint.world_size, endpoint.backend, wire,
+                                                                 endpoint.timeout_s)
+        if self.accepts_slices:
+            from rlplacement.transfer.shards import keeps_key, keeps_to_json, position_key
+
+            store.set(keeps_key(endpoint.group_name, rank), keeps_to_json(self.keeps))
+            if self.groups_per_position:
+                table = json.loads(store.get(position_key(endpoint.group_name)))
+                if len(table) > 1:
+                    i = next(i for i, ranks in enumerate(table) if rank in ranks)
+                    self._payload_group = groups.TransferGroup(
+                        store, f"{endpoint.group_name}/position{i}", table[i].index(rank) + 1, len(table[i]) + 1,
+                        endpoint.backend, wire, endpoint.timeout_s)
         self._wire = wire
         self._manifests = {}
         if self.buffers is None or self.buffers.device != wire:
@@ -501,6 +567,8 @@ class FramedReceiver(StagingReceiver):
         """The bucket's bytes into ``buf`` (its staging buffer)."""
 
     def close(self) -> None:
+        if self._payload_group is not None and self._payload_group is not self._group:
+            self._payload_group.close()
         if self._group is not None:
             self._group.close()
-        self._group = None
+        self._group = self._payload_group = None

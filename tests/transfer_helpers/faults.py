@@ -132,6 +132,12 @@ def keep_another_workers_slices(worker, rank: int) -> None:
     engine._keeps = lambda: shards.keeps_for_worker(config, (rank + 1) % tp, tp)
 
 
+def keep_whole_tensors(worker) -> None:
+    """From the next join on, take every tensor whole (a reference for what slices serve); ``keep_own_slices``
+    undoes it."""
+    worker.weight_transfer_engine._keeps = lambda: None
+
+
 def keep_own_slices(worker) -> None:
     engine = worker.weight_transfer_engine
     if "_keeps" in vars(engine):

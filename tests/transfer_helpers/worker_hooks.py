@@ -25,6 +25,7 @@ class HookedWorkerExtension(RlplacementWorkerExtension):
     hook_fail_bucketwise_load_after_buckets = faults.fail_bucketwise_load_after_buckets
     hook_keep_another_workers_slices = faults.keep_another_workers_slices
     hook_keep_own_slices = faults.keep_own_slices
+    hook_keep_whole_tensors = faults.keep_whole_tensors
     hook_receiver_stats = ipc_probes.receiver_stats
 
     def hook_pid(self) -> int:

@@ -6,7 +6,8 @@ i+1 is packed (before its header is sent) while bucket i is on the wire; a slot 
 after its broadcast has completed. The receiver receives straight into its staging buffer, so each
 bucket costs one collective and no copy on that side. This package registers its spec.
 
-Whole tensors, as ``broadcast``: every engine worker receives every bucket whole.
+Slices, as ``broadcast``: where workers keep slices, a slot holds one region per worker position, each
+broadcast in that position's own group; elsewhere every engine worker receives every bucket whole.
 """
 
 from rlplacement.transfer.registry import register_mode

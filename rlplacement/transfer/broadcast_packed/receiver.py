@@ -1,4 +1,5 @@
-"""Engine side of ``broadcast_packed``: the flat bucket received straight into its staging buffer."""
+"""Engine side of ``broadcast_packed``: the flat bucket (or this worker's region of it) received straight into
+its staging buffer."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ if TYPE_CHECKING:
 
 class PackedBroadcastReceiver(FramedReceiver):
     mode: ClassVar[str] = "broadcast_packed"
+    accepts_slices: ClassVar[bool] = True  # its region arrives in its position's group
+    groups_per_position: ClassVar[bool] = True
 
     def _recv_payload(self, buf: "torch.Tensor", manifest: BucketManifest) -> None:
         if manifest.nbytes:
-            self._group.broadcast(buf[:manifest.nbytes])
+            self._payload_group.broadcast(buf[:manifest.nbytes])

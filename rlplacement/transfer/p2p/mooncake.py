@@ -125,8 +125,3 @@ class RegisteredBuffers(FlatBuffers):
 
 def session_key(group_name: str, rank: int) -> str:
     return f"rlplacement/{group_name}/p2p-session/{rank}"
-
-
-def keeps_key(group_name: str, rank: int) -> str:
-    """Where receiver ``rank`` publishes the slices it keeps (``shards.keeps_to_json``) for its sender."""
-    return f"rlplacement/{group_name}/p2p-keeps/{rank}"

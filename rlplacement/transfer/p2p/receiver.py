@@ -9,9 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from rlplacement.transfer.base import ApplyFn, BucketManifest, NamedTensor, TransferEndpoint, TransferError
 from rlplacement.transfer.p2p import KIND_REPLAY, KIND_REPLAYED, P2PInit
-from rlplacement.transfer.p2p.mooncake import (MooncakeEngine, RegisteredBuffers, address_toward, keeps_key,
-                                               session_key)
-from rlplacement.transfer.shards import keeps_to_json
+from rlplacement.transfer.p2p.mooncake import MooncakeEngine, RegisteredBuffers, address_toward, session_key
 from rlplacement.transfer.wire import KIND_ABORT, KIND_END, FramedReceiver
 
 if TYPE_CHECKING:
@@ -30,10 +28,9 @@ class P2PReceiver(FramedReceiver):
         self._given: dict[int, weakref.ref] = {}  # bucket index -> the staging buffer whose address the sender has
 
     def connect(self, endpoint: TransferEndpoint, rank: int) -> None:
-        super().connect(endpoint, rank)  # closes the old group, engine and registrations first
+        super().connect(endpoint, rank)  # closes the old group, engine and registrations first; publishes keeps
         # a fresh engine and fresh registrations: the trainer never writes to an old one
         self._engine = MooncakeEngine(address_toward(endpoint.host), P2PInit(**endpoint.mode_info).protocol)
-        self._group._store.set(keeps_key(endpoint.group_name, rank), keeps_to_json(self.keeps))
         self._group._store.set(session_key(endpoint.group_name, rank), self._engine.session)
         # staging lives where the model does, registered at first use, unregistered when it grows or goes
         self.buffers = RegisteredBuffers(self.device, self._engine)

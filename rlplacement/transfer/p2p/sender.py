@@ -15,12 +15,11 @@ import time
 from typing import TYPE_CHECKING, ClassVar
 
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, BucketManifest, HFShapes, NamedTensor
-from rlplacement.transfer.bucket import GroupFn, aligned, fused_group_of, pack_into, plan_manifest
+from rlplacement.transfer.bucket import GroupFn, fused_group_of, pack_into, plan_manifest
 from rlplacement.transfer.p2p import (DEFAULT_TRANSFER_TIMEOUT_S, KIND_REPLAY, KIND_REPLAYED, P2PInit, P2POptions,
                                      layout_key)
-from rlplacement.transfer.p2p.mooncake import (SLICE_BYTES, MooncakeEngine, RegisteredBuffers, address_toward,
-                                               keeps_key, session_key)
-from rlplacement.transfer.shards import Keeps, cut, keeps_from_json, region_key, region_manifest, slice_positions
+from rlplacement.transfer.p2p.mooncake import SLICE_BYTES, MooncakeEngine, RegisteredBuffers, address_toward, session_key
+from rlplacement.transfer.shards import pack_regions, regions
 from rlplacement.transfer.wire import KIND_END, AbortUpdate, FramedSender, SentSoFar
 
 if TYPE_CHECKING:
@@ -37,6 +36,7 @@ class P2PSender(FramedSender):
     """A sending trainer rank: two registered host (or GPU) slots; writes bucket i while packing bucket i+1."""
 
     mode: ClassVar[str] = "p2p"
+    sends_slices: ClassVar[bool] = True
     NUM_SLOTS = 2
 
     def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -55,7 +55,6 @@ class P2PSender(FramedSender):
         self._plan: list[str] = []  # the last update's buckets (layout_key), each with known destinations
         self._addresses: dict[int, list[int]] = {}  # bucket index -> destination address per group rank
         self._replaying = False  # this update writes to the destinations learned before: no collective
-        self._positions: list[tuple[Keeps | None, list[int]]] = []  # distinct keeps, and the group ranks keeping them
 
     @property
     def transport(self) -> str:
@@ -66,15 +65,13 @@ class P2PSender(FramedSender):
         return dataclasses.asdict(P2PInit(self.protocol))
 
     def connect(self) -> None:
-        super().connect()  # the gloo group: every receiver has published its session id by now
+        super().connect()  # the gloo group and the receivers' keeps: every receiver has published its session id
         e = self._endpoint
         if self._engine is not None:
             self._engine.close()
         self._engine = MooncakeEngine(address_toward(e.host), self.protocol)
         self.buffers.engine = self._engine
         self._sessions = [""] + [self._store.get(session_key(e.group_name, r)).decode() for r in range(1, e.world_size)]
-        self._positions = slice_positions([keeps_from_json(self._store.get(keeps_key(e.group_name, r)).decode())
-                                           for r in range(1, e.world_size)])
         self._pending = None
         self._plan, self._addresses = [], {}
 
@@ -137,43 +134,20 @@ class P2PSender(FramedSender):
         if not manifest.nbytes:
             return None
         slot = manifest.index % self.NUM_SLOTS
-        if not any(keeps for keeps, _ in self._positions):
+        if not self._sliced:
             flat = pack_into(self.buffers.get(slot, manifest.nbytes), bucket, manifest)
             where = {rank: (0, manifest.nbytes) for rank in range(1, self._endpoint.world_size)}
             sums = None
         else:
-            flat, where, sums = self._pack_regions(slot, bucket, manifest)
+            cut_regions, sums = regions(bucket, manifest, self._positions, self.check_equal)
+            flat, spans = pack_regions(lambda n: self.buffers.get(slot, n), cut_regions)
+            where = {rank: span for region, span in zip(cut_regions, spans) for rank in region.ranks}
         if flat.device.type == "cuda":
             import torch
 
             torch.cuda.current_stream(flat.device).synchronize()  # Mooncake reads it from its own threads
         self._complete_pending()
         return flat, where, sums
-
-    def _pack_regions(self, slot: int, bucket: list[NamedTensor], manifest: BucketManifest):
-        from rlplacement.transfer.base import tensor_checksum
-
-        regions, total = [], 0
-        for keeps, ranks in self._positions:
-            region, boxes = region_manifest(manifest, keeps)
-            regions.append((region, boxes, ranks, total))
-            total = aligned(total + region.nbytes)
-        flat = self.buffers.get(slot, total)
-        where, sums = {}, {} if self.check_equal else None
-        for region, boxes, ranks, base in regions:
-            pieces = [(name, cut(t, box)) for (name, t), box in zip(bucket, boxes)]
-            pack_into(flat[base:base + region.nbytes], pieces, region)
-            where.update((rank, (base, region.nbytes)) for rank in ranks)
-            if sums is not None:
-                sums.update((region_key(name, box), tensor_checksum(piece))
-                            for (name, piece), box in zip(pieces, boxes))
-        return flat[:total], where, sums
-
-    def _manifest_wire(self, manifest: BucketManifest, prepared) -> dict:
-        out = manifest.to_wire()
-        if prepared is not None and prepared[2] is not None:
-            out["slice_checksums"] = prepared[2]
-        return out
 
     def _checksums_sent(self, prepared) -> dict[str, str] | None:
         return prepared[2] if prepared is not None else None

@@ -1,8 +1,9 @@
 """Which trainer rank sends which whole tensor when every rank sends (``broadcast``, ``broadcast_packed``
 and ``p2p`` from a trainer of several ranks): the assignment the senders run.
 
-The senders execute whole-tensor routes: every engine worker still receives every tensor whole (its
-loader slices it), so a route here is (tensor, sender) and the sender is one of the ranks that hold
+The senders execute whole-tensor routes: a sender holds every tensor of its share whole (workers keeping
+slices are sent theirs of it, ``transfer.shards``), so a route here is (tensor, sender) and the sender is one
+of the ranks that hold
 the tensor whole after the backend's own gather (every FSDP rank after ``full_tensor()``; the TP rank a
 megatron stage gathers a parameter to). The sharded plan of :mod:`~rlplacement.transfer.plan.build`,
 where each worker receives only its slice, is what receivers move to next; the balance rule is the
