@@ -32,7 +32,12 @@ class BroadcastSender(FramedSender):
                 if meta.nbytes:
                     self._group.broadcast(as_bytes(tensor).to(self.wire_device))
             return
+        # every position's broadcasts in flight at once (each group orders its own), all done before the next bucket
+        in_flight = []
         for group, region in zip(self._payload_groups(), prepared[0]):
             for (_, piece), meta in zip(region.pieces, region.manifest.tensors):
                 if meta.nbytes:
-                    group.broadcast(as_bytes(piece).to(self.wire_device))
+                    data = as_bytes(piece).to(self.wire_device)
+                    in_flight.append((data, group.broadcast(data, async_op=True)))
+        for _, work in in_flight:
+            work.wait()
