@@ -231,7 +231,10 @@ def corrupt_next_version(disk_dir: Path, after: int, engine_pid_to_resume: int, 
         except Exception as exc:  # noqa: BLE001 - reported by the soak as a fault not injected
             record["error"] = f"{type(exc).__name__}: {exc}"
         finally:
-            os.kill(engine_pid_to_resume, signal.SIGCONT)
+            try:
+                os.kill(engine_pid_to_resume, signal.SIGCONT)
+            except ProcessLookupError:  # replaced meanwhile (a stopped engine misses its health checks)
+                pass
 
     record["thread"] = threading.Thread(target=run, daemon=True)
     record["thread"].start()
