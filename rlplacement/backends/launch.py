@@ -1,9 +1,14 @@
 """Starting torch.distributed: from explicit (rank, world, address, port), from torchrun's environment,
 or by spawning local worker processes (gloo on CPU) for the CLI and multi-rank tests.
 
-Workers are started with the ``spawn`` method (fork is unsafe once torch threads exist); a worker's
-exception is sent back and re-raised in the parent with the rank, so a failed rank cannot turn into
-a hang of the caller: the parent waits with a timeout and terminates the rest.
+Workers are never forked from the caller (fork is unsafe once torch threads exist). On a machine without
+CUDA they come from a fork server (``multiprocessing``'s ``forkserver``) that imported torch, megatron-core
+and transformers once (:data:`PRELOAD`) and has run nothing since, so a worker starts in milliseconds
+instead of re-importing them for seconds; each worker then takes the caller's environment, working
+directory and ``sys.path`` as they are at the call, as a spawned one would. With CUDA they are spawned
+(the fork server's imports must not touch a GPU driver its children would inherit). A worker's exception
+is sent back and re-raised in the parent with the rank, so a failed rank cannot turn into a hang of the
+caller: the parent waits with a timeout and terminates the rest.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -72,7 +78,30 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     return rank, world
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float) -> None:
+PRELOAD = ("torch", "torch.distributed", "rlplacement.backends.launch", "transformers", "megatron.core.models.gpt",
+           "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.pipeline_parallel")
+"""What the fork server imports once before any worker (a module that is not installed is skipped)."""
+
+
+def _context():
+    """``forkserver`` preloaded with :data:`PRELOAD` where there is no CUDA, else ``spawn``."""
+    import multiprocessing as mp
+
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: the first call of a process
+    return ctx
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float,
+            caller: tuple[dict, str, list] | None = None) -> None:
+    if caller is not None:  # a fork server's child: the caller's environment, not the server's
+        env, cwd, path = caller
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.path[:] = path
     try:
         init_distributed(rank, world, backend="gloo", store=join_store("127.0.0.1", port, world, timeout_s))
         result = fn(rank, world, *args)
@@ -92,14 +121,14 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     ``fn`` must be importable (a module-level function). Raises RuntimeError with the failing rank's
     traceback if any rank fails or the run exceeds ``timeout_s``.
     """
-    import multiprocessing as mp
     import queue as queue_mod
 
-    ctx = mp.get_context("spawn")
+    ctx = _context()
+    caller = (dict(os.environ), os.getcwd(), list(sys.path)) if ctx.get_start_method() == "forkserver" else None
     results: dict[int, Any] = {}
     q = ctx.Queue()
     store, port = host_store("127.0.0.1", world_size, timeout_s)  # held here until every rank is done
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, timeout_s), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, timeout_s, caller), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
