@@ -78,7 +78,11 @@ def test_missing_or_bad_hf_folder(hf, tmp_path):
 
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "mistral"}, r"model_type 'mistral' has no mapping; known: llama, qwen2, qwen3"),
-    ({"num_experts": 8}, r"mixture-of-experts models are not supported"),
+    ({"num_experts": 8}, r"model_type 'qwen3' with experts is not a model rlplacement knows; the mixture-of-experts "
+                         r"family it knows is qwen3_moe"),
+    ({"model_type": "mixtral", "num_local_experts": 8},
+     r"model_type 'mixtral' is a mixture-of-experts family rlplacement has no mapping for; the mixture-of-experts "
+     r"families it knows: qwen3_moe"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, r"rope type 'yarn' is not supported"),
     ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
      r"rope type 'dynamic' is not supported"),  # pre-5.x transformers configs

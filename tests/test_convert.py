@@ -115,7 +115,10 @@ def test_bad_hf_checkpoint_fails_at_once_naming_the_flag(tmp_path, capsys):
     (other / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral"}))
     assert "model_type 'mistral' has no mapping; known: llama, qwen2, qwen3" in refused(other)
     (other / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 8}))
-    assert "config.json: mixture-of-experts models are not supported" in refused(other)
+    assert "config.json: model_type 'qwen2' with experts is not a model rlplacement knows" in refused(other)
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3", "n_routed_experts": 256}))
+    assert ("model_type 'deepseek_v3' is a mixture-of-experts family rlplacement has no mapping for; the "
+            "mixture-of-experts families it knows: qwen3_moe") in refused(other)
     for f in other.glob("*.safetensors"):
         f.unlink()
     (other / "config.json").write_text(json.dumps(cfg))

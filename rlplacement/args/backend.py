@@ -24,7 +24,8 @@ FLAGS = (
     flag("--context-parallel-size", type=int, default=default_of(BackendConfig, "context_parallel_size"),
          help="Megatron context parallelism: only 1 is supported."),
     flag("--expert-model-parallel-size", type=int, default=default_of(BackendConfig, "expert_model_parallel_size"),
-         help="Megatron expert parallelism: dense models only so far, so 1."),
+         help="Megatron expert parallelism: `rlplacement convert` takes it for a mixture-of-experts model; "
+              "training is of dense models only so far, so 1 here."),
     flag("--expert-tensor-parallel-size", type=int, default=default_of(BackendConfig, "expert_tensor_parallel_size"),
          help="Megatron's tensor parallelism inside experts: dense models only so far, so 1 (or unset)."),
     flag("--sequence-parallel", action="store_true", default=default_of(BackendConfig, "sequence_parallel"),

@@ -19,7 +19,10 @@ places; those get shims scoped to the megatron modules that need them, never to 
 - the functions of :data:`CUDA_TYPE_CHECKS` compare ``Tensor.type()`` with ``'torch.cuda.*Tensor'``
   (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``, ``clip_grad_by_total_norm_fp32``):
   while one runs, a CPU tensor's ``type()`` answers with the CUDA name of the same dtype.
-gloo runs every collective they issue (reduce-scatter and all-gather into tensors included).
+- the MoE all-to-all dispatcher (``moe.token_dispatcher``) takes its split sizes as numpy where a GPU
+  run would have copied them to the host (:func:`_splits_as_numpy`).
+gloo runs every collective they issue (reduce-scatter, all-gather into tensors and the dispatcher's uneven
+``all_to_all_single`` included).
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def apply_cpu_shims() -> bool:
     ]
     for name in CUDA_NAMING_MODULES:
         patches.append((importlib.import_module(name), "torch", _CPU_TORCH))
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    patches.append((dispatcher, "maybe_move_tensor_to_cpu", _splits_as_numpy(dispatcher.maybe_move_tensor_to_cpu)))
     for module, qualname in CUDA_TYPE_CHECKS:
         owner = importlib.import_module(module)
         *path, attr = qualname.split(".")
@@ -70,6 +75,24 @@ def apply_cpu_shims() -> bool:
         setattr(owner, attr, shim)
     _APPLIED = True
     return True
+
+
+_TE_NAMES_MOE_UTILS_READS = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss",
+                             "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                             "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+                             "fused_unpermute")
+
+
+def define_missing_te_names() -> None:
+    """megatron-core 0.16's ``moe_utils`` imports TransformerEngine's fused MoE functions in a ``try`` and,
+    without TE, leaves them undefined, though its router gating tests ``te_general_gemm is not None``
+    (a ``NameError`` on every MoE forward without TE, CPU or GPU). Define the absent ones as None, the
+    value that code expects for "no TE"; names TE did import are left alone."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in _TE_NAMES_MOE_UTILS_READS:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
 
 
 def remove_cpu_shims() -> None:
@@ -91,6 +114,8 @@ CUDA_NAMING_MODULES = (
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.utils",
+    "megatron.core.transformer.moe.token_dispatcher",  # the all-to-all dispatcher's device-to-host stream
+    "megatron.core.transformer.moe.moe_utils",  # the auxiliary-loss tracker's ``device="cuda"``
 )
 """megatron modules that create tensors on ``"cuda"`` or use CUDA streams and events unconditionally."""
 
@@ -120,7 +145,7 @@ class _NoOp:
         pass
 
     def __getattr__(self, name):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _NoOp()  # an event recorded on a stream is one too
 
     def __enter__(self):
         return self
@@ -161,6 +186,18 @@ class _CpuTorch(types.ModuleType):
 
 
 _CPU_TORCH = _CpuTorch("torch")
+
+
+def _splits_as_numpy(move):
+    """megatron's ``maybe_move_tensor_to_cpu`` for the all-to-all dispatcher: it turns the split sizes into
+    numpy only when they were on a GPU, and ``all_to_all_single`` refuses split sizes given as a tensor;
+    on a CPU host they are CPU tensors already, so ``as_numpy`` converts them here."""
+
+    @functools.wraps(move)
+    def moved(tensor, as_numpy: bool = False, record_stream: bool = False):
+        out = move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return out.numpy() if as_numpy and torch.is_tensor(out) else out
+    return moved
 _TENSOR_TYPE = torch.Tensor.type
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from rlplacement.errors import ConfigError
 from rlplacement.families import megatron_mapping as mapping
 from rlplacement.families import DenseFamily, family_for, rope_parameters
-from rlplacement.backends.megatron_cpu import apply_cpu_shims, cuda_absent
+from rlplacement.backends.megatron_cpu import apply_cpu_shims, cuda_absent, define_missing_te_names
 from rlplacement.hf_folder import HFTensors
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
@@ -70,18 +70,24 @@ def resolve_spec(choice: str = "auto") -> str:
     return choice
 
 
-def init_model_parallel(tp: int, pp: int, seed: int = 1234) -> None:
-    """Set up megatron's parallel groups on an initialised default process group (any backend)."""
+def init_model_parallel(tp: int, pp: int, seed: int = 1234, ep: int = 1) -> None:
+    """Set up megatron's parallel groups on an initialised default process group (any backend); ``ep``:
+    expert parallelism, carved out of the data-parallel ranks as megatron does (experts keep TP's size)."""
     apply_cpu_shims()
+    define_missing_te_names()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(f"expert parallel size {ep} does not divide the {world // (tp * pp)} data-parallel ranks "
+                         f"(world {world} over TP {tp} x PP {pp})")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
@@ -135,7 +141,29 @@ def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dt
         use_cpu_initialization=cpu, perform_initialization=False, sequence_parallel=sequence_parallel,
         attention_softmax_in_fp32=attention_softmax_in_fp32, **recompute,
     )
+    if family.moe:
+        kwargs.update(moe_settings(hf_config, family, tp))
     return TransformerConfig(**kwargs, **fusions(spec, on_gpu=not cpu, wgrad_kernel=wgrad_kernel_available()))
+
+
+def moe_settings(hf_config: Any, family, tp: int) -> dict[str, Any]:
+    """megatron's MoE fields for a :class:`~rlplacement.families.MoEFamily` model, from ``config.json``: the
+    sparse layers as an explicit pattern (megatron's integer ``moe_layer_freq`` counts from layer 0, HF's
+    ``decoder_sparse_step`` from layer 1), top-k routing over a softmax, renormalised over the chosen experts
+    exactly when HF's ``norm_topk_prob`` is set (megatron's softmax after top-k; without it, softmax first),
+    the sequential expert layout (the grouped ones need TransformerEngine or grouped_gemm), experts at the
+    dense layers' TP."""
+    from rlplacement.families import num_experts
+
+    inter = hf_config.moe_intermediate_size
+    if inter % tp:
+        raise ValueError(f"moe_intermediate_size {inter} is not divisible by --tensor-model-parallel-size {tp}")
+    return dict(num_moe_experts=num_experts(hf_config), moe_router_topk=hf_config.num_experts_per_tok,
+                moe_ffn_hidden_size=inter, moe_layer_freq=[int(s) for s in family.sparse_layers(hf_config)],
+                moe_router_score_function="softmax",
+                moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
+                moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+                moe_router_load_balancing_type="none", add_bias_linear=False)
 
 
 def fusions(spec: str, on_gpu: bool, wgrad_kernel: bool) -> dict[str, bool]:
@@ -156,9 +184,14 @@ def wgrad_kernel_available() -> bool:
     return bool(getattr(layers, "_grad_accum_fusion_available", False))
 
 
-def layer_spec(family: DenseFamily, spec: str):
+def layer_spec(family: DenseFamily, spec: str, config=None):
+    """megatron's layer spec for ``family``; a mixture-of-experts family's is a block spec (dense and sparse
+    layers per ``config.moe_layer_freq``, this pipeline stage's layers)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if family.moe:
+        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=spec == "te",
+                                                          normalization="RMSNorm")
     if spec == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_norm)
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
@@ -178,10 +211,10 @@ def build_model(hf_config: Any, padded_vocab: int, tp: int, pp: int, spec: str =
     dtype = dtype or hf_dtype(hf_config)
     spec = resolve_spec(spec)
     rope = rope_parameters(hf_config)
+    config = transformer_config(hf_config, family, tp, pp, dtype, spec, recompute=recompute,
+                                sequence_parallel=sequence_parallel, attention_softmax_in_fp32=attention_softmax_in_fp32)
     model = GPTModel(
-        transformer_config(hf_config, family, tp, pp, dtype, spec, recompute=recompute,
-                           sequence_parallel=sequence_parallel, attention_softmax_in_fp32=attention_softmax_in_fp32),
-        layer_spec(family, spec),
+        config, layer_spec(family, spec, config),
         vocab_size=padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
@@ -221,12 +254,20 @@ def hf_dtype(hf_config: Any) -> torch.dtype:
 
 
 def global_named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """``(name, param)`` with the global layer index in the name (a pipeline stage counts locally)."""
+    """``(name, param)`` with the global layer index in the name (a pipeline stage counts locally) and the
+    global expert index (an expert-parallel rank counts its experts locally)."""
     layers = model.decoder.layers
+    first_expert = 0
+    experts = getattr(model.config, "num_moe_experts", None)
+    if experts:
+        from megatron.core import parallel_state as ps
+
+        first_expert = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
     for name, param in model.named_parameters():
         layer, suffix = mapping._split_layer(name)
         if layer is not None:
-            name = mapping.megatron_layer_name(layers[layer].layer_number - 1, suffix)
+            name = mapping.megatron_layer_name(layers[layer].layer_number - 1,
+                                               mapping.global_expert_name(suffix, first_expert))
         yield name, param
 
 

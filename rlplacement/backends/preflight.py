@@ -26,12 +26,14 @@ from rlplacement.families.torchtitan_mapping import FAMILIES as TORCHTITAN_FAMIL
 from rlplacement.families.torchtitan_mapping import NEEDS_CUDA as TORCHTITAN_NEEDS_CUDA
 
 
-def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: bool | None = None) -> None:
+def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: bool | None = None,
+              for_training: bool = True) -> None:
     """Raise :class:`ConfigError` for everything ``make_backend(cfg)`` would refuse later.
 
     ``hf_dir`` is the HF folder the job also serves from (used when ``cfg.hf_checkpoint`` is unset).
     ``cuda_available``: whether the trainer ranks have CUDA (default: ``torch.cuda.is_available()``
-    here, the right answer when the driver runs on a trainer node).
+    here, the right answer when the driver runs on a trainer node). ``for_training`` False: the checks
+    ``rlplacement convert`` needs (a mixture-of-experts model converts; it does not train yet).
     """
     if cfg.name not in known_backends():
         raise ConfigError(f"--train-backend {cfg.name!r} is unknown: use one of {', '.join(known_backends())}")
@@ -53,9 +55,15 @@ def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: 
         hf_config, source = read_hf_config(hf, hf_flag)
         check_safetensors(hf, hf_flag)
     family = _family(hf_config, source)
+    if family.moe and for_training:
+        raise ConfigError(f"{source}: {family.name} is a mixture-of-experts model: `rlplacement convert` and "
+                          f"`export-hf` handle it, but no trainer backend trains one yet (--train-backend "
+                          f"{cfg.name}): train a dense model (qwen3, qwen2, llama) for now")
 
     if cfg.name == "megatron":
         _check_megatron_sizes(hf_config, source, tp, pp)
+        if family.moe:
+            _check_expert_sizes(hf_config, source, tp, cfg.expert_model_parallel_size)
     elif cfg.name == "torchtitan":
         _check_torchtitan(hf_config, family, source, cuda_available)
 
@@ -131,6 +139,18 @@ def _check_megatron_sizes(hf_config: Any, source: str, tp: int, pp: int) -> None
     if layers % pp:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide num_hidden_layers {layers} "
                           f"of {source}: use a divisor of {layers}")
+
+
+def _check_expert_sizes(hf_config: Any, source: str, tp: int, ep: int) -> None:
+    from rlplacement.families import num_experts
+
+    experts, inter = num_experts(hf_config), getattr(hf_config, "moe_intermediate_size", 0)
+    if experts % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide num_experts {experts} of {source}: "
+                          f"use a divisor of {experts}")
+    if inter % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide moe_intermediate_size {inter} of "
+                          f"{source}: use a divisor of {inter}")
 
 
 def _check_torchtitan(hf_config: Any, family, source: str, cuda_available: bool | None) -> None:

@@ -17,15 +17,17 @@ from rlplacement.errors import ConfigError
 DESCRIPTION = """\
 Convert a Hugging Face model folder (config.json + *.safetensors) into a Megatron-core torch_dist
 checkpoint for `--train-backend megatron --load DIR`. The architecture is read from config.json
-(Qwen3, Qwen2, Llama dense). The folder gets latest_checkpointed_iteration.txt last: a rerun on a
+(Qwen3, Qwen2, Llama dense; Qwen3-MoE). The folder gets latest_checkpointed_iteration.txt last: a rerun on a
 finished folder does nothing; a half-finished folder is cleared and redone."""
 
 EPILOG = """\
 examples:
   rlplacement convert --hf-checkpoint /models/Qwen3-0.6B --save /ckpt/qwen3-tp1
   rlplacement convert --hf-checkpoint /models/Qwen3-8B --save /ckpt/qwen3-tp2 --tensor-model-parallel-size 2
+  rlplacement convert --hf-checkpoint /models/Qwen3-30B-A3B --save /ckpt/qwen3-moe --expert-model-parallel-size 8
   torchrun --nproc-per-node 2 -m rlplacement.cli convert --hf-checkpoint HF --save DIR --tensor-model-parallel-size 2
-Without torchrun, TP x PP local processes are started (gloo on CPU, NCCL on GPU)."""
+Without torchrun, TP x PP x EP local processes are started (gloo on CPU, NCCL on GPU). Experts are saved
+by their global index, so the checkpoint loads at any expert-parallel size that divides the experts."""
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -39,6 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
              help="TP size to shard for (must divide the attention and key/value heads); default 1. "
                   "A checkpoint loads at other TP sizes too.")
     add_flag(p, "--pipeline-model-parallel-size", metavar="M", help="PP size (must divide num_hidden_layers); default 1.")
+    add_flag(p, "--expert-model-parallel-size", metavar="E",
+             help="Mixture-of-experts models: expert-parallel size to convert with (must divide num_experts; each "
+                  "rank reads only its experts); default 1. The checkpoint loads at other sizes too.")
     p.add_argument("--layer-spec", choices=("auto", "local", "te"), default="auto",
                    help="Megatron layer spec: te (TransformerEngine, fused layer-norm names), local, or auto "
                         "(te when TransformerEngine and CUDA are there). Default auto.")
@@ -46,13 +51,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _convert_rank(rank: int, world: int, hf: str, save: str, tp: int, pp: int, spec: str, progress: bool) -> str:
+def _convert_rank(rank: int, world: int, hf: str, save: str, tp: int, pp: int, spec: str, progress: bool,
+                  ep: int = 1) -> str:
     from rlplacement.backends.quiet import quiet_trainer_notices
 
     quiet_trainer_notices()  # each rank drops megatron's notices to its developers (RLPLACEMENT_QUIET_... set by main)
     from rlplacement.convert.hf_to_megatron import convert
 
-    return convert(hf, save, tp, pp, spec, progress)
+    return convert(hf, save, tp, pp, spec, progress, ep=ep)
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -61,13 +67,14 @@ def validate(args: argparse.Namespace) -> None:
     from rlplacement.atomic_files import check_writable
     from rlplacement.backends.preflight import preflight
 
-    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be 1 or more, got {getattr(args, flag)}")
     check_writable(args.save, "--save")
     preflight(BackendConfig(name="megatron", hf_checkpoint=args.hf_checkpoint,
                             tensor_model_parallel_size=args.tensor_model_parallel_size,
-                            pipeline_model_parallel_size=args.pipeline_model_parallel_size))
+                            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                            expert_model_parallel_size=args.expert_model_parallel_size), for_training=False)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -86,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
               f"--tensor-model-parallel-size {tp} as it is: nothing to do")
         return 0
     validate(args)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    run_collective(_convert_rank, tp * pp, args.hf_checkpoint, args.save, tp, pp, args.layer_spec,
-                   not args.no_progress)
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    run_collective(_convert_rank, tp * pp * ep, args.hf_checkpoint, args.save, tp, pp, args.layer_spec,
+                   not args.no_progress, ep)
     return 0

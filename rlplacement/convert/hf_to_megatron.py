@@ -22,8 +22,9 @@ from rlplacement.backends import megatron_checkpoint as layout
 
 
 def convert(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tp: int = 1, pp: int = 1,
-            spec: str = "auto", progress: bool = True, vocab_divisible_by: int = 128) -> str:
-    """Convert; return ``"converted"`` or ``"skipped"`` (already finished). Every rank calls it."""
+            spec: str = "auto", progress: bool = True, vocab_divisible_by: int = 128, ep: int = 1) -> str:
+    """Convert; return ``"converted"`` or ``"skipped"`` (already finished). Every rank calls it (TP x PP x
+    ``ep`` ranks: expert parallelism takes the data-parallel ranks, as in megatron)."""
     save = Path(save_dir)
     rank = dist.get_rank()
     decision = [None]
@@ -44,7 +45,7 @@ def convert(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tp: int = 1,
     family = family_for(hf_config, f"{hf_dir}/config.json")
     padded = mapping.padded_vocab_size(hf_config.vocab_size, tp, vocab_divisible_by)
     shape = mapping.ModelShape.from_hf(hf_config, padded)
-    mm.init_model_parallel(tp, pp)
+    mm.init_model_parallel(tp, pp, ep=ep)
     model = mm.build_model(hf_config, padded, tp, pp, spec)
     mm.load_hf_weights(model, hf_dir, shape, family, progress=progress and rank == 0)
     mm.save_torch_dist(model, save / layout.RELEASE)
@@ -53,10 +54,12 @@ def convert(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tp: int = 1,
         copy_side_files(hf_dir, save / layout.HF_CONFIG_DIR)
         meta = {**mm.model_meta(hf_config, family, padded, model.rlplacement_spec),
                 "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                "expert_model_parallel_size": ep,
                 "megatron_core": _mcore_version(), "source": str(Path(hf_dir).resolve())}
         write_atomic(save / layout.META, json.dumps(meta, indent=2))
         write_atomic(save / layout.MARKER, "release")  # last: marks the folder complete
-        print(f"rlplacement convert: wrote {save} (TP={tp}, PP={pp}, {model.rlplacement_spec} spec)", flush=True)
+        print(f"rlplacement convert: wrote {save} (TP={tp}, PP={pp}{f', EP={ep}' if ep > 1 else ''}, "
+              f"{model.rlplacement_spec} spec)", flush=True)
     dist.barrier()
     return "converted"
 

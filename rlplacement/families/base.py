@@ -1,8 +1,10 @@
-"""What a dense decoder family looks like to the converters: data, not code.
+"""What a decoder family looks like to the converters: data, not code.
 
 A family names its HF ``model_type`` values and two switches (per-head q/k norm, q/k/v bias); the
 name tables below hold for every Llama-style dense model (Qwen2, Qwen3, Llama). A new family with
-the same block layout is one small file that builds a :class:`DenseFamily`.
+the same block layout is one small file that builds a :class:`DenseFamily`. A mixture-of-experts
+family (:class:`MoEFamily`) adds a router and per-expert MLPs in its sparse layers
+(:data:`EXPERT_LAYER_NAMES`); its dense layers are the dense tables.
 
 Megatron side names are suffixes of ``GPTModel`` parameters. Both layer specs map: the local spec
 keeps separate norms (``input_layernorm``, ``pre_mlp_layernorm``) while TransformerEngine fuses them
@@ -39,6 +41,23 @@ LAYER_NAMES: dict[str, str | Fused] = {
     "mlp.linear_fc1.weight": Fused("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+# Megatron suffix -> HF suffix in a sparse layer of a mixture-of-experts family; "{e}" is the global expert
+# index. Experts are per-expert tensors in HF checkpoints (transformers fuses them in memory only) and
+# megatron's sequential layout (``local_experts.{e}``, renumbered from local to global by the stream).
+EXPERT_LAYER_NAMES: dict[str, str | Fused] = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",  # TE spec
+    "self_attention.linear_qkv.weight": LAYER_NAMES["self_attention.linear_qkv.weight"],
+    "self_attention.linear_qkv.bias": LAYER_NAMES["self_attention.linear_qkv.bias"],
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",  # both specs: the router reads it too
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.experts.local_experts.{e}.linear_fc1.weight": Fused("fc1", ("mlp.experts.{e}.gate_proj.weight",
+                                                                      "mlp.experts.{e}.up_proj.weight")),
+    "mlp.experts.local_experts.{e}.linear_fc2.weight": "mlp.experts.{e}.down_proj.weight",
+}
 GLOBAL_NAMES: dict[str, str] = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -66,12 +85,16 @@ class DenseFamily:
             return bool(getattr(hf_config, "attention_bias", False))
         return self.qkv_bias
 
+    moe = False
+    """Whether the family has experts (:class:`MoEFamily`)."""
+
     def check(self, hf_config: Any, source: str = "config.json") -> None:
         """Refuse features the converters do not implement, naming the config field."""
         if getattr(hf_config, "mlp_bias", False):
             raise ValueError(f"{source}: mlp_bias=true is not supported for {self.name}")
-        if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
-            raise ValueError(f"{source}: mixture-of-experts models are not supported (dense only)")
+        if not self.moe and num_experts(hf_config):
+            raise ValueError(f"{source}: model_type {self.name!r} with experts is not a model rlplacement knows; "
+                             f"the mixture-of-experts family it knows is qwen3_moe")
         if getattr(hf_config, "use_sliding_window", False):
             raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false")
         rope = rope_parameters(hf_config)
@@ -80,6 +103,48 @@ class DenseFamily:
             raise ValueError(f"{source}: rope type {kind!r} is not supported (only default RoPE)")
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {hf_config.hidden_act!r} is not supported (silu only)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEFamily(DenseFamily):
+    """A Llama-style decoder whose sparse layers route each token to ``num_experts_per_tok`` of
+    ``num_experts`` gated MLPs of ``moe_intermediate_size`` (Qwen3-MoE): which layers are sparse is
+    :meth:`sparse_layers`; no shared expert."""
+
+    expert_layer_names: dict[str, str | Fused] = dataclasses.field(default_factory=lambda: dict(EXPERT_LAYER_NAMES))
+    moe = True
+
+    def check(self, hf_config: Any, source: str = "config.json") -> None:
+        super().check(hf_config, source)
+        experts = num_experts(hf_config)
+        if not experts:
+            raise ValueError(f"{source}: model_type {self.name!r} needs num_experts (the experts per sparse layer)")
+        topk = getattr(hf_config, "num_experts_per_tok", None)
+        if not topk or not 1 <= topk <= experts:
+            raise ValueError(f"{source}: num_experts_per_tok {topk!r} must be between 1 and num_experts {experts}")
+        for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+            if getattr(hf_config, key, None):
+                raise ValueError(f"{source}: {key} is set: shared experts are not supported for {self.name}")
+        if not any(self.sparse_layers(hf_config)):
+            raise ValueError(f"{source}: no layer is sparse (decoder_sparse_step and mlp_only_layers leave every "
+                             f"layer dense): use the dense family of this model")
+
+    @staticmethod
+    def sparse_layers(hf_config: Any) -> list[bool]:
+        """Per layer, whether its MLP is the experts: HF's rule, layer i is sparse when it is not in
+        ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``."""
+        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        return [i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers)]
+
+
+def num_experts(hf_config: Any) -> int:
+    """Experts per sparse layer (``num_experts``; ``num_local_experts`` as transformers 5 writes it, and
+    Mixtral; ``n_routed_experts``, DeepSeek and GLM); 0 for a dense model."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(hf_config, key, None):
+            return int(getattr(hf_config, key))
+    return 0
 
 
 def rope_parameters(hf_config: Any) -> dict:

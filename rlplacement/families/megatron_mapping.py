@@ -10,6 +10,9 @@ bytes. Layouts (Megatron's, which its checkpoints and TP sharding rely on):
 - ``linear_fc1``: ``[gate; up]`` for the full tensor, but TP rank r holds ``[gate_r; up_r]``, so the
   rank chunks of a gathered fc1 interleave and must be regrouped (:func:`tp_unshard`).
 - vocabulary rows (embedding, output layer) are padded with zeros to :func:`padded_vocab_size`.
+- experts (sequential layout, ``mlp.experts.local_experts.{e}``): named here by their global expert index
+  ``e`` (:func:`global_expert_name` renumbers a rank's local ones); each expert's ``linear_fc1`` and
+  ``linear_fc2`` shard over TP as the dense ones do; the router is replicated.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 VOCAB_MEGATRON_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -71,10 +75,18 @@ def hf_sources(mname: str, family: DenseFamily) -> str | Fused:
         if suffix not in family.global_names:
             raise KeyError(f"no HF mapping for Megatron parameter {mname!r} ({family.name})")
         return family.global_names[suffix]
-    if suffix not in family.layer_names:
-        raise KeyError(f"no HF mapping for Megatron parameter {mname!r} ({family.name})")
     prefix = HF_LAYER_PREFIX.format(i=layer)
-    target = family.layer_names[suffix]
+    target = family.layer_names.get(suffix)
+    if target is None and family.moe:
+        expert = _EXPERT_RE.match(suffix)
+        key = f"{expert.group(1)}{{e}}{expert.group(3)}" if expert else suffix
+        target = family.expert_layer_names.get(key)
+        if target is not None and expert:
+            e = expert.group(2)
+            target = (Fused(target.kind, tuple(n.format(e=e) for n in target.hf)) if isinstance(target, Fused)
+                      else target.format(e=e))
+    if target is None:
+        raise KeyError(f"no HF mapping for Megatron parameter {mname!r} ({family.name})")
     if isinstance(target, Fused):
         return Fused(target.kind, tuple(prefix + n for n in target.hf))
     return prefix + target
@@ -82,6 +94,15 @@ def hf_sources(mname: str, family: DenseFamily) -> str | Fused:
 
 def megatron_layer_name(layer: int, suffix: str) -> str:
     return MEGATRON_LAYER_PREFIX.format(i=layer) + suffix
+
+
+def global_expert_name(suffix: str, first_local_expert: int) -> str:
+    """A layer suffix with its local expert index made global (an expert-parallel rank holds experts
+    ``first_local_expert`` onwards); other suffixes unchanged."""
+    expert = _EXPERT_RE.match(suffix)
+    if expert is None or not first_local_expert:
+        return suffix
+    return f"{expert.group(1)}{int(expert.group(2)) + first_local_expert}{expert.group(3)}"
 
 
 def fuse_qkv(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", shape: ModelShape) -> "torch.Tensor":
@@ -158,9 +179,9 @@ def hf_views(mname: str, full: "torch.Tensor", shape: ModelShape,
     return [(src, full, None)]
 
 
-_COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-                    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
-_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+# by suffix, so an expert's linear layers (``mlp.experts.local_experts.{e}.linear_fc1.weight``) match too
+_COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight", ".linear_fc1.bias")
+_ROW_PARALLEL = (".linear_proj.weight", ".linear_fc2.weight")
 
 
 def tp_partition_dim(mname: str) -> int | None:
@@ -177,7 +198,7 @@ def tp_partition_dim(mname: str) -> int | None:
 
 
 def is_fc1(mname: str) -> bool:
-    return mname.endswith("mlp.linear_fc1.weight") or mname.endswith("mlp.linear_fc1.bias")
+    return mname.endswith((".linear_fc1.weight", ".linear_fc1.bias"))
 
 
 def tp_shard(mname: str, full: "torch.Tensor", partition_dim: int | None, tp: int, rank: int) -> "torch.Tensor":
@@ -204,10 +225,15 @@ def tp_unshard(mname: str, shards: list["torch.Tensor"], partition_dim: int | No
     return torch.cat(shards, dim=partition_dim)
 
 
-def megatron_names(shape: ModelShape, family: DenseFamily, qkv_bias: bool, te_spec: bool) -> Iterator[str]:
-    """Every Megatron parameter name of the model, global layer indices, in model order."""
+def megatron_names(shape: ModelShape, family: DenseFamily, qkv_bias: bool, te_spec: bool,
+                   sparse: list[bool] | None = None, experts: int = 0) -> Iterator[str]:
+    """Every Megatron parameter name of the model, global layer and expert indices, in model order;
+    ``sparse``: per layer, whether it holds ``experts`` experts (a :class:`MoEFamily`)."""
     yield "embedding.word_embeddings.weight"
     for i in range(shape.num_layers):
+        if sparse and sparse[i]:
+            yield from _sparse_layer_names(i, family, qkv_bias, te_spec, experts)
+            continue
         yield megatron_layer_name(i, "self_attention.linear_qkv.layer_norm_weight" if te_spec
                                   else "input_layernorm.weight")
         yield megatron_layer_name(i, "self_attention.linear_qkv.weight")
@@ -223,3 +249,19 @@ def megatron_names(shape: ModelShape, family: DenseFamily, qkv_bias: bool, te_sp
     yield "decoder.final_layernorm.weight"
     if not shape.tied:
         yield "output_layer.weight"
+
+
+def _sparse_layer_names(i: int, family: DenseFamily, qkv_bias: bool, te_spec: bool, experts: int) -> Iterator[str]:
+    yield megatron_layer_name(i, "self_attention.linear_qkv.layer_norm_weight" if te_spec else "input_layernorm.weight")
+    yield megatron_layer_name(i, "self_attention.linear_qkv.weight")
+    if qkv_bias:
+        yield megatron_layer_name(i, "self_attention.linear_qkv.bias")
+    if family.qk_norm:
+        yield megatron_layer_name(i, "self_attention.q_layernorm.weight")
+        yield megatron_layer_name(i, "self_attention.k_layernorm.weight")
+    yield megatron_layer_name(i, "self_attention.linear_proj.weight")
+    yield megatron_layer_name(i, "pre_mlp_layernorm.weight")
+    yield megatron_layer_name(i, "mlp.router.weight")
+    for e in range(experts):
+        yield megatron_layer_name(i, f"mlp.experts.local_experts.{e}.linear_fc1.weight")
+        yield megatron_layer_name(i, f"mlp.experts.local_experts.{e}.linear_fc2.weight")

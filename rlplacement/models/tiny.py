@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-FAMILIES = ("qwen3", "qwen2", "llama")
+FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -42,6 +42,13 @@ class TinySpec:
     max_position_embeddings: int = 512
     dtype: str = "float32"
     seed: int = 0
+    # qwen3_moe only: experts per sparse layer, top-k, each expert's width, which layers are sparse
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True
 
 
 def build_tokenizer(vocab_size: int):
@@ -80,6 +87,13 @@ def build_config(spec: TinySpec):
         if spec.hidden_size != spec.num_attention_heads * spec.head_dim:
             raise ValueError("qwen2 derives head_dim = hidden_size / num_attention_heads")
         cfg = transformers.Qwen2Config(**common)
+    elif spec.family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(head_dim=spec.head_dim, num_experts=spec.num_experts,
+                                          num_experts_per_tok=spec.num_experts_per_tok,
+                                          moe_intermediate_size=spec.moe_intermediate_size,
+                                          decoder_sparse_step=spec.decoder_sparse_step,
+                                          mlp_only_layers=list(spec.mlp_only_layers),
+                                          norm_topk_prob=spec.norm_topk_prob, **common)
     elif spec.family == "llama":
         cfg = transformers.LlamaConfig(head_dim=spec.head_dim, **common)
     else:

@@ -63,6 +63,9 @@ class ModelTensors:
         source = source or "config.json"
         cfg = types.SimpleNamespace(**config)
         family = family_for(cfg, source)
+        if family.moe:
+            raise ValueError(f"{source}: {family.name} is a mixture-of-experts model; the transfer plan knows dense "
+                             f"models only so far")
         dtype = dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"{source}: dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
