@@ -4,10 +4,27 @@ model after the same step, and the two-rank check of the FSDP2 backends (fsdp, t
 import torch
 
 
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers model's parameters under the checkpoint's names (a mixture-of-experts layer's fused
+    experts per expert: ``families.base.MoEFamily.checkpoint_views``)."""
+    from rlplacement.families import family_for
+
+    family = family_for(model.config)
+    return {k: v for n, p in model.named_parameters() for k, v in family.checkpoint_views(n, p)}
+
+
+def model_parameter(name: str, like: torch.Tensor, streamed: dict[str, torch.Tensor], family) -> torch.Tensor:
+    """The full parameter ``name`` (shaped as ``like``) rebuilt from streamed checkpoint-named tensors."""
+    out = torch.empty(like.shape, dtype=like.dtype)
+    for key, view in family.checkpoint_views(name, out):
+        view.copy_(streamed[key])
+    return out
+
+
 def assert_streamed_match_reference(streamed_path, ref: torch.nn.Module, atol: float = 2e-6, rtol: float = 1e-5):
-    """Every HF parameter was streamed, under its HF name, and is close to the reference's."""
+    """Every HF parameter was streamed, under its checkpoint name, and is close to the reference's."""
     streamed = torch.load(streamed_path)
-    expected = dict(ref.named_parameters())
+    expected = checkpoint_tensors(ref)
     assert set(streamed) == set(expected)
     for name, tensor in streamed.items():
         torch.testing.assert_close(tensor, expected[name].detach(), atol=atol, rtol=rtol, msg=name)
@@ -44,9 +61,9 @@ def _two_rank_step(rank, world, backend_name, hf, optim, vocab, seed, streamed_p
             return names.hf_to_torchtitan_tensor(name, streamed[names.torchtitan_to_hf_name(name)], backend.hf_config)
     else:
         def held(name):
-            return streamed[name]
-    mismatched = [n for n, p in backend.model.named_parameters()
-                  if not torch.equal(p.to_local(), held(n).chunk(world, 0)[rank])]
+            return model_parameter(name, params[name], streamed, backend.family)
+    params = dict(backend.model.named_parameters())
+    mismatched = [n for n, p in params.items() if not torch.equal(p.to_local(), held(n).chunk(world, 0)[rank])]
     return {"logp": logp, "metrics": metrics, "mismatched": mismatched}
 
 

@@ -21,6 +21,7 @@ from rlplacement.backends.base import TrainerBackend, resolve_bf16
 from rlplacement.backends.objective import TokenStats
 from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
+from rlplacement.families import family_for
 
 
 def served_dtype(stream_dtype: torch.dtype | None, bf16: bool) -> torch.dtype | None:
@@ -39,7 +40,9 @@ class FSDPBackend(TrainerBackend):
         self.root, self.model, self.stream_dtype, self.reference = root, model, stream_dtype, reference
         self._whole_cache: tuple[list, list] | None = None  # see _whole_parameters
         self._served: tuple[list, list[tuple[str, torch.Tensor]]] | None = None  # (parameters, copies): _served_copies
+        self._expanded: tuple[list, list[tuple[str, torch.Tensor]]] | None = None  # see _checkpoint_pairs
         self.hf_config = model.config
+        self.family = family_for(model.config)
 
     @classmethod
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
@@ -180,15 +183,30 @@ class FSDPBackend(TrainerBackend):
 
     def iter_hf_tensors(self, owners: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """With ``owners`` every rank still gathers every parameter (``full_tensor()``, one at a time), and
-        yields those it owns: the sending is spread, the gathering is not."""
+        yields those it owns: the sending is spread, the gathering is not. Names are the checkpoint's
+        (``family.checkpoint_views``: a mixture-of-experts layer's fused experts as per-expert views);
+        ``owners`` is keyed by parameter, so an expert parameter's views go from one rank."""
         self.root.reshard()  # see log_probs: stream the sharded parameters, never a stale gathered copy
         if dist.get_world_size() == 1:
             whole = self._whole_parameters()
             if self.stream_dtype is None or all(t.dtype == self.stream_dtype for _, t in whole):
-                yield from whole  # the same pairs every update: receivers see nothing moved
+                yield from self._checkpoint_pairs(whole)  # the same pairs every update: receivers see nothing moved
             else:
-                yield from self._served_copies()
+                yield from self._checkpoint_pairs(self._served_copies())
             return
+        for name, tensor in self._iter_gathered(owners):
+            yield from self.family.checkpoint_views(name, tensor)
+
+    def _checkpoint_pairs(self, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``pairs`` in the checkpoint's names, the same list object while ``pairs`` is (views of views made
+        once, so a receiver that keys on the tensors sees nothing moved)."""
+        if not self.family.moe:
+            return pairs
+        if self._expanded is None or self._expanded[0] is not pairs:
+            self._expanded = (pairs, [v for name, t in pairs for v in self.family.checkpoint_views(name, t)])
+        return self._expanded[1]
+
+    def _iter_gathered(self, owners: dict[str, int] | None) -> Iterator[tuple[str, torch.Tensor]]:
         rank = dist.get_rank()
         for name, param in self.model.named_parameters():
             if not hasattr(param, "full_tensor"):

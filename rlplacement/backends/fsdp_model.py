@@ -31,8 +31,24 @@ class CausalLMRoot(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, temperature: float, chunk_tokens: int,
                 with_entropy: bool = False) -> TokenStats:
-        return chunked_token_stats(self.hidden(input_ids), input_ids, self.lm.lm_head, temperature=temperature,
-                                   chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+        if getattr(self.lm.config, "output_router_logits", False):
+            hidden, router_loss = self._hidden_and_router_loss(input_ids)
+        else:
+            hidden, router_loss = self.hidden(input_ids), None
+        stats = chunked_token_stats(hidden, input_ids, self.lm.lm_head, temperature=temperature,
+                                    chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+        return stats._replace(router_loss=router_loss)
+
+    def _hidden_and_router_loss(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last hidden states and the routers' load-balancing loss times ``router_aux_loss_coef``, by the
+        model's own ``load_balancing_loss_func`` over every sparse layer's router logits (HF's auxiliary loss)."""
+        import sys
+
+        cfg = self.lm.config
+        out = self.lm.model(input_ids=input_ids, use_cache=False, output_router_logits=True)
+        balance = sys.modules[type(self.lm).__module__].load_balancing_loss_func
+        loss = balance(out.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
+        return out.last_hidden_state, cfg.router_aux_loss_coef * loss
 
 
 class TorchtitanRoot(CausalLMRoot):
@@ -122,12 +138,43 @@ def _rebuild_buffers(root: torch.nn.Module, device: torch.device) -> None:
 
 def load_hf_into(root: CausalLMRoot, hf_dir: str | os.PathLike) -> None:
     """Fill the sharded parameters from the HF folder with ``torch.distributed.checkpoint`` (each rank reads
-    its rows; the file's dtype is cast to the parameters'). A tied output layer is the embedding."""
+    its rows; the file's dtype is cast to the parameters'). A tied output layer is the embedding. A
+    mixture-of-experts model's fused expert parameters are not in the files under their names (checkpoints
+    store each expert apart): each rank reads the experts its shard holds (:func:`_load_local_experts`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+    from rlplacement.families import family_for
+
+    family = family_for(root.lm.config)
     state = hf_state_dict(root)
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(hf_dir)))
+    fused = {n: p for n, p in state.items() if family.checkpoint_views(n, p)[0][0] != n}
+    dcp.load({n: p for n, p in state.items() if n not in fused}, storage_reader=HuggingFaceStorageReader(str(hf_dir)))
+    if fused:
+        _load_local_experts(fused, hf_dir, family)
+
+
+def _load_local_experts(fused: dict[str, Any], hf_dir: str | os.PathLike, family) -> None:
+    """Copy each expert this rank's shard of a fused expert parameter holds (FSDP shards dim 0, the experts)
+    from its per-expert checkpoint tensors, one expert at a time."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from rlplacement.hf_folder import HFTensors
+
+    read = HFTensors(hf_dir).get
+    with torch.no_grad():
+        for name, param in fused.items():
+            if isinstance(param, DTensor):
+                local = param.to_local()
+                _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+                first = offset[0]
+            else:
+                local, first = param, 0
+            for key, view in family.checkpoint_views(name, local):
+                expert = int(key.rsplit("mlp.experts.", 1)[1].split(".", 1)[0])
+                source = key.replace(f"mlp.experts.{expert}.", f"mlp.experts.{expert + first}.", 1)
+                view.copy_(read(source).to(view.dtype))
 
 
 def hf_state_dict(root: CausalLMRoot) -> dict[str, Any]:

@@ -25,13 +25,17 @@ def load_hf(hf_dir: str | os.PathLike, dtype: torch.dtype = torch.float32):
 
 
 def hf_token_stats(model, input_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False) -> TokenStats:
-    """Log-probs (and entropies) from the full-vocabulary logits, unchunked."""
-    logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1].float() / temperature
+    """Log-probs (and entropies) from the full-vocabulary logits, unchunked; a mixture-of-experts model's
+    router loss where its config asks for it (HF's ``aux_loss`` times ``router_aux_loss_coef``)."""
+    out = model(input_ids=input_ids, use_cache=False)
+    aux = getattr(out, "aux_loss", None)
+    router_loss = None if aux is None else model.config.router_aux_loss_coef * aux
+    logits = out.logits[:, :-1].float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     zeros = logits.new_zeros(input_ids.shape[0], 1)
     logp = torch.cat([zeros, logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)], dim=1)
     entropy = torch.cat([zeros, -(logp_all.exp() * logp_all).sum(-1)], dim=1) if with_entropy else None
-    return TokenStats(logp, entropy)
+    return TokenStats(logp, entropy, router_loss)
 
 
 def hf_log_probs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

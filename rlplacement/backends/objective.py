@@ -24,10 +24,13 @@ from rlplacement.train_io import Batch
 
 
 class TokenStats(NamedTuple):
-    """``[B, T]`` float32 per-token log-probs (``logp[:, 0] = 0``) and, where asked, entropies."""
+    """``[B, T]`` float32 per-token log-probs (``logp[:, 0] = 0``) and, where asked, entropies; for a
+    mixture-of-experts model whose ``config.json`` asks for it (``output_router_logits``), the forward's
+    router load-balancing loss times ``router_aux_loss_coef`` (a 0-dim tensor)."""
 
     logp: torch.Tensor
     entropy: torch.Tensor | None = None
+    router_loss: torch.Tensor | None = None
 
 
 def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -118,7 +121,10 @@ def policy_loss(stats: TokenStats, batch: Batch, cfg: TrainConfig, normalizer: f
     ``-min(r A, clip(r, 1 - eps_clip, 1 + eps_clip_high) A)`` with ``r = exp(log p - old log p)``.
     ``normalizer``: the step's response tokens over all micro-batches and data-parallel ranks, divided by
     the number of ranks the gradient is averaged over (backends average gradients across data-parallel
-    ranks; this turns the average into the global token sum).
+    ranks; this turns the average into the global token sum). A router loss (:class:`TokenStats`) counts
+    once per response token of the micro-batch, so the step's is the token-weighted mean of its micro-batches'
+    (each micro-batch's load balance is over its own tokens, as in HF's and megatron's losses); it is in
+    ``loss`` only.
     """
     logp = stats.logp
     mask = batch.loss_mask.to(logp.dtype)
@@ -143,4 +149,6 @@ def policy_loss(stats: TokenStats, batch: Batch, cfg: TrainConfig, normalizer: f
     if cfg.entropy_coef:
         entropy = (stats.entropy * mask).sum()
         total = total - cfg.entropy_coef * entropy
+    if stats.router_loss is not None:
+        total = total + stats.router_loss * mask.sum()
     return LossParts(total / normalizer, *(t.detach() / normalizer for t in (policy, kl, entropy, clipped)))

@@ -26,6 +26,10 @@ from rlplacement.families.torchtitan_mapping import FAMILIES as TORCHTITAN_FAMIL
 from rlplacement.families.torchtitan_mapping import NEEDS_CUDA as TORCHTITAN_NEEDS_CUDA
 
 
+MOE_BACKENDS = ("fsdp",)
+"""The backends that train a mixture-of-experts model (the family's own blocks)."""
+
+
 def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: bool | None = None,
               for_training: bool = True) -> None:
     """Raise :class:`ConfigError` for everything ``make_backend(cfg)`` would refuse later.
@@ -55,10 +59,9 @@ def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: 
         hf_config, source = read_hf_config(hf, hf_flag)
         check_safetensors(hf, hf_flag)
     family = _family(hf_config, source)
-    if family.moe and for_training:
-        raise ConfigError(f"{source}: {family.name} is a mixture-of-experts model: `rlplacement convert` and "
-                          f"`export-hf` handle it, but no trainer backend trains one yet (--train-backend "
-                          f"{cfg.name}): train a dense model (qwen3, qwen2, llama) for now")
+    if family.moe and for_training and cfg.name not in MOE_BACKENDS:
+        raise ConfigError(f"{source}: {family.name} is a mixture-of-experts model, which --train-backend {cfg.name} "
+                          f"does not train yet: use --train-backend {' or '.join(MOE_BACKENDS)}")
 
     if cfg.name == "megatron":
         _check_megatron_sizes(hf_config, source, tp, pp)

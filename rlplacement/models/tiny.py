@@ -49,6 +49,7 @@ class TinySpec:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0  # above 0: output_router_logits on, the load-balancing loss trained
 
 
 def build_tokenizer(vocab_size: int):
@@ -93,7 +94,9 @@ def build_config(spec: TinySpec):
                                           moe_intermediate_size=spec.moe_intermediate_size,
                                           decoder_sparse_step=spec.decoder_sparse_step,
                                           mlp_only_layers=list(spec.mlp_only_layers),
-                                          norm_topk_prob=spec.norm_topk_prob, **common)
+                                          norm_topk_prob=spec.norm_topk_prob,
+                                          output_router_logits=spec.router_aux_loss_coef > 0,
+                                          router_aux_loss_coef=spec.router_aux_loss_coef, **common)
     elif spec.family == "llama":
         cfg = transformers.LlamaConfig(head_dim=spec.head_dim, **common)
     else:

@@ -28,3 +28,26 @@ def two_sample_batch(seed: int):
     mask = torch.zeros(2, 8)
     mask[:, 4:] = 1
     return Batch(ids, mask, torch.tensor([1.0, -1.0]))
+
+
+def assert_engine_samples_match_trainer(job, prompts: list[str], atol: float = 1e-4) -> None:
+    """The engines sample ``prompts`` (temperature 1, 6 tokens); the log-prob the engine reported for each
+    sampled token is the trainer's for it, within ``atol``: the engines serve the trainer's weights in the
+    layout their kernels read (a misplaced expert or an unprepared kernel moves them by ~1e-2)."""
+    import torch
+
+    from rlplacement.train_io import Batch
+
+    samples = job.generate(prompts, {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True})
+    width = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.int64)
+    mask = torch.zeros(len(samples), width)
+    for row, s in enumerate(samples):
+        seq = list(s.prompt_ids) + list(s.token_ids)
+        ids[row, :len(seq)] = torch.tensor(seq)
+        mask[row, len(s.prompt_ids):len(seq)] = 1
+    trainer = job.log_probs(Batch(ids, mask, torch.zeros(len(samples))))
+    for row, s in enumerate(samples):
+        start, engine = len(s.prompt_ids), torch.tensor(list(s.logprobs), dtype=torch.float32)
+        gap = (trainer[row, start:start + len(engine)] - engine).abs().max().item()
+        assert gap <= atol, f"sample {row}: engine and trainer log-probs differ by {gap}"
