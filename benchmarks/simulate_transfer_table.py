@@ -36,8 +36,24 @@ MODELS = {  # Qwen3-8B, Qwen3-32B, Llama-3-70B shapes
     "70B": {**BASE, "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256},
 }
-SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2), "70B": (8, 2, 8)}  # trainer TP, trainer PP, engine width
+MOE = {"model_type": "qwen3_moe", "norm_topk_prob": True, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+       "mlp_only_layers": []}
+MODELS.update({  # mixture-of-experts shapes: Qwen3-30B-A3B, Qwen3-235B-A22B, and Kimi-K2's sizes as a Qwen3-MoE
+    "30B-A3B": {**BASE, **MOE, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                "num_experts": 128, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                "vocab_size": 151936},
+    "235B-A22B": {**BASE, **MOE, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                  "num_experts": 128, "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+                  "vocab_size": 151936},
+    "1T (Kimi-K2 sizes)": {**BASE, **MOE, "hidden_size": 7168, "intermediate_size": 18432,
+                           "moe_intermediate_size": 2048, "num_experts": 384, "num_hidden_layers": 61,
+                           "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 163840},
+})
+# trainer TP, trainer PP, engine width (mixture-of-experts models without expert parallelism: what trains today)
+SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2), "70B": (8, 2, 8), "30B-A3B": (2, 1, 2), "235B-A22B": (8, 4, 8),
+          "1T (Kimi-K2 sizes)": (8, 8, 16)}
 GPUS = (8, 64, 256, 1024)
+MOE_GPUS = {"30B-A3B": (64, 256), "235B-A22B": (256,), "1T (Kimi-K2 sizes)": (256,)}  # plan build time bounds these
 MODES = ("broadcast_packed", "p2p")
 COLOCATED_SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2)}  # on one node of 8 GPUs (--colocate is refused across
 # nodes); 70B does not train on 8 GPUs
@@ -65,7 +81,7 @@ def rows() -> list[dict]:
     for name, config in MODELS.items():
         model = ModelTensors.from_hf_config(config, source=name)
         tp, pp, width = SHAPES[name]
-        for total in GPUS:
+        for total in MOE_GPUS.get(name, GPUS):
             half = total // 2
             if half < tp * pp or half < width:
                 continue

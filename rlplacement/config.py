@@ -108,6 +108,47 @@ class TransferConfig:
     folder, p2p's transport); None for a mode that has none."""
 
 
+MOE_DISPATCHERS = ("allgather", "alltoall")
+MOE_ROUTER_DTYPES = ("fp32", "fp64")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """A mixture-of-experts model's training settings (Miles' flags). The architecture comes from
+    ``config.json``; ``num_experts``, ``router_topk`` and ``ffn_hidden_size`` are what the flags declared (None:
+    not given), checked against it and refused by name where they differ."""
+
+    num_experts: int | None = None
+    """``--num-experts``: experts per sparse layer, as ``config.json``'s ``num_experts``."""
+    router_topk: int | None = None
+    """``--moe-router-topk``: experts per token, as ``num_experts_per_tok``."""
+    ffn_hidden_size: int | None = None
+    """``--moe-ffn-hidden-size``: each expert's intermediate size, as ``moe_intermediate_size``."""
+    aux_loss_coeff: float | None = None
+    """``--moe-aux-loss-coeff``: the routers' load-balancing loss weight. None: ``config.json``'s
+    ``router_aux_loss_coef`` where its ``output_router_logits`` is on, else 0 (off)."""
+    z_loss_coeff: float | None = None
+    """``--moe-z-loss-coeff``: the router z-loss weight (megatron), None: off."""
+    token_dispatcher_type: str = "allgather"
+    """``--moe-token-dispatcher-type``: megatron's token dispatcher (``allgather`` or ``alltoall``)."""
+    router_dtype: str | None = None
+    """``--moe-router-dtype``: megatron computes the router in fp32 or fp64 (None: the model's dtype)."""
+
+    def aux_loss(self, hf_config) -> float:
+        """The load-balancing loss weight this run trains with (see :attr:`aux_loss_coeff`)."""
+        if self.aux_loss_coeff is not None:
+            return self.aux_loss_coeff
+        return float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(
+            hf_config, "output_router_logits", False) else 0.0
+
+
+MOE_FLAGS = {"num_experts": "--num-experts", "router_topk": "--moe-router-topk",
+             "ffn_hidden_size": "--moe-ffn-hidden-size", "aux_loss_coeff": "--moe-aux-loss-coeff",
+             "z_loss_coeff": "--moe-z-loss-coeff", "token_dispatcher_type": "--moe-token-dispatcher-type",
+             "router_dtype": "--moe-router-dtype"}
+"""Each :class:`MoEConfig` field's flag (Miles' name)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BackendConfig:
     """Which trainer backend trains, from which weights, with which model parallelism."""
@@ -126,9 +167,12 @@ class BackendConfig:
     context_parallel_size: int = 1
     """Megatron context parallelism (``--context-parallel-size``): only 1 is built; a larger size is refused."""
     expert_model_parallel_size: int = 1
-    """Megatron expert parallelism (``--expert-model-parallel-size``): dense models only so far, so only 1."""
+    """Megatron expert parallelism (``--expert-model-parallel-size``): ``rlplacement convert`` takes any size
+    that divides the experts; training runs at 1 so far."""
     expert_tensor_parallel_size: int | None = None
-    """Megatron's TP inside experts (``--expert-tensor-parallel-size``): dense models only so far (None or 1)."""
+    """Megatron's TP inside experts (``--expert-tensor-parallel-size``): None or 1 (experts at the dense TP)."""
+    moe: MoEConfig = MoEConfig()
+    """A mixture-of-experts model's settings (ignored for a dense model, where setting any is refused)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: the activations outside attention and MLP split along the sequence over
     the TP ranks (needs TP > 1 and the TransformerEngine layer spec); micro-batches are padded to a multiple

@@ -110,8 +110,9 @@ def test_moe_bad_input_is_refused_by_name_before_work(tmp_path, capsys):
         "--tensor-model-parallel-size", "2")
     (shared / "config.json").write_text(json.dumps({**cfg, "shared_expert_intermediate_size": 64}))
     assert "shared_expert_intermediate_size is set: shared experts are not supported for qwen3_moe" in refused()
-    # it converts, and it does not train yet: every backend says so before a process starts
+    # fsdp and megatron train it; torchtitan refuses before a process starts, naming them
+    with pytest.raises(ConfigError, match=r"qwen3_moe is a mixture-of-experts model, which --train-backend torchtitan "
+                                          r"does not train yet: use --train-backend fsdp or megatron"):
+        preflight(BackendConfig(name="torchtitan", hf_checkpoint=str(tmp_path / "hf")))
     for backend in ("fsdp", "megatron"):
-        with pytest.raises(ConfigError, match=r"qwen3_moe is a mixture-of-experts model: `rlplacement convert` and "
-                                              r"`export-hf` handle it, but no trainer backend trains one yet"):
-            preflight(BackendConfig(name=backend, hf_checkpoint=str(tmp_path / "hf")))
+        preflight(BackendConfig(name=backend, hf_checkpoint=str(tmp_path / "hf")))

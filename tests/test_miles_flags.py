@@ -38,8 +38,12 @@ def test_miles_qwen3_4b_training_flags_parse_and_land_in_the_config():
 @pytest.mark.parametrize("argv, message", [
     (["--context-parallel-size", "2"], r"--context-parallel-size 2: context parallelism is not built .* use "
                                        r"--context-parallel-size 1"),
-    (["--expert-model-parallel-size", "2"], r"--expert-model-parallel-size 2: expert parallelism needs a "
-                                            r"mixture-of-experts model.* use --expert-model-parallel-size 1"),
+    (["--train-backend", "fsdp", "--expert-model-parallel-size", "2"],
+     r"--expert-model-parallel-size 2 is megatron's expert parallelism; the fsdp backend shards experts .* use "
+     r"--expert-model-parallel-size 1"),
+    (["--train-backend", "fsdp", "--moe-token-dispatcher-type", "alltoall"],
+     r"--moe-token-dispatcher-type configures megatron's MoE layer; the fsdp backend runs the model's own MoE blocks"),
+    (["--moe-aux-loss-coeff", "-0.1"], r"--moe-aux-loss-coeff -0.1: a loss weight is 0 or more"),
     (["--expert-tensor-parallel-size", "4"], r"--expert-tensor-parallel-size 4: .* use --expert-tensor-parallel-size 1"),
     (["--attention-dropout", "0.1"], r"--attention-dropout 0.1: dropout makes the trainer's log-probs .* use "
                                      r"--attention-dropout 0"),

@@ -1,7 +1,8 @@
 """A mixture-of-experts model (Qwen3-MoE) through ``RLJob``: an FSDP trainer of two ranks (gloo), a real vLLM
 CPU engine of two workers (TP=2, vLLM's fused-MoE layer sharding each expert), every split transfer mode,
-every update checked tensor by tensor against the trainer's checksums, and the engine's log-probs of what it
-samples equal to the trainer's (experts reach the engine in the right order and layout).
+each worker sent only its half of every expert, every update checked slice by slice against the trainer's
+checksums, and the engine's log-probs of what it samples equal to the trainer's (experts reach the engine in
+the right order and layout).
 
 One job for the module; the mode is switched per test with ``RLJob.set_transfer``.
 """
@@ -40,6 +41,11 @@ def test_moe_updates_are_bit_exact_and_the_engine_samples_with_the_trainers_expe
         assert result.checked and job.served_versions() == [job.version]
     received = ray.get(job.engines[0].received_checksums.remote(), timeout=60)
     experts = {k for k in received if ".mlp.experts." in k}
+    # each worker of the TP=2 engine took its half of every expert: gate/up rows, down columns
+    assert all("[" in k for k in experts), sorted(experts)[:3]
+    assert {"model.layers.0.mlp.experts.3.gate_proj.weight[0:32, 0:64]",
+            "model.layers.0.mlp.experts.3.gate_proj.weight[32:64, 0:64]",
+            "model.layers.1.mlp.experts.0.down_proj.weight[0:64, 32:64]"} <= experts, sorted(experts)[:6]
     assert {k.split("[")[0] for k in experts} == {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
                                                    for i in range(2) for e in range(4) for p in ("gate", "up", "down")}
     assert_engine_samples_match_trainer(job, ["the quick brown fox", "one two three"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from rlplacement.args.common import TRAIN_BACKENDS, flag, get, require_choice, require_positive
-from rlplacement.config import BackendConfig, PlacementConfig, default_of
+from rlplacement.config import (MOE_DISPATCHERS, MOE_FLAGS, MOE_ROUTER_DTYPES, BackendConfig, MoEConfig, PlacementConfig,
+                                default_of)
 from rlplacement.errors import ConfigError
 
 TITLE = "rlplacement: trainer backend"
@@ -27,7 +28,22 @@ FLAGS = (
          help="Megatron expert parallelism: `rlplacement convert` takes it for a mixture-of-experts model; "
               "training is of dense models only so far, so 1 here."),
     flag("--expert-tensor-parallel-size", type=int, default=default_of(BackendConfig, "expert_tensor_parallel_size"),
-         help="Megatron's tensor parallelism inside experts: dense models only so far, so 1 (or unset)."),
+         help="Megatron's tensor parallelism inside experts: 1 (or unset): experts use the dense layers' TP."),
+    flag("--num-experts", type=int, default=default_of(MoEConfig, "num_experts"),
+         help="Mixture-of-experts: experts per sparse layer; checked against config.json's num_experts."),
+    flag("--moe-router-topk", type=int, default=default_of(MoEConfig, "router_topk"),
+         help="Mixture-of-experts: experts per token; checked against config.json's num_experts_per_tok."),
+    flag("--moe-ffn-hidden-size", type=int, default=default_of(MoEConfig, "ffn_hidden_size"),
+         help="Mixture-of-experts: each expert's intermediate size; checked against moe_intermediate_size."),
+    flag("--moe-aux-loss-coeff", type=float, default=default_of(MoEConfig, "aux_loss_coeff"),
+         help="Mixture-of-experts: the routers' load-balancing loss weight (default: config.json's "
+              "router_aux_loss_coef where output_router_logits is on, else 0)."),
+    flag("--moe-z-loss-coeff", type=float, default=default_of(MoEConfig, "z_loss_coeff"),
+         help="Mixture-of-experts, megatron: the router z-loss weight (default off)."),
+    flag("--moe-token-dispatcher-type", type=str, default=default_of(MoEConfig, "token_dispatcher_type"),
+         choices=MOE_DISPATCHERS, help="Mixture-of-experts, megatron: how tokens reach their experts."),
+    flag("--moe-router-dtype", type=str, default=default_of(MoEConfig, "router_dtype"), choices=MOE_ROUTER_DTYPES,
+         help="Mixture-of-experts, megatron: the router's compute dtype (default: the model's)."),
     flag("--sequence-parallel", action="store_true", default=default_of(BackendConfig, "sequence_parallel"),
           help="Megatron: split the activations outside attention and MLP along the sequence over the TP "
                "ranks (needs --tensor-model-parallel-size > 1 and TransformerEngine)."),
@@ -61,11 +77,38 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
     if cp != 1:
         raise ConfigError(f"--context-parallel-size {cp}: context parallelism is not built in rlplacement's trainers; "
                           f"use --context-parallel-size 1 (split long sequences with --max-tokens-per-gpu instead).")
-    for flag_name, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
-        if value not in (None, 1):
-            raise ConfigError(f"{flag_name} {value}: expert parallelism needs a mixture-of-experts model, and "
-                              f"rlplacement trains dense models only so far: use {flag_name} 1.")
+    if etp not in (None, 1):
+        raise ConfigError(f"--expert-tensor-parallel-size {etp}: experts run at the dense layers' tensor parallelism "
+                          f"so far: use --expert-tensor-parallel-size 1.")
+    if ep != 1 and name != "megatron":
+        raise ConfigError(f"--expert-model-parallel-size {ep} is megatron's expert parallelism; the {name} backend "
+                          f"shards experts as it shards every parameter: use --expert-model-parallel-size 1.")
+    moe = _moe_from_args(args, name)
     return BackendConfig(name=name, hf_checkpoint=get(args, "hf_checkpoint"), load=get(args, "load"),
                          tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-                         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, moe=moe,
                          sequence_parallel=sequence_parallel)
+
+
+_MOE_FIELDS = MOE_FLAGS
+_MEGATRON_ONLY = ("z_loss_coeff", "token_dispatcher_type", "router_dtype")
+
+
+def _moe_from_args(args: argparse.Namespace, backend: str) -> MoEConfig:
+    """The MoE flags as given; those that configure megatron's own MoE layer are refused for another backend
+    (whether the model has experts is checked against config.json where the job starts)."""
+    values = {field: get(args, flag_name.lstrip("-").replace("-", "_")) for field, flag_name in _MOE_FIELDS.items()}
+    values = {k: v for k, v in values.items() if v is not None}
+    for field in ("num_experts", "router_topk", "ffn_hidden_size"):
+        if field in values and values[field] < 1:
+            raise ConfigError(f"{_MOE_FIELDS[field]} {values[field]}: must be 1 or more")
+    for field in ("aux_loss_coeff", "z_loss_coeff"):
+        if field in values and values[field] < 0:
+            raise ConfigError(f"{_MOE_FIELDS[field]} {values[field]}: a loss weight is 0 or more")
+    config = MoEConfig(**values)
+    if backend != "megatron":
+        for field in _MEGATRON_ONLY:
+            if getattr(config, field) != getattr(MoEConfig(), field):
+                raise ConfigError(f"{_MOE_FIELDS[field]} configures megatron's MoE layer; the {backend} backend runs "
+                                  f"the model's own MoE blocks: drop it, or use --train-backend megatron.")
+    return config

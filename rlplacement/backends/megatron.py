@@ -101,7 +101,7 @@ class MegatronBackend(TrainerBackend):
         def built(**extra):
             stage = mm.build_model(hf_config, padded, tp, pp, spec, dtype=dtype,
                                    sequence_parallel=cfg.sequence_parallel,
-                                   attention_softmax_in_fp32=t.attention_softmax_in_fp32, **extra)
+                                   attention_softmax_in_fp32=t.attention_softmax_in_fp32, moe=cfg.moe, **extra)
             if cfg.load and not resume:  # a resumed run's whole state comes after, from load_checkpoint
                 mm.load_torch_dist(stage, layout.checkpoint_dir(cfg.load))
             elif not cfg.load:

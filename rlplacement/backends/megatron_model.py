@@ -103,7 +103,7 @@ def load_hf_config(hf_dir: str | os.PathLike):
 
 def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dtype: torch.dtype,
                        spec: str = "local", on_gpu: bool | None = None, recompute: dict | None = None,
-                       sequence_parallel: bool = False, attention_softmax_in_fp32: bool = True):
+                       sequence_parallel: bool = False, attention_softmax_in_fp32: bool = True, moe=None):
     """megatron's ``TransformerConfig`` for this HF model and layout, with :func:`fusions` for ``spec`` on a
     GPU (``on_gpu``, default: where CUDA is). ``recompute``: ``recompute_granularity``, ``recompute_method``,
     ``recompute_num_layers`` (None entries left to megatron's defaults)."""
@@ -142,19 +142,24 @@ def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dt
         attention_softmax_in_fp32=attention_softmax_in_fp32, **recompute,
     )
     if family.moe:
-        kwargs.update(moe_settings(hf_config, family, tp))
+        kwargs.update(moe_settings(hf_config, family, tp, moe))
     return TransformerConfig(**kwargs, **fusions(spec, on_gpu=not cpu, wgrad_kernel=wgrad_kernel_available()))
 
 
-def moe_settings(hf_config: Any, family, tp: int) -> dict[str, Any]:
+def moe_settings(hf_config: Any, family, tp: int, moe=None) -> dict[str, Any]:
     """megatron's MoE fields for a :class:`~rlplacement.families.MoEFamily` model, from ``config.json``: the
     sparse layers as an explicit pattern (megatron's integer ``moe_layer_freq`` counts from layer 0, HF's
     ``decoder_sparse_step`` from layer 1), top-k routing over a softmax, renormalised over the chosen experts
     exactly when HF's ``norm_topk_prob`` is set (megatron's softmax after top-k; without it, softmax first),
     the sequential expert layout (the grouped ones need TransformerEngine or grouped_gemm), experts at the
-    dense layers' TP."""
+    dense layers' TP; and from ``moe`` (:class:`~rlplacement.config.MoEConfig`, the flags) the load-balancing
+    and z-loss weights, the token dispatcher and the router's dtype. megatron's load-balancing loss is its
+    ``aux_loss`` (per micro-batch, scaled by megatron's schedule: the mean over a step's micro-batches)."""
+    from rlplacement.config import MoEConfig
     from rlplacement.families import num_experts
 
+    moe = moe or MoEConfig()
+    aux = moe.aux_loss(hf_config)
     inter = hf_config.moe_intermediate_size
     if inter % tp:
         raise ValueError(f"moe_intermediate_size {inter} is not divisible by --tensor-model-parallel-size {tp}")
@@ -162,8 +167,9 @@ def moe_settings(hf_config: Any, family, tp: int) -> dict[str, Any]:
                 moe_ffn_hidden_size=inter, moe_layer_freq=[int(s) for s in family.sparse_layers(hf_config)],
                 moe_router_score_function="softmax",
                 moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
-                moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
-                moe_router_load_balancing_type="none", add_bias_linear=False)
+                moe_grouped_gemm=False, moe_token_dispatcher_type=moe.token_dispatcher_type, moe_aux_loss_coeff=aux,
+                moe_router_load_balancing_type="aux_loss" if aux else "none", moe_z_loss_coeff=moe.z_loss_coeff,
+                moe_router_dtype=moe.router_dtype, add_bias_linear=False)
 
 
 def fusions(spec: str, on_gpu: bool, wgrad_kernel: bool) -> dict[str, bool]:
@@ -199,9 +205,9 @@ def layer_spec(family: DenseFamily, spec: str, config=None):
 
 def build_model(hf_config: Any, padded_vocab: int, tp: int, pp: int, spec: str = "auto",
                 dtype: torch.dtype | None = None, recompute: dict | None = None, sequence_parallel: bool = False,
-                attention_softmax_in_fp32: bool = True):
+                attention_softmax_in_fp32: bool = True, moe=None):
     """This rank's ``GPTModel`` stage, uninitialised (weights come from a load); ``recompute`` as
-    :func:`transformer_config` takes it."""
+    :func:`transformer_config` takes it, ``moe`` (a mixture-of-experts model's flags) as :func:`moe_settings`."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -212,7 +218,8 @@ def build_model(hf_config: Any, padded_vocab: int, tp: int, pp: int, spec: str =
     spec = resolve_spec(spec)
     rope = rope_parameters(hf_config)
     config = transformer_config(hf_config, family, tp, pp, dtype, spec, recompute=recompute,
-                                sequence_parallel=sequence_parallel, attention_softmax_in_fp32=attention_softmax_in_fp32)
+                                sequence_parallel=sequence_parallel, attention_softmax_in_fp32=attention_softmax_in_fp32,
+                                moe=moe)
     model = GPTModel(
         config, layer_spec(family, spec, config),
         vocab_size=padded_vocab, max_sequence_length=hf_config.max_position_embeddings,

@@ -10,6 +10,7 @@ message names the flag or file and what to change.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -26,7 +27,7 @@ from rlplacement.families.torchtitan_mapping import FAMILIES as TORCHTITAN_FAMIL
 from rlplacement.families.torchtitan_mapping import NEEDS_CUDA as TORCHTITAN_NEEDS_CUDA
 
 
-MOE_BACKENDS = ("fsdp",)
+MOE_BACKENDS = ("fsdp", "megatron")
 """The backends that train a mixture-of-experts model (the family's own blocks)."""
 
 
@@ -62,6 +63,7 @@ def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: 
     if family.moe and for_training and cfg.name not in MOE_BACKENDS:
         raise ConfigError(f"{source}: {family.name} is a mixture-of-experts model, which --train-backend {cfg.name} "
                           f"does not train yet: use --train-backend {' or '.join(MOE_BACKENDS)}")
+    _check_moe_flags(cfg, hf_config, family, source, for_training)
 
     if cfg.name == "megatron":
         _check_megatron_sizes(hf_config, source, tp, pp)
@@ -142,6 +144,43 @@ def _check_megatron_sizes(hf_config: Any, source: str, tp: int, pp: int) -> None
     if layers % pp:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide num_hidden_layers {layers} "
                           f"of {source}: use a divisor of {layers}")
+
+
+def _check_moe_flags(cfg: BackendConfig, hf_config: Any, family, source: str, for_training: bool) -> None:
+    """Mixture-of-experts flags against ``config.json``: none for a dense model; the declared architecture
+    equal to the config's; expert parallelism and TP as megatron trains experts."""
+    from rlplacement.config import MOE_FLAGS, MoEConfig
+    from rlplacement.families import num_experts
+
+    given = [f for f in dataclasses.fields(MoEConfig) if getattr(cfg.moe, f.name) != f.default]
+    if not family.moe:
+        if given:
+            raise ConfigError(f"{MOE_FLAGS[given[0].name]} and the other MoE flags configure a "
+                              f"mixture-of-experts model; {source} is the dense {family.name}: drop them")
+        if cfg.expert_model_parallel_size != 1:
+            raise ConfigError(f"--expert-model-parallel-size {cfg.expert_model_parallel_size}: expert parallelism "
+                              f"needs a mixture-of-experts model, and {source} is the dense {family.name}: use "
+                              f"--expert-model-parallel-size 1.")
+        return
+    declared = (("--num-experts", cfg.moe.num_experts, "num_experts", num_experts(hf_config)),
+                ("--moe-router-topk", cfg.moe.router_topk, "num_experts_per_tok", hf_config.num_experts_per_tok),
+                ("--moe-ffn-hidden-size", cfg.moe.ffn_hidden_size, "moe_intermediate_size",
+                 getattr(hf_config, "moe_intermediate_size", None)))
+    for flag_name, value, key, actual in declared:
+        if value is not None and value != actual:
+            raise ConfigError(f"{flag_name} {value} differs from {source}'s {key} {actual}: the architecture comes "
+                              f"from config.json; drop {flag_name} or set it to {actual}")
+    if not for_training or cfg.name != "megatron":
+        return
+    if cfg.expert_model_parallel_size != 1:
+        raise ConfigError(f"--expert-model-parallel-size {cfg.expert_model_parallel_size}: megatron trains a "
+                          f"mixture-of-experts model with its experts on every data-parallel rank so far (the weight "
+                          f"streams do not gather experts across expert-parallel ranks yet): use "
+                          f"--expert-model-parallel-size 1 (`rlplacement convert` takes any size)")
+    if cfg.tensor_model_parallel_size > 1 and not cfg.sequence_parallel:
+        raise ConfigError(f"--tensor-model-parallel-size {cfg.tensor_model_parallel_size} with a mixture-of-experts "
+                          f"model: megatron trains MoE layers under tensor parallelism only with --sequence-parallel "
+                          f"(which needs TransformerEngine): add it, or use --tensor-model-parallel-size 1")
 
 
 def _check_expert_sizes(hf_config: Any, source: str, tp: int, ep: int) -> None:

@@ -8,6 +8,8 @@ families' loaders in vLLM 0.32 (``QKVParallelLinear``, ``MergedColumnParallelLin
   the HF tensors q, k and v by head, and the worker's loader places each slice into its own part of
   ``qkv_proj``. gate/up into ``gate_up_proj`` likewise: each a row chunk of the HF tensor.
 * o_proj, down_proj: a column chunk.
+* a mixture-of-experts layer's experts (vLLM's fused-MoE loader without expert parallelism): every expert's
+  gate_proj/up_proj a row chunk, its down_proj a column chunk, as a dense MLP's; the router whole.
 * embed_tokens, lm_head: the vocabulary padded to a multiple of 64, split evenly; rows past the real
   vocabulary are padding the loader zero-fills, so a worker keeps rows ``[w*per, min((w+1)*per, V))``.
 
@@ -35,6 +37,7 @@ def check_engine_width(model: ModelTensors, tp: int) -> None:
     bad = [f"num_attention_heads={model.num_heads}"] if model.num_heads % tp else []
     bad += [f"num_key_value_heads={kv}"] if kv % tp and tp % kv else []
     bad += [f"intermediate_size={model.ffn_hidden_size}"] if model.ffn_hidden_size % tp else []
+    bad += [f"moe_intermediate_size={model.expert_ffn_hidden_size}"] if model.expert_ffn_hidden_size % tp else []
     bad += [f"the vocabulary padded to {padded}"] if padded % tp else []
     if bad:
         raise ValueError(f"--rollout-num-gpus-per-engine {tp} does not divide {', '.join(bad)} of {model.source}: "

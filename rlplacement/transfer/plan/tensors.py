@@ -1,10 +1,12 @@
-"""The HF-named tensors a dense decoder serves, from its ``config.json`` alone (no weights, no torch).
+"""The HF-named tensors a decoder serves, from its ``config.json`` alone (no weights, no torch).
 
 Each tensor carries the *kind* that decides how both sides shard it: ``q``/``k``/``v`` (rows by
 attention head, the weight and the bias), ``column`` (rows split: ``gate_proj``, ``up_proj``), ``row``
 (columns split: ``o_proj``, ``down_proj``), ``vocab`` (rows by vocabulary: ``embed_tokens``,
 ``lm_head``) and ``replicated`` (norms), and its decoder layer (None for the embedding, the final
-norm and the head).
+norm and the head). A mixture-of-experts model's sparse layers hold a router (``mlp.gate``, replicated)
+and per-expert ``gate_proj``/``up_proj`` (``column``) and ``down_proj`` (``row``): each expert is sharded
+over TP as a dense MLP is (vLLM's fused-MoE loader and megatron's experts at the dense TP alike).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class ModelTensors:
     vocab_size: int
     itemsize: int
     source: str = "config.json"
+    expert_ffn_hidden_size: int = 0
+    """Each expert's intermediate size (0: a dense model)."""
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any] | str, source: str | None = None,
@@ -63,9 +67,10 @@ class ModelTensors:
         source = source or "config.json"
         cfg = types.SimpleNamespace(**config)
         family = family_for(cfg, source)
-        if family.moe:
-            raise ValueError(f"{source}: {family.name} is a mixture-of-experts model; the transfer plan knows dense "
-                             f"models only so far")
+        from rlplacement.families import num_experts
+
+        sparse = family.sparse_layers(cfg) if family.moe else [False] * cfg.num_hidden_layers
+        experts, expert_inter = (num_experts(cfg), cfg.moe_intermediate_size) if family.moe else (0, 0)
         dtype = dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"{source}: dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
@@ -88,16 +93,23 @@ class ModelTensors:
                 layer += [("self_attn.q_norm.weight", (hd,), "replicated"),
                           ("self_attn.k_norm.weight", (hd,), "replicated")]
             layer += [("self_attn.o_proj.weight", (hidden, heads * hd), "row"),
-                      ("post_attention_layernorm.weight", (hidden,), "replicated"),
-                      ("mlp.gate_proj.weight", (inter, hidden), "column"),
-                      ("mlp.up_proj.weight", (inter, hidden), "column"),
-                      ("mlp.down_proj.weight", (hidden, inter), "row")]
+                      ("post_attention_layernorm.weight", (hidden,), "replicated")]
+            if sparse[i]:
+                layer.append(("mlp.gate.weight", (experts, hidden), "replicated"))
+                for e in range(experts):
+                    layer += [(f"mlp.experts.{e}.gate_proj.weight", (expert_inter, hidden), "column"),
+                              (f"mlp.experts.{e}.up_proj.weight", (expert_inter, hidden), "column"),
+                              (f"mlp.experts.{e}.down_proj.weight", (hidden, expert_inter), "row")]
+            else:
+                layer += [("mlp.gate_proj.weight", (inter, hidden), "column"),
+                          ("mlp.up_proj.weight", (inter, hidden), "column"),
+                          ("mlp.down_proj.weight", (hidden, inter), "row")]
             out += [TensorInfo(p + n, shape, kind, i) for n, shape, kind in layer]
         out.append(TensorInfo("model.norm.weight", (hidden,), "replicated", None))
         if not config.get("tie_word_embeddings", False):
             out.append(TensorInfo("lm_head.weight", (cfg.vocab_size, hidden), "vocab", None))
         return cls(tuple(out), cfg.num_hidden_layers, heads, kv, hd, hidden, inter, cfg.vocab_size,
-                   DTYPE_BYTES[dtype], source)
+                   DTYPE_BYTES[dtype], source, expert_inter)
 
     @property
     def total_bytes(self) -> int:

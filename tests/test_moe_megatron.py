@@ -1,0 +1,95 @@
+"""Megatron trains a mixture-of-experts model (Qwen3-MoE) with its own MoE layer, router, token dispatcher
+and load-balancing loss, DDP and optimizer: two gloo ranks (data-parallel), one step each equal to the HF
+reference with megatron's loss, and the experts streamed under the checkpoint's per-expert names by every
+way of sending (rank 0 alone, every rank its share, every rank all)."""
+
+import pytest
+import torch
+
+from rlplacement.backends import launch
+from rlplacement.backends.hf_reference import (hf_log_probs, hf_reference_step, load_hf,
+                                               megatron_load_balancing_loss, random_batch)
+from rlplacement.config import BackendConfig, MoEConfig, OptimConfig
+from rlplacement.models.tiny import TinySpec, make_tiny_model
+from tests.reference_checks import assert_streamed_match_reference
+
+SPEC = TinySpec(family="qwen3_moe", num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                mlp_only_layers=(1,))
+SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
+AUX = 0.5
+
+
+def _step_and_streams(rank, world, hf, streamed_path, dispatcher):
+    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.families import megatron_mapping as mapping
+    from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
+
+    moe = MoEConfig(aux_loss_coeff=AUX, token_dispatcher_type=dispatcher, router_dtype="fp32")
+    backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf, moe=moe), SGD)
+    batch = random_batch(SPEC.vocab_size, seed=10 + rank)
+    logp = backend.log_probs(batch)
+    metrics = backend.train_step(batch)
+    streams = {share: {n: t.clone() for n, t in backend.iter_update_tensors(share)} for share in (RANK0, SHARES, OWN_GPU)}
+    if rank == 0:
+        torch.save(streams[RANK0], streamed_path)
+    torch.distributed.barrier()
+    whole = torch.load(streamed_path)
+    # every rank's megatron parameters are what the stream says, experts by their global index
+    mismatched = [m for m, held in backend.local_megatron_parameters()
+                  if not torch.equal(mapping.hf_to_megatron(m, whole.__getitem__, backend.shape, backend.family), held)]
+    backend.close()
+    return {"logp": logp, "metrics": metrics, "mismatched": mismatched,
+            "names": {share: sorted(s) for share, s in streams.items()}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_megatron_two_ranks_moe_step_matches_the_reference_with_megatrons_router_loss(tmp_path, dispatcher):
+    from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
+
+    hf = make_tiny_model(tmp_path / "hf", SPEC)
+    streamed = tmp_path / "streamed.pt"
+    results = launch.spawn(_step_and_streams, 2, str(hf), str(streamed), dispatcher, timeout_s=300)
+    ref = load_hf(hf)
+    ref.config.output_router_logits = True  # the reference computes the router logits; the loss is megatron's
+    batches = [random_batch(SPEC.vocab_size, seed=10 + r) for r in range(2)]
+    for r, res in enumerate(results):
+        assert (res["logp"] - hf_log_probs(ref, batches[r].input_ids)).abs().max().item() <= 1e-5
+        assert res["mismatched"] == []
+    expected = hf_reference_step(ref, batches, SGD, router_loss=megatron_load_balancing_loss(AUX, 4, 2))
+    assert results[0]["metrics"]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    assert_streamed_match_reference(streamed, ref)
+    every = set(results[0]["names"][RANK0])
+    assert results[1]["names"][RANK0] == []
+    shares = [set(r["names"][SHARES]) for r in results]
+    assert shares[0] and shares[1] and not shares[0] & shares[1] and shares[0] | shares[1] == every
+    assert all(set(r["names"][OWN_GPU]) == every for r in results)
+    assert {n for n in every if ".experts." in n} == {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
+                                                      for i in (0, 2) for e in range(4) for p in ("gate", "up", "down")}
+
+
+def test_moe_flags_are_checked_against_config_json(tmp_path):
+    from rlplacement.backends.preflight import preflight
+    from rlplacement.errors import ConfigError
+
+    hf = str(make_tiny_model(tmp_path / "hf", SPEC))
+    dense = str(make_tiny_model(tmp_path / "dense", TinySpec()))
+
+    def refused(message, **fields):
+        with pytest.raises(ConfigError, match=message):
+            preflight(BackendConfig(**{"name": "megatron", "hf_checkpoint": hf, **fields}))
+
+    preflight(BackendConfig(name="megatron", hf_checkpoint=hf, moe=MoEConfig(num_experts=4, router_topk=2,
+                                                                             ffn_hidden_size=64)))
+    refused(r"--num-experts 8 differs from .*config.json's num_experts 4: the architecture comes from config.json",
+            moe=MoEConfig(num_experts=8))
+    refused(r"--moe-router-topk 1 differs from .*num_experts_per_tok 2", moe=MoEConfig(router_topk=1))
+    refused(r"--moe-ffn-hidden-size 32 differs from .*moe_intermediate_size 64", moe=MoEConfig(ffn_hidden_size=32))
+    refused(r"--expert-model-parallel-size 2: megatron trains a mixture-of-experts model with its experts on every "
+            r"data-parallel rank so far", expert_model_parallel_size=2)
+    refused(r"--tensor-model-parallel-size 2 with a mixture-of-experts model: megatron trains MoE layers under tensor "
+            r"parallelism only with --sequence-parallel", tensor_model_parallel_size=2)
+    refused(r"--moe-aux-loss-coeff and the other MoE flags configure a mixture-of-experts model; .* is the dense qwen3",
+            hf_checkpoint=dense, moe=MoEConfig(aux_loss_coeff=0.1))
+    refused(r"--expert-model-parallel-size 2: expert parallelism needs a mixture-of-experts model, and .* is the dense",
+            hf_checkpoint=dense, expert_model_parallel_size=2)
