@@ -50,8 +50,8 @@ MODELS.update({  # mixture-of-experts shapes: Qwen3-30B-A3B, Qwen3-235B-A22B, an
                            "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 163840},
 })
 # trainer TP, trainer PP, engine width (mixture-of-experts models without expert parallelism: what trains today)
-SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2), "70B": (8, 2, 8), "30B-A3B": (2, 1, 2), "235B-A22B": (8, 4, 8),
-          "1T (Kimi-K2 sizes)": (8, 8, 16)}
+SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2), "70B": (8, 2, 8), "30B-A3B": (2, 1, 2), "235B-A22B": (4, 2, 8),
+          "1T (Kimi-K2 sizes)": (8, 1, 16)}  # 235B: 4 KV heads, 94 layers; Kimi's 61 layers take no PP
 GPUS = (8, 64, 256, 1024)
 MOE_GPUS = {"30B-A3B": (64, 256), "235B-A22B": (256,), "1T (Kimi-K2 sizes)": (256,)}  # plan build time bounds these
 MODES = ("broadcast_packed", "p2p")

@@ -39,6 +39,8 @@ FLAG_ALIASES = {"--group-size": "n_samples_per_prompt", "--max-response-len": "r
                 "--seed": "rollout_seed"}
 PROMPTS = ["what is two plus three ?", "count : 1 2 3", "the quick brown fox", "one two three four"]
 TINY_MODEL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # 2 KV heads: TP=2 works
+# --tiny-model-family qwen3_moe: every layer sparse, 4 experts of 64, top-2
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
 DIGITS = "0123456789"  # reward: fraction of response tokens that are digits
 
 
@@ -57,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         if alias not in parser._option_string_actions:
             g.add_argument(alias, dest=dest, type=int, help=argparse.SUPPRESS)
     g.add_argument("--work-dir", type=str, default=None, help="where the tiny model is made (default: a temp dir)")
+    from rlplacement.models.tiny import FAMILIES
+
+    g.add_argument("--tiny-model-family", choices=FAMILIES, default="qwen3",
+                   help="the tiny model's family (qwen3_moe: a mixture of experts); ignored with --hf-checkpoint")
     return parser
 
 
@@ -137,8 +143,9 @@ def run(args: argparse.Namespace) -> int:
 
         preflight(config.backend)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tiny_grpo_"))
-    hf_dir = config.backend.hf_checkpoint or str(make_tiny_model(work / "model", TinySpec(**TINY_MODEL,
-                                                                                         dtype=tiny_model_dtype())))
+    moe = TINY_MOE if args.tiny_model_family == "qwen3_moe" else {}
+    hf_dir = config.backend.hf_checkpoint or str(make_tiny_model(work / "model", TinySpec(
+        **TINY_MODEL, **moe, family=args.tiny_model_family, dtype=tiny_model_dtype())))
     tok = AutoTokenizer.from_pretrained(hf_dir)
     targets = {tok.convert_tokens_to_ids(d) for d in DIGITS}
     prompts = [tok.encode(p) for p in PROMPTS]
