@@ -1,7 +1,8 @@
 """Megatron trains a mixture-of-experts model (Qwen3-MoE) with its own MoE layer, router, token dispatcher
-and load-balancing loss, DDP and optimizer: two gloo ranks (data-parallel), one step each equal to the HF
-reference with megatron's loss, and the experts streamed under the checkpoint's per-expert names by every
-way of sending (rank 0 alone, every rank its share, every rank all)."""
+and load-balancing loss, DDP and optimizer: two gloo ranks (data-parallel, and expert-parallel with EP=2),
+one step each equal to the HF reference with megatron's loss, and the experts streamed under the
+checkpoint's per-expert names by every way of sending (rank 0 alone, every rank its share, every rank all:
+at EP=2 each rank's share holds only its own experts, and every rank all is refused)."""
 
 import pytest
 import torch
@@ -19,17 +20,25 @@ SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
 AUX = 0.5
 
 
-def _step_and_streams(rank, world, hf, streamed_path, dispatcher):
+def _step_and_streams(rank, world, hf, streamed_path, dispatcher, ep):
     from rlplacement.backends.megatron import MegatronBackend
     from rlplacement.families import megatron_mapping as mapping
     from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
     moe = MoEConfig(aux_loss_coeff=AUX, token_dispatcher_type=dispatcher, router_dtype="fp32")
-    backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf, moe=moe), SGD)
+    backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf, moe=moe,
+                                                        expert_model_parallel_size=ep), SGD)
+    from rlplacement.backends.megatron_model import global_named_parameters
+
+    experts_marked = {getattr(p, "allreduce", True) for n, p in global_named_parameters(backend.model) if ".experts." in n}
     batch = random_batch(SPEC.vocab_size, seed=10 + rank)
     logp = backend.log_probs(batch)
     metrics = backend.train_step(batch)
-    streams = {share: {n: t.clone() for n, t in backend.iter_update_tensors(share)} for share in (RANK0, SHARES, OWN_GPU)}
+    shares = (RANK0, SHARES) if ep > 1 else (RANK0, SHARES, OWN_GPU)
+    streams = {share: {n: t.clone() for n, t in backend.iter_update_tensors(share)} for share in shares}
+    if ep > 1:
+        with pytest.raises(ValueError, match="each rank holds only its own experts"):
+            next(iter(backend.iter_update_tensors(OWN_GPU)))
     if rank == 0:
         torch.save(streams[RANK0], streamed_path)
     torch.distributed.barrier()
@@ -38,18 +47,20 @@ def _step_and_streams(rank, world, hf, streamed_path, dispatcher):
     mismatched = [m for m, held in backend.local_megatron_parameters()
                   if not torch.equal(mapping.hf_to_megatron(m, whole.__getitem__, backend.shape, backend.family), held)]
     backend.close()
-    return {"logp": logp, "metrics": metrics, "mismatched": mismatched,
+    return {"logp": logp, "metrics": metrics, "mismatched": mismatched, "experts_allreduce": experts_marked,
             "names": {share: sorted(s) for share, s in streams.items()}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_megatron_two_ranks_moe_step_matches_the_reference_with_megatrons_router_loss(tmp_path, dispatcher):
+@pytest.mark.parametrize("dispatcher, ep", [("allgather", 1), ("alltoall", 2)])
+def test_megatron_two_ranks_moe_step_matches_the_reference_with_megatrons_router_loss(tmp_path, dispatcher, ep):
     from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
     hf = make_tiny_model(tmp_path / "hf", SPEC)
     streamed = tmp_path / "streamed.pt"
-    results = launch.spawn(_step_and_streams, 2, str(hf), str(streamed), dispatcher, timeout_s=300)
+    results = launch.spawn(_step_and_streams, 2, str(hf), str(streamed), dispatcher, ep, timeout_s=300)
+    # under EP, DDP reduces each expert's gradient over its expert-data-parallel ranks only (megatron marks them)
+    assert all(r["experts_allreduce"] == {ep == 1} for r in results)
     ref = load_hf(hf)
     ref.config.output_router_logits = True  # the reference computes the router logits; the loss is megatron's
     batches = [random_batch(SPEC.vocab_size, seed=10 + r) for r in range(2)]
@@ -63,7 +74,11 @@ def test_megatron_two_ranks_moe_step_matches_the_reference_with_megatrons_router
     assert results[1]["names"][RANK0] == []
     shares = [set(r["names"][SHARES]) for r in results]
     assert shares[0] and shares[1] and not shares[0] & shares[1] and shares[0] | shares[1] == every
-    assert all(set(r["names"][OWN_GPU]) == every for r in results)
+    if ep == 1:
+        assert all(set(r["names"][OWN_GPU]) == every for r in results)
+    else:  # each expert-parallel rank sends its own experts: rank r holds experts 2r and 2r + 1
+        for r, share in enumerate(shares):
+            assert {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in share if ".experts." in n} == {2 * r, 2 * r + 1}
     assert {n for n in every if ".experts." in n} == {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
                                                       for i in (0, 2) for e in range(4) for p in ("gate", "up", "down")}
 
@@ -85,8 +100,9 @@ def test_moe_flags_are_checked_against_config_json(tmp_path):
             moe=MoEConfig(num_experts=8))
     refused(r"--moe-router-topk 1 differs from .*num_experts_per_tok 2", moe=MoEConfig(router_topk=1))
     refused(r"--moe-ffn-hidden-size 32 differs from .*moe_intermediate_size 64", moe=MoEConfig(ffn_hidden_size=32))
-    refused(r"--expert-model-parallel-size 2: megatron trains a mixture-of-experts model with its experts on every "
-            r"data-parallel rank so far", expert_model_parallel_size=2)
+    refused(r"--expert-model-parallel-size 3 does not divide num_experts 4", expert_model_parallel_size=3)
+    refused(r"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size 2: experts run at the dense layers' "
+            r"tensor parallelism", tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)
     refused(r"--tensor-model-parallel-size 2 with a mixture-of-experts model: megatron trains MoE layers under tensor "
             r"parallelism only with --sequence-parallel", tensor_model_parallel_size=2)
     refused(r"--moe-aux-loss-coeff and the other MoE flags configure a mixture-of-experts model; .* is the dense qwen3",

@@ -229,10 +229,12 @@ def test_the_example_loop_keeps_learning(hundred_update_run, mode):
 
 
 MOE_LAYOUTS = {
-    # megatron's MoE layer on two data-parallel ranks, its load-balancing loss on, p2p, micro-batches
-    "megatron-split-p2p": ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2",
-                           "--update-weight-transfer-mode", "p2p", "--moe-aux-loss-coeff", "0.01",
-                           "--micro-batch-size", "2", "--global-batch-size", "8"],
+    # megatron's MoE layer with expert parallelism on two ranks (each sends its own experts), its all-to-all
+    # dispatcher and load-balancing loss, p2p, micro-batches
+    "megatron-ep2-p2p": ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2",
+                         "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                         "--update-weight-transfer-mode", "p2p", "--moe-aux-loss-coeff", "0.01",
+                         "--micro-batch-size", "2", "--global-batch-size", "8"],
     # transformers' MoE blocks under FSDP, colocated (cuda_ipc's direct path: the engine reads the trainer's views)
     "fsdp-colocated": ["--colocate"],
 }

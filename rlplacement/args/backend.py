@@ -83,6 +83,14 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
     if ep != 1 and name != "megatron":
         raise ConfigError(f"--expert-model-parallel-size {ep} is megatron's expert parallelism; the {name} backend "
                           f"shards experts as it shards every parameter: use --expert-model-parallel-size 1.")
+    if ep != 1 and placement.colocate:
+        raise ConfigError(f"--expert-model-parallel-size {ep} with --colocate: a colocated engine worker reads every "
+                          f"tensor from the trainer rank on its GPU, which holds only its own experts; use a split "
+                          f"layout (drop --colocate) or --expert-model-parallel-size 1.")
+    if ep != 1 and placement.trainer_num_gpus % (tp * pp * ep):
+        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the trainer's "
+                          f"{placement.trainer_num_gpus // (tp * pp)} data-parallel ranks (its GPUs over TP x PP): "
+                          f"change it or --actor-num-gpus-per-node.")
     moe = _moe_from_args(args, name)
     return BackendConfig(name=name, hf_checkpoint=get(args, "hf_checkpoint"), load=get(args, "load"),
                          tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,

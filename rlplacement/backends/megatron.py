@@ -94,7 +94,7 @@ class MegatronBackend(TrainerBackend):
         family = family_for(hf_config, f"{hf_dir}/config.json")
         padded = padded or mapping.padded_vocab_size(hf_config.vocab_size, tp)
         shape = mapping.ModelShape.from_hf(hf_config, padded)
-        mm.init_model_parallel(tp, pp, seed)
+        mm.init_model_parallel(tp, pp, seed, ep=cfg.expert_model_parallel_size)
         t = train or TrainConfig()
         recompute = {"recompute_granularity": t.recompute_granularity, "recompute_method": t.recompute_method,
                      "recompute_num_layers": t.recompute_num_layers}

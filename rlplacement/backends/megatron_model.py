@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -142,17 +143,26 @@ def transformer_config(hf_config: Any, family: DenseFamily, tp: int, pp: int, dt
         attention_softmax_in_fp32=attention_softmax_in_fp32, **recompute,
     )
     if family.moe:
-        kwargs.update(moe_settings(hf_config, family, tp, moe))
+        kwargs.update(moe_settings(hf_config, family, tp, moe, ep=_expert_parallel_size()))
     return TransformerConfig(**kwargs, **fusions(spec, on_gpu=not cpu, wgrad_kernel=wgrad_kernel_available()))
 
 
-def moe_settings(hf_config: Any, family, tp: int, moe=None) -> dict[str, Any]:
+def _expert_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
+def moe_settings(hf_config: Any, family, tp: int, moe=None, ep: int = 1) -> dict[str, Any]:
     """megatron's MoE fields for a :class:`~rlplacement.families.MoEFamily` model, from ``config.json``: the
     sparse layers as an explicit pattern (megatron's integer ``moe_layer_freq`` counts from layer 0, HF's
     ``decoder_sparse_step`` from layer 1), top-k routing over a softmax, renormalised over the chosen experts
     exactly when HF's ``norm_topk_prob`` is set (megatron's softmax after top-k; without it, softmax first),
     the sequential expert layout (the grouped ones need TransformerEngine or grouped_gemm), experts at the
-    dense layers' TP; and from ``moe`` (:class:`~rlplacement.config.MoEConfig`, the flags) the load-balancing
+    dense layers' TP, expert parallelism ``ep`` as the parallel groups have it (megatron's layers mark their
+    experts' weights for DDP's expert-data-parallel reduction from this field, not from the groups: left at 1,
+    DDP would sum different experts' gradients across ranks); and from ``moe``
+    (:class:`~rlplacement.config.MoEConfig`, the flags) the load-balancing
     and z-loss weights, the token dispatcher and the router's dtype. megatron's load-balancing loss is its
     ``aux_loss`` (per micro-batch, scaled by megatron's schedule: the mean over a step's micro-batches)."""
     from rlplacement.config import MoEConfig
@@ -169,7 +179,7 @@ def moe_settings(hf_config: Any, family, tp: int, moe=None) -> dict[str, Any]:
                 moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
                 moe_grouped_gemm=False, moe_token_dispatcher_type=moe.token_dispatcher_type, moe_aux_loss_coeff=aux,
                 moe_router_load_balancing_type="aux_loss" if aux else "none", moe_z_loss_coeff=moe.z_loss_coeff,
-                moe_router_dtype=moe.router_dtype, add_bias_linear=False)
+                moe_router_dtype=moe.router_dtype, expert_model_parallel_size=ep, add_bias_linear=False)
 
 
 def fusions(spec: str, on_gpu: bool, wgrad_kernel: bool) -> dict[str, bool]:
@@ -401,7 +411,9 @@ def iter_full_megatron(model, bucket_bytes: int | None = None,
                        skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: yields ``(global megatron name, full tensor)`` on global rank 0, bucket by bucket.
 
-    Per pipeline stage in order: the stage's parameters are cut into buckets of ``bucket_bytes`` local
+    Per pipeline stage in order (under expert parallelism each expert-parallel rank's experts after the
+    stage's other parameters, from that rank's first expert-data-parallel replica: :class:`ExpertRanks`):
+    the stage's parameters are cut into buckets of ``bucket_bytes`` local
     bytes (default :data:`GATHER_BUCKET_BYTES`); the stage's TP ranks gather each bucket to their TP rank 0 in one collective, the next
     bucket's gather started before the current one is handed on; a stage whose first rank is not
     global rank 0 sends each whole bucket there in one message, received on rank 0's own device (a
@@ -413,11 +425,11 @@ def iter_full_megatron(model, bucket_bytes: int | None = None,
 
     counter = counter if counter is not None else CollectiveCount()
     pp, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    rank = dist.get_rank()
     dp_rank = ps.get_data_parallel_rank()
     stage_params = [(n, p) for n, p in global_named_parameters(model) if n not in skip]
     params = dict(stage_params)
     device = next(model.parameters()).device
+    experts = ExpertRanks.of(model, counter)
     for stage in range(pp):
         src = _stage_source_rank(stage)
         meta = [[(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params]] \
@@ -425,23 +437,92 @@ def iter_full_megatron(model, bucket_bytes: int | None = None,
         if pp > 1:
             dist.broadcast_object_list(meta, src=src, device=device if device.type == "cuda" else None)
             counter.add()
-        buckets = _buckets(meta[0], bucket_bytes or GATHER_BUCKET_BYTES)
-        gathering = stage == my_stage and dp_rank == 0
-        fulls = _gathered([(b, 0) for b in buckets], params, counter) if gathering else itertools.repeat(None)
-        for bucket, full in zip(buckets, fulls):
-            if src == 0:
-                if rank == 0:
-                    yield from full
-                continue
-            if rank == src:
-                dist.send(_flat_bytes([t for _, t in full]), dst=0)
-                counter.add()
-            elif rank == 0:
-                specs = [(_full_shape(row, ps.get_tensor_model_parallel_world_size()), row[2]) for row in bucket]
-                flat = torch.empty(sum(_nbytes(*spec) for spec in specs), dtype=torch.uint8, device=device)
-                dist.recv(flat, src=src)
-                counter.add()
-                yield from zip([row[0] for row in bucket], _split_bytes(flat, specs))
+        rows = meta[0] if experts is None else [row for row in meta[0] if not is_expert(row[0])]
+        yield from _to_rank0(src, rows, stage == my_stage and dp_rank == 0, params, device, counter, bucket_bytes)
+        if experts is not None:  # each expert-parallel rank's experts of the stage, from that rank
+            expert_rows = [row for row in meta[0] if is_expert(row[0])]
+            for q in range(experts.size):
+                yield from _to_rank0(experts.source(stage, q), experts.rows_of(q, expert_rows),
+                                     stage == my_stage and experts.sends(q), params, device, counter, bucket_bytes)
+
+
+def _to_rank0(src: int, rows: list[tuple], gathering: bool, params: dict[str, torch.Tensor], device,
+              counter: CollectiveCount, bucket_bytes: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``rows`` (name, local shape, dtype, TP dim) in buckets to global rank 0: the TP ranks that hold them
+    (``gathering``) gather each bucket to their TP rank 0, ``src``, which yields it if it is rank 0 or else
+    sends it there in one message, received on rank 0's own device (a CPU buffer would fail under NCCL)."""
+    from megatron.core import parallel_state as ps
+
+    rank = dist.get_rank()
+    buckets = _buckets(rows, bucket_bytes or GATHER_BUCKET_BYTES)
+    fulls = _gathered([(b, 0) for b in buckets], params, counter) if gathering else itertools.repeat(None)
+    for bucket, full in zip(buckets, fulls):
+        if src == 0:
+            if rank == 0:
+                yield from full
+            continue
+        if rank == src:
+            dist.send(_flat_bytes([t for _, t in full]), dst=0)
+            counter.add()
+        elif rank == 0:
+            specs = [(_full_shape(row, ps.get_tensor_model_parallel_world_size()), row[2]) for row in bucket]
+            flat = torch.empty(sum(_nbytes(*spec) for spec in specs), dtype=torch.uint8, device=device)
+            dist.recv(flat, src=src)
+            counter.add()
+            yield from zip([row[0] for row in bucket], _split_bytes(flat, specs))
+
+
+_EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
+def is_expert(name: str) -> bool:
+    """Whether a (global) megatron parameter name is an expert's."""
+    return _EXPERT_NAME.match(name) is not None
+
+
+class ExpertRanks:
+    """Where the experts live under expert parallelism (EP > 1): each expert-parallel rank q holds experts
+    ``[q E/EP, (q+1) E/EP)`` of every sparse layer, replicated over the expert-data-parallel ranks; global
+    names (:func:`global_named_parameters`) carry the global expert index. Learned once per stream: every
+    rank's (stage, TP rank, EP rank, expert-DP rank), one all-gather of small objects."""
+
+    def __init__(self, model, counter: CollectiveCount):
+        from megatron.core import parallel_state as ps
+
+        self.size = ps.get_expert_model_parallel_world_size()
+        self.local = model.config.num_moe_experts // self.size
+        self.rank, self.data_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_data_parallel_rank()
+        self.data_size = ps.get_expert_data_parallel_world_size()
+        mine = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), self.rank, self.data_rank)
+        coords: list = [None] * dist.get_world_size()
+        dist.all_gather_object(coords, mine)
+        counter.add()
+        self._sources = {(c[0], c[2]): r for r, c in enumerate(coords) if c[1] == 0 and c[3] == 0}
+
+    @classmethod
+    def of(cls, model, counter: CollectiveCount) -> "ExpertRanks | None":
+        from megatron.core import parallel_state as ps
+
+        if not getattr(model.config, "num_moe_experts", None) or ps.get_expert_model_parallel_world_size() == 1:
+            return None
+        return cls(model, counter)
+
+    def source(self, stage: int, q: int) -> int:
+        """The global rank that sends stage ``stage``'s experts of expert-parallel rank ``q`` to rank 0."""
+        return self._sources[(stage, q)]
+
+    def sends(self, q: int) -> bool:
+        """Whether this rank takes part in sending expert-parallel rank ``q``'s experts to rank 0."""
+        return self.rank == q and self.data_rank == 0
+
+    def rows_of(self, q: int, rows: list[tuple]) -> list[tuple]:
+        """The rows of expert-parallel rank ``q``'s experts, from any rank's rows of its own (same shapes)."""
+        out = []
+        for row in rows:
+            m = _EXPERT_NAME.match(row[0])
+            expert = int(m.group(2)) % self.local + q * self.local
+            out.append((f"{m.group(1)}{expert}{m.group(3)}", *row[1:]))
+        return out
 
 
 def iter_own_stage_megatron(model, bucket_bytes: int | None = None,
@@ -450,6 +531,8 @@ def iter_own_stage_megatron(model, bucket_bytes: int | None = None,
     """Collective within each stage: every rank yields ``(global megatron name, full tensor)`` for the
     parameters of its own stage that it sends; nothing crosses a pipeline stage.
 
+    Under expert parallelism each expert goes from a rank that holds it: the experts are shared out over
+    their expert-data-parallel replicas' ``TP`` ranks, the other parameters as below.
     The stage's parameters are shared out over its ``DP x TP`` ranks whole, by full bytes
     (:func:`~rlplacement.transfer.plan.senders.spread_owners`: every rank computes the same answer from the
     same shapes). A DP replica's TP ranks then gather each of their replica's parameters to the TP rank
@@ -468,11 +551,19 @@ def iter_own_stage_megatron(model, bucket_bytes: int | None = None,
     stage_params = [(n, p) for n, p in global_named_parameters(model) if n not in skip]
     params = dict(stage_params)
     rows = [(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params]
-    owners = spread_owners([_nbytes(_full_shape(row, tp), row[2]) for row in rows], dp * tp)
+    experts = ExpertRanks.of(model, counter)
+    # (rows, the slots they are shared over, this replica's slot offset): experts under expert parallelism
+    # go from the ranks that hold them, shared over their expert-data-parallel replicas
+    groups = [(rows, dp * tp, dp_rank * tp)]
+    if experts is not None:
+        groups = [([r for r in rows if not is_expert(r[0])], dp * tp, dp_rank * tp),
+                  ([r for r in rows if is_expert(r[0])], experts.data_size * tp, experts.data_rank * tp)]
     work = []  # (bucket, TP rank it is gathered to) of this replica, in order
-    for dst in range(tp):
-        mine = [row for row, owner in zip(rows, owners) if owner == dp_rank * tp + dst]
-        work.extend((bucket, dst) for bucket in _buckets(mine, bucket_bytes or GATHER_BUCKET_BYTES))
+    for group_rows, slots, first in groups:
+        owners = spread_owners([_nbytes(_full_shape(row, tp), row[2]) for row in group_rows], slots)
+        for dst in range(tp):
+            mine = [row for row, owner in zip(group_rows, owners) if owner == first + dst]
+            work.extend((bucket, dst) for bucket in _buckets(mine, bucket_bytes or GATHER_BUCKET_BYTES))
     for full in _gathered(work, params, counter):
         if full is not None:
             yield from full
@@ -495,6 +586,9 @@ def iter_everywhere_megatron(model, bucket_bytes: int | None = None,
     from megatron.core import parallel_state as ps
 
     counter = counter if counter is not None else CollectiveCount()
+    if ps.get_expert_model_parallel_world_size() > 1:
+        raise ValueError("every tensor on every rank (a colocated engine) under expert parallelism: each rank holds "
+                         "only its own experts; the flags refuse --colocate with --expert-model-parallel-size > 1")
     pp, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     tp = ps.get_tensor_model_parallel_world_size()
     stage_params = [(n, p) for n, p in global_named_parameters(model) if n not in skip]

@@ -172,11 +172,11 @@ def _check_moe_flags(cfg: BackendConfig, hf_config: Any, family, source: str, fo
                               f"from config.json; drop {flag_name} or set it to {actual}")
     if not for_training or cfg.name != "megatron":
         return
-    if cfg.expert_model_parallel_size != 1:
-        raise ConfigError(f"--expert-model-parallel-size {cfg.expert_model_parallel_size}: megatron trains a "
-                          f"mixture-of-experts model with its experts on every data-parallel rank so far (the weight "
-                          f"streams do not gather experts across expert-parallel ranks yet): use "
-                          f"--expert-model-parallel-size 1 (`rlplacement convert` takes any size)")
+    etp = cfg.expert_tensor_parallel_size
+    if etp is not None and etp != cfg.tensor_model_parallel_size:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size "
+                          f"{cfg.tensor_model_parallel_size}: experts run at the dense layers' tensor parallelism so "
+                          f"far: drop --expert-tensor-parallel-size")
     if cfg.tensor_model_parallel_size > 1 and not cfg.sequence_parallel:
         raise ConfigError(f"--tensor-model-parallel-size {cfg.tensor_model_parallel_size} with a mixture-of-experts "
                           f"model: megatron trains MoE layers under tensor parallelism only with --sequence-parallel "
