@@ -56,6 +56,10 @@ def simulate_layout(config, layout, args: argparse.Namespace) -> dict:
     from rlplacement.transfer.plan.for_layout import plans_for
     from rlplacement.transfer.plan.tensors import ModelTensors
 
+    if config.backend.expert_model_parallel_size > 1:
+        raise ValueError(f"--simulate-transfer models experts at --expert-model-parallel-size 1 (sent from the ranks "
+                         f"that hold them under TP and PP only); --expert-model-parallel-size "
+                         f"{config.backend.expert_model_parallel_size} is not modelled yet: simulate without it")
     model = ModelTensors.from_hf_config(config_path(args))
     assumptions = ModelAssumptions(**{n: getattr(args, n) for n in RATE_FIELDS})
     b = config.backend

@@ -266,3 +266,25 @@ def test_plan_simulate_transfer_prints_the_plans_and_marks_the_one_that_runs(tmp
 def test_plan_simulate_transfer_refuses_a_missing_model(extra, message, capsys):
     assert cli_main(["plan", "--rollout-num-gpus", "8", "--simulate-transfer", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_simulates_a_mixture_of_experts_model_and_refuses_expert_parallelism(tmp_path, capsys):
+    """A Qwen3-MoE config: every expert's gate/up/down in the plan (the model's bytes are its parameters'),
+    each TP=2 worker planned half of every expert; expert parallelism is refused by name, not ignored."""
+    moe = {**QWEN3_8B, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 256, "decoder_sparse_step": 1, "mlp_only_layers": [0]}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(moe))
+    model = ModelTensors.from_hf_config(str(config))
+    experts = [t for t in model.tensors if ".mlp.experts." in t.name]
+    assert len(experts) == (moe["num_hidden_layers"] - 1) * 8 * 3
+    needs = vllm_worker_needs(model, 2)
+    assert needs[1]["model.layers.1.mlp.experts.7.up_proj.weight"] == ((128, 256), (0, 4096))
+    assert needs[0]["model.layers.1.mlp.experts.7.down_proj.weight"] == ((0, 4096), (0, 128))
+    assert needs[0]["model.layers.1.mlp.gate.weight"] == needs[1]["model.layers.1.mlp.gate.weight"] == ((0, 8), (0, 4096))
+    argv = ["plan", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "4", "--train-backend", "megatron",
+            "--simulate-transfer", "--hf-config", str(config)]
+    assert cli_main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["transfer"]["model_bytes"] == model.total_bytes
+    assert cli_main(argv + ["--expert-model-parallel-size", "2"]) == 2
+    assert "--expert-model-parallel-size 2 is not modelled yet" in capsys.readouterr().err
