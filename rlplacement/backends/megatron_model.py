@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -472,12 +471,9 @@ def _to_rank0(src: int, rows: list[tuple], gathering: bool, params: dict[str, to
             yield from zip([row[0] for row in bucket], _split_bytes(flat, specs))
 
 
-_EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
-
-
 def is_expert(name: str) -> bool:
     """Whether a (global) megatron parameter name is an expert's."""
-    return _EXPERT_NAME.match(name) is not None
+    return mapping.expert_index(name) is not None
 
 
 class ExpertRanks:
@@ -517,12 +513,8 @@ class ExpertRanks:
 
     def rows_of(self, q: int, rows: list[tuple]) -> list[tuple]:
         """The rows of expert-parallel rank ``q``'s experts, from any rank's rows of its own (same shapes)."""
-        out = []
-        for row in rows:
-            m = _EXPERT_NAME.match(row[0])
-            expert = int(m.group(2)) % self.local + q * self.local
-            out.append((f"{m.group(1)}{expert}{m.group(3)}", *row[1:]))
-        return out
+        return [(mapping.with_expert_index(row[0], mapping.expert_index(row[0]) % self.local + q * self.local), *row[1:])
+                for row in rows]
 
 
 def iter_own_stage_megatron(model, bucket_bytes: int | None = None,

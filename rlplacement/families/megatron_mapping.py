@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+_EXPERT_IN_NAME = re.compile(r"^(.*?mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 VOCAB_MEGATRON_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -99,10 +100,22 @@ def megatron_layer_name(layer: int, suffix: str) -> str:
 def global_expert_name(suffix: str, first_local_expert: int) -> str:
     """A layer suffix with its local expert index made global (an expert-parallel rank holds experts
     ``first_local_expert`` onwards); other suffixes unchanged."""
-    expert = _EXPERT_RE.match(suffix)
-    if expert is None or not first_local_expert:
+    index = expert_index(suffix)
+    if index is None or not first_local_expert:
         return suffix
-    return f"{expert.group(1)}{int(expert.group(2)) + first_local_expert}{expert.group(3)}"
+    return with_expert_index(suffix, index + first_local_expert)
+
+
+def expert_index(mname: str) -> int | None:
+    """The expert index in a megatron parameter name (None: not an expert's)."""
+    m = _EXPERT_IN_NAME.match(mname)
+    return None if m is None else int(m.group(2))
+
+
+def with_expert_index(mname: str, index: int) -> str:
+    """An expert's megatron parameter name with its expert index replaced by ``index``."""
+    m = _EXPERT_IN_NAME.match(mname)
+    return f"{m.group(1)}{index}{m.group(3)}"
 
 
 def fuse_qkv(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", shape: ModelShape) -> "torch.Tensor":
