@@ -26,6 +26,14 @@ SIZES = {
                num_hidden_layers=36, vocab_size=8192, tie_word_embeddings=True),
     "8B": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                num_hidden_layers=36, vocab_size=151936, tie_word_embeddings=False),
+    # Qwen3-30B-A3B's layer at reduced depth (4 of 48 layers: the trainer's fp32 state and AdamW beside a bf16
+    # engine on one GPU): 128 experts of 768, top-8, the real 151,936-token vocabulary
+    "30B-A3B-L4": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+                       num_key_value_heads=4, num_hidden_layers=4, vocab_size=151936, tie_word_embeddings=False,
+                       num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "smoke-moe": dict(family="qwen3_moe", hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=300, tie_word_embeddings=True,
+                      head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
     "smoke": dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
                   num_hidden_layers=2, vocab_size=300, tie_word_embeddings=True, head_dim=32),
 }
@@ -48,13 +56,15 @@ def make_model(root: Path, size: str, dtype: str, max_position_embeddings: int =
     import transformers
     from safetensors.torch import save_file
 
+    from rlplacement.families import family_for
     from rlplacement.models.tiny import TinySpec, build_config, build_tokenizer
 
-    shape = {"head_dim": 128, **SIZES[size]}
-    spec = TinySpec(family="qwen3", max_position_embeddings=max_position_embeddings, dtype=dtype, **shape)
+    shape = {"head_dim": 128, "family": "qwen3", **SIZES[size]}
+    spec = TinySpec(max_position_embeddings=max_position_embeddings, dtype=dtype, **shape)
     out = root / size
     out.mkdir(parents=True, exist_ok=True)
     cfg = build_config(spec)
+    views = family_for(cfg).checkpoint_views  # a mixture of experts: per-expert tensors, as checkpoints hold them
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(cfg)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,7 +75,8 @@ def make_model(root: Path, size: str, dtype: str, max_position_embeddings: int =
             continue
         t = torch.randn(p.shape, generator=g, device=device, dtype=torch.float32)
         t = (1 + 0.05 * t) if p.dim() == 1 else t * 0.02
-        tensors[name] = t.to(getattr(torch, dtype)).cpu()
+        for key, view in views(name, t.to(getattr(torch, dtype))):
+            tensors[key] = view.contiguous().cpu()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg.architectures = [type(meta).__name__]  # what vLLM picks the model class by
     cfg.save_pretrained(out)
@@ -219,7 +230,8 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
                       engine_kwargs=engine_kwargs, backend_options={"dtype": dtype})
     row["startup_s"] = round(time.time() - t0, 1)
     try:
-        job.train(random_batch(8192 if size != "smoke" else 300, batch=1 if size == "smoke" else 4))
+        smoke = size.startswith("smoke")
+        job.train(random_batch(300 if smoke else 8192, batch=1 if smoke else 4))
         for mode in modes:
             job.set_transfer(mode, check_equal=True)
             checked = job.update_weights()  # raises WeightUpdateError naming the tensor on any mismatch
