@@ -70,8 +70,15 @@ def model_flops(cfg, lengths: list[int]) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs with one recomputed forward) of one step over ``lengths``."""
     h, layers, heads, hd = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
     kv, inter, vocab = cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size
-    per_layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * inter  # q, k, v, o, gate/up/down
-    matmul_params = layers * per_layer + vocab * h  # the output layer is a matmul (tied: the embedding's weights)
+    attention_params = h * heads * hd + 2 * h * kv * hd + heads * hd * h  # q, k, v, o
+    experts = getattr(cfg, "num_experts", 0) or 0
+    dense = set(getattr(cfg, "mlp_only_layers", None) or ()) if experts else set(range(layers))
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    sparse = [i not in dense and (i + 1) % step == 0 for i in range(layers)] if experts else [False] * layers
+    # a sparse layer's matmuls per token: the router and the top-k experts it runs (the active parameters)
+    mlp = [h * experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size if s else 3 * h * inter
+           for s in sparse]
+    matmul_params = layers * attention_params + sum(mlp) + vocab * h  # the output layer is a matmul
     tokens = sum(lengths)
     attention = 6 * layers * heads * hd * sum(n * n for n in lengths)
     mfu = 6 * matmul_params * tokens + attention
@@ -190,18 +197,24 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script runs (CPU too)")
     parser.add_argument("--commit", default=None, help="the commit measured (the device's copy has no .git)")
+    parser.add_argument("--size", default="4B-full-vocab", choices=["4B-full-vocab", *sorted(common.SIZES)],
+                        help="another shape of common.SIZES (a mixture of experts: FLOPs of the active experts); "
+                             "its results go to train_step_<size>_h200.json")
     args = parser.parse_args()
     global SHAPE
     if args.smoke:
         SHAPE = dict(common.SIZES["smoke"])
+    elif args.size != "4B-full-vocab":
+        SHAPE = dict(common.SIZES[args.size])
     peak = matmul_tflops()
     print(f"bf16 matmul {peak:.0f} TFLOP/s", flush=True)
     root = Path("/tmp/train_step_models")
-    common.SIZES["4B-full-vocab"] = SHAPE
+    size = "4B-full-vocab" if args.smoke else args.size
+    common.SIZES[size] = SHAPE
     t0 = time.time()
-    model_dir = root / "4B-full-vocab"
+    model_dir = root / size
     if args.smoke or not (model_dir / "model.safetensors").is_file():  # kept across calls while the machine is warm
-        model_dir = common.make_model(root, "4B-full-vocab", "bfloat16", max_position_embeddings=4096)
+        model_dir = common.make_model(root, size, "bfloat16", max_position_embeddings=4096)
     result = {"command": " ".join(sys.argv), "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
               "commit": args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
@@ -219,7 +232,8 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - one variant failing must not lose the others' numbers
             result["variants"].append({"variant": variant, "error": f"{type(exc).__name__}: {exc}"[:3000]})
             print(f"[{variant}] failed: {exc}", flush=True)
-        (out / "train_step_h200.json").write_text(json.dumps(result, indent=2))  # after each: a timeout keeps it
+        name = "train_step_h200.json" if args.size == "4B-full-vocab" else f"train_step_{args.size}_h200.json"
+        (out / name).write_text(json.dumps(result, indent=2))  # after each: a timeout keeps it
     print(json.dumps({v["variant"]: {k: v.get(k) for k in ("train_s", "mfu", "hfu", "peak_reserved_gb", "error")}
                       for v in result["variants"]}, indent=2))
 
