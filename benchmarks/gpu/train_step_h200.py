@@ -156,9 +156,11 @@ def run_variant(model_dir: Path, variant: str, args, peak_tflops: float) -> dict
         sync()
         seconds = time.perf_counter() - s0
         allocated, reserved = peak_memory_gb()
-        served = list(backend.iter_hf_tensors())  # the update's stream: bf16 of the fp32 master weights
-        exact = all(torch.equal(t, p.to_local().detach().to(t.dtype))
-                    for (_, t), p in zip(served, backend.model.parameters())) if name in ("", "fsdp") else None
+        served = dict(backend.iter_hf_tensors())  # the update's stream: bf16 of the fp32 master weights
+        held = {k: v for n, p in backend.model.named_parameters()  # under the checkpoint's names (experts apart)
+                for k, v in backend.family.checkpoint_views(n, p.to_local().detach())}
+        exact = set(served) == set(held) and all(torch.equal(t, held[k].to(t.dtype)) for k, t in served.items()) \
+            if name in ("", "fsdp") else None
         steps.append({"step": step, "train_s": round(seconds, 3), "tokens": sum(b.sample_lengths()),
                       "mfu": round(mfu_flops / seconds / 1e12 / peak_tflops, 4),
                       "hfu": round(hfu_flops / seconds / 1e12 / peak_tflops, 4),
