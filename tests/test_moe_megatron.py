@@ -105,7 +105,9 @@ def test_moe_flags_are_checked_against_config_json(tmp_path):
             r"tensor parallelism", tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)
     refused(r"--tensor-model-parallel-size 2 with a mixture-of-experts model: megatron trains MoE layers under tensor "
             r"parallelism only with --sequence-parallel", tensor_model_parallel_size=2)
-    refused(r"--moe-aux-loss-coeff and the other MoE flags configure a mixture-of-experts model; .* is the dense qwen3",
-            hf_checkpoint=dense, moe=MoEConfig(aux_loss_coeff=0.1))
+    refused(r"--num-experts and the other MoE flags configure a mixture-of-experts model; .* is the dense qwen3",
+            hf_checkpoint=dense, moe=MoEConfig(num_experts=4))
+    # megatron's own defaults of the others (what a Megatron parser carrying these flags sets) do nothing there
+    preflight(BackendConfig(name="megatron", hf_checkpoint=dense, moe=MoEConfig(router_topk=2, aux_loss_coeff=0.0)))
     refused(r"--expert-model-parallel-size 2: expert parallelism needs a mixture-of-experts model, and .* is the dense",
             hf_checkpoint=dense, expert_model_parallel_size=2)

@@ -10,7 +10,6 @@ message names the flag or file and what to change.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import types
 from pathlib import Path
@@ -147,15 +146,19 @@ def _check_megatron_sizes(hf_config: Any, source: str, tp: int, pp: int) -> None
 
 
 def _check_moe_flags(cfg: BackendConfig, hf_config: Any, family, source: str, for_training: bool) -> None:
-    """Mixture-of-experts flags against ``config.json``: none for a dense model; the declared architecture
-    equal to the config's; expert parallelism and TP as megatron trains experts."""
-    from rlplacement.config import MOE_FLAGS, MoEConfig
+    """Mixture-of-experts flags against ``config.json``: for a dense model none of those megatron itself
+    leaves unset (``--num-experts``, ``--moe-ffn-hidden-size``, ``--moe-z-loss-coeff``, ``--moe-router-dtype``;
+    the others have megatron defaults a Megatron parser carrying these flags sets, and, as in megatron, do
+    nothing without experts); the declared architecture equal to the config's; expert parallelism and TP as
+    megatron trains experts."""
+    from rlplacement.config import MOE_FLAGS
     from rlplacement.families import num_experts
 
-    given = [f for f in dataclasses.fields(MoEConfig) if getattr(cfg.moe, f.name) != f.default]
+    unset_in_megatron = ("num_experts", "ffn_hidden_size", "z_loss_coeff", "router_dtype")
+    given = [f for f in unset_in_megatron if getattr(cfg.moe, f) is not None]
     if not family.moe:
         if given:
-            raise ConfigError(f"{MOE_FLAGS[given[0].name]} and the other MoE flags configure a "
+            raise ConfigError(f"{MOE_FLAGS[given[0]]} and the other MoE flags configure a "
                               f"mixture-of-experts model; {source} is the dense {family.name}: drop them")
         if cfg.expert_model_parallel_size != 1:
             raise ConfigError(f"--expert-model-parallel-size {cfg.expert_model_parallel_size}: expert parallelism "
