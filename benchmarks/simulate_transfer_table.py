@@ -1,4 +1,6 @@
-"""The transfer docs' modelled tables: dense 8B, 32B and 70B shapes on 8 to 1,024 GPUs, rank 0 sending
+"""The transfer docs' modelled tables: dense 8B, 32B and 70B shapes on 8 to 1,024 GPUs (and mixture-of-experts
+shapes: Qwen3-30B-A3B, Qwen3-235B-A22B, Kimi-K2's sizes as a Qwen3-MoE, their trainers without expert
+parallelism, which the plan does not model), rank 0 sending
 everything, every rank sending its share of whole tensors (what these split layouts run) and the sharded
 plan, predicted by the transfer simulator (nothing here ran on a cluster); and the same shapes colocated
 (``cuda_ipc``), where the plan that runs has each trainer rank hand the worker on its GPU the whole model.
@@ -53,7 +55,10 @@ MODELS.update({  # mixture-of-experts shapes: Qwen3-30B-A3B, Qwen3-235B-A22B, an
 SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2), "70B": (8, 2, 8), "30B-A3B": (2, 1, 2), "235B-A22B": (4, 2, 8),
           "1T (Kimi-K2 sizes)": (8, 1, 16)}  # 235B: 4 KV heads, 94 layers; Kimi's 61 layers take no PP
 GPUS = (8, 64, 256, 1024)
-MOE_GPUS = {"30B-A3B": (64, 256), "235B-A22B": (256,), "1T (Kimi-K2 sizes)": (256,)}  # plan build time bounds these
+# plan build time bounds the mixture-of-experts rows (pure Python over ~19k-71k tensors: 12 s to 8 min a row on
+# one core; Kimi's p2p row, every expert written to every worker, is left out)
+MOE_GPUS = {"30B-A3B": (64, 256), "235B-A22B": (256,), "1T (Kimi-K2 sizes)": (256,)}
+MOE_MODES = {"1T (Kimi-K2 sizes)": ("broadcast_packed",)}
 MODES = ("broadcast_packed", "p2p")
 COLOCATED_SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2)}  # on one node of 8 GPUs (--colocate is refused across
 # nodes); 70B does not train on 8 GPUs
@@ -88,7 +93,7 @@ def rows() -> list[dict]:
             nodes = max(1, half // 8)
             placement = PlacementConfig(actor_num_nodes=nodes, actor_num_gpus_per_node=half // nodes,
                                         rollout_num_gpus=half, rollout_num_gpus_per_engine=width)
-            for mode in MODES:
+            for mode in MOE_MODES.get(name, MODES):
                 out.append(_row(name, model, compute_layout(placement), mode, tp, pp, half))
         if name in COLOCATED_SHAPES:
             tp, pp, width = COLOCATED_SHAPES[name]
