@@ -25,8 +25,8 @@ FLAGS = (
     flag("--context-parallel-size", type=int, default=default_of(BackendConfig, "context_parallel_size"),
          help="Megatron context parallelism: only 1 is supported."),
     flag("--expert-model-parallel-size", type=int, default=default_of(BackendConfig, "expert_model_parallel_size"),
-         help="Megatron expert parallelism: `rlplacement convert` takes it for a mixture-of-experts model; "
-              "training is of dense models only so far, so 1 here."),
+         help="Megatron expert parallelism for a mixture-of-experts model (each rank holds experts/EP of every "
+              "sparse layer and sends its own); out of the data-parallel ranks; not with --colocate."),
     flag("--expert-tensor-parallel-size", type=int, default=default_of(BackendConfig, "expert_tensor_parallel_size"),
          help="Megatron's tensor parallelism inside experts: 1 (or unset): experts use the dense layers' TP."),
     flag("--num-experts", type=int, default=default_of(MoEConfig, "num_experts"),
