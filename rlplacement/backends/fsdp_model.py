@@ -148,7 +148,7 @@ def load_hf_into(root: CausalLMRoot, hf_dir: str | os.PathLike) -> None:
 
     family = family_for(root.lm.config)
     state = hf_state_dict(root)
-    fused = {n: p for n, p in state.items() if family.checkpoint_views(n, p)[0][0] != n}
+    fused = {n: p for n, p in state.items() if family.moe and family.holds_experts(n)}
     dcp.load({n: p for n, p in state.items() if n not in fused}, storage_reader=HuggingFaceStorageReader(str(hf_dir)))
     if fused:
         _load_local_experts(fused, hf_dir, family)
@@ -171,10 +171,8 @@ def _load_local_experts(fused: dict[str, Any], hf_dir: str | os.PathLike, family
                 first = offset[0]
             else:
                 local, first = param, 0
-            for key, view in family.checkpoint_views(name, local):
-                expert = int(key.rsplit("mlp.experts.", 1)[1].split(".", 1)[0])
-                source = key.replace(f"mlp.experts.{expert}.", f"mlp.experts.{expert + first}.", 1)
-                view.copy_(read(source).to(view.dtype))
+            for key, view in family.checkpoint_views(name, local, first_expert=first):
+                view.copy_(read(key).to(view.dtype))
 
 
 def hf_state_dict(root: CausalLMRoot) -> dict[str, Any]:

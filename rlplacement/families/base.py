@@ -3,8 +3,8 @@
 A family names its HF ``model_type`` values and two switches (per-head q/k norm, q/k/v bias); the
 name tables below hold for every Llama-style dense model (Qwen2, Qwen3, Llama). A new family with
 the same block layout is one small file that builds a :class:`DenseFamily`. A mixture-of-experts
-family (:class:`MoEFamily`) adds a router and per-expert MLPs in its sparse layers
-(:data:`EXPERT_LAYER_NAMES`); its dense layers are the dense tables.
+family (:class:`MoEFamily`) replaces a sparse layer's MLP by a router and per-expert MLPs
+(:data:`EXPERT_LAYER_NAMES`); attention and norms, and its dense layers, are the dense tables.
 
 Megatron side names are suffixes of ``GPTModel`` parameters. Both layer specs map: the local spec
 keeps separate norms (``input_layernorm``, ``pre_mlp_layernorm``) while TransformerEngine fuses them
@@ -41,18 +41,12 @@ LAYER_NAMES: dict[str, str | Fused] = {
     "mlp.linear_fc1.weight": Fused("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
-# Megatron suffix -> HF suffix in a sparse layer of a mixture-of-experts family; "{e}" is the global expert
-# index. Experts are per-expert tensors in HF checkpoints (transformers fuses them in memory only) and
-# megatron's sequential layout (``local_experts.{e}``, renumbered from local to global by the stream).
+# Megatron suffix -> HF suffix of a sparse layer's MLP in a mixture-of-experts family (the rest of the layer is
+# in LAYER_NAMES: a sparse layer keeps ``pre_mlp_layernorm`` apart in both specs, since the router reads it
+# too); "{e}" is the global expert index. Experts are per-expert tensors in HF checkpoints (transformers fuses
+# them in memory only) and megatron's sequential layout (``local_experts.{e}``, renumbered from local to
+# global by the stream).
 EXPERT_LAYER_NAMES: dict[str, str | Fused] = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",  # TE spec
-    "self_attention.linear_qkv.weight": LAYER_NAMES["self_attention.linear_qkv.weight"],
-    "self_attention.linear_qkv.bias": LAYER_NAMES["self_attention.linear_qkv.bias"],
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",  # both specs: the router reads it too
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.experts.local_experts.{e}.linear_fc1.weight": Fused("fc1", ("mlp.experts.{e}.gate_proj.weight",
                                                                       "mlp.experts.{e}.up_proj.weight")),
@@ -89,7 +83,7 @@ class DenseFamily:
     """Whether the family has experts (:class:`MoEFamily`)."""
 
     @staticmethod
-    def checkpoint_views(name: str, tensor: Any) -> list[tuple[str, Any]]:
+    def checkpoint_views(name: str, tensor: Any, first_expert: int = 0) -> list[tuple[str, Any]]:
         """A parameter of transformers' model as the checkpoint's tensors: a dense model's are the same."""
         return [(name, tensor)]
 
@@ -135,18 +129,26 @@ class MoEFamily(DenseFamily):
                              f"layer dense): use the dense family of this model")
 
     @staticmethod
-    def checkpoint_views(name: str, tensor: Any) -> list[tuple[str, Any]]:
+    def holds_experts(name: str) -> bool:
+        """Whether a parameter of transformers' model is a sparse layer's fused experts (``mlp.experts.gate_up_proj``
+        or ``mlp.experts.down_proj``), which checkpoints store per expert."""
+        prefix, found, last = name.rpartition("mlp.experts.")
+        return bool(found) and last in ("gate_up_proj", "down_proj")
+
+    @classmethod
+    def checkpoint_views(cls, name: str, tensor: Any, first_expert: int = 0) -> list[tuple[str, Any]]:
         """A parameter of transformers' model as the checkpoint's tensors, copying nothing: transformers 5
         holds a sparse layer's experts fused, ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's
         gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]``, where checkpoints (and
         vLLM's loaders, and an engine's update) name them per expert, ``mlp.experts.{e}.gate_proj.weight``
-        and so on; each is a contiguous view of the fused parameter. Any other parameter is itself."""
-        prefix, _, last = name.rpartition("mlp.experts.")
-        if not _ or last not in ("gate_up_proj", "down_proj"):
+        and so on; each is a contiguous view of the fused parameter. ``first_expert``: the global index of
+        ``tensor``'s first expert (a shard of the experts). Any other parameter is itself."""
+        if not cls.holds_experts(name):
             return [(name, tensor)]
+        prefix, _, last = name.rpartition("mlp.experts.")
         out = []
         for e in range(tensor.shape[0]):
-            base = f"{prefix}mlp.experts.{e}."
+            base = f"{prefix}mlp.experts.{e + first_expert}."
             if last == "down_proj":
                 out.append((base + "down_proj.weight", tensor[e]))
             else:

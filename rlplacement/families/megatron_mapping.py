@@ -244,37 +244,31 @@ def megatron_names(shape: ModelShape, family: DenseFamily, qkv_bias: bool, te_sp
     ``sparse``: per layer, whether it holds ``experts`` experts (a :class:`MoEFamily`)."""
     yield "embedding.word_embeddings.weight"
     for i in range(shape.num_layers):
-        if sparse and sparse[i]:
-            yield from _sparse_layer_names(i, family, qkv_bias, te_spec, experts)
-            continue
-        yield megatron_layer_name(i, "self_attention.linear_qkv.layer_norm_weight" if te_spec
-                                  else "input_layernorm.weight")
-        yield megatron_layer_name(i, "self_attention.linear_qkv.weight")
-        if qkv_bias:
-            yield megatron_layer_name(i, "self_attention.linear_qkv.bias")
-        if family.qk_norm:
-            yield megatron_layer_name(i, "self_attention.q_layernorm.weight")
-            yield megatron_layer_name(i, "self_attention.k_layernorm.weight")
-        yield megatron_layer_name(i, "self_attention.linear_proj.weight")
-        yield megatron_layer_name(i, "mlp.linear_fc1.layer_norm_weight" if te_spec else "pre_mlp_layernorm.weight")
-        yield megatron_layer_name(i, "mlp.linear_fc1.weight")
-        yield megatron_layer_name(i, "mlp.linear_fc2.weight")
+        yield from (megatron_layer_name(i, s) for s in _layer_suffixes(family, qkv_bias, te_spec,
+                                                                       experts if sparse and sparse[i] else 0))
     yield "decoder.final_layernorm.weight"
     if not shape.tied:
         yield "output_layer.weight"
 
 
-def _sparse_layer_names(i: int, family: DenseFamily, qkv_bias: bool, te_spec: bool, experts: int) -> Iterator[str]:
-    yield megatron_layer_name(i, "self_attention.linear_qkv.layer_norm_weight" if te_spec else "input_layernorm.weight")
-    yield megatron_layer_name(i, "self_attention.linear_qkv.weight")
+def _layer_suffixes(family: DenseFamily, qkv_bias: bool, te_spec: bool, experts: int) -> Iterator[str]:
+    """One layer's parameter suffixes: a dense MLP, or with ``experts`` the router and that many experts (a
+    sparse layer keeps its MLP norm apart in both specs: the router reads it too)."""
+    yield "self_attention.linear_qkv.layer_norm_weight" if te_spec else "input_layernorm.weight"
+    yield "self_attention.linear_qkv.weight"
     if qkv_bias:
-        yield megatron_layer_name(i, "self_attention.linear_qkv.bias")
+        yield "self_attention.linear_qkv.bias"
     if family.qk_norm:
-        yield megatron_layer_name(i, "self_attention.q_layernorm.weight")
-        yield megatron_layer_name(i, "self_attention.k_layernorm.weight")
-    yield megatron_layer_name(i, "self_attention.linear_proj.weight")
-    yield megatron_layer_name(i, "pre_mlp_layernorm.weight")
-    yield megatron_layer_name(i, "mlp.router.weight")
+        yield "self_attention.q_layernorm.weight"
+        yield "self_attention.k_layernorm.weight"
+    yield "self_attention.linear_proj.weight"
+    if not experts:
+        yield "mlp.linear_fc1.layer_norm_weight" if te_spec else "pre_mlp_layernorm.weight"
+        yield "mlp.linear_fc1.weight"
+        yield "mlp.linear_fc2.weight"
+        return
+    yield "pre_mlp_layernorm.weight"
+    yield "mlp.router.weight"
     for e in range(experts):
-        yield megatron_layer_name(i, f"mlp.experts.local_experts.{e}.linear_fc1.weight")
-        yield megatron_layer_name(i, f"mlp.experts.local_experts.{e}.linear_fc2.weight")
+        yield f"mlp.experts.local_experts.{e}.linear_fc1.weight"
+        yield f"mlp.experts.local_experts.{e}.linear_fc2.weight"
