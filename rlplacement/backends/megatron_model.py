@@ -479,8 +479,11 @@ def is_expert(name: str) -> bool:
 class ExpertRanks:
     """Where the experts live under expert parallelism (EP > 1): each expert-parallel rank q holds experts
     ``[q E/EP, (q+1) E/EP)`` of every sparse layer, replicated over the expert-data-parallel ranks; global
-    names (:func:`global_named_parameters`) carry the global expert index. Learned once per stream: every
-    rank's (stage, TP rank, EP rank, expert-DP rank), one all-gather of small objects."""
+    names (:func:`global_named_parameters`) carry the global expert index. Learned once per model (its
+    parallel groups do not change while it lives): every rank's (stage, TP rank, EP rank, expert-DP rank),
+    one all-gather of small objects, counted in the first stream's collectives."""
+
+    _of_model: "weakref.WeakKeyDictionary" = None  # model -> its ExpertRanks (see of)
 
     def __init__(self, model, counter: CollectiveCount):
         from megatron.core import parallel_state as ps
@@ -497,11 +500,18 @@ class ExpertRanks:
 
     @classmethod
     def of(cls, model, counter: CollectiveCount) -> "ExpertRanks | None":
+        """None without expert parallelism; else the model's, made at its first stream (collective then)."""
+        import weakref
+
         from megatron.core import parallel_state as ps
 
         if not getattr(model.config, "num_moe_experts", None) or ps.get_expert_model_parallel_world_size() == 1:
             return None
-        return cls(model, counter)
+        if cls._of_model is None:
+            cls._of_model = weakref.WeakKeyDictionary()
+        if model not in cls._of_model:
+            cls._of_model[model] = cls(model, counter)
+        return cls._of_model[model]
 
     def source(self, stage: int, q: int) -> int:
         """The global rank that sends stage ``stage``'s experts of expert-parallel rank ``q`` to rank 0."""
