@@ -167,12 +167,13 @@ class BackendConfig:
     context_parallel_size: int = 1
     """Megatron context parallelism (``--context-parallel-size``): only 1 is built; a larger size is refused."""
     expert_model_parallel_size: int = 1
-    """Megatron expert parallelism (``--expert-model-parallel-size``): ``rlplacement convert`` takes any size
-    that divides the experts; training runs at 1 so far."""
+    """Megatron expert parallelism (``--expert-model-parallel-size``) of a mixture-of-experts model: any size
+    that divides the experts and the data-parallel ranks; not with ``--colocate``."""
     expert_tensor_parallel_size: int | None = None
     """Megatron's TP inside experts (``--expert-tensor-parallel-size``): None or 1 (experts at the dense TP)."""
     moe: MoEConfig = MoEConfig()
-    """A mixture-of-experts model's settings (ignored for a dense model, where setting any is refused)."""
+    """A mixture-of-experts model's settings (for a dense model, those megatron itself leaves unset are refused,
+    the rest ignored, as megatron does)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: the activations outside attention and MLP split along the sequence over
     the TP ranks (needs TP > 1 and the TransformerEngine layer spec); micro-batches are padded to a multiple

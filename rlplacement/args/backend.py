@@ -98,25 +98,24 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
                          sequence_parallel=sequence_parallel)
 
 
-_MOE_FIELDS = MOE_FLAGS
 _MEGATRON_ONLY = ("z_loss_coeff", "token_dispatcher_type", "router_dtype")
 
 
 def _moe_from_args(args: argparse.Namespace, backend: str) -> MoEConfig:
     """The MoE flags as given; those that configure megatron's own MoE layer are refused for another backend
     (whether the model has experts is checked against config.json where the job starts)."""
-    values = {field: get(args, flag_name.lstrip("-").replace("-", "_")) for field, flag_name in _MOE_FIELDS.items()}
+    values = {field: get(args, flag_name.lstrip("-").replace("-", "_")) for field, flag_name in MOE_FLAGS.items()}
     values = {k: v for k, v in values.items() if v is not None}
     for field in ("num_experts", "router_topk", "ffn_hidden_size"):
         if field in values and values[field] < 1:
-            raise ConfigError(f"{_MOE_FIELDS[field]} {values[field]}: must be 1 or more")
+            raise ConfigError(f"{MOE_FLAGS[field]} {values[field]}: must be 1 or more")
     for field in ("aux_loss_coeff", "z_loss_coeff"):
         if field in values and values[field] < 0:
-            raise ConfigError(f"{_MOE_FIELDS[field]} {values[field]}: a loss weight is 0 or more")
+            raise ConfigError(f"{MOE_FLAGS[field]} {values[field]}: a loss weight is 0 or more")
     config = MoEConfig(**values)
     if backend != "megatron":
         for field in _MEGATRON_ONLY:
             if getattr(config, field) != getattr(MoEConfig(), field):
-                raise ConfigError(f"{_MOE_FIELDS[field]} configures megatron's MoE layer; the {backend} backend runs "
+                raise ConfigError(f"{MOE_FLAGS[field]} configures megatron's MoE layer; the {backend} backend runs "
                                   f"the model's own MoE blocks: drop it, or use --train-backend megatron.")
     return config

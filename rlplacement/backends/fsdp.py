@@ -67,10 +67,10 @@ class FSDPBackend(TrainerBackend):
         if train.use_kl_loss:
             reference = build_sharded(cfg.hf_checkpoint, device, mixed_precision=bf16, dtype=dtype, trainable=False)
             reference.lm.config.output_router_logits = False  # its log-probs only
-        if family_for(root.lm.config).moe:  # the flag, else config.json, decides the router loss (MoEConfig.aux_loss)
+        backend = cls(root, root.lm, optim, train, served_dtype(stream_dtype, bf16), reference)
+        if backend.family.moe:  # the flag, else config.json, decides the router loss (MoEConfig.aux_loss)
             coeff = cfg.moe.aux_loss(root.lm.config)
             root.lm.config.output_router_logits, root.lm.config.router_aux_loss_coef = coeff > 0, coeff
-        backend = cls(root, root.lm, optim, train, served_dtype(stream_dtype, bf16), reference)
         backend.optimizer = optim.build(root.parameters())  # over the sharded DTensors, built once
         backend.source_hf_dir = cfg.hf_checkpoint
         if cfg.load:

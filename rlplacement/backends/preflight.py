@@ -37,7 +37,7 @@ def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: 
     ``hf_dir`` is the HF folder the job also serves from (used when ``cfg.hf_checkpoint`` is unset).
     ``cuda_available``: whether the trainer ranks have CUDA (default: ``torch.cuda.is_available()``
     here, the right answer when the driver runs on a trainer node). ``for_training`` False: the checks
-    ``rlplacement convert`` needs (a mixture-of-experts model converts; it does not train yet).
+    ``rlplacement convert`` needs (a mixture-of-experts model converts for any backend and layout).
     """
     if cfg.name not in known_backends():
         raise ConfigError(f"--train-backend {cfg.name!r} is unknown: use one of {', '.join(known_backends())}")
@@ -165,11 +165,11 @@ def _check_moe_flags(cfg: BackendConfig, hf_config: Any, family, source: str, fo
                               f"needs a mixture-of-experts model, and {source} is the dense {family.name}: use "
                               f"--expert-model-parallel-size 1.")
         return
-    declared = (("--num-experts", cfg.moe.num_experts, "num_experts", num_experts(hf_config)),
-                ("--moe-router-topk", cfg.moe.router_topk, "num_experts_per_tok", hf_config.num_experts_per_tok),
-                ("--moe-ffn-hidden-size", cfg.moe.ffn_hidden_size, "moe_intermediate_size",
-                 getattr(hf_config, "moe_intermediate_size", None)))
-    for flag_name, value, key, actual in declared:
+    declared = (("num_experts", "num_experts", num_experts(hf_config)),
+                ("router_topk", "num_experts_per_tok", hf_config.num_experts_per_tok),
+                ("ffn_hidden_size", "moe_intermediate_size", getattr(hf_config, "moe_intermediate_size", None)))
+    for field, key, actual in declared:
+        value, flag_name = getattr(cfg.moe, field), MOE_FLAGS[field]
         if value is not None and value != actual:
             raise ConfigError(f"{flag_name} {value} differs from {source}'s {key} {actual}: the architecture comes "
                               f"from config.json; drop {flag_name} or set it to {actual}")
