@@ -79,29 +79,35 @@ def run_size(size: str, root: Path, args, compare_generation: bool) -> dict:
     return common.size_row(row, copies, "device-to-device copy (bytes moved once)", ("cuda_ipc", "per_tensor_ipc"))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["4B", "8B"], choices=sorted(common.SIZES))
+def main(description: str = __doc__.splitlines()[0], sizes: tuple[str, ...] = ("4B", "8B"),
+         gpu_memory_utilization: float = 0.3, file_name: str = "colocate_h200.json", baseline: bool = True) -> int:
+    """The colocated run (``moe_h200.py`` runs it with its own shape, file and defaults); ``baseline`` False:
+    no per-tensor-handle baseline at all."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--sizes", nargs="+", default=list(sizes), choices=sorted(common.SIZES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--buffer-size", type=int, default=512 * 1024 * 1024)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=gpu_memory_utilization)
     parser.add_argument("--out", type=str, default=None)
-    parser.add_argument("--skip-baseline", action="store_true",
-                        help="leave out the per-tensor-handle baseline (a profiling run of our path only)")
+    if baseline:
+        parser.add_argument("--skip-baseline", action="store_true",
+                            help="leave out the per-tensor-handle baseline (a profiling run of our path only)")
     parser.add_argument("--skip-generation", action="store_true",
                         help="leave out greedy generation against a fresh engine (another call ran it)")
     args = parser.parse_args()
+    args.skip_baseline = getattr(args, "skip_baseline", False) or not baseline
     import torch
 
     if not torch.cuda.is_available():
-        print("colocate_h200: needs a CUDA GPU; nothing run")
+        print(f"{file_name.removesuffix('.json')}: needs a CUDA GPU; nothing run")
         return 0
     os.environ.update(common.NVLS_OFF)
     common.export_path()
 
     results: dict = {"command": " ".join(["python3", *sys.argv]), "gpus": common.gpu_names()[:1],
                      "versions": common.versions(), "sizes": []}
-    common.run_sizes(args, results, "colocate_h200.json", run_size, ("cuda_ipc", "per_tensor_ipc"))
+    modes = ("cuda_ipc", "per_tensor_ipc") if baseline else ("cuda_ipc",)
+    common.run_sizes(args, results, file_name, run_size, modes)
     return 0
 
 

@@ -12,47 +12,12 @@ checksums alone would not see a kernel that reads them in another layout).
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from colocate_h200 import job_config  # noqa: E402
-
-
-def run_size(size: str, root: Path, args, compare_generation: bool) -> dict:
-    t0 = time.time()
-    model_dir = common.make_model(root, size, "bfloat16")
-    row: dict = {"size": size, "make_model_s": round(time.time() - t0, 1)}
-    common.run_ours(job_config(args.buffer_size), ("cuda_ipc",), size, model_dir, root, args, row, compare_generation,
-                    gpu_memory_utilization=args.gpu_memory_utilization)
-    copies = common.device_copy_seconds(row["bytes"], args.repeats)
-    return common.size_row(row, copies, "device-to-device copy (bytes moved once)", ("cuda_ipc",))
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["30B-A3B-L4"], choices=sorted(common.SIZES))
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--buffer-size", type=int, default=512 * 1024 * 1024)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.25)
-    parser.add_argument("--out", type=str, default=None)
-    args = parser.parse_args()
-    import torch
-
-    if not torch.cuda.is_available():
-        print("moe_h200: needs a CUDA GPU; nothing run")
-        return 0
-    os.environ.update(common.NVLS_OFF)
-    common.export_path()
-    results: dict = {"command": " ".join(["python3", *sys.argv]), "gpus": common.gpu_names()[:1],
-                     "versions": common.versions(), "sizes": []}
-    common.run_sizes(args, results, "moe_h200.json", run_size, ("cuda_ipc",))
-    return 0
-
+from colocate_h200 import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__doc__.splitlines()[0], sizes=("30B-A3B-L4",), gpu_memory_utilization=0.25,
+                  file_name="moe_h200.json", baseline=False))

@@ -71,10 +71,10 @@ def model_flops(cfg, lengths: list[int]) -> tuple[float, float]:
     h, layers, heads, hd = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
     kv, inter, vocab = cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size
     attention_params = h * heads * hd + 2 * h * kv * hd + heads * hd * h  # q, k, v, o
-    experts = getattr(cfg, "num_experts", 0) or 0
-    dense = set(getattr(cfg, "mlp_only_layers", None) or ()) if experts else set(range(layers))
-    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
-    sparse = [i not in dense and (i + 1) % step == 0 for i in range(layers)] if experts else [False] * layers
+    from rlplacement.families import MoEFamily, num_experts
+
+    experts = num_experts(cfg)
+    sparse = MoEFamily.sparse_layers(cfg) if experts else [False] * layers
     # a sparse layer's matmuls per token: the router and the top-k experts it runs (the active parameters)
     mlp = [h * experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size if s else 3 * h * inter
            for s in sparse]
