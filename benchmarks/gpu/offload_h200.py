@@ -11,7 +11,8 @@ only when the other would not fit beside it). Before the steps, the refill check
 and log-probs of the fresh engine, then a level-2 sleep, the trainer's weights sent back unchanged,
 and the same greedy generation, which must be equal.
 
-Results contract (``offload_h200.json``; ``offload_h200_4B_fp32.json`` with ``--size 4B --master-fp32``):
+Results contract (``offload_h200.json``; ``offload_h200_<size>.json`` for another ``--size``, e.g. the
+mixture-of-experts ``30B-A3B-L4``; ``offload_h200_4B_fp32.json`` with ``--size 4B --master-fp32``):
 ``host_link_gbps`` {d2h, h2d, both}; ``steps``: rows with ``handoff_to_rollout_s``,
 ``handoff_to_train_s``, ``handoff_bytes_to_host``, ``handoff_bytes_to_device``,
 ``engine_weight_bytes_over_pcie`` and every ``perf/handoff_*`` part; ``steady_handoff_s`` (median over
@@ -211,7 +212,8 @@ def main() -> int:
         torch.cuda.empty_cache()
         torch._C._host_emptyCache()  # the measurement's pinned buffers go back before the job starts
         print(f"host link: {results['host_link_gbps']}", flush=True)
-    name = f"offload_h200_{args.size}_fp32.json" if args.master_fp32 else "offload_h200.json"
+    name = (f"offload_h200_{args.size}_fp32.json" if args.master_fp32 else
+            "offload_h200.json" if args.size == "8B" else f"offload_h200_{args.size}.json")
     try:
         for flags in args.flags:
             run_result = run(model_dir, args, flags)
