@@ -133,6 +133,11 @@ class MoEConfig:
     """``--moe-token-dispatcher-type``: megatron's token dispatcher (``allgather`` or ``alltoall``)."""
     router_dtype: str | None = None
     """``--moe-router-dtype``: megatron computes the router in fp32 or fp64 (None: the model's dtype)."""
+    rollout_routing_replay: bool = False
+    """``--use-rollout-routing-replay``: the engines return the experts each token was routed to (vLLM's
+    ``enable_return_routed_experts``), :attr:`RolloutSample.routed_experts` carries them, and the trainer routes
+    every token of a :class:`Batch` with ``routed_experts`` to those experts instead of its own top-k (its router
+    still weighs them), so training and rollout run the same experts."""
 
     def aux_loss(self, hf_config) -> float:
         """The load-balancing loss weight this run trains with (see :attr:`aux_loss_coeff`)."""
@@ -145,7 +150,7 @@ class MoEConfig:
 MOE_FLAGS = {"num_experts": "--num-experts", "router_topk": "--moe-router-topk",
              "ffn_hidden_size": "--moe-ffn-hidden-size", "aux_loss_coeff": "--moe-aux-loss-coeff",
              "z_loss_coeff": "--moe-z-loss-coeff", "token_dispatcher_type": "--moe-token-dispatcher-type",
-             "router_dtype": "--moe-router-dtype"}
+             "router_dtype": "--moe-router-dtype", "rollout_routing_replay": "--use-rollout-routing-replay"}
 """Each :class:`MoEConfig` field's flag (Miles' name)."""
 
 

@@ -72,6 +72,8 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     engine_args.setdefault("update_weight_slices", config.transfer.slices)
     engine_args.setdefault("update_weight_buffer_size", config.transfer.buffer_size)
     engine_args.setdefault("verbose", verbose)
+    if config.backend.moe.rollout_routing_replay:
+        engine_args["enable_return_routed_experts"] = True
     if timeout_s is not None:
         engine_args.setdefault("timeout_s", float(timeout_s))
     p = config.placement

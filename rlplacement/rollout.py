@@ -50,6 +50,11 @@ class RolloutSample:
     """Ended by :meth:`RLJob.abort` before it finished: a partial sample, not to train on unless meant."""
     index: int = 0
     """Its place in the call's samples: prompt ``index // n``, that prompt's sample ``index % n``."""
+    routed_experts: "np.ndarray | None" = None
+    """``[P + R, L, K]`` the experts the engine routed each prompt and response position to, in each of the
+    model's ``L`` layers (``--use-rollout-routing-replay``; None otherwise). The last position was never fed
+    to the engine; it holds experts ``0..K-1``. :func:`rlplacement.routed_experts_of` stacks them into
+    :attr:`Batch.routed_experts`."""
 
 
 @dataclasses.dataclass
@@ -203,7 +208,7 @@ def stream(engines: Sequence, pending: PendingRollout, timeout_s: float) -> Iter
             j = idx[out["index"]]
             sample = RolloutSample(pending.prompts[j], out["token_ids"], out["logprobs"], out["finish_reason"],
                                    out["weight_version"], key[0], out["finished_at"], out["first_token_at"],
-                                   out["stop_reason"], out["aborted"], j)
+                                   out["stop_reason"], out["aborted"], j, out.get("routed_experts"))
             pending.samples[j] = sample
             yield sample
 

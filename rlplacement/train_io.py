@@ -29,6 +29,11 @@ class Batch:
     lengths: torch.Tensor | None = None
     """``[B]`` int64 tokens of each sample before its padding (prompt + response); None: all ``T``. Micro-batches
     are trimmed to their longest sample, so padding costs no compute."""
+    routed_experts: torch.Tensor | None = None
+    """``[B, T, L, K]`` integer: the experts position ``t`` was routed to in each of the model's ``L`` layers (top
+    ``K``), as the engine routed it (:func:`routed_experts_of`; vLLM's layout: every layer, a dense layer's rows
+    unread). Given (``--use-rollout-routing-replay``), every forward over the batch routes each token of a sparse
+    layer to these experts; the router's own weights for them still weigh the experts' outputs."""
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2 or self.input_ids.dtype != torch.int64:
@@ -46,6 +51,11 @@ class Batch:
         if self.lengths is not None and tuple(self.lengths.shape) != (self.input_ids.shape[0],):
             raise ValueError(f"Batch.lengths must be [B] = [{self.input_ids.shape[0]}], got "
                              f"{tuple(self.lengths.shape)}")
+        routed = self.routed_experts
+        if routed is not None and (routed.dim() != 4 or tuple(routed.shape[:2]) != tuple(self.input_ids.shape)
+                                   or routed.is_floating_point()):
+            raise ValueError(f"Batch.routed_experts must be [B, T, layers, top-k] integer with [B, T] = "
+                             f"{list(self.input_ids.shape)}, got {tuple(routed.shape)} {routed.dtype}")
 
     def check_lengths(self) -> None:
         """Every length in ``1..T`` and no loss-mask token past it (reads the tensors: call it once, on the host)."""
@@ -82,18 +92,46 @@ class Batch:
                 return None if t is None else t[:, :width]
 
             return Batch(cut(self.input_ids), cut(self.loss_mask), self.advantages, cut(self.old_logprobs),
-                         self.lengths)
+                         self.lengths, cut(self.routed_experts))
 
         def pad(t):
             return None if t is None else torch.nn.functional.pad(t, (0, width - have))
 
-        return Batch(pad(self.input_ids), pad(self.loss_mask), self.advantages, pad(self.old_logprobs), self.lengths)
+        return Batch(pad(self.input_ids), pad(self.loss_mask), self.advantages, pad(self.old_logprobs), self.lengths,
+                     None if self.routed_experts is None else _pad_routes(self.routed_experts, width))
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(*(None if t is None else t.to(device) for t in self._fields()))
 
     def _fields(self) -> tuple:
-        return (self.input_ids, self.loss_mask, self.advantages, self.old_logprobs, self.lengths)
+        return (self.input_ids, self.loss_mask, self.advantages, self.old_logprobs, self.lengths, self.routed_experts)
+
+
+def _pad_routes(routes: torch.Tensor, width: int) -> torch.Tensor:
+    """``routes`` widened to ``width`` positions, each new one routed to experts ``0..K-1``: a padding position
+    predicts nothing, and megatron's and HF's dispatch both need ``K`` distinct experts a token."""
+    b, t, layers, k = routes.shape
+    filler = torch.arange(k, dtype=routes.dtype, device=routes.device).expand(b, width - t, layers, k)
+    return torch.cat([routes, filler], dim=1)
+
+
+def routed_experts_of(samples, width: int | None = None) -> torch.Tensor:
+    """``[B, T, L, K]`` int32 :attr:`Batch.routed_experts` of rollout samples (``RolloutSample.routed_experts``,
+    prompt and response positions), right-padded to ``width`` (default: the longest sample) the way
+    :func:`_pad_routes` pads; raises naming the sample that has none (its engine returned none: start the job
+    with ``--use-rollout-routing-replay``)."""
+    missing = [i for i, s in enumerate(samples) if getattr(s, "routed_experts", None) is None]
+    if missing:
+        raise ValueError(f"rollout sample {missing[0]} has no routed_experts: its engine returns them only in a job "
+                         f"started with --use-rollout-routing-replay")
+    lengths = [len(s.routed_experts) for s in samples]
+    width = max(lengths, default=0) if width is None else width
+    rows = []
+    for s, n in zip(samples, lengths):
+        if n > width:
+            raise ValueError(f"a sample's {n} routed positions exceed the batch width {width}")
+        rows.append(_pad_routes(torch.as_tensor(s.routed_experts, dtype=torch.int32)[None], width))
+    return torch.cat(rows)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

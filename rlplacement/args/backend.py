@@ -44,6 +44,9 @@ FLAGS = (
          choices=MOE_DISPATCHERS, help="Mixture-of-experts, megatron: how tokens reach their experts."),
     flag("--moe-router-dtype", type=str, default=default_of(MoEConfig, "router_dtype"), choices=MOE_ROUTER_DTYPES,
          help="Mixture-of-experts, megatron: the router's compute dtype (default: the model's)."),
+    flag("--use-rollout-routing-replay", action="store_true", default=default_of(MoEConfig, "rollout_routing_replay"),
+         help="Mixture-of-experts: the engines return each token's experts and the trainer routes every token to "
+              "them (Batch.routed_experts), so training runs the experts the rollout ran (needs GPU engines)."),
     flag("--sequence-parallel", action="store_true", default=default_of(BackendConfig, "sequence_parallel"),
           help="Megatron: split the activations outside attention and MLP along the sequence over the TP "
                "ranks (needs --tensor-model-parallel-size > 1 and TransformerEngine)."),

@@ -168,6 +168,12 @@ def _recompute_from_args(args: argparse.Namespace, backend) -> dict:
                               f"drop {said}.")
         if layers is not None and layers < 1:  # the bound above (a stage's layers) is checked with the model
             raise ConfigError(f"--recompute-num-layers {layers}: use 1 or more.")
+        if granularity == "full" and backend.moe.rollout_routing_replay and backend.pipeline_model_parallel_size > 1:
+            raise ConfigError(f"--use-rollout-routing-replay with --recompute-granularity full at "
+                              f"--pipeline-model-parallel-size {backend.pipeline_model_parallel_size}: a recomputed "
+                              f"router replays the micro-batch set last, and the pipeline schedule runs other "
+                              f"micro-batches' forwards before a backward; use --recompute-granularity selective, or "
+                              f"drop --use-rollout-routing-replay.")
     elif granularity is not None or method is not None or layers is not None:
         raise ConfigError(f"--recompute-granularity, --recompute-method and --recompute-num-layers are megatron's; "
                           f"the {backend.name} backend recomputes with --gradient-checkpointing: use that instead.")

@@ -20,6 +20,7 @@ Contracts every backend keeps:
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 import time
 from typing import Any, ClassVar, Iterator
@@ -219,19 +220,42 @@ class TrainerBackend(abc.ABC):
 
     def log_probs(self, batch: Batch) -> torch.Tensor:
         """``[B, T]`` float32 log-probs of ``batch`` under the current weights, micro-batch by micro-batch."""
+        self._check_routes(batch)
         self.set_train(False)
         batch = batch.to(self.device)
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for idx in self._micro_batches(batch):
                 mb = batch.rows(idx).trimmed()
-                out[idx, :mb.input_ids.shape[1]] = self._token_stats(mb.input_ids).logp
+                with self._routes(mb):
+                    out[idx, :mb.input_ids.shape[1]] = self._token_stats(mb.input_ids).logp
         return out
+
+    replays_routes = False
+    """Started with ``--use-rollout-routing-replay`` (the megatron and fsdp backends, a mixture of experts)."""
+
+    def _routes(self, batch: Batch, reference: bool = False) -> contextlib.AbstractContextManager:
+        """While open, forwards of the trained model (``reference``: of the frozen reference) route as
+        ``batch.routed_experts`` says (a no-op where the batch has none)."""
+        return contextlib.nullcontext()
+
+    def _check_routes(self, batch: Batch) -> None:
+        """A batch's ``routed_experts`` fit the model and the job replays them, checked once per call, before
+        any forward (the batch still on the host)."""
+        if batch.routed_experts is None:
+            return
+        if not self.replays_routes:
+            raise ConfigError("Batch.routed_experts is given, and the job was started without "
+                              "--use-rollout-routing-replay: start it with the flag, or leave routed_experts out")
+        from rlplacement.backends.routing_replay import check_routes
+
+        check_routes(batch.routed_experts, self.hf_config, self.family.sparse_layers(self.hf_config))
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """Optimizer steps over this rank's share ``batch`` (one per ``--global-batch-size`` samples).
         Metrics are the same on every rank: the loss and its parts are the steps' global token means."""
         cfg = self.train_config
+        self._check_routes(batch)
         batch = batch.to(self.device)
         if self.optimizer is None:
             self.optimizer = self.optim_config.build(self._parameters())
@@ -285,9 +309,10 @@ class TrainerBackend(abc.ABC):
             mb = batch.rows(idx).trimmed()
             ref = None
             if cfg.use_kl_loss:
-                with torch.no_grad():
+                with torch.no_grad(), self._routes(mb, reference=True):
                     ref = self._reference_log_probs(mb.input_ids)
-            parts, logp_sum = self._forward_backward(mb, normalizer, ref)
+            with self._routes(mb):
+                parts, logp_sum = self._forward_backward(mb, normalizer, ref)
             local += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).detach()
                                   for v in (*parts, logp_sum)])
         return self._step_sums(local, tokens)

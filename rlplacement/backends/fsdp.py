@@ -43,6 +43,7 @@ class FSDPBackend(TrainerBackend):
         self._expanded: tuple[list, list[tuple[str, torch.Tensor]]] | None = None  # see _checkpoint_pairs
         self.hf_config = model.config
         self.family = family_for(model.config)
+        self.route_replay = None  # HFRouteReplay under --use-rollout-routing-replay
 
     @classmethod
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
@@ -71,6 +72,10 @@ class FSDPBackend(TrainerBackend):
         if backend.family.moe:  # the flag, else config.json, decides the router loss (MoEConfig.aux_loss)
             coeff = cfg.moe.aux_loss(root.lm.config)
             root.lm.config.output_router_logits, root.lm.config.router_aux_loss_coef = coeff > 0, coeff
+        if cfg.moe.rollout_routing_replay:
+            from rlplacement.backends.routing_replay import HFRouteReplay
+
+            backend.route_replay = HFRouteReplay([root] + ([reference] if reference is not None else []))
         backend.optimizer = optim.build(root.parameters())  # over the sharded DTensors, built once
         backend.source_hf_dir = cfg.hf_checkpoint
         if cfg.load:
@@ -156,6 +161,16 @@ class FSDPBackend(TrainerBackend):
         cfg = self.train_config
         return self.root(input_ids, temperature=cfg.rollout_temperature, chunk_tokens=cfg.log_probs_chunk_size,
                          with_entropy=with_entropy)
+
+    @property
+    def replays_routes(self) -> bool:
+        return self.route_replay is not None
+
+    def _routes(self, batch, reference: bool = False):
+        """One hook set serves the trained model and its reference (see :class:`HFRouteReplay`)."""
+        if batch.routed_experts is None:
+            return super()._routes(batch, reference)
+        return self.route_replay.routing(batch.routed_experts)
 
     def _reference_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.train_config

@@ -14,6 +14,7 @@ import os
 import torch
 
 from rlplacement.backends.objective import TokenStats, policy_loss
+from rlplacement.backends.routing_replay import hf_routed
 from rlplacement.config import OptimConfig, TrainConfig
 from rlplacement.train_io import Batch
 
@@ -62,8 +63,9 @@ def hf_reference_step(model, rank_batches: list[Batch], optim: OptimConfig, trai
     tokens = max(float(sum(b.loss_mask.sum() for b in rank_batches)), 1.0)
     loss = 0.0
     for b in rank_batches:
-        stats = hf_token_stats(model, b.input_ids, train.rollout_temperature, with_entropy=bool(train.entropy_coef),
-                               router_loss=router_loss)
+        with hf_routed(model, b.routed_experts):  # each batch's routes, where it replays them
+            stats = hf_token_stats(model, b.input_ids, train.rollout_temperature,
+                                   with_entropy=bool(train.entropy_coef), router_loss=router_loss)
         ref = hf_log_probs(reference, b.input_ids, train.rollout_temperature) if train.use_kl_loss else None
         part = policy_loss(stats, b, train, tokens, ref).loss
         part.backward()

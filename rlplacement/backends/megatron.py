@@ -14,6 +14,7 @@ by point-to-point sends and the last stage broadcasts them.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -237,15 +238,48 @@ class MegatronBackend(TrainerBackend):
     def log_probs(self, batch):
         if self._pp == 1:
             return super().log_probs(batch)
+        self._check_routes(batch)
         self.set_train(False)
-        ids = batch.input_ids.to(self.device)
-        with torch.no_grad():
-            logp = self._stage_log_probs(ids)
-        return self._from_last_stage(logp, ids)
+        batch = batch.to(self.device)
+        with torch.no_grad(), self._routes(batch):
+            logp = self._stage_log_probs(batch.input_ids)
+        return self._from_last_stage(logp, batch.input_ids)
+
+    @property
+    def replays_routes(self) -> bool:
+        return bool(getattr(self.model.config, "moe_enable_routing_replay", False))
+
+    @contextlib.contextmanager
+    def _routes(self, batch, reference: bool = False):
+        """The routers of the model (``reference``: of the reference) replay ``batch``'s routes while open."""
+        if batch.routed_experts is None:
+            yield
+            return
+        model = self.reference if reference else self.model
+        self._replay(model, batch)
+        try:
+            yield
+        finally:
+            from rlplacement.backends.routing_replay import megatron_clear
+
+            megatron_clear(model)
+
+    def _replay(self, model, batch) -> None:
+        from megatron.core import parallel_state as ps
+
+        from rlplacement.backends.routing_replay import megatron_replay
+
+        megatron_replay(model, batch.routed_experts, tp_rank=ps.get_tensor_model_parallel_rank(),
+                        tp_size=ps.get_tensor_model_parallel_world_size(),
+                        sequence_parallel=self.model.config.sequence_parallel)
 
     def _stage_forward(self, model, batch) -> torch.Tensor:
         """This stage's forward of one micro-batch through ``model`` (DDP around the stage): logits on the
-        last stage, hidden states elsewhere (the schedule sends and receives them)."""
+        last stage, hidden states elsewhere (the schedule sends and receives them). With routes, its routers
+        replay them from here until the step ends (a full recompute in this micro-batch's backward replays
+        them too: without pipelining megatron runs each micro-batch's backward right after its forward)."""
+        if batch.routed_experts is not None:
+            self._replay(model, batch)
         return model(batch.input_ids, *self._positions_and_mask(batch.input_ids))
 
     def _positions_and_mask(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -271,7 +305,10 @@ class MegatronBackend(TrainerBackend):
         multiple = self.model.config.tensor_model_parallel_size if self.model.config.sequence_parallel else 1
         micro = [batch.rows(idx).trimmed(multiple) for idx in self._micro_batches(batch)]
         # the reference's log-probs of every micro-batch first (a pipeline runs them stage to stage)
-        references = {id(mb): self._reference_log_probs(mb.input_ids) for mb in micro} if cfg.use_kl_loss else {}
+        references = {}
+        for mb in micro if cfg.use_kl_loss else ():
+            with self._routes(mb, reference=True):
+                references[id(mb)] = self._reference_log_probs(mb.input_ids)
 
         def loss(mb, logits):
             stats = self._logits_to_stats(logits, mb.input_ids, with_entropy=bool(cfg.entropy_coef))
@@ -280,7 +317,13 @@ class MegatronBackend(TrainerBackend):
                                     for v in (*parts, (stats.logp.detach() * mb.loss_mask).sum())]))
             return parts.loss
 
-        self._training.forward_backward(micro, self._stage_forward, loss)
+        try:
+            self._training.forward_backward(micro, self._stage_forward, loss)
+        finally:
+            if self.replays_routes:
+                from rlplacement.backends.routing_replay import megatron_clear
+
+                megatron_clear(self.model)
         if self._pp > 1:
             from megatron.core import parallel_state as ps
 

@@ -162,7 +162,8 @@ def moe_settings(hf_config: Any, family, tp: int, moe=None, ep: int = 1) -> dict
     experts' weights for DDP's expert-data-parallel reduction from this field, not from the groups: left at 1,
     DDP would sum different experts' gradients across ranks); and from ``moe``
     (:class:`~rlplacement.config.MoEConfig`, the flags) the load-balancing
-    and z-loss weights, the token dispatcher and the router's dtype. megatron's load-balancing loss is its
+    and z-loss weights, the token dispatcher, the router's dtype and whether its routers can replay rollout
+    routes (``routing_replay``). megatron's load-balancing loss is its
     ``aux_loss`` (per micro-batch, scaled by megatron's schedule: the mean over a step's micro-batches)."""
     from rlplacement.config import MoEConfig
     from rlplacement.families import num_experts
@@ -178,7 +179,8 @@ def moe_settings(hf_config: Any, family, tp: int, moe=None, ep: int = 1) -> dict
                 moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
                 moe_grouped_gemm=False, moe_token_dispatcher_type=moe.token_dispatcher_type, moe_aux_loss_coeff=aux,
                 moe_router_load_balancing_type="aux_loss" if aux else "none", moe_z_loss_coeff=moe.z_loss_coeff,
-                moe_router_dtype=moe.router_dtype, expert_model_parallel_size=ep, add_bias_linear=False)
+                moe_router_dtype=moe.router_dtype, expert_model_parallel_size=ep, add_bias_linear=False,
+                moe_enable_routing_replay=moe.rollout_routing_replay)
 
 
 def fusions(spec: str, on_gpu: bool, wgrad_kernel: bool) -> dict[str, bool]:

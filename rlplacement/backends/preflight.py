@@ -157,6 +157,9 @@ def _check_moe_flags(cfg: BackendConfig, hf_config: Any, family, source: str, fo
     unset_in_megatron = ("num_experts", "ffn_hidden_size", "z_loss_coeff", "router_dtype")
     given = [f for f in unset_in_megatron if getattr(cfg.moe, f) is not None]
     if not family.moe:
+        if cfg.moe.rollout_routing_replay:
+            raise ConfigError(f"--use-rollout-routing-replay replays a mixture-of-experts model's routing; {source} "
+                              f"is the dense {family.name}: drop it")
         if given:
             raise ConfigError(f"{MOE_FLAGS[given[0]]} and the other MoE flags configure a "
                               f"mixture-of-experts model; {source} is the dense {family.name}: drop them")

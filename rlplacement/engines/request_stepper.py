@@ -68,7 +68,19 @@ class _Request:
                 "stop_reason": None if aborted else c.stop_reason, "aborted": aborted,
                 "weight_version": self.version,
                 "finished_at": last + wall_minus_monotonic if last > 0 and not aborted else now,
-                "first_token_at": first + wall_minus_monotonic if first > 0 else None}
+                "first_token_at": first + wall_minus_monotonic if first > 0 else None,
+                "routed_experts": _every_position(getattr(c, "routed_experts", None))}
+
+
+def _every_position(routed) -> "np.ndarray | None":
+    """vLLM's ``[P + R - 1, L, K]`` routed experts (the last sampled token is never fed) as ``[P + R, L, K]``
+    int16 with the last position routed to experts ``0..K-1`` (it predicts nothing in training)."""
+    if routed is None:
+        return None
+    routed = np.asarray(routed)
+    k = routed.shape[-1]
+    last = np.broadcast_to(np.arange(k, dtype=np.int16), (1, routed.shape[1], k))
+    return np.concatenate([routed.astype(np.int16), last])
 
 
 @dataclasses.dataclass

