@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu/run_h200.sh sleep_failure [--levels 2 1] -> $OUT/sleep_failure_h200.json (1 GPU, failed update vs sleep level)
 #   bash benchmarks/gpu/run_h200.sh staging [--size 8B]      -> $OUT/staging_h200.json   (1 GPU, --update-weight-staging full vs bucket)
 #   bash benchmarks/gpu/run_h200.sh moe [--sizes 30B-A3B-L4] -> $OUT/moe_h200.json     (1 GPU, Qwen3-MoE colocated)
+#   bash benchmarks/gpu/run_h200.sh routing_replay [--steps 3] -> $OUT/routing_replay_h200.json (1 GPU, MoE routing replay)
 #   bash benchmarks/gpu/run_h200.sh extras                  -> $OUT/gpu_extras_h200.json (installed versions vs [gpu])
 #   bash benchmarks/gpu/run_h200.sh tests                   -> the GPU-marked tests (pytest -m gpu)
 # Installs this checkout into /tmp/site first, so vLLM's processes find the `vllm.general_plugins`
@@ -31,7 +32,8 @@ case "$what" in
   sleep_failure) python3 benchmarks/gpu/sleep_failure_h200.py --out "$out" "$@" ;;
   staging) python3 benchmarks/gpu/staging_h200.py --out "$out" "$@" ;;
   moe) python3 benchmarks/gpu/moe_h200.py --out "$out" "$@" ;;
+  routing_replay) python3 benchmarks/gpu/routing_replay_h200.py --out "$out" "$@" ;;
   extras) python3 benchmarks/gpu/check_gpu_extras.py "$out/gpu_extras_h200.json" "$@" ;;
   tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests "$@" ;;
-  *) echo "unknown experiment $what (split | colocate | offload | replay | loop | rollout | megatron | sleep_failure | staging | moe | extras | tests)" >&2; exit 2 ;;
+  *) echo "unknown experiment $what (split | colocate | offload | replay | loop | rollout | megatron | sleep_failure | staging | moe | routing_replay | extras | tests)" >&2; exit 2 ;;
 esac
