@@ -4,6 +4,8 @@ one step each equal to the HF reference with megatron's loss, and the experts st
 checkpoint's per-expert names by every way of sending (rank 0 alone, every rank its share, every rank all:
 at EP=2 each rank's share holds only its own experts, and every rank all is refused)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,18 +22,19 @@ SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
 AUX = 0.5
 
 
-def _step_and_streams(rank, world, hf, streamed_path, dispatcher, ep):
+def _step_and_streams(rank, world, hf, streamed_path, dispatcher, ep, pp=1):
     from rlplacement.backends.megatron import MegatronBackend
     from rlplacement.families import megatron_mapping as mapping
     from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
     moe = MoEConfig(aux_loss_coeff=AUX, token_dispatcher_type=dispatcher, router_dtype="fp32")
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf, moe=moe,
-                                                        expert_model_parallel_size=ep), SGD)
+                                                        expert_model_parallel_size=ep,
+                                                        pipeline_model_parallel_size=pp), SGD)
     from rlplacement.backends.megatron_model import global_named_parameters
 
     experts_marked = {getattr(p, "allreduce", True) for n, p in global_named_parameters(backend.model) if ".experts." in n}
-    batch = random_batch(SPEC.vocab_size, seed=10 + rank)
+    batch = random_batch(SPEC.vocab_size, seed=10 + rank % (world // pp))  # one batch per pipeline
     logp = backend.log_probs(batch)
     metrics = backend.train_step(batch)
     shares = (RANK0, SHARES) if ep > 1 else (RANK0, SHARES, OWN_GPU)
@@ -52,20 +55,23 @@ def _step_and_streams(rank, world, hf, streamed_path, dispatcher, ep):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dispatcher, ep", [("allgather", 1), ("alltoall", 2)])
-def test_megatron_two_ranks_moe_step_matches_the_reference_with_megatrons_router_loss(tmp_path, dispatcher, ep):
+@pytest.mark.parametrize("dispatcher, ep, pp", [("allgather", 1, 1), ("alltoall", 2, 1), ("alltoall", 1, 2)])
+def test_megatron_two_ranks_moe_step_matches_the_reference_with_megatrons_router_loss(tmp_path, dispatcher, ep, pp):
+    """Two ranks as data-parallel (EP=1), expert-parallel (EP=2) or pipeline stages (PP=2: one pipeline, the
+    sparse layers 0 and 2 on different stages)."""
     from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
-    hf = make_tiny_model(tmp_path / "hf", SPEC)
+    hf = make_tiny_model(tmp_path / "hf", SPEC if pp == 1 else dataclasses.replace(SPEC, num_hidden_layers=4,
+                                                                                     mlp_only_layers=(1, 3)))
     streamed = tmp_path / "streamed.pt"
-    results = launch.spawn(_step_and_streams, 2, str(hf), str(streamed), dispatcher, ep, timeout_s=300)
+    results = launch.spawn(_step_and_streams, 2, str(hf), str(streamed), dispatcher, ep, pp, timeout_s=300)
     # under EP, DDP reduces each expert's gradient over its expert-data-parallel ranks only (megatron marks them)
     assert all(r["experts_allreduce"] == {ep == 1} for r in results)
     ref = load_hf(hf)
     ref.config.output_router_logits = True  # the reference computes the router logits; the loss is megatron's
-    batches = [random_batch(SPEC.vocab_size, seed=10 + r) for r in range(2)]
+    batches = [random_batch(SPEC.vocab_size, seed=10 + r) for r in range(2 // pp)]
     for r, res in enumerate(results):
-        assert (res["logp"] - hf_log_probs(ref, batches[r].input_ids)).abs().max().item() <= 1e-5
+        assert (res["logp"] - hf_log_probs(ref, batches[r % len(batches)].input_ids)).abs().max().item() <= 1e-5
         assert res["mismatched"] == []
     expected = hf_reference_step(ref, batches, SGD, router_loss=megatron_load_balancing_loss(AUX, 4, 2))
     assert results[0]["metrics"]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
@@ -79,8 +85,11 @@ def test_megatron_two_ranks_moe_step_matches_the_reference_with_megatrons_router
     else:  # each expert-parallel rank sends its own experts: rank r holds experts 2r and 2r + 1
         for r, share in enumerate(shares):
             assert {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in share if ".experts." in n} == {2 * r, 2 * r + 1}
+    sparse = (0, 2)
     assert {n for n in every if ".experts." in n} == {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
-                                                      for i in (0, 2) for e in range(4) for p in ("gate", "up", "down")}
+                                                      for i in sparse for e in range(4) for p in ("gate", "up", "down")}
+    if pp == 2:  # each stage shares out its own layers: stage 0 layers 0-1, stage 1 layers 2-3
+        assert {int(n.split("layers.")[1].split(".")[0]) for n in shares[1] if "layers." in n} <= {2, 3}
 
 
 def test_moe_flags_are_checked_against_config_json(tmp_path):

@@ -58,14 +58,15 @@ def with_routes(batch: Batch, routes: torch.Tensor | None) -> Batch:
     return dataclasses.replace(batch, routed_experts=routes)
 
 
-def _replayed(rank, world, hf, backend_name, routes, ep):
+def _replayed(rank, world, hf, backend_name, routes, ep, pp=1):
     from rlplacement.backends.base import make_backend
 
     cfg = BackendConfig(name=backend_name, hf_checkpoint=hf, moe=MoEConfig(rollout_routing_replay=True),
-                        expert_model_parallel_size=ep)
+                        expert_model_parallel_size=ep, pipeline_model_parallel_size=pp)
     backend = make_backend(cfg, SGD, TRAIN)
-    batch = random_batch(SPEC.vocab_size, seed=10 + rank)
-    own, other = routes[rank]
+    dp_rank = rank % len(routes)  # PP=2: one pipeline, one batch
+    batch = random_batch(SPEC.vocab_size, seed=10 + dp_rank)
+    own, other = routes[dp_rank]
     out = {"plain": backend.log_probs(batch), "own": backend.log_probs(with_routes(batch, own)),
            "other": backend.log_probs(with_routes(batch, other))}
     bad = with_routes(batch, other[:, :, :2])
@@ -78,17 +79,18 @@ def _replayed(rank, world, hf, backend_name, routes, ep):
     return out
 
 
-def _reference(hf):
+def _reference(hf, dp: int = 2):
     ref = load_hf(hf)
-    batches = [random_batch(SPEC.vocab_size, seed=10 + r) for r in range(2)]
+    batches = [random_batch(SPEC.vocab_size, seed=10 + r) for r in range(dp)]
     routes = [(own_routes(ref, b.input_ids), other_routes(own_routes(ref, b.input_ids))) for b in batches]
     return ref, batches, routes
 
 
-def _check(results, hf, ref, batches, routes, exact_own: bool):
+def _check(results, hf, ref, batches, routes, exact_own: bool, layers: int = 3):
     from rlplacement.backends.routing_replay import hf_routed
 
-    for r, res in enumerate(results):
+    for rank, res in enumerate(results):
+        r = rank % len(batches)
         if exact_own:
             assert torch.equal(res["own"], res["plain"])
         else:
@@ -97,7 +99,7 @@ def _check(results, hf, ref, batches, routes, exact_own: bool):
         with hf_routed(ref, routes[r][1]):
             expected = hf_log_probs(ref, batches[r].input_ids)
         assert (res["other"] - expected).abs().max().item() <= 1e-5
-        assert "Batch.routed_experts is [B, T, 2, 2]: this model has 3 layers" in res["refused"]
+        assert f"Batch.routed_experts is [B, T, 2, 2]: this model has {layers} layers" in res["refused"]
     routed = [with_routes(b, routes[r][1]) for r, b in enumerate(batches)]
     expected = hf_reference_step(ref, routed, SGD, TRAIN)["grad_norm"]
     assert results[0]["metrics"]["grad_norm"] == pytest.approx(expected, rel=1e-5)
@@ -113,13 +115,17 @@ def test_fsdp_replays_routes_as_the_hf_model_routed_the_same_way(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_megatron_replays_routes_under_expert_parallelism_as_the_hf_model_routed_the_same_way(tmp_path,
-                                                                                              norm_topk_prob):
-    hf = str(make_tiny_model(tmp_path / "hf", dataclasses.replace(SPEC, norm_topk_prob=norm_topk_prob)))
-    ref, batches, routes = _reference(hf)
-    results = launch.spawn(_replayed, 2, hf, "megatron", routes, 2, timeout_s=300)
-    _check(results, hf, ref, batches, routes, exact_own=False)
+@pytest.mark.parametrize("norm_topk_prob, ep, pp", [(True, 2, 1), (False, 2, 1), (True, 1, 2)])
+def test_megatron_replays_routes_as_the_hf_model_routed_the_same_way(tmp_path, norm_topk_prob, ep, pp):
+    """Expert parallelism 2 (HF's two routings: top-k then softmax, and softmax then top-k), and two pipeline
+    stages (each stage's routers find their layers' routes by megatron's global layer number)."""
+    spec = dataclasses.replace(SPEC, norm_topk_prob=norm_topk_prob)
+    if pp == 2:
+        spec = dataclasses.replace(spec, num_hidden_layers=4, mlp_only_layers=(1,))
+    hf = str(make_tiny_model(tmp_path / "hf", spec))
+    ref, batches, routes = _reference(hf, dp=2 // pp)
+    results = launch.spawn(_replayed, 2, hf, "megatron", routes, ep, pp, timeout_s=300)
+    _check(results, hf, ref, batches, routes, exact_own=False, layers=spec.num_hidden_layers)
 
 
 def test_routes_travel_with_their_rows_and_padding_routes_distinct_experts():
