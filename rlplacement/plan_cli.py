@@ -31,6 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--simulate-transfer", action="store_true",
                    help="print the transfer plan's bytes per sender, receiver and link and the predicted update "
                         "time, ours against the rank-0 plan (needs --hf-config or --hf-checkpoint)")
+    g.add_argument("--memory", action="store_true",
+                   help="print the GPU memory of the model's state: the busiest trainer rank's weights, gradients "
+                        "and optimizer state under the flags' backend and TP/PP/EP, and an engine worker's weights "
+                        "(needs --hf-config or --hf-checkpoint; activations and KV cache not modelled)")
     g.add_argument("--hf-config", default=None, metavar="CONFIG.json",
                    help="the model's config.json (default: the one in --hf-checkpoint)")
     helps = field_help(ModelAssumptions)
@@ -45,7 +49,8 @@ def config_path(args: argparse.Namespace) -> str:
     elif args.hf_checkpoint:
         path = os.path.join(args.hf_checkpoint, "config.json")
     else:
-        raise ValueError("--simulate-transfer needs the model: give --hf-config CONFIG.json or --hf-checkpoint DIR")
+        raise ValueError("--simulate-transfer and --memory need the model: give --hf-config CONFIG.json or "
+                         "--hf-checkpoint DIR")
     if not os.path.isfile(path):
         raise ValueError(f"--hf-config {path}: no such file; give the model's config.json")
     return path
@@ -67,6 +72,34 @@ def simulate_layout(config, layout, args: argparse.Namespace) -> dict:
                      pp=b.pipeline_model_parallel_size, mode=config.transfer.mode, assumptions=assumptions)
     return {"model": model.source, "model_bytes": model.total_bytes, "mode": config.transfer.mode,
             "backend": b.name, "engine_staging": engine_staging(config, model), **pair.to_json()}
+
+
+def memory_of(config, layout, path: str) -> dict:
+    """:func:`rlplacement.advisor.memory.layout_memory` of the validated flags (``--bf16`` unset: on, as on a
+    GPU trainer)."""
+    from rlplacement.advisor.memory import layout_memory
+    from rlplacement.transfer.plan.tensors import ModelTensors
+
+    b, t = config.backend, config.train
+    return layout_memory(ModelTensors.from_hf_config(path), backend=b.name,
+                         trainer_gpus=len(layout.trainer_gpus), tp=b.tensor_model_parallel_size,
+                         pp=b.pipeline_model_parallel_size, ep=b.expert_model_parallel_size,
+                         bf16=t.bf16 is not False, distributed_optimizer=t.use_distributed_optimizer,
+                         engine_tp=layout.gpus_per_engine)
+
+
+def render_memory(memory: dict) -> str:
+    gb = 1e9
+    r = memory["trainer_rank"]
+    gathered = f" + a layer gathered {r['gathered'] / gb:.2f}" if r["gathered"] else ""
+    experts = (f", {memory['expert_parameters'] / 1e9:.2f} B of them experts" if memory["expert_parameters"] else "")
+    return (f"model state in GPU memory ({memory['parameters'] / 1e9:.2f} B parameters{experts}; "
+            f"{'--bf16' if memory['bf16'] else 'fp32'}, {memory['backend']}"
+            f"{', distributed optimizer' if memory['distributed_optimizer'] and memory['backend'] == 'megatron' else ''}):\n"
+            f"  busiest trainer rank: {r['total'] / gb:.2f} GB = weights {r['weights'] / gb:.2f} + gradients "
+            f"{r['gradients'] / gb:.2f} + optimizer {r['optimizer'] / gb:.2f}{gathered} (activations not modelled)\n"
+            f"  engine worker weights: {memory['engine_worker_weights'] / gb:.2f} GB (the KV cache takes what "
+            f"--vllm-gpu-memory-utilization leaves)")
 
 
 def engine_staging(config, model) -> dict:
@@ -130,15 +163,21 @@ def main(args: argparse.Namespace) -> int:
         print("\n".join(EMITTERS[args.emit](config, args)))
         return 0
     layout = compute_layout(config.placement)
-    if args.simulate_transfer:
+    if args.simulate_transfer or args.memory:
         from rlplacement.errors import ConfigError
 
         try:
-            result = simulate_layout(config, layout, args)
+            memory = memory_of(config, layout, config_path(args)) if args.memory else None
+            result = simulate_layout(config, layout, args) if args.simulate_transfer else None
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        print(json.dumps({**layout.to_json(), "transfer": result}) if args.json
-              else render_table(layout) + "\n\n" + render(result))
+        if args.json:
+            print(json.dumps({**layout.to_json(), **({"transfer": result} if result else {}),
+                              **({"memory": memory} if memory else {})}))
+        else:
+            parts = [render_table(layout)] + ([render(result)] if result else []) + (
+                [render_memory(memory)] if memory else [])
+            print("\n\n".join(parts))
         return 0
     print(json.dumps(layout.to_json()) if args.json else render_table(layout))
     return 0

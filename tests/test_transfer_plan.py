@@ -260,7 +260,7 @@ def test_plan_simulate_transfer_prints_the_plans_and_marks_the_one_that_runs(tmp
 
 
 @pytest.mark.parametrize("extra, message", [
-    ([], "--simulate-transfer needs the model: give --hf-config"),
+    ([], "--simulate-transfer and --memory need the model: give --hf-config"),
     (["--hf-config", "/nonexistent/config.json"], "--hf-config /nonexistent/config.json: no such file"),
 ])
 def test_plan_simulate_transfer_refuses_a_missing_model(extra, message, capsys):
@@ -288,3 +288,39 @@ def test_plan_simulates_a_mixture_of_experts_model_and_refuses_expert_parallelis
     assert json.loads(capsys.readouterr().out)["transfer"]["model_bytes"] == model.total_bytes
     assert cli_main(argv + ["--expert-model-parallel-size", "2"]) == 2
     assert "--expert-model-parallel-size 2 is not modelled yet" in capsys.readouterr().err
+
+
+def test_plan_memory_counts_a_ranks_experts_by_expert_parallelism(tmp_path, capsys):
+    """``plan --memory``: the busiest megatron rank's state, written out by hand for a small MoE config (every
+    layer sparse, untied head): at EP=2 each rank holds half the experts, whose optimizer state is sharded
+    over the expert-data-parallel ranks (DP / EP), the rest over DP; fsdp shards everything over all ranks;
+    an engine worker holds its TP slice of every tensor."""
+    h, v, layers, experts, inter, heads, kv, hd = 256, 1024, 4, 8, 64, 4, 2, 64
+    cfg = {"model_type": "qwen3_moe", "hidden_size": h, "intermediate_size": 512, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "vocab_size": v,
+           "num_experts": experts, "num_experts_per_tok": 2, "moe_intermediate_size": inter,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(cfg))
+    attention = h * heads * hd * 2 + h * kv * hd * 2 + 2 * hd + 2 * h  # q, o; k, v; q/k norms; two layer norms
+    expert_params = layers * experts * 3 * inter * h
+    dense = 2 * v * h + layers * (attention + experts * h) + h  # embedding, head, attention + router, final norm
+    argv = ["plan", "--memory", "--hf-config", str(config), "--json", "--actor-num-gpus-per-node", "4",
+            "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"]
+    assert cli_main(argv + ["--train-backend", "megatron", "--expert-model-parallel-size", "2",
+                            "--use-distributed-optimizer"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert (memory["parameters"], memory["expert_parameters"]) == (dense + expert_params, expert_params)
+    held = dense + expert_params // 2
+    assert memory["trainer_rank"] == {"parameters": held, "weights": 2 * held, "gradients": 4 * held,
+                                      "optimizer": int(12 * (dense / 4 + expert_params / 2 / 2)), "gathered": 0,
+                                      "total": 6 * held + int(12 * (dense / 4 + expert_params / 2 / 2))}
+    # each engine worker (TP=2): half of every sharded tensor, the norms and routers whole
+    whole = layers * (2 * hd + 2 * h + experts * h) + h
+    assert memory["engine_worker_weights"] == 2 * ((dense + expert_params - whole) // 2 + whole)
+    assert cli_main(argv + ["--train-backend", "fsdp"]) == 0
+    rank = json.loads(capsys.readouterr().out)["memory"]["trainer_rank"]
+    share = -(-(dense + expert_params) // 4)
+    layer = attention + experts * h + experts * 3 * inter * h
+    assert (rank["weights"], rank["gradients"], rank["optimizer"], rank["gathered"]) == (
+        4 * share, 4 * share, 8 * share, 2 * layer)

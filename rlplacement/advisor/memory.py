@@ -1,0 +1,113 @@
+"""GPU memory a layout needs for the model's state, from ``config.json`` alone (a
+:class:`~rlplacement.transfer.plan.tensors.ModelTensors`): the busiest trainer rank's weights, gradients and
+optimizer state, and each engine worker's served weights. Activations, the KV cache and framework buffers are
+not modelled (the engine's KV cache is what ``--vllm-gpu-memory-utilization`` leaves after its weights).
+
+Per parameter, Adam under ``--bf16`` (fp32 master weights and moments):
+
+* megatron: bf16 weights (2 bytes) and fp32 gradient buffers (4) on every rank that holds the parameter;
+  fp32 main weights and two moments (12) sharded over the data-parallel ranks with
+  ``--use-distributed-optimizer`` (an expert's over its expert-data-parallel ranks, ``DP / EP``), else whole.
+  A rank holds its pipeline stage's layers (the embedding on the first stage, the final norm and head on the
+  last), a TP shard of each, and ``1 / EP`` of every sparse layer's experts.
+* fsdp: fp32 weights (4), gradients (4) and moments (8), every parameter sharded over all trainer ranks,
+  plus one decoder layer gathered whole in bf16 while it computes.
+* Without ``--bf16`` (fp32 training) weights and gradients are 4 bytes each and megatron keeps no main copy.
+
+A mixture-of-experts model's experts dominate: Qwen3-30B-A3B's are 29 of its 30.5 B parameters, so expert
+parallelism is what brings a rank's share down (``--expert-model-parallel-size``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """Bytes one trainer rank holds for the model's state."""
+
+    parameters: int
+    """Parameter elements this rank holds (its shards)."""
+    weights: int
+    gradients: int
+    optimizer: int
+    gathered: int = 0
+    """fsdp: the largest decoder layer, gathered whole while it computes."""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.gathered
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _elements(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _tp_elements(model, t, tp: int) -> int:
+    from rlplacement.transfer.plan.boxes import volume
+
+    padded = -(-model.vocab_size // tp) * tp
+    return max(volume(model.tp_box(t, rank, tp, padded)) for rank in range(tp))
+
+
+def megatron_rank_memory(model, *, tp: int, pp: int, ep: int, dp: int, bf16: bool,
+                         distributed_optimizer: bool) -> RankMemory:
+    """The busiest megatron rank (the pipeline stage holding the most): see the module's rules."""
+    if dp % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the {dp} data-parallel ranks")
+    dense, experts = [0] * pp, [0] * pp
+    for t in model.tensors:
+        n = _tp_elements(model, t, tp)
+        if _is_expert(t.name):
+            experts[model.stage_of(t, pp)] += n // ep
+        else:
+            dense[model.stage_of(t, pp)] += n
+    stage = max(range(pp), key=lambda s: dense[s] + experts[s])
+    held = dense[stage] + experts[stage]
+    sharded = (dense[stage] / dp + experts[stage] / (dp // ep)) if distributed_optimizer else held
+    if bf16:
+        return RankMemory(held, 2 * held, 4 * held, int(12 * sharded))
+    return RankMemory(held, 4 * held, 4 * held, int(8 * sharded))
+
+
+def fsdp_rank_memory(model, *, world: int, bf16: bool) -> RankMemory:
+    """One fsdp rank: every parameter's ``1 / world`` (fp32 weights, gradients and moments) and, under
+    ``--bf16``, the largest decoder layer gathered in bf16 (fp32 without)."""
+    total = sum(_elements(t.shape) for t in model.tensors)
+    per_layer: dict[int, int] = {}
+    for t in model.tensors:
+        if t.layer is not None:
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + _elements(t.shape)
+    share = -(-total // world)
+    largest = max(per_layer.values(), default=0)
+    return RankMemory(share, 4 * share, 4 * share, 8 * share, (2 if bf16 else 4) * largest)
+
+
+def engine_worker_weight_bytes(model, tp: int) -> int:
+    """The served weights one worker of an engine of ``tp`` GPUs holds in the served dtype: its TP slice of
+    every tensor (vLLM's fused-MoE layer slices each expert as megatron does: no expert parallelism)."""
+    return sum(_tp_elements(model, t, tp) for t in model.tensors) * model.itemsize
+
+
+def layout_memory(model, *, backend: str, trainer_gpus: int, tp: int, pp: int, ep: int, bf16: bool,
+                  distributed_optimizer: bool, engine_tp: int) -> dict:
+    """The busiest trainer rank and an engine worker, as JSON (``rlplacement plan --memory``)."""
+    if backend == "megatron":
+        rank = megatron_rank_memory(model, tp=tp, pp=pp, ep=ep, dp=trainer_gpus // (tp * pp), bf16=bf16,
+                                    distributed_optimizer=distributed_optimizer)
+    else:
+        rank = fsdp_rank_memory(model, world=trainer_gpus, bf16=bf16)
+    expert_elements = sum(_elements(t.shape) for t in model.tensors if _is_expert(t.name))
+    return {"backend": backend, "bf16": bf16, "distributed_optimizer": distributed_optimizer,
+            "parameters": sum(_elements(t.shape) for t in model.tensors), "expert_parameters": expert_elements,
+            "trainer_rank": rank.to_json(), "engine_worker_weights": engine_worker_weight_bytes(model, engine_tp)}
