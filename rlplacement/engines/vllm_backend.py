@@ -127,7 +127,8 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         from rlplacement.transfer import shards
 
         tp = get_tensor_model_parallel_world_size()
-        if self.device.type != "cpu" or tp == 1 or getattr(self.parallel_config, "pipeline_parallel_size", 1) > 1:
+        if (self.device.type != "cpu" or tp == 1 or getattr(self.parallel_config, "pipeline_parallel_size", 1) > 1
+                or getattr(self.parallel_config, "enable_expert_parallel", False)):  # whole experts, not TP slices
             return None
         try:
             return shards.keeps_for_worker(self.model_config.hf_config.to_dict(), get_tensor_model_parallel_rank(), tp)
