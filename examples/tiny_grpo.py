@@ -99,10 +99,12 @@ class PromptSampler:
         return chosen
 
 
-def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, behaviour: bool = False) -> rlplacement.Batch:
+def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, behaviour: bool = False,
+               routes: bool = False) -> rlplacement.Batch:
     """Right-padded input_ids, a loss mask on response tokens, group-normalised advantages and each
     sample's length; with ``behaviour`` also the engine's log-probs at the sampled tokens' positions
-    (``old_logprobs``), which the loss uses for stale samples' importance ratio."""
+    (``old_logprobs``), which the loss uses for stale samples' importance ratio; with ``routes`` the experts
+    the engine routed every token to (``--use-rollout-routing-replay``)."""
     import torch
 
     advantages = []
@@ -121,7 +123,8 @@ def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, beha
         loss_mask[i, p:lengths[i]] = 1.0
         old_logprobs[i, p:lengths[i]] = torch.tensor(s.logprobs)
     return rlplacement.Batch(input_ids, loss_mask, torch.tensor(advantages, dtype=torch.float32),
-                             old_logprobs if behaviour else None, torch.tensor(lengths))
+                             old_logprobs if behaviour else None, torch.tensor(lengths),
+                             rlplacement.routed_experts_of(samples, input_ids.shape[1]) if routes else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
                 t0, pending, drawn = start_rollout(step + 1)
             staleness = job.version - min(s.weight_version for s in samples)  # versions behind the trainer
             rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
-            batch = make_batch(samples, rewards, group_size, tok.pad_token_id or 0, behaviour=one_step_off)
+            batch = make_batch(samples, rewards, group_size, tok.pad_token_id or 0, behaviour=one_step_off,
+                               routes=config.backend.moe.rollout_routing_replay)
             job.prepare_train()
             with tel.phase("train", role="trainer"):  # trainer work: the forward for the log-prob check
                 trainer_lp = job.log_probs(batch)
