@@ -176,6 +176,9 @@ def test_routing_replay_is_refused_where_it_cannot_run(tmp_path):
              "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method",
              "uniform", "--recompute-num-layers", "1"]))
     assert config_from_args(build_parser().parse_args(["--use-rollout-routing-replay", "--colocate"])).backend.moe.rollout_routing_replay
+    with pytest.raises(ConfigError, match=r"--moe-grouped-gemm: megatron's grouped expert layouts .* are not built; "
+                                          r"experts train in megatron's sequential layout"):
+        config_from_args(build_parser().parse_args(["--moe-grouped-gemm", "--colocate"]))
     if not torch.cuda.is_available():
         moe = str(make_tiny_model(tmp_path / "moe", SPEC))
         with pytest.raises(ConfigError, match=r"--use-rollout-routing-replay: vLLM returns routed experts only from "

@@ -44,6 +44,9 @@ FLAGS = (
          choices=MOE_DISPATCHERS, help="Mixture-of-experts, megatron: how tokens reach their experts."),
     flag("--moe-router-dtype", type=str, default=default_of(MoEConfig, "router_dtype"), choices=MOE_ROUTER_DTYPES,
          help="Mixture-of-experts, megatron: the router's compute dtype (default: the model's)."),
+    flag("--moe-grouped-gemm", action="store_true", default=False,
+         help="Megatron's grouped expert layouts (TransformerEngine's or grouped_gemm's): not built; refused "
+              "naming the sequential layout experts train in."),
     flag("--use-rollout-routing-replay", action="store_true", default=default_of(MoEConfig, "rollout_routing_replay"),
          help="Mixture-of-experts: the engines return each token's experts and the trainer routes every token to "
               "them (Batch.routed_experts), so training runs the experts the rollout ran (needs GPU engines)."),
@@ -94,6 +97,10 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
         raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the trainer's "
                           f"{placement.trainer_num_gpus // (tp * pp)} data-parallel ranks (its GPUs over TP x PP): "
                           f"change it or --actor-num-gpus-per-node.")
+    if get(args, "moe_grouped_gemm"):
+        raise ConfigError("--moe-grouped-gemm: megatron's grouped expert layouts (TransformerEngine's, grouped_gemm's) "
+                          "are not built; experts train in megatron's sequential layout, which converts and streams "
+                          "bit-exact: drop --moe-grouped-gemm")
     moe = _moe_from_args(args, name)
     return BackendConfig(name=name, hf_checkpoint=get(args, "hf_checkpoint"), load=get(args, "load"),
                          tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
