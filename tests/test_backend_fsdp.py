@@ -82,22 +82,37 @@ def _streams_by_who_sends(rank, world, hf):
 
     backend = make_backend(BackendConfig(name="fsdp", hf_checkpoint=hf), SGD, stream_dtype=torch.bfloat16)
     backend.train_step(random_batch(SPEC.vocab_size, seed=5))  # fp32 master weights move; bf16 is served
-    return {share: {n: t.clone() for n, t in backend.iter_update_tensors(share)} for share in (RANK0, SHARES, OWN_GPU)}
+    out, gathered = {}, {}
+    for share in (RANK0, SHARES, OWN_GPU):
+        out[share] = {n: t.clone() for n, t in backend.iter_update_tensors(share)}
+        gathered[share] = backend.last_stream_gathered_bytes
+    # what this rank lacks of each parameter (fp32 master weights): of those it yields under each way
+    lacking = {n: (p.numel() - p.to_local().numel()) * 4 for n, p in backend.model.named_parameters()}
+    return {**out, "gathered": gathered, "lacking": lacking}
 
 
-def test_every_way_of_sending_streams_the_same_bf16_tensors(tmp_path):
-    """Two ranks, fp32 training streamed as bf16: rank 0 alone, each rank its share (the union, each tensor
-    once) and every rank everything (colocated) stream the same bytes."""
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_way_of_sending_streams_the_same_bf16_tensors(tmp_path, world):
+    """Two and three ranks (uneven shards), fp32 training streamed as bf16: rank 0 alone, each rank its share
+    (the union, each tensor once) and every rank everything (colocated) stream the same bytes; a rank
+    receives other ranks' shards only of the tensors it sends (everything only when every rank sends
+    everything)."""
     from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
     hf = make_tiny_model(tmp_path / "hf", SPEC)
-    got = launch.spawn(_streams_by_who_sends, 2, str(hf), timeout_s=300)
+    got = launch.spawn(_streams_by_who_sends, world, str(hf), timeout_s=300)
     whole = got[0][RANK0]
-    assert whole and got[1][RANK0] == {} and all(t.dtype == torch.bfloat16 for t in whole.values())
-    shares = [got[r][SHARES] for r in range(2)]
-    assert not set(shares[0]) & set(shares[1]) and set(shares[0]) | set(shares[1]) == set(whole)
-    assert shares[0] and shares[1]  # both ranks send
-    for r in range(2):
+    assert whole and all(got[r][RANK0] == {} for r in range(1, world))
+    assert all(t.dtype == torch.bfloat16 for t in whole.values())
+    shares = [got[r][SHARES] for r in range(world)]
+    assert sum(len(s) for s in shares) == len(whole) and set().union(*shares) == set(whole)
+    assert all(shares)  # every rank sends
+    for r in range(world):
+        lacking = got[r]["lacking"]
+        assert got[r]["gathered"] == {RANK0: sum(lacking.values()) if r == 0 else 0,
+                                      SHARES: sum(lacking[n] for n in shares[r]),
+                                      OWN_GPU: sum(lacking.values())}
+    for r in range(world):
         for name, t in shares[r].items():
             assert torch.equal(t, whole[name]), name
         assert set(got[r][OWN_GPU]) == set(whole)

@@ -22,6 +22,7 @@ from rlplacement.backends.objective import TokenStats
 from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
 from rlplacement.families import family_for
+from rlplacement.transfer.spec import OWN_GPU, RANK0
 
 
 def served_dtype(stream_dtype: torch.dtype | None, bf16: bool) -> torch.dtype | None:
@@ -200,11 +201,23 @@ class FSDPBackend(TrainerBackend):
     def _update_sizes(self) -> list[tuple[str, int]]:
         return [(name, p.numel() * (self.stream_dtype or p.dtype).itemsize) for name, p in self.model.named_parameters()]
 
+    def iter_update_tensors(self, share: str = RANK0) -> Iterator[tuple[str, torch.Tensor]]:
+        if share == OWN_GPU and dist.get_world_size() > 1:  # every rank needs every tensor: all-gathers
+            return self._iter_hf(None, everywhere=True)
+        return super().iter_update_tensors(share)
+
     def iter_hf_tensors(self, owners: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """With ``owners`` every rank still gathers every parameter (``full_tensor()``, one at a time), and
-        yields those it owns: the sending is spread, the gathering is not. Names are the checkpoint's
-        (``family.checkpoint_views``: a mixture-of-experts layer's fused experts as per-expert views);
-        ``owners`` is keyed by parameter, so an expert parameter's views go from one rank."""
+        """Each parameter is gathered onto the one rank that yields it (``owners``, else rank 0): its
+        shards go to that rank alone, so a rank receives what it sends and no more
+        (:attr:`last_stream_gathered_bytes`). Names are the checkpoint's (``family.checkpoint_views``: a
+        mixture-of-experts layer's fused experts as per-expert views); ``owners`` is keyed by parameter, so
+        an expert parameter's views go from one rank."""
+        return self._iter_hf(owners, everywhere=False)
+
+    last_stream_gathered_bytes: int = 0
+    """Bytes this rank received from other ranks' shards in its last stream."""
+
+    def _iter_hf(self, owners: dict[str, int] | None, everywhere: bool) -> Iterator[tuple[str, torch.Tensor]]:
         self.root.reshard()  # see log_probs: stream the sharded parameters, never a stale gathered copy
         if dist.get_world_size() == 1:
             whole = self._whole_parameters()
@@ -213,7 +226,7 @@ class FSDPBackend(TrainerBackend):
             else:
                 yield from self._checkpoint_pairs(self._served_copies())
             return
-        for name, tensor in self._iter_gathered(owners):
+        for name, tensor in self._iter_gathered(owners, everywhere):
             yield from self.family.checkpoint_views(name, tensor)
 
     def _checkpoint_pairs(self, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -225,9 +238,14 @@ class FSDPBackend(TrainerBackend):
             self._expanded = (pairs, [v for name, t in pairs for v in self.family.checkpoint_views(name, t)])
         return self._expanded[1]
 
-    def _iter_gathered(self, owners: dict[str, int] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_gathered(self, owners: dict[str, int] | None, everywhere: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """``everywhere``: every parameter all-gathered on every rank and yielded there; else each gathered
+        onto its owner only (``dist.gather`` of the ranks' dim-0 shards, padded to one size) and yielded
+        there. Collective: every rank runs through every parameter in the same order."""
         rank = dist.get_rank()
+        self.last_stream_gathered_bytes = 0
         for name, param in self.model.named_parameters():
+            owner = rank if everywhere else owners[name] if owners is not None else 0
             if not hasattr(param, "full_tensor"):
                 full = param.detach()
             elif param.device_mesh.size() == 1:
@@ -235,7 +253,39 @@ class FSDPBackend(TrainerBackend):
                 # to_local()'s autograd wrapper, which is ~5 ms per update over 400 parameters)
                 full = getattr(param, "_local_tensor", None)
                 full = param.to_local() if full is None else full
-            else:
+            elif everywhere or not _dim0_sharded(param):
                 full = param.full_tensor()
-            if (owners[name] == rank) if owners is not None else self.is_source:
+                self.last_stream_gathered_bytes += (full.numel() - param.to_local().numel()) * full.element_size()
+            else:
+                full = _gather_onto(param, owner)
+                if full is not None:
+                    self.last_stream_gathered_bytes += ((full.numel() - param.to_local().numel())
+                                                        * full.element_size())
+            if owner == rank:
                 yield name, full.detach() if self.stream_dtype is None else full.detach().to(self.stream_dtype)
+
+
+def _dim0_sharded(param) -> bool:
+    """FSDP2's layout: one mesh dimension, the parameter's dim 0 split over it (``torch.chunk``'s sizes)."""
+    from torch.distributed.tensor import Shard
+
+    return param.device_mesh.ndim == 1 and tuple(param.placements) == (Shard(0),)
+
+
+def _gather_onto(param, owner: int) -> torch.Tensor | None:
+    """The whole of a dim-0-sharded DTensor on global rank ``owner`` (None on the others): each rank's shard,
+    zero-padded to ``ceil(rows / ranks)`` rows, gathered there alone."""
+    local = param.to_local().detach()
+    group = param.device_mesh.get_group()
+    ranks = dist.get_world_size(group)
+    rows = -(-param.shape[0] // ranks)
+    if local.shape[0] != rows or not local.is_contiguous():
+        padded = local.new_zeros((rows, *param.shape[1:]))
+        padded[:local.shape[0]] = local
+        local = padded
+    if dist.get_rank() != owner:
+        dist.gather(local, None, dst=owner, group=group)
+        return None
+    whole = local.new_empty((ranks * rows, *param.shape[1:]))
+    dist.gather(local, list(whole.chunk(ranks)), dst=owner, group=group)  # each rank's rows in place
+    return whole[:param.shape[0]]

@@ -116,8 +116,8 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
         shares = megatron_share_holdings(model, tp, pp, world // (tp * pp)) if backend == "megatron" \
             else share_holdings(model, world)
         spread = build_plan(model, shares, whole_needs, fanout)
-        # FSDP all-gathers every parameter on every rank; a megatron rank gathers what it sends from its TP peers
-        gathered = shares if backend == "megatron" else everywhere_holdings(model, range(world), world)
+        # a rank gathers what it sends: FSDP from every rank's dim-0 shard, megatron from its TP peers
+        gathered = shares
         gather_spread = {rank: _missing_bytes(model, holdings[rank], gathered[rank]) for rank in range(world)}
     elif who == OWN_GPU:
         # every rank gathers the whole model and hands it to the worker on its own GPU
