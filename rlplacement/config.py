@@ -173,7 +173,8 @@ class BackendConfig:
     """Megatron context parallelism (``--context-parallel-size``): only 1 is built; a larger size is refused."""
     expert_model_parallel_size: int = 1
     """Megatron expert parallelism (``--expert-model-parallel-size``) of a mixture-of-experts model: any size
-    that divides the experts and the data-parallel ranks; not with ``--colocate``."""
+    that divides the experts and the data-parallel ranks; colocated, each rank all-gathers the other ranks'
+    experts for the worker on its GPU."""
     expert_tensor_parallel_size: int | None = None
     """Megatron's TP inside experts (``--expert-tensor-parallel-size``): None or 1 (experts at the dense TP)."""
     moe: MoEConfig = MoEConfig()

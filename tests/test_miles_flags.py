@@ -44,9 +44,7 @@ def test_miles_qwen3_4b_training_flags_parse_and_land_in_the_config():
     (["--train-backend", "fsdp", "--moe-token-dispatcher-type", "alltoall"],
      r"--moe-token-dispatcher-type configures megatron's MoE layer; the fsdp backend runs the model's own MoE blocks"),
     (["--moe-aux-loss-coeff", "-0.1"], r"--moe-aux-loss-coeff -0.1: a loss weight is 0 or more"),
-    (["--colocate", "--rollout-num-gpus", "4", "--expert-model-parallel-size", "2"],
-     r"--expert-model-parallel-size 2 with --colocate: a colocated engine worker reads every tensor from the trainer "
-     r"rank on its GPU, which holds only its own experts"),
+    (["--moe-grouped-gemm"], r"--moe-grouped-gemm: megatron's grouped expert layouts .* are not built"),
     (["--expert-model-parallel-size", "3"], r"--expert-model-parallel-size 3 does not divide the trainer's 4 "
                                             r"data-parallel ranks"),
     (["--expert-tensor-parallel-size", "4"], r"--expert-tensor-parallel-size 4: .* use --expert-tensor-parallel-size 1"),

@@ -37,39 +37,38 @@ def _step_and_streams(rank, world, hf, streamed_path, dispatcher, ep, pp=1):
     batch = random_batch(SPEC.vocab_size, seed=10 + rank % (world // pp))  # one batch per pipeline
     logp = backend.log_probs(batch)
     metrics = backend.train_step(batch)
-    shares = (RANK0, SHARES) if ep > 1 else (RANK0, SHARES, OWN_GPU)
-    streams = {share: {n: t.clone() for n, t in backend.iter_update_tensors(share)} for share in shares}
-    if ep > 1:
-        with pytest.raises(ValueError, match="each rank holds only its own experts"):
-            next(iter(backend.iter_update_tensors(OWN_GPU)))
+    streams = {share: {n: t.clone() for n, t in backend.iter_update_tensors(share)} for share in (RANK0, SHARES, OWN_GPU)}
     if rank == 0:
         torch.save(streams[RANK0], streamed_path)
     torch.distributed.barrier()
     whole = torch.load(streamed_path)
+    own_gpu_equal = all(torch.equal(t, whole[n]) for n, t in streams[OWN_GPU].items())
     # every rank's megatron parameters are what the stream says, experts by their global index
     mismatched = [m for m, held in backend.local_megatron_parameters()
                   if not torch.equal(mapping.hf_to_megatron(m, whole.__getitem__, backend.shape, backend.family), held)]
     backend.close()
     return {"logp": logp, "metrics": metrics, "mismatched": mismatched, "experts_allreduce": experts_marked,
+            "own_gpu_equal": own_gpu_equal,
             "names": {share: sorted(s) for share, s in streams.items()}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dispatcher, ep, pp", [("allgather", 1, 1), ("alltoall", 2, 1), ("alltoall", 1, 2)])
-def test_megatron_two_ranks_moe_step_matches_the_reference_with_megatrons_router_loss(tmp_path, dispatcher, ep, pp):
+@pytest.mark.parametrize("dispatcher, ep, pp, world", [("allgather", 1, 1, 2), ("alltoall", 2, 1, 2),
+                                                       ("alltoall", 1, 2, 2), ("alltoall", 2, 2, 4)])
+def test_megatron_moe_step_matches_the_reference_with_megatrons_router_loss(tmp_path, dispatcher, ep, pp, world):
     """Two ranks as data-parallel (EP=1), expert-parallel (EP=2) or pipeline stages (PP=2: one pipeline, the
-    sparse layers 0 and 2 on different stages)."""
+    sparse layers 0 and 2 on different stages); four as two stages of two expert-parallel ranks."""
     from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
     hf = make_tiny_model(tmp_path / "hf", SPEC if pp == 1 else dataclasses.replace(SPEC, num_hidden_layers=4,
                                                                                      mlp_only_layers=(1, 3)))
     streamed = tmp_path / "streamed.pt"
-    results = launch.spawn(_step_and_streams, 2, str(hf), str(streamed), dispatcher, ep, pp, timeout_s=300)
+    results = launch.spawn(_step_and_streams, world, str(hf), str(streamed), dispatcher, ep, pp, timeout_s=300)
     # under EP, DDP reduces each expert's gradient over its expert-data-parallel ranks only (megatron marks them)
     assert all(r["experts_allreduce"] == {ep == 1} for r in results)
     ref = load_hf(hf)
     ref.config.output_router_logits = True  # the reference computes the router logits; the loss is megatron's
-    batches = [random_batch(SPEC.vocab_size, seed=10 + r) for r in range(2 // pp)]
+    batches = [random_batch(SPEC.vocab_size, seed=10 + r) for r in range(world // pp)]
     for r, res in enumerate(results):
         assert (res["logp"] - hf_log_probs(ref, batches[r % len(batches)].input_ids)).abs().max().item() <= 1e-5
         assert res["mismatched"] == []
@@ -77,19 +76,22 @@ def test_megatron_two_ranks_moe_step_matches_the_reference_with_megatrons_router
     assert results[0]["metrics"]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
     assert_streamed_match_reference(streamed, ref)
     every = set(results[0]["names"][RANK0])
-    assert results[1]["names"][RANK0] == []
+    assert all(r["names"][RANK0] == [] for r in results[1:])
     shares = [set(r["names"][SHARES]) for r in results]
-    assert shares[0] and shares[1] and not shares[0] & shares[1] and shares[0] | shares[1] == every
-    if ep == 1:
-        assert all(set(r["names"][OWN_GPU]) == every for r in results)
-    else:  # each expert-parallel rank sends its own experts: rank r holds experts 2r and 2r + 1
+    assert all(shares) and sum(len(s) for s in shares) == len(every) and set().union(*shares) == every
+    # every rank yields every tensor for the colocated worker on its GPU, under EP the other ranks' experts too
+    assert all(r["names"][OWN_GPU] == sorted(every) for r in results)
+    assert all(r["own_gpu_equal"] for r in results)
+    if ep > 1:  # each expert-parallel rank sends its own experts: EP rank q (rank % 2) holds experts 2q, 2q + 1
         for r, share in enumerate(shares):
-            assert {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in share if ".experts." in n} == {2 * r, 2 * r + 1}
+            sent = {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in share if ".experts." in n}
+            assert sent == {2 * r, 2 * r + 1} if world == 2 else sent <= {2 * (r % 2), 2 * (r % 2) + 1}
     sparse = (0, 2)
     assert {n for n in every if ".experts." in n} == {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
                                                       for i in sparse for e in range(4) for p in ("gate", "up", "down")}
     if pp == 2:  # each stage shares out its own layers: stage 0 layers 0-1, stage 1 layers 2-3
-        assert {int(n.split("layers.")[1].split(".")[0]) for n in shares[1] if "layers." in n} <= {2, 3}
+        for r in range(world // 2, world):
+            assert {int(n.split("layers.")[1].split(".")[0]) for n in shares[r] if "layers." in n} <= {2, 3}
 
 
 def test_moe_flags_are_checked_against_config_json(tmp_path):

@@ -237,6 +237,10 @@ MOE_LAYOUTS = {
                          "--micro-batch-size", "2", "--global-batch-size", "8"],
     # transformers' MoE blocks under FSDP, colocated (cuda_ipc's direct path: the engine reads the trainer's views)
     "fsdp-colocated": ["--colocate"],
+    # megatron at EP=2 colocated: each rank all-gathers the other rank's experts for the engine on its GPU
+    "megatron-ep2-colocated": ["--colocate", "--train-backend", "megatron", "--actor-num-gpus-per-node", "2",
+                               "--rollout-num-gpus", "2",
+                               "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
 }
 
 

@@ -26,7 +26,7 @@ FLAGS = (
          help="Megatron context parallelism: only 1 is supported."),
     flag("--expert-model-parallel-size", type=int, default=default_of(BackendConfig, "expert_model_parallel_size"),
          help="Megatron expert parallelism for a mixture-of-experts model (each rank holds experts/EP of every "
-              "sparse layer and sends its own); out of the data-parallel ranks; not with --colocate."),
+              "sparse layer and sends its own); out of the data-parallel ranks."),
     flag("--expert-tensor-parallel-size", type=int, default=default_of(BackendConfig, "expert_tensor_parallel_size"),
          help="Megatron's tensor parallelism inside experts: 1 (or unset): experts use the dense layers' TP."),
     flag("--num-experts", type=int, default=default_of(MoEConfig, "num_experts"),
@@ -89,10 +89,6 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
     if ep != 1 and name != "megatron":
         raise ConfigError(f"--expert-model-parallel-size {ep} is megatron's expert parallelism; the {name} backend "
                           f"shards experts as it shards every parameter: use --expert-model-parallel-size 1.")
-    if ep != 1 and placement.colocate:
-        raise ConfigError(f"--expert-model-parallel-size {ep} with --colocate: a colocated engine worker reads every "
-                          f"tensor from the trainer rank on its GPU, which holds only its own experts; use a split "
-                          f"layout (drop --colocate) or --expert-model-parallel-size 1.")
     if ep != 1 and placement.trainer_num_gpus % (tp * pp * ep):
         raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the trainer's "
                           f"{placement.trainer_num_gpus // (tp * pp)} data-parallel ranks (its GPUs over TP x PP): "

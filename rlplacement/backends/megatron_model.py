@@ -583,22 +583,21 @@ def iter_everywhere_megatron(model, bucket_bytes: int | None = None,
     :data:`GATHER_BUCKET_BYTES`): the stage's TP ranks all-gather each bucket, every DP replica at once, the
     next bucket's gather started before the current one is handed on; with PP > 1 each of the stage's ranks
     then broadcasts the bucket's bytes in one message through its pipeline group, to the ranks of the same
-    DP and TP position in the other stages. ``counter`` counts this rank's collectives. Memory on every
-    rank: two buckets' full tensors, plus one received bucket with PP > 1. ``skip`` as in
-    :func:`iter_full_megatron`.
+    DP and TP position in the other stages. Under expert parallelism a stage's experts follow its other
+    parameters: each bucket of a rank's own experts, gathered over TP, is all-gathered over the
+    expert-parallel group (every rank then holds every expert of the bucket, named by its global index:
+    :class:`ExpertRanks`), and with PP > 1 broadcast as above. ``counter`` counts this rank's collectives.
+    Memory on every rank: two buckets' full tensors (an expert bucket ``EP`` times over), plus one received
+    bucket with PP > 1. ``skip`` as in :func:`iter_full_megatron`.
     """
     from megatron.core import parallel_state as ps
 
     counter = counter if counter is not None else CollectiveCount()
-    if ps.get_expert_model_parallel_world_size() > 1:
-        raise ValueError("every tensor on every rank (a colocated engine) under expert parallelism: each rank holds "
-                         "only its own experts; the flags refuse --colocate with --expert-model-parallel-size > 1")
     pp, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    tp = ps.get_tensor_model_parallel_world_size()
     stage_params = [(n, p) for n, p in global_named_parameters(model) if n not in skip]
     params = dict(stage_params)
     device = next(model.parameters()).device
-    pp_group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+    experts = ExpertRanks.of(model, counter)
     for stage in range(pp):
         meta = [[(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params]] \
             if stage == my_stage else [None]
@@ -606,19 +605,47 @@ def iter_everywhere_megatron(model, bucket_bytes: int | None = None,
             dist.broadcast_object_list(meta, src=_stage_source_rank(stage),
                                        device=device if device.type == "cuda" else None)
             counter.add()
-        buckets = _buckets(meta[0], bucket_bytes or GATHER_BUCKET_BYTES)
-        fulls = _gathered([(b, None) for b in buckets], params, counter) if stage == my_stage \
-            else itertools.repeat(None)
-        for bucket, full in zip(buckets, fulls):
-            if pp > 1:
-                specs = [(_full_shape(row, tp), row[2]) for row in bucket]
-                flat = _flat_bytes([t for _, t in full]) if stage == my_stage else torch.empty(
-                    sum(_nbytes(*spec) for spec in specs), dtype=torch.uint8, device=device)
-                dist.broadcast(flat, src=dist.get_global_rank(pp_group, stage), group=pp_group)
-                counter.add()
-                if stage != my_stage:
-                    full = list(zip([row[0] for row in bucket], _split_bytes(flat, specs)))
+        # this stage's rows: its own (the source's name another expert-parallel rank's experts), else received
+        rows = [(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params] \
+            if stage == my_stage else meta[0]
+        yield from _everywhere(stage, rows if experts is None else [r for r in rows if not is_expert(r[0])], params,
+                               device, counter, bucket_bytes)
+        if experts is not None:
+            yield from _everywhere(stage, [r for r in rows if is_expert(r[0])], params, device, counter,
+                                   bucket_bytes, experts)
+
+
+def _everywhere(stage: int, rows: list[tuple], params: dict[str, torch.Tensor], device, counter: CollectiveCount,
+                bucket_bytes: int | None, experts: "ExpertRanks | None" = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stage ``stage``'s ``rows`` (name, local shape, dtype, TP dim) on every rank, bucket by bucket (see
+    :func:`iter_everywhere_megatron`); ``experts``: the rows are this rank's own experts, all-gathered over the
+    expert-parallel group into every expert-parallel rank's."""
+    from megatron.core import parallel_state as ps
+
+    pp, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp_group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+    copies = 1 if experts is None else experts.size
+    buckets = _buckets(rows, bucket_bytes or GATHER_BUCKET_BYTES)
+    fulls = _gathered([(b, None) for b in buckets], params, counter) if stage == my_stage else itertools.repeat(None)
+    for bucket, full in zip(buckets, fulls):
+        specs = [(_full_shape(row, tp), row[2]) for row in bucket]
+        if experts is None and pp == 1:
             yield from full
+            continue
+        size = sum(_nbytes(*spec) for spec in specs)
+        own = _flat_bytes([t for _, t in full]) if stage == my_stage else None
+        flat = own if experts is None and own is not None else torch.empty(copies * size, dtype=torch.uint8,
+                                                                            device=device)
+        if own is not None and experts is not None:
+            dist.all_gather(list(flat.chunk(copies)), own, group=ps.get_expert_model_parallel_group())
+            counter.add()
+        if pp > 1:
+            dist.broadcast(flat, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+            counter.add()
+        for q in range(copies):
+            names = [row[0] for row in (bucket if experts is None else experts.rows_of(q, bucket))]
+            yield from zip(names, _split_bytes(flat[q * size:(q + 1) * size], specs))
 
 
 def _stage_source_rank(stage: int) -> int:
