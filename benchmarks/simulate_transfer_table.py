@@ -64,11 +64,13 @@ COLOCATED_SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2)}  # on one node of 8 GPUs 
 # nodes); 70B does not train on 8 GPUs
 
 
-def _row(name: str, model: ModelTensors, layout, mode: str, tp: int, pp: int, trainer_gpus: int) -> dict:
+def _row(name: str, model: ModelTensors, layout, mode: str, tp: int, pp: int, trainer_gpus: int, ep: int = 1) -> dict:
     started = time.perf_counter()
-    pair = plans_for(model, layout, backend="megatron", tp=tp, pp=pp, mode=mode, assumptions=ModelAssumptions())
+    pair = plans_for(model, layout, backend="megatron", tp=tp, pp=pp, mode=mode, assumptions=ModelAssumptions(),
+                     ep=ep)
     width = layout.gpus_per_engine
-    return {"model": name, "gpus": len(layout.gpus), "trainer": f"TP{tp} PP{pp} DP{trainer_gpus // (tp * pp)}",
+    return {"model": name, "gpus": len(layout.gpus), "ep": ep,
+            "trainer": f"TP{tp} PP{pp} {f'EP{ep} ' if ep > 1 else ''}DP{trainer_gpus // (tp * pp)}",
             "engines": f"{len(layout.engines)} x TP{width}", "mode": mode, "model_bytes": model.total_bytes,
             "colocate": layout.colocate, "who_sends": pair.who,
             "rank0_s": pair.rank0_sim.total_s, "sharded_s": pair.sharded_sim.total_s,
@@ -79,6 +81,27 @@ def _row(name: str, model: ModelTensors, layout, mode: str, tp: int, pp: int, tr
             "rank0_busiest_link": pair.rank0_sim.busiest, "spread_busiest_link": pair.spread_sim.busiest,
             "sharded_busiest_link": pair.sharded_sim.busiest,
             "plan_build_s": time.perf_counter() - started}
+
+
+# the mixture-of-experts rows again with megatron's expert parallelism (--moe-ep): each rank holds and sends
+# its own experts
+MOE_EP = {"30B-A3B": 8, "235B-A22B": 8, "1T (Kimi-K2 sizes)": 16}
+
+
+def ep_rows() -> list[dict]:
+    out = []
+    for name, ep in MOE_EP.items():
+        model = ModelTensors.from_hf_config(MODELS[name], source=name)
+        tp, pp, width = SHAPES[name]
+        for total in MOE_GPUS[name]:
+            half = total // 2
+            nodes = max(1, half // 8)
+            placement = PlacementConfig(actor_num_nodes=nodes, actor_num_gpus_per_node=half // nodes,
+                                        rollout_num_gpus=half, rollout_num_gpus_per_engine=width)
+            for mode in MOE_MODES.get(name, MODES):
+                out.append(_row(name, model, compute_layout(placement), mode, tp, pp, half, ep))
+                print(f"{name} {total} {mode} EP{ep}: {out[-1]['spread_s']:.2f} s", file=sys.stderr, flush=True)
+    return out
 
 
 def rows() -> list[dict]:
@@ -120,8 +143,10 @@ def markdown(table: list[dict], *, colocate: bool = False) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--moe-ep", action="store_true",
+                        help="only the mixture-of-experts rows, their trainers with expert parallelism (MOE_EP)")
     args = parser.parse_args()
-    table = rows()
+    table = ep_rows() if args.moe_ep else rows()
     print(markdown(table))
     print()
     print(markdown(table, colocate=True))

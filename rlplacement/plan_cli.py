@@ -61,15 +61,12 @@ def simulate_layout(config, layout, args: argparse.Namespace) -> dict:
     from rlplacement.transfer.plan.for_layout import plans_for
     from rlplacement.transfer.plan.tensors import ModelTensors
 
-    if config.backend.expert_model_parallel_size > 1:
-        raise ValueError(f"--simulate-transfer models experts at --expert-model-parallel-size 1 (sent from the ranks "
-                         f"that hold them under TP and PP only); --expert-model-parallel-size "
-                         f"{config.backend.expert_model_parallel_size} is not modelled yet: simulate without it")
     model = ModelTensors.from_hf_config(config_path(args))
     assumptions = ModelAssumptions(**{n: getattr(args, n) for n in RATE_FIELDS})
     b = config.backend
     pair = plans_for(model, layout, backend=b.name, tp=b.tensor_model_parallel_size,
-                     pp=b.pipeline_model_parallel_size, mode=config.transfer.mode, assumptions=assumptions)
+                     pp=b.pipeline_model_parallel_size, mode=config.transfer.mode, assumptions=assumptions,
+                     ep=b.expert_model_parallel_size)
     return {"model": model.source, "model_bytes": model.total_bytes, "mode": config.transfer.mode,
             "backend": b.name, "engine_staging": engine_staging(config, model), **pair.to_json()}
 

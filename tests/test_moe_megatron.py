@@ -86,6 +86,12 @@ def test_megatron_moe_step_matches_the_reference_with_megatrons_router_loss(tmp_
         for r, share in enumerate(shares):
             sent = {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in share if ".experts." in n}
             assert sent == {2 * r, 2 * r + 1} if world == 2 else sent <= {2 * (r % 2), 2 * (r % 2) + 1}
+    # the simulator's spread plan (plan --simulate-transfer) gives each rank the share it sent
+    from rlplacement.transfer.plan.tensors import ModelTensors
+    from rlplacement.transfer.plan.trainer_shards import megatron_share_holdings
+
+    planned = megatron_share_holdings(ModelTensors.from_hf_config(str(hf / "config.json")), 1, pp, world // pp, ep)
+    assert [set(p) for p in planned] == shares
     sparse = (0, 2)
     assert {n for n in every if ".experts." in n} == {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
                                                       for i in sparse for e in range(4) for p in ("gate", "up", "down")}

@@ -268,9 +268,9 @@ def test_plan_simulate_transfer_refuses_a_missing_model(extra, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_plan_simulates_a_mixture_of_experts_model_and_refuses_expert_parallelism(tmp_path, capsys):
+def test_plan_simulates_a_mixture_of_experts_model_with_and_without_expert_parallelism(tmp_path, capsys):
     """A Qwen3-MoE config: every expert's gate/up/down in the plan (the model's bytes are its parameters'),
-    each TP=2 worker planned half of every expert; expert parallelism is refused by name, not ignored."""
+    each TP=2 worker planned half of every expert; under expert parallelism each rank holds and sends its own."""
     moe = {**QWEN3_8B, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
            "moe_intermediate_size": 256, "decoder_sparse_step": 1, "mlp_only_layers": [0]}
     config = tmp_path / "config.json"
@@ -286,8 +286,16 @@ def test_plan_simulates_a_mixture_of_experts_model_and_refuses_expert_parallelis
             "--simulate-transfer", "--hf-config", str(config)]
     assert cli_main(argv + ["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["transfer"]["model_bytes"] == model.total_bytes
-    assert cli_main(argv + ["--expert-model-parallel-size", "2"]) == 2
-    assert "--expert-model-parallel-size 2 is not modelled yet" in capsys.readouterr().err
+    # expert parallelism: a rank holds its expert-parallel rank's experts only (DP rank d is EP rank d % 2), and
+    # every plan still serves every byte (the plans' coverage checks run as they are built)
+    holdings = megatron_holdings(model, 1, 1, 4, ep=2)
+    assert [("model.layers.1.mlp.experts.7.up_proj.weight" in h, "model.layers.1.mlp.experts.0.up_proj.weight" in h)
+            for h in holdings] == [(False, True), (True, False), (False, True), (True, False)]
+    assert cli_main(argv + ["--expert-model-parallel-size", "2", "--json"]) == 0
+    transfer = json.loads(capsys.readouterr().out)["transfer"]
+    assert transfer["runs"] == "spread" and transfer["spread"]["max_sender_bytes"] < model.total_bytes / 2
+    assert cli_main(argv + ["--expert-model-parallel-size", "3"]) == 2
+    assert "--expert-model-parallel-size 3 does not divide" in capsys.readouterr().err
 
 
 def test_plan_memory_counts_a_ranks_experts_by_expert_parallelism(tmp_path, capsys):

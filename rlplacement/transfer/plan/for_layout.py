@@ -47,14 +47,14 @@ class PlanPair:
         return {"runs": self.runs, "who_sends": self.who, **{name: {**plan.summary(), **sim.to_json()} for name, plan, sim in plans}}
 
 
-def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1):
-    """What each trainer rank holds: Megatron's TP x PP x DP, else FSDP2's dim-0 shards (fsdp and
-    torchtitan, which shard with FSDP2)."""
+def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1):
+    """What each trainer rank holds: Megatron's TP x PP x DP (under EP each rank its experts), else FSDP2's
+    dim-0 shards (fsdp and torchtitan, which shard with FSDP2)."""
     if backend == "megatron":
         if world % (tp * pp):
             raise ValueError(f"the trainer's {world} GPUs are not a multiple of --tensor-model-parallel-size {tp} x "
                              f"--pipeline-model-parallel-size {pp}")
-        return megatron_holdings(model, tp, pp, world // (tp * pp))
+        return megatron_holdings(model, tp, pp, world // (tp * pp), ep)
     return fsdp_holdings(model, world)
 
 
@@ -69,7 +69,7 @@ def _missing_bytes(model: ModelTensors, held: dict, wanted: dict) -> int:
 
 
 def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mode: str,
-              assumptions) -> PlanPair:
+              assumptions, ep: int = 1) -> PlanPair:
     """Both plans of ``layout`` (a :class:`~rlplacement.placement.layout.Layout`) for ``mode`` (a
     transfer mode's name; ``cuda_ipc`` colocated), simulated at ``assumptions``' rates (the advisor's
     :class:`~rlplacement.advisor.thresholds.ModelAssumptions`) times the mode's measured or estimated share
@@ -88,7 +88,7 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     fanout = BROADCAST if mode in ("broadcast", "broadcast_packed", "disk-delta") and not layout.colocate else WRITE
     disk = mode == "disk-delta" and not layout.colocate
     rates = LinkRates.for_mode(assumptions, spec)
-    holdings = trainer_holdings(model, backend, world, tp, pp)
+    holdings = trainer_holdings(model, backend, world, tp, pp, ep)
     worker_needs = vllm_worker_needs(model, width)
     receivers = [(e, w) for e in range(len(layout.engines)) for w in range(width)]
     needs = {r: worker_needs[r[1]] for r in receivers}
@@ -113,7 +113,7 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     who = spec.who_sends(colocate=layout.colocate) if world > 1 else RANK0
     if who == SHARES:
         # each rank sends the share the runtime assigns it: the same rule on the same sizes
-        shares = megatron_share_holdings(model, tp, pp, world // (tp * pp)) if backend == "megatron" \
+        shares = megatron_share_holdings(model, tp, pp, world // (tp * pp), ep) if backend == "megatron" \
             else share_holdings(model, world)
         spread = build_plan(model, shares, whole_needs, fanout)
         # a rank gathers what it sends: FSDP from every rank's dim-0 shard, megatron from its TP peers

@@ -31,21 +31,43 @@ def check_megatron(model: ModelTensors, tp: int, pp: int) -> None:
                          f"{model.num_layers} of {model.source}: use a divisor of it")
 
 
-def megatron_holdings(model: ModelTensors, tp: int, pp: int, dp: int) -> Holdings:
+def expert_of(name: str) -> int | None:
+    """The expert index of an HF expert tensor's name (``...mlp.experts.{j}.``), None for any other."""
+    if ".mlp.experts." not in name:
+        return None
+    return int(name.split(".mlp.experts.")[1].split(".")[0])
+
+
+def experts_per_rank(model: ModelTensors, ep: int) -> int:
+    """Experts each of ``ep`` expert-parallel ranks holds (raises naming the flag where ``ep`` does not divide
+    them)."""
+    experts = 1 + max((expert_of(t.name) or 0) for t in model.tensors)
+    if experts % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the {experts} experts of {model.source}")
+    return experts // ep
+
+
+def megatron_holdings(model: ModelTensors, tp: int, pp: int, dp: int, ep: int = 1) -> Holdings:
     """Global rank ``t + tp * (d + dp * p)`` (megatron's default order, TP fastest, then DP, then PP)
     holds its TP slice of stage ``p``'s tensors; data-parallel replicas hold the same (the distributed
-    optimizer shards optimizer state, not the bf16 parameters). A vocabulary shard wholly in Megatron's
-    padding holds nothing."""
+    optimizer shards optimizer state, not the bf16 parameters). Under expert parallelism (carved out of DP:
+    DP rank ``d`` is expert-parallel rank ``d % ep``) a rank holds the experts of its expert-parallel rank
+    only. A vocabulary shard wholly in Megatron's padding holds nothing."""
     check_megatron(model, tp, pp)
+    if dp % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the {dp} data-parallel ranks")
+    local = experts_per_rank(model, ep) if ep > 1 else 0
     padded = megatron_padded_vocab(model.vocab_size, tp)
     out: Holdings = [{} for _ in range(tp * pp * dp)]
     for t in model.tensors:
         p = model.stage_of(t, pp)
+        expert = expert_of(t.name) if ep > 1 else None
         for r in range(tp):
             box = model.tp_box(t, r, tp, padded)
             if volume(box):
                 for d in range(dp):
-                    out[r + tp * (d + dp * p)][t.name] = box
+                    if expert is None or d % ep == expert // local:
+                        out[r + tp * (d + dp * p)][t.name] = box
     return out
 
 
@@ -90,29 +112,38 @@ def share_holdings(model: ModelTensors, world: int) -> Holdings:
     return out
 
 
-def megatron_share_holdings(model: ModelTensors, tp: int, pp: int, dp: int) -> Holdings:
+def megatron_share_holdings(model: ModelTensors, tp: int, pp: int, dp: int, ep: int = 1) -> Holdings:
     """What each rank of a Megatron trainer sends when every rank sends its share
     (``megatron_model.iter_own_stage_megatron``): each stage's parameters (an HF fused group is one megatron
     parameter: q/k/v, gate/up) shared out whole over the stage's ``DP x TP`` ranks by their full bytes,
-    vocabulary padded as Megatron pads it, largest first; the rank sends the parameter's HF tensors. The
-    same rule on the same sizes as the runtime, so the bytes per rank are the run's."""
+    vocabulary padded as Megatron pads it, largest first; the rank sends the parameter's HF tensors. Under
+    expert parallelism the experts are left out of that and each expert-parallel rank's experts are shared out
+    the same way over the ``DP / EP x TP`` ranks that hold them. The same rule on the same sizes as the
+    runtime, so the bytes per rank are the run's."""
     from rlplacement.transfer.bucket import fused_group_of
     from rlplacement.transfer.plan.senders import spread_owners
 
     check_megatron(model, tp, pp)
+    local = experts_per_rank(model, ep) if ep > 1 else 0
     padded = megatron_padded_vocab(model.vocab_size, tp)
     out: Holdings = [{} for _ in range(tp * pp * dp)]
-    for stage in range(pp):
+
+    def share(tensors: list, slots: list[int]) -> None:
+        """``tensors``' fused groups spread over the global ranks ``slots``, in order."""
         groups: dict[str, list] = {}
-        for t in model.tensors:
-            if model.stage_of(t, pp) == stage:
-                groups.setdefault(fused_group_of(t.name), []).append(t)
-        keys = list(groups)
-        sizes = []
-        for key in keys:
-            elements = [(padded * t.shape[1] if t.kind == "vocab" else volume(whole(t.shape))) for t in groups[key]]
-            sizes.append(sum(elements) * model.itemsize)
-        for key, owner in zip(keys, spread_owners(sizes, dp * tp)):  # owner: DP rank x TP + TP rank, in its stage
-            for t in groups[key]:
-                out[stage * dp * tp + owner][t.name] = whole(t.shape)
+        for t in tensors:
+            groups.setdefault(fused_group_of(t.name), []).append(t)
+        sizes = [sum((padded * t.shape[1] if t.kind == "vocab" else volume(whole(t.shape))) for t in group)
+                 * model.itemsize for group in groups.values()]
+        for group, owner in zip(groups.values(), spread_owners(sizes, len(slots))):
+            for t in group:
+                out[slots[owner]][t.name] = whole(t.shape)
+
+    for stage in range(pp):
+        tensors = [t for t in model.tensors if model.stage_of(t, pp) == stage]
+        first = stage * dp * tp
+        share([t for t in tensors if ep == 1 or expert_of(t.name) is None], [first + s for s in range(dp * tp)])
+        for q in range(ep if ep > 1 else 0):  # EP rank q's experts, over DP ranks q, q + ep, ... and their TP
+            slots = [first + (q + ep * e) * tp + t for e in range(dp // ep) for t in range(tp)]
+            share([t for t in tensors if expert_of(t.name) is not None and expert_of(t.name) // local == q], slots)
     return out
