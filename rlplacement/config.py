@@ -154,6 +154,39 @@ MOE_FLAGS = {"num_experts": "--num-experts", "router_topk": "--moe-router-topk",
 """Each :class:`MoEConfig` field's flag (Miles' name)."""
 
 
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The decoder's linear layers an adapter can sit on, in HF's names (``all-linear``: every one)."""
+LORA_MEGATRON_NAMES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                       "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+"""``--target-modules`` in megatron's names, as the HF layers they fuse."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """LoRA adapters (Miles' flags): rank-``rank`` adapters on ``target_modules`` with the base frozen.
+    ``rank`` 0: no adapters (full fine-tuning)."""
+
+    rank: int = 0
+    """``--lora-rank``: each adapter's rank (0: off)."""
+    alpha: float = 16.0
+    """``--lora-alpha``: the adapter's output is scaled by ``alpha / rank``."""
+    dropout: float = 0.0
+    """``--lora-dropout``: dropout on each adapter's input while training."""
+    target_modules: tuple[str, ...] = LORA_MODULES
+    """``--target-modules``: HF layer names (``--target-modules all-linear``: every decoder linear layer)."""
+    merge_for_rollout: bool = False
+    """``--lora-merge-for-rollout``: the trainer merges the adapters into the base and every update sends the
+    merged weights whole (the slow path: a full model's bytes per update)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BackendConfig:
     """Which trainer backend trains, from which weights, with which model parallelism."""
@@ -180,6 +213,8 @@ class BackendConfig:
     moe: MoEConfig = MoEConfig()
     """A mixture-of-experts model's settings (for a dense model, those megatron itself leaves unset are refused,
     the rest ignored, as megatron does)."""
+    lora: LoRAConfig = LoRAConfig()
+    """LoRA adapters (``--lora-rank`` and its kin); off by default."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: the activations outside attention and MLP split along the sequence over
     the TP ranks (needs TP > 1 and the TransformerEngine layer spec); micro-batches are padded to a multiple

@@ -82,7 +82,7 @@ def memory_of(config, layout, path: str) -> dict:
                          trainer_gpus=len(layout.trainer_gpus), tp=b.tensor_model_parallel_size,
                          pp=b.pipeline_model_parallel_size, ep=b.expert_model_parallel_size,
                          bf16=t.bf16 is not False, distributed_optimizer=t.use_distributed_optimizer,
-                         engine_tp=layout.gpus_per_engine)
+                         engine_tp=layout.gpus_per_engine, lora=b.lora)
 
 
 def render_memory(memory: dict) -> str:
@@ -90,6 +90,8 @@ def render_memory(memory: dict) -> str:
     r = memory["trainer_rank"]
     gathered = f" + a layer gathered {r['gathered'] / gb:.2f}" if r["gathered"] else ""
     experts = (f", {memory['expert_parameters'] / 1e9:.2f} B of them experts" if memory["expert_parameters"] else "")
+    if memory.get("adapter_parameters"):
+        experts += f", {memory['adapter_parameters'] / 1e6:.1f} M LoRA parameters trained"
     return (f"model state in GPU memory ({memory['parameters'] / 1e9:.2f} B parameters{experts}; "
             f"{'--bf16' if memory['bf16'] else 'fp32'}, {memory['backend']}"
             f"{', distributed optimizer' if memory['distributed_optimizer'] and memory['backend'] == 'megatron' else ''}):\n"

@@ -80,17 +80,31 @@ def megatron_rank_memory(model, *, tp: int, pp: int, ep: int, dp: int, bf16: boo
     return RankMemory(held, 4 * held, 4 * held, int(8 * sharded))
 
 
-def fsdp_rank_memory(model, *, world: int, bf16: bool) -> RankMemory:
+def adapter_elements(model, lora) -> int:
+    """LoRA's trainable elements: ``rank x (in + out)`` of every adapted layer (``lora.target_modules``)."""
+    if lora is None or not lora.enabled:
+        return 0
+    return sum(lora.rank * (t.shape[0] + t.shape[1]) for t in model.tensors
+               if t.name.rsplit(".", 2)[-2] in lora.target_modules and len(t.shape) == 2)
+
+
+def fsdp_rank_memory(model, *, world: int, bf16: bool, lora=None) -> RankMemory:
     """One fsdp rank: every parameter's ``1 / world`` (fp32 weights, gradients and moments) and, under
-    ``--bf16``, the largest decoder layer gathered in bf16 (fp32 without)."""
-    total = sum(_elements(t.shape) for t in model.tensors)
+    ``--bf16``, the largest decoder layer gathered in bf16 (fp32 without). Under LoRA (``lora`` on) the base
+    is frozen: its weights only, and gradients and moments of the adapters alone."""
+    adapters = adapter_elements(model, lora)
+    share = -(-(sum(_elements(t.shape) for t in model.tensors) + adapters) // world)
+    trained = -(-adapters // world) if adapters else share
+    largest = max(_layer_elements(model).values(), default=0)
+    return RankMemory(share, 4 * share, 4 * trained, 8 * trained, (2 if bf16 else 4) * largest)
+
+
+def _layer_elements(model) -> dict[int, int]:
     per_layer: dict[int, int] = {}
     for t in model.tensors:
         if t.layer is not None:
             per_layer[t.layer] = per_layer.get(t.layer, 0) + _elements(t.shape)
-    share = -(-total // world)
-    largest = max(per_layer.values(), default=0)
-    return RankMemory(share, 4 * share, 4 * share, 8 * share, (2 if bf16 else 4) * largest)
+    return per_layer
 
 
 def engine_worker_weight_bytes(model, tp: int) -> int:
@@ -100,14 +114,15 @@ def engine_worker_weight_bytes(model, tp: int) -> int:
 
 
 def layout_memory(model, *, backend: str, trainer_gpus: int, tp: int, pp: int, ep: int, bf16: bool,
-                  distributed_optimizer: bool, engine_tp: int) -> dict:
+                  distributed_optimizer: bool, engine_tp: int, lora=None) -> dict:
     """The busiest trainer rank and an engine worker, as JSON (``rlplacement plan --memory``)."""
     if backend == "megatron":
         rank = megatron_rank_memory(model, tp=tp, pp=pp, ep=ep, dp=trainer_gpus // (tp * pp), bf16=bf16,
                                     distributed_optimizer=distributed_optimizer)
     else:
-        rank = fsdp_rank_memory(model, world=trainer_gpus, bf16=bf16)
+        rank = fsdp_rank_memory(model, world=trainer_gpus, bf16=bf16, lora=lora)
     expert_elements = sum(_elements(t.shape) for t in model.tensors if _is_expert(t.name))
     return {"backend": backend, "bf16": bf16, "distributed_optimizer": distributed_optimizer,
             "parameters": sum(_elements(t.shape) for t in model.tensors), "expert_parameters": expert_elements,
+            "adapter_parameters": adapter_elements(model, lora),
             "trainer_rank": rank.to_json(), "engine_worker_weights": engine_worker_weight_bytes(model, engine_tp)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from rlplacement.args.common import TRAIN_BACKENDS, flag, get, require_choice, require_positive
-from rlplacement.config import (MOE_DISPATCHERS, MOE_FLAGS, MOE_ROUTER_DTYPES, BackendConfig, MoEConfig, PlacementConfig,
-                                default_of)
+from rlplacement.config import (LORA_MEGATRON_NAMES, LORA_MODULES, MOE_DISPATCHERS, MOE_FLAGS, MOE_ROUTER_DTYPES,
+                                BackendConfig, LoRAConfig, MoEConfig, PlacementConfig, default_of)
 from rlplacement.errors import ConfigError
 
 TITLE = "rlplacement: trainer backend"
@@ -50,6 +50,21 @@ FLAGS = (
     flag("--use-rollout-routing-replay", action="store_true", default=default_of(MoEConfig, "rollout_routing_replay"),
          help="Mixture-of-experts: the engines return each token's experts and the trainer routes every token to "
               "them (Batch.routed_experts), so training runs the experts the rollout ran (needs GPU engines)."),
+    flag("--lora-rank", type=int, default=default_of(LoRAConfig, "rank"),
+         help="LoRA: train rank-N adapters on --target-modules with the base frozen (0: full fine-tuning; fsdp)."),
+    flag("--lora-alpha", type=float, default=default_of(LoRAConfig, "alpha"),
+         help="LoRA: the adapters' output is scaled by alpha / rank."),
+    flag("--lora-dropout", type=float, default=default_of(LoRAConfig, "dropout"),
+         help="LoRA: dropout on each adapter's input while training."),
+    flag("--target-modules", type=str, default="all-linear",
+         help="LoRA: the layers adapted, comma-separated, in HF (q_proj,...,down_proj) or megatron (linear_qkv, "
+              "linear_proj, linear_fc1, linear_fc2) names; all-linear: every decoder linear layer."),
+    flag("--exclude-modules", type=str, default=None, help="LoRA: layers left out of --target-modules."),
+    flag("--lora-adapter-path", type=str, default=None,
+         help="LoRA: start from a PEFT adapter folder (not built: refused by name)."),
+    flag("--lora-merge-for-rollout", action="store_true", default=default_of(LoRAConfig, "merge_for_rollout"),
+         help="LoRA: merge the adapters into the base on the trainer and send full weights every update (the "
+              "slow path; adapter-only updates into a live vLLM adapter are not built, so LoRA needs it)."),
     flag("--sequence-parallel", action="store_true", default=default_of(BackendConfig, "sequence_parallel"),
           help="Megatron: split the activations outside attention and MLP along the sequence over the TP "
                "ranks (needs --tensor-model-parallel-size > 1 and TransformerEngine)."),
@@ -98,9 +113,10 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
                           "are not built; experts train in megatron's sequential layout, which converts and streams "
                           "bit-exact: drop --moe-grouped-gemm")
     moe = _moe_from_args(args, name)
+    lora = _lora_from_args(args, name)
     return BackendConfig(name=name, hf_checkpoint=get(args, "hf_checkpoint"), load=get(args, "load"),
                          tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-                         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, moe=moe,
+                         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, moe=moe, lora=lora,
                          sequence_parallel=sequence_parallel)
 
 
@@ -125,3 +141,51 @@ def _moe_from_args(args: argparse.Namespace, backend: str) -> MoEConfig:
                 raise ConfigError(f"{MOE_FLAGS[field]} configures megatron's MoE layer; the {backend} backend runs "
                                   f"the model's own MoE blocks: drop it, or use --train-backend megatron.")
     return config
+
+
+def lora_modules(target: str, exclude: str | None) -> tuple[str, ...]:
+    """``--target-modules`` minus ``--exclude-modules`` as HF layer names (megatron's names mapped to the HF
+    layers they fuse); an unknown name is refused naming the flag and the names known."""
+    def names(flag_name: str, text: str) -> list[str]:
+        out = []
+        for item in [t.strip() for t in text.split(",") if t.strip()]:
+            if item == "all-linear":
+                out += LORA_MODULES
+            elif item in LORA_MODULES:
+                out.append(item)
+            elif item in LORA_MEGATRON_NAMES:
+                out += LORA_MEGATRON_NAMES[item]
+            else:
+                raise ConfigError(f"{flag_name} {item}: not a decoder linear layer; use all-linear or HF names "
+                                  f"({','.join(LORA_MODULES)}) or megatron's ({','.join(LORA_MEGATRON_NAMES)})")
+        return out
+
+    excluded = set(names("--exclude-modules", exclude or ""))
+    chosen = tuple(m for m in LORA_MODULES if m in names("--target-modules", target) and m not in excluded)
+    if not chosen:
+        raise ConfigError(f"--target-modules {target} less --exclude-modules {exclude} leaves no layer to adapt")
+    return chosen
+
+
+def _lora_from_args(args: argparse.Namespace, backend: str) -> LoRAConfig:
+    rank = get(args, "lora_rank")
+    if not rank:
+        return LoRAConfig()
+    if rank < 0:
+        raise ConfigError(f"--lora-rank {rank}: use 1 or more (0: no adapters)")
+    if backend != "fsdp":
+        raise ConfigError(f"--lora-rank with --train-backend {backend}: LoRA adapters train on the fsdp backend so "
+                          f"far: use --train-backend fsdp")
+    alpha, dropout = get(args, "lora_alpha"), get(args, "lora_dropout")
+    if alpha <= 0:
+        raise ConfigError(f"--lora-alpha {alpha}: use a positive scale")
+    if not 0 <= dropout < 1:
+        raise ConfigError(f"--lora-dropout {dropout}: use 0 <= p < 1")
+    if get(args, "lora_adapter_path"):
+        raise ConfigError("--lora-adapter-path: starting from an existing adapter is not built; drop it (the "
+                          "adapters start at B = 0, the base model's output)")
+    if not get(args, "lora_merge_for_rollout"):
+        raise ConfigError("--lora-rank: adapter-only updates into a live vLLM adapter are not built yet; add "
+                          "--lora-merge-for-rollout (the trainer merges the adapters and sends full weights)")
+    return LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, merge_for_rollout=True,
+                      target_modules=lora_modules(get(args, "target_modules"), get(args, "exclude_modules")))

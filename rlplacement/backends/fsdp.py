@@ -45,6 +45,8 @@ class FSDPBackend(TrainerBackend):
         self.hf_config = model.config
         self.family = family_for(model.config)
         self.route_replay = None  # HFRouteReplay under --use-rollout-routing-replay
+        self.lora = None  # the LoRAConfig where adapters train (--lora-rank)
+        self._entries: tuple[list, list] | None = None  # see _stream_entries
 
     @classmethod
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
@@ -64,7 +66,7 @@ class FSDPBackend(TrainerBackend):
         bf16 = resolve_bf16(train)
         root = build_sharded(cfg.hf_checkpoint, device, mixed_precision=bf16, dtype=dtype,
                              gradient_checkpointing=train.gradient_checkpointing, weights=not cfg.load,
-                             compile_layers=compile_layers)
+                             compile_layers=compile_layers, lora=cfg.lora if cfg.lora.enabled else None)
         reference = None
         if train.use_kl_loss:
             reference = build_sharded(cfg.hf_checkpoint, device, mixed_precision=bf16, dtype=dtype, trainable=False)
@@ -77,7 +79,9 @@ class FSDPBackend(TrainerBackend):
             from rlplacement.backends.routing_replay import HFRouteReplay
 
             backend.route_replay = HFRouteReplay([root] + ([reference] if reference is not None else []))
-        backend.optimizer = optim.build(root.parameters())  # over the sharded DTensors, built once
+        backend.lora = cfg.lora if cfg.lora.enabled else None
+        # over the sharded DTensors, built once; under LoRA the adapters only (the base is frozen)
+        backend.optimizer = optim.build([p for p in root.parameters() if p.requires_grad])
         backend.source_hf_dir = cfg.hf_checkpoint
         if cfg.load:
             backend.load_checkpoint(cfg.load)
@@ -91,7 +95,7 @@ class FSDPBackend(TrainerBackend):
         """One rank holds every parameter whole (see iter_hf_tensors): the tensors streamed are the
         parameters themselves, or, cast to the served dtype, the persistent copies of
         :meth:`_served_copies`; either stays allocated and unchanged while an update runs."""
-        return dist.get_world_size() == 1
+        return dist.get_world_size() == 1 and self.lora is None
 
     def _served_copies(self) -> list[tuple[str, torch.Tensor]]:
         """One rank with a cast stream (fp32 master weights, bf16 served): copies in the served dtype, in
@@ -199,7 +203,23 @@ class FSDPBackend(TrainerBackend):
         return math.sqrt(float(total))
 
     def _update_sizes(self) -> list[tuple[str, int]]:
-        return [(name, p.numel() * (self.stream_dtype or p.dtype).itemsize) for name, p in self.model.named_parameters()]
+        return [(name, p.numel() * (self.stream_dtype or p.dtype).itemsize) for name, p, _ in self._stream_entries()]
+
+    def _stream_entries(self) -> list[tuple[str, torch.nn.Parameter, tuple | None]]:
+        """``(HF name, parameter, adapter)`` of every tensor an update sends, in stream order: each parameter
+        under its HF name; under LoRA the adapters left out and each adapted layer's base weight with its
+        ``(A, B, scaling)`` to merge in (:mod:`.lora`). Made again when the parameters are replaced."""
+        from rlplacement.backends import lora as adapters
+
+        params = list(self.model.named_parameters())
+        if self._entries is None or len(self._entries[0]) != len(params) or any(
+                a is not b for a, (_, b) in zip(self._entries[0], params)):
+            table = dict(params)
+            scaling = self.lora.scaling if self.lora is not None else 0.0
+            entries = [(adapters.hf_name(n), p, adapters.adapted(table, n, scaling) if self.lora is not None else None)
+                       for n, p in params if not adapters.is_adapter(n)]
+            self._entries = ([p for _, p in params], entries)
+        return self._entries[1]
 
     def iter_update_tensors(self, share: str = RANK0) -> Iterator[tuple[str, torch.Tensor]]:
         if share == OWN_GPU and dist.get_world_size() > 1:  # every rank needs every tensor: all-gathers
@@ -219,7 +239,7 @@ class FSDPBackend(TrainerBackend):
 
     def _iter_hf(self, owners: dict[str, int] | None, everywhere: bool) -> Iterator[tuple[str, torch.Tensor]]:
         self.root.reshard()  # see log_probs: stream the sharded parameters, never a stale gathered copy
-        if dist.get_world_size() == 1:
+        if dist.get_world_size() == 1 and self.lora is None:
             whole = self._whole_parameters()
             if self.stream_dtype is None or all(t.dtype == self.stream_dtype for _, t in whole):
                 yield from self._checkpoint_pairs(whole)  # the same pairs every update: receivers see nothing moved
@@ -242,27 +262,35 @@ class FSDPBackend(TrainerBackend):
         """``everywhere``: every parameter all-gathered on every rank and yielded there; else each gathered
         onto its owner only (``dist.gather`` of the ranks' dim-0 shards, padded to one size) and yielded
         there. Collective: every rank runs through every parameter in the same order."""
+        from rlplacement.backends.lora import merged
+
         rank = dist.get_rank()
         self.last_stream_gathered_bytes = 0
-        for name, param in self.model.named_parameters():
+        for name, param, adapter in self._stream_entries():
             owner = rank if everywhere else owners[name] if owners is not None else 0
-            if not hasattr(param, "full_tensor"):
-                full = param.detach()
-            elif param.device_mesh.size() == 1:
-                # one rank holds it whole: no gather, no copy (the attribute read is ~6x cheaper than
-                # to_local()'s autograd wrapper, which is ~5 ms per update over 400 parameters)
-                full = getattr(param, "_local_tensor", None)
-                full = param.to_local() if full is None else full
-            elif everywhere or not _dim0_sharded(param):
-                full = param.full_tensor()
-                self.last_stream_gathered_bytes += (full.numel() - param.to_local().numel()) * full.element_size()
-            else:
-                full = _gather_onto(param, owner)
-                if full is not None:
-                    self.last_stream_gathered_bytes += ((full.numel() - param.to_local().numel())
-                                                        * full.element_size())
+            full = self._whole_on(param, owner, everywhere)
+            if adapter is not None:  # LoRA: the adapters gathered with their layer, merged in fp32
+                a, b = (self._whole_on(t, owner, everywhere) for t in adapter[:2])
+                full = merged(full, a, b, adapter[2]) if full is not None else None
             if owner == rank:
                 yield name, full.detach() if self.stream_dtype is None else full.detach().to(self.stream_dtype)
+
+    def _whole_on(self, param, owner: int, everywhere: bool) -> torch.Tensor | None:
+        """``param`` whole on ``owner`` (on every rank where ``everywhere``), None on the others (collective)."""
+        if not hasattr(param, "full_tensor"):
+            return param.detach()
+        if param.device_mesh.size() == 1:
+            # one rank holds it whole: no gather, no copy (the attribute read is ~6x cheaper than
+            # to_local()'s autograd wrapper, which is ~5 ms per update over 400 parameters)
+            local = getattr(param, "_local_tensor", None)
+            return param.to_local() if local is None else local
+        if everywhere or not _dim0_sharded(param):
+            full = param.full_tensor()
+        else:
+            full = _gather_onto(param, owner)
+        if full is not None:
+            self.last_stream_gathered_bytes += (full.numel() - param.to_local().numel()) * full.element_size()
+        return full
 
 
 def _dim0_sharded(param) -> bool:

@@ -93,17 +93,24 @@ def shard(root: torch.nn.Module, layers, device_type: str, mixed_precision: bool
 
 def build_sharded(hf_dir: str | os.PathLike, device: torch.device, *, mixed_precision: bool,
                   dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False,
-                  trainable: bool = True, weights: bool = True, compile_layers: bool = False) -> CausalLMRoot:
+                  trainable: bool = True, weights: bool = True, compile_layers: bool = False,
+                  lora=None) -> CausalLMRoot:
     """The model of ``hf_dir`` with ``dtype`` parameters (fp32: the master weights), sharded over the
     default process group, its weights read from the folder. ``mixed_precision``: bf16 compute, fp32
     gradient reduction. ``trainable`` False: a frozen copy (a reference model), no gradients. ``weights``
     False: leave the parameters unset (a training checkpoint fills them next). Recompute is HF's own
-    ``gradient_checkpointing_enable``; ``compile_layers``: see :func:`recompute_and_compile`."""
+    ``gradient_checkpointing_enable``; ``compile_layers``: see :func:`recompute_and_compile`. ``lora`` (a
+    :class:`~rlplacement.config.LoRAConfig` that is on): peft's adapters injected before sharding, the base
+    frozen, the adapters at their initial values (:mod:`.lora`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(hf_dir)
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if lora is not None:
+        from rlplacement.backends import lora as adapters
+
+        adapters.inject(lm, lora)
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compile_layers:
@@ -115,6 +122,8 @@ def build_sharded(hf_dir: str | os.PathLike, device: torch.device, *, mixed_prec
     _rebuild_buffers(root, device)
     if weights:
         load_hf_into(root, hf_dir)
+    if lora is not None:
+        adapters.initialise(root.lm)
     if not trainable:
         root.requires_grad_(False)
     return root
@@ -176,5 +185,8 @@ def _load_local_experts(fused: dict[str, Any], hf_dir: str | os.PathLike, family
 
 
 def hf_state_dict(root: CausalLMRoot) -> dict[str, Any]:
-    """HF name -> the parameter itself (a DTensor shard), each tied tensor once."""
-    return dict(root.lm.named_parameters())
+    """HF name -> the parameter itself (a DTensor shard), each tied tensor once; LoRA adapters left out, an
+    adapted layer's base weight under its HF name."""
+    from rlplacement.backends.lora import hf_name, is_adapter
+
+    return {hf_name(n): p for n, p in root.lm.named_parameters() if not is_adapter(n)}

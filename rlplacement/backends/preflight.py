@@ -63,6 +63,8 @@ def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: 
         raise ConfigError(f"{source}: {family.name} is a mixture-of-experts model, which --train-backend {cfg.name} "
                           f"does not train yet: use --train-backend {' or '.join(MOE_BACKENDS)}")
     _check_moe_flags(cfg, hf_config, family, source, for_training)
+    if cfg.lora.enabled and for_training:
+        _check_lora(cfg.lora, hf_config, family, source)
 
     if cfg.name == "megatron":
         _check_megatron_sizes(hf_config, source, tp, pp)
@@ -70,6 +72,26 @@ def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: 
             _check_expert_sizes(hf_config, source, tp, cfg.expert_model_parallel_size)
     elif cfg.name == "torchtitan":
         _check_torchtitan(hf_config, family, source, cuda_available)
+
+
+def _check_lora(lora, hf_config: Any, family, source: str) -> None:
+    """LoRA's rank against the adapted layers (an adapter of a rank above a layer's smaller side is no
+    low-rank update); a mixture-of-experts model's adapters are not built."""
+    from rlplacement.families import head_dim
+
+    if family.moe:
+        raise ConfigError(f"--lora-rank with {source}'s mixture-of-experts {family.name}: LoRA adapters are built for "
+                          f"dense models only so far: drop --lora-rank, or train the model in full")
+    h, inter, hd = hf_config.hidden_size, hf_config.intermediate_size, head_dim(hf_config)
+    kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    sides = {"q_proj": (h, hf_config.num_attention_heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd),
+             "o_proj": (hf_config.num_attention_heads * hd, h), "gate_proj": (h, inter), "up_proj": (h, inter),
+             "down_proj": (inter, h)}
+    for module in lora.target_modules:
+        smaller = min(sides[module])
+        if lora.rank > smaller:
+            raise ConfigError(f"--lora-rank {lora.rank} is larger than {module}'s smaller side {smaller} in {source}: "
+                              f"use --lora-rank {smaller} or less, or drop {module} with --exclude-modules")
 
 
 def _hf_source(cfg: BackendConfig, hf_dir: str | None) -> tuple[str, str | None]:

@@ -1,0 +1,145 @@
+"""LoRA on the fsdp backend (``--lora-rank``): peft's adapters on every decoder linear layer of the HF model,
+the base frozen, two gloo ranks against one HF model with the same adapters (``peft`` injected, the same
+initial ``A``): two optimizer steps' gradient norms equal the reference's, the base weights stay bit-identical,
+and every way of streaming an update sends the merged ``W + alpha / r * B A`` under the HF names (what the
+engine serves under ``--lora-merge-for-rollout``)."""
+
+import pytest
+import torch
+
+from rlplacement.backends import launch
+from rlplacement.backends.hf_reference import hf_reference_step, load_hf, random_batch
+from rlplacement.config import LORA_MODULES, BackendConfig, LoRAConfig, OptimConfig, TrainConfig
+from rlplacement.models.tiny import TinySpec, make_tiny_model
+
+SPEC = TinySpec(num_hidden_layers=2)
+SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
+TRAIN = TrainConfig(micro_batch_size=1)
+LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=LORA_MODULES, merge_for_rollout=True)
+
+
+def _lora_steps(rank, world, hf):
+    from rlplacement.backends import make_backend
+    from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
+
+    backend = make_backend(BackendConfig(name="fsdp", hf_checkpoint=hf, lora=LORA), SGD, TRAIN)
+    trainable = sorted(n for n, p in backend.model.named_parameters() if p.requires_grad)
+    norms = [backend.train_step(random_batch(SPEC.vocab_size, seed=seed + rank))["grad_norm"] for seed in (10, 20)]
+    streams = {share: {n: t.clone() for n, t in backend.iter_update_tensors(share)} for share in (RANK0, SHARES, OWN_GPU)}
+    base = {n: p.full_tensor().clone() for n, p in backend.model.named_parameters() if ".base_layer." in n}
+    backend.close()
+    return {"norms": norms, "trainable": trainable, "streams": streams, "base": base,
+            "sizes": backend._update_sizes()}
+
+
+@pytest.mark.slow
+def test_fsdp_lora_two_ranks_match_an_hf_model_with_the_same_adapters(tmp_path):
+    from rlplacement.backends.lora import initial_a, inject
+    from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
+
+    hf = make_tiny_model(tmp_path / "hf", SPEC)
+    results = launch.spawn(_lora_steps, 2, str(hf), timeout_s=300)
+    original = load_hf(hf)
+    ref = load_hf(hf)
+    inject(ref, LORA)
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            if ".lora_A." in name:
+                param.copy_(initial_a(name, tuple(param.shape)))
+            elif ".lora_B." in name:
+                param.zero_()
+    # only the adapters train: A and B of every adapted layer
+    layers = SPEC.num_hidden_layers * len(LORA_MODULES)
+    assert len(results[0]["trainable"]) == 2 * layers and all(".lora_" in n for n in results[0]["trainable"])
+    expected = []
+    for seed in (10, 20):
+        expected.append(hf_reference_step(ref, [random_batch(SPEC.vocab_size, seed=seed + r) for r in range(2)],
+                                          SGD, TRAIN)["grad_norm"])
+    assert results[0]["norms"] == pytest.approx(expected, rel=1e-5)
+    assert expected[1] > 0 and results[0]["norms"][1] != pytest.approx(expected[0], rel=1e-3)
+    # the base weights stay bit-identical to the checkpoint's
+    reference_weights = dict(original.named_parameters())
+    for r in range(2):
+        for name, weight in results[r]["base"].items():
+            assert torch.equal(weight, reference_weights[name.replace(".base_layer.", ".")]), name
+    # every way of streaming sends the merged weights under HF names, the same tensors as HF's own merge
+    merged = {n: p.detach().clone() for n, p in original.named_parameters()}
+    scaling = LORA.alpha / LORA.rank
+    params = dict(ref.named_parameters())
+    for name in list(merged):
+        prefix = name.removesuffix(".weight")
+        a = params.get(f"{prefix}.lora_A.default.weight")
+        if a is not None:
+            b = params[f"{prefix}.lora_B.default.weight"]
+            merged[name] = merged[name] + scaling * (b.detach() @ a.detach())
+    whole = results[0]["streams"][RANK0]
+    assert set(whole) == set(merged) and results[1]["streams"][RANK0] == {}
+    assert sum(len(r["streams"][SHARES]) for r in results) == len(whole)
+    for name, tensor in whole.items():
+        assert (tensor - merged[name]).abs().max().item() <= 1e-6, name
+        assert all(torch.equal(r["streams"][OWN_GPU][name], tensor) for r in results)
+    for r in range(2):
+        assert all(torch.equal(t, whole[n]) for n, t in results[r]["streams"][SHARES].items())
+    assert [n for n, _ in results[0]["sizes"]] == list(whole)
+
+
+def test_lora_flags_are_refused_where_they_cannot_work(tmp_path):
+    from rlplacement.args import build_parser, config_from_args
+    from rlplacement.backends.preflight import preflight
+    from rlplacement.errors import ConfigError
+
+    def refused(message, *argv):
+        with pytest.raises(ConfigError, match=message):
+            config_from_args(build_parser().parse_args(["--colocate", "--train-backend", "fsdp", *argv]))
+
+    lora = ["--lora-rank", "8", "--lora-merge-for-rollout"]
+    refused(r"--target-modules qkv: not a decoder linear layer; use all-linear or HF names", *lora,
+            "--target-modules", "qkv")
+    refused(r"--lora-rank with --train-backend torchtitan: LoRA adapters train on the fsdp backend so far", *lora,
+            "--train-backend", "torchtitan")
+    refused(r"--lora-rank with --train-backend megatron: .* use --train-backend fsdp", *lora,
+            "--train-backend", "megatron")
+    refused(r"--lora-rank: adapter-only updates into a live vLLM adapter are not built yet; add "
+            r"--lora-merge-for-rollout", "--lora-rank", "8")
+    refused(r"--lora-adapter-path: starting from an existing adapter is not built", *lora,
+            "--lora-adapter-path", "/x")
+    refused(r"--lora-dropout 1.0: use 0 <= p < 1", *lora, "--lora-dropout", "1.0")
+    refused(r"leaves no layer to adapt", *lora, "--target-modules", "linear_qkv", "--exclude-modules", "q_proj,k_proj,v_proj")
+    config = config_from_args(build_parser().parse_args(["--colocate", "--train-backend", "fsdp", *lora,
+                                                         "--target-modules", "linear_fc1,o_proj"]))
+    assert config.backend.lora.target_modules == ("o_proj", "gate_proj", "up_proj")
+    hf = str(make_tiny_model(tmp_path / "hf", SPEC))
+    moe = str(make_tiny_model(tmp_path / "moe", TinySpec(family="qwen3_moe", num_attention_heads=2,
+                                                        num_key_value_heads=2)))
+    preflight(BackendConfig(name="fsdp", hf_checkpoint=hf, lora=LORA))
+    with pytest.raises(ConfigError, match=r"--lora-rank 4096 is larger than q_proj's smaller side \d+ .* use "
+                                          r"--lora-rank \d+ or less"):
+        preflight(BackendConfig(name="fsdp", hf_checkpoint=hf, lora=LoRAConfig(rank=4096, merge_for_rollout=True)))
+    with pytest.raises(ConfigError, match=r"--lora-rank with .*mixture-of-experts qwen3_moe: LoRA adapters are built "
+                                          r"for dense models only"):
+        preflight(BackendConfig(name="fsdp", hf_checkpoint=moe, lora=LORA))
+
+
+def test_plan_memory_counts_only_the_adapters_state(tmp_path, capsys):
+    """``plan --memory --lora-rank``: the base's weights on every fsdp rank's share, gradients and AdamW moments
+    of the adapters alone (``rank x (in + out)`` per adapted layer)."""
+    import json
+
+    from rlplacement.cli import main as cli_main
+
+    hf = make_tiny_model(tmp_path / "hf", SPEC)
+    argv = ["plan", "--memory", "--hf-config", str(hf / "config.json"), "--json", "--colocate", "--train-backend",
+            "fsdp", "--actor-num-gpus-per-node", "2"]
+    assert cli_main(argv) == 0
+    full = json.loads(capsys.readouterr().out)["memory"]
+    assert cli_main(argv + ["--lora-rank", "4", "--lora-merge-for-rollout", "--target-modules", "q_proj"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    cfg = json.loads((hf / "config.json").read_text())
+    q_out = cfg["num_attention_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    adapters = SPEC.num_hidden_layers * 4 * (cfg["hidden_size"] + q_out)
+    assert memory["adapter_parameters"] == adapters
+    share = -(-(memory["parameters"] + adapters) // 2)
+    assert memory["trainer_rank"]["weights"] == 4 * share
+    assert (memory["trainer_rank"]["gradients"], memory["trainer_rank"]["optimizer"]) == (4 * (adapters // 2),
+                                                                                        8 * (adapters // 2))
+    assert memory["trainer_rank"]["total"] < full["trainer_rank"]["total"] / 2
