@@ -10,11 +10,15 @@ the same GPU in the same run, and a profile of where a step's GPU time goes.
 A variant is ``[BACKEND:]eager|compiled`` (backend fsdp by default, or torchtitan: its own model under the
 same FSDP2 step, needing torchtitan, tyro and spmd_types carried; or ``megatron:eager``: megatron-core's
 GPTModel with the TE spec where TE imports, Float16Module, DDP, the distributed optimizer and full
-uniform recompute of every layer, needing megatron-core and TE installed).
+uniform recompute of every layer, needing megatron-core and TE installed; or ``lora:eager|compiled``: the
+fsdp step with peft's rank-``--lora-rank`` adapters on every decoder linear layer, the base frozen, needing
+peft and accelerate carried).
 
 MFU counts the model's FLOPs once: 6 x (parameters in matmuls) x tokens, plus causal attention
 6 x layers x (heads x head_dim) x sum of squared sample lengths. HFU adds what recompute runs again
-(one more forward: 2 x params x tokens and a third of the attention).
+(one more forward: 2 x params x tokens and a third of the attention). Under LoRA the frozen base computes no
+weight gradients: 4 x (parameters in matmuls) x tokens, plus 6 x the adapters' parameters x tokens, plus the
+same attention (``mfu``); ``mfu_full_ft_flops`` counts the full fine-tuning FLOPs in the LoRA step's time.
 """
 
 from __future__ import annotations
@@ -66,8 +70,9 @@ def peak_memory_gb() -> tuple[float, float]:
     return torch.cuda.max_memory_allocated() / 2 ** 30, torch.cuda.max_memory_reserved() / 2 ** 30
 
 
-def model_flops(cfg, lengths: list[int]) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs with one recomputed forward) of one step over ``lengths``."""
+def model_flops(cfg, lengths: list[int], adapters: int = 0) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs with one recomputed forward) of one step over ``lengths``; ``adapters``:
+    LoRA's trained parameters (the base frozen: no weight gradients for it)."""
     h, layers, heads, hd = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
     kv, inter, vocab = cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size
     attention_params = h * heads * hd + 2 * h * kv * hd + heads * hd * h  # q, k, v, o
@@ -81,7 +86,7 @@ def model_flops(cfg, lengths: list[int]) -> tuple[float, float]:
     matmul_params = layers * attention_params + sum(mlp) + vocab * h  # the output layer is a matmul
     tokens = sum(lengths)
     attention = 6 * layers * heads * hd * sum(n * n for n in lengths)
-    mfu = 6 * matmul_params * tokens + attention
+    mfu = (4 * matmul_params + 6 * adapters if adapters else 6 * matmul_params) * tokens + attention
     hfu = mfu + 2 * (matmul_params - vocab * h) * tokens + attention / 3  # the layers' forward again
     return float(mfu), float(hfu)
 
@@ -140,12 +145,18 @@ def run_variant(model_dir: Path, variant: str, args, peak_tflops: float) -> dict
                       use_distributed_optimizer=True) if name == "megatron" else dict(gradient_checkpointing=True))
     train = TrainConfig(bf16=True, use_dynamic_batch_size=True, max_tokens_per_gpu=args.max_tokens,
                         log_probs_chunk_size=args.chunk, **recompute)
+    from rlplacement.config import LORA_MODULES, LoRAConfig
+
+    lora = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, target_modules=LORA_MODULES,
+                      merge_for_rollout=True) if name == "lora" else LoRAConfig()
     t0 = time.time()
-    backend = make_backend(BackendConfig(name=name or "fsdp", hf_checkpoint=str(model_dir)), OptimConfig(lr=1e-6),
-                           train, compile_layers=mode == "compiled")
+    backend = make_backend(BackendConfig(name="fsdp" if name in ("", "lora") else name, hf_checkpoint=str(model_dir),
+                                         lora=lora), OptimConfig(lr=1e-6), train, compile_layers=mode == "compiled")
     build_s = time.time() - t0
     b = batch(args.samples, args.prompt, args.response, SHAPE["vocab_size"])
-    mfu_flops, hfu_flops = model_flops(backend.hf_config, b.sample_lengths())
+    adapters = sum(p.numel() for p in backend.model.parameters() if p.requires_grad) if lora.enabled else 0
+    mfu_flops, hfu_flops = model_flops(backend.hf_config, b.sample_lengths(), adapters)
+    full_ft_flops = model_flops(backend.hf_config, b.sample_lengths())[0]
     steps = []
     for step in range(args.steps + 1):
         if torch.cuda.is_available():
@@ -160,9 +171,10 @@ def run_variant(model_dir: Path, variant: str, args, peak_tflops: float) -> dict
         held = {k: v for n, p in backend.model.named_parameters()  # under the checkpoint's names (experts apart)
                 for k, v in backend.family.checkpoint_views(n, p.to_local().detach())}
         exact = set(served) == set(held) and all(torch.equal(t, held[k].to(t.dtype)) for k, t in served.items()) \
-            if name in ("", "fsdp") else None
+            if name in ("", "fsdp") else None  # LoRA streams the merged weights, not the parameters
         steps.append({"step": step, "train_s": round(seconds, 3), "tokens": sum(b.sample_lengths()),
                       "mfu": round(mfu_flops / seconds / 1e12 / peak_tflops, 4),
+                      "mfu_full_ft_flops": round(full_ft_flops / seconds / 1e12 / peak_tflops, 4),
                       "hfu": round(hfu_flops / seconds / 1e12 / peak_tflops, 4),
                       "peak_allocated_gb": round(allocated, 2), "peak_reserved_gb": round(reserved, 2),
                       "loss": report["loss"], "grad_norm": report["grad_norm"], "stream_bit_exact": exact})
@@ -174,7 +186,7 @@ def run_variant(model_dir: Path, variant: str, args, peak_tflops: float) -> dict
            "mfu": statistics.median(s["mfu"] for s in measured), "hfu": statistics.median(s["hfu"] for s in measured),
            "peak_reserved_gb": max(s["peak_reserved_gb"] for s in measured),
            "memory_flat": len({s["peak_reserved_gb"] for s in measured}) == 1,
-           "micro_batches": len(backend._micro_batches(b.to(backend.device))),
+           "micro_batches": len(backend._micro_batches(b.to(backend.device))), "adapter_parameters": adapters,
            "model_tflop_per_step": round(mfu_flops / 1e12, 1)}
     if args.profile:
         row["profile"] = profile_step(backend, b)
@@ -197,6 +209,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--variants", nargs="+", default=["eager", "compiled"])
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--lora-rank", type=int, default=32, help="the lora variants' adapter rank (alpha 2 x rank)")
+    parser.add_argument("--name", default=None, help="the results file (default: train_step[_<size>]_h200.json)")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script runs (CPU too)")
     parser.add_argument("--commit", default=None, help="the commit measured (the device's copy has no .git)")
     parser.add_argument("--size", default="4B-full-vocab", choices=["4B-full-vocab", *sorted(common.SIZES)],
@@ -234,7 +248,8 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - one variant failing must not lose the others' numbers
             result["variants"].append({"variant": variant, "error": f"{type(exc).__name__}: {exc}"[:3000]})
             print(f"[{variant}] failed: {exc}", flush=True)
-        name = "train_step_h200.json" if args.size == "4B-full-vocab" else f"train_step_{args.size}_h200.json"
+        name = args.name or ("train_step_h200.json" if args.size == "4B-full-vocab"
+                             else f"train_step_{args.size}_h200.json")
         (out / name).write_text(json.dumps(result, indent=2))  # after each: a timeout keeps it
     print(json.dumps({v["variant"]: {k: v.get(k) for k in ("train_s", "mfu", "hfu", "peak_reserved_gb", "error")}
                       for v in result["variants"]}, indent=2))
