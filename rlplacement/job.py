@@ -293,13 +293,13 @@ class RLJob:
         cfg = self.config.train
         n, dp = len(batch), self.data_parallel_size
         per_step = cfg.global_batch_size or n
+        from rlplacement.train_io import refuse_unreplayed_routes
+
         replay = self.config.backend.moe.rollout_routing_replay
         if replay and batch.routed_experts is None:
             raise ConfigError("the job replays rollout routing (--use-rollout-routing-replay) and the batch has no "
                               "routed_experts: build it with rlplacement.routed_experts_of(samples)")
-        if not replay and batch.routed_experts is not None:
-            raise ConfigError("Batch.routed_experts is given, and the job was started without "
-                              "--use-rollout-routing-replay: start it with the flag, or leave routed_experts out")
+        refuse_unreplayed_routes(batch, replay)
         if n % dp:
             raise ConfigError(f"a batch of {n} samples does not split over {dp} data-parallel trainer "
                               f"ranks: use a multiple of {dp} samples per step")

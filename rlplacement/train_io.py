@@ -107,6 +107,15 @@ class Batch:
         return (self.input_ids, self.loss_mask, self.advantages, self.old_logprobs, self.lengths, self.routed_experts)
 
 
+def refuse_unreplayed_routes(batch: Batch, replays: bool) -> None:
+    """Routes given to a job (or trainer) started without ``--use-rollout-routing-replay`` are refused by name."""
+    if batch.routed_experts is not None and not replays:
+        from rlplacement.errors import ConfigError
+
+        raise ConfigError("Batch.routed_experts is given, and the job was started without "
+                          "--use-rollout-routing-replay: start it with the flag, or leave routed_experts out")
+
+
 def _pad_routes(routes: torch.Tensor, width: int) -> torch.Tensor:
     """``routes`` widened to ``width`` positions, each new one routed to experts ``0..K-1``: a padding position
     predicts nothing, and megatron's and HF's dispatch both need ``K`` distinct experts a token."""

@@ -20,6 +20,10 @@ parallelism is what brings a rank's share down (``--expert-model-parallel-size``
 from __future__ import annotations
 
 import dataclasses
+import math
+
+from rlplacement.transfer.plan.boxes import volume
+from rlplacement.transfer.plan.trainer_shards import expert_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,20 +46,7 @@ class RankMemory:
         return {**dataclasses.asdict(self), "total": self.total}
 
 
-def _is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
-
-
-def _elements(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _tp_elements(model, t, tp: int) -> int:
-    from rlplacement.transfer.plan.boxes import volume
-
     padded = -(-model.vocab_size // tp) * tp
     return max(volume(model.tp_box(t, rank, tp, padded)) for rank in range(tp))
 
@@ -68,7 +59,7 @@ def megatron_rank_memory(model, *, tp: int, pp: int, ep: int, dp: int, bf16: boo
     dense, experts = [0] * pp, [0] * pp
     for t in model.tensors:
         n = _tp_elements(model, t, tp)
-        if _is_expert(t.name):
+        if expert_of(t.name) is not None:
             experts[model.stage_of(t, pp)] += n // ep
         else:
             dense[model.stage_of(t, pp)] += n
@@ -93,7 +84,7 @@ def fsdp_rank_memory(model, *, world: int, bf16: bool, lora=None) -> RankMemory:
     ``--bf16``, the largest decoder layer gathered in bf16 (fp32 without). Under LoRA (``lora`` on) the base
     is frozen: its weights only, and gradients and moments of the adapters alone."""
     adapters = adapter_elements(model, lora)
-    share = -(-(sum(_elements(t.shape) for t in model.tensors) + adapters) // world)
+    share = -(-(sum(math.prod(t.shape) for t in model.tensors) + adapters) // world)
     trained = -(-adapters // world) if adapters else share
     largest = max(_layer_elements(model).values(), default=0)
     return RankMemory(share, 4 * share, 4 * trained, 8 * trained, (2 if bf16 else 4) * largest)
@@ -103,7 +94,7 @@ def _layer_elements(model) -> dict[int, int]:
     per_layer: dict[int, int] = {}
     for t in model.tensors:
         if t.layer is not None:
-            per_layer[t.layer] = per_layer.get(t.layer, 0) + _elements(t.shape)
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + math.prod(t.shape)
     return per_layer
 
 
@@ -121,8 +112,8 @@ def layout_memory(model, *, backend: str, trainer_gpus: int, tp: int, pp: int, e
                                     distributed_optimizer=distributed_optimizer)
     else:
         rank = fsdp_rank_memory(model, world=trainer_gpus, bf16=bf16, lora=lora)
-    expert_elements = sum(_elements(t.shape) for t in model.tensors if _is_expert(t.name))
+    expert_elements = sum(math.prod(t.shape) for t in model.tensors if expert_of(t.name) is not None)
     return {"backend": backend, "bf16": bf16, "distributed_optimizer": distributed_optimizer,
-            "parameters": sum(_elements(t.shape) for t in model.tensors), "expert_parameters": expert_elements,
+            "parameters": sum(math.prod(t.shape) for t in model.tensors), "expert_parameters": expert_elements,
             "adapter_parameters": adapter_elements(model, lora),
             "trainer_rank": rank.to_json(), "engine_worker_weights": engine_worker_weight_bytes(model, engine_tp)}

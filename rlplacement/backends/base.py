@@ -33,7 +33,7 @@ from rlplacement.backends.objective import (LossParts, TokenStats, policy_loss, 
 from rlplacement.backends.registry import backend_class
 from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
-from rlplacement.train_io import Batch
+from rlplacement.train_io import Batch, refuse_unreplayed_routes
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 # per optimizer step, summed over micro-batches then data-parallel ranks: what the report averages
@@ -242,11 +242,9 @@ class TrainerBackend(abc.ABC):
     def _check_routes(self, batch: Batch) -> None:
         """A batch's ``routed_experts`` fit the model and the job replays them, checked once per call, before
         any forward (the batch still on the host)."""
+        refuse_unreplayed_routes(batch, self.replays_routes)
         if batch.routed_experts is None:
             return
-        if not self.replays_routes:
-            raise ConfigError("Batch.routed_experts is given, and the job was started without "
-                              "--use-rollout-routing-replay: start it with the flag, or leave routed_experts out")
         from rlplacement.backends.routing_replay import check_routes
 
         check_routes(batch.routed_experts, self.hf_config, self.family.sparse_layers(self.hf_config))

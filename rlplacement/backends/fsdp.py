@@ -46,7 +46,6 @@ class FSDPBackend(TrainerBackend):
         self.family = family_for(model.config)
         self.route_replay = None  # HFRouteReplay under --use-rollout-routing-replay
         self.lora = None  # the LoRAConfig where adapters train (--lora-rank)
-        self._entries: tuple[list, list] | None = None  # see _stream_entries
 
     @classmethod
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
@@ -208,18 +207,12 @@ class FSDPBackend(TrainerBackend):
     def _stream_entries(self) -> list[tuple[str, torch.nn.Parameter, tuple | None]]:
         """``(HF name, parameter, adapter)`` of every tensor an update sends, in stream order: each parameter
         under its HF name; under LoRA the adapters left out and each adapted layer's base weight with its
-        ``(A, B, scaling)`` to merge in (:mod:`.lora`). Made again when the parameters are replaced."""
+        ``(A, B)`` to merge in (:mod:`.lora`)."""
         from rlplacement.backends import lora as adapters
 
-        params = list(self.model.named_parameters())
-        if self._entries is None or len(self._entries[0]) != len(params) or any(
-                a is not b for a, (_, b) in zip(self._entries[0], params)):
-            table = dict(params)
-            scaling = self.lora.scaling if self.lora is not None else 0.0
-            entries = [(adapters.hf_name(n), p, adapters.adapted(table, n, scaling) if self.lora is not None else None)
-                       for n, p in params if not adapters.is_adapter(n)]
-            self._entries = ([p for _, p in params], entries)
-        return self._entries[1]
+        params = dict(self.model.named_parameters())
+        return [(adapters.hf_name(n), p, adapters.adapted(params, n) if self.lora is not None else None)
+                for n, p in params.items() if not adapters.is_adapter(n)]
 
     def iter_update_tensors(self, share: str = RANK0) -> Iterator[tuple[str, torch.Tensor]]:
         if share == OWN_GPU and dist.get_world_size() > 1:  # every rank needs every tensor: all-gathers
@@ -270,8 +263,8 @@ class FSDPBackend(TrainerBackend):
             owner = rank if everywhere else owners[name] if owners is not None else 0
             full = self._whole_on(param, owner, everywhere)
             if adapter is not None:  # LoRA: the adapters gathered with their layer, merged in fp32
-                a, b = (self._whole_on(t, owner, everywhere) for t in adapter[:2])
-                full = merged(full, a, b, adapter[2]) if full is not None else None
+                a, b = (self._whole_on(t, owner, everywhere) for t in adapter)
+                full = merged(full, a, b, self.lora.scaling) if full is not None else None
             if owner == rank:
                 yield name, full.detach() if self.stream_dtype is None else full.detach().to(self.stream_dtype)
 

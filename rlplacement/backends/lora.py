@@ -80,12 +80,12 @@ def initialise(model: torch.nn.Module) -> None:
                     param.copy_(full)
 
 
-def adapted(params: dict[str, torch.nn.Parameter], name: str, scaling: float):
-    """``(A, B, scaling)`` of the base parameter ``name`` where an adapter sits on its layer, else None."""
+def adapted(params: dict[str, torch.nn.Parameter], name: str):
+    """``(A, B)`` of the base parameter ``name`` where an adapter sits on its layer, else None."""
     if ".base_layer." not in name:
         return None
     prefix = name.split(".base_layer.")[0]
-    return params[f"{prefix}.lora_A.{ADAPTER}.weight"], params[f"{prefix}.lora_B.{ADAPTER}.weight"], scaling
+    return params[f"{prefix}.lora_A.{ADAPTER}.weight"], params[f"{prefix}.lora_B.{ADAPTER}.weight"]
 
 
 def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -598,16 +598,15 @@ def iter_everywhere_megatron(model, bucket_bytes: int | None = None,
     params = dict(stage_params)
     device = next(model.parameters()).device
     experts = ExpertRanks.of(model, counter)
+    own = [(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params]
     for stage in range(pp):
-        meta = [[(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params]] \
-            if stage == my_stage else [None]
+        meta = [own if stage == my_stage else None]
         if pp > 1:
             dist.broadcast_object_list(meta, src=_stage_source_rank(stage),
                                        device=device if device.type == "cuda" else None)
             counter.add()
         # this stage's rows: its own (the source's name another expert-parallel rank's experts), else received
-        rows = [(n, tuple(p.shape), p.dtype, mapping.tp_partition_dim(n)) for n, p in stage_params] \
-            if stage == my_stage else meta[0]
+        rows = own if stage == my_stage else meta[0]
         yield from _everywhere(stage, rows if experts is None else [r for r in rows if not is_expert(r[0])], params,
                                device, counter, bucket_bytes)
         if experts is not None:

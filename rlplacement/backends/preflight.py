@@ -77,16 +77,14 @@ def preflight(cfg: BackendConfig, hf_dir: str | None = None, *, cuda_available: 
 def _check_lora(lora, hf_config: Any, family, source: str) -> None:
     """LoRA's rank against the adapted layers (an adapter of a rank above a layer's smaller side is no
     low-rank update); a mixture-of-experts model's adapters are not built."""
-    from rlplacement.families import head_dim
+    from rlplacement.transfer.plan.tensors import ModelTensors
 
     if family.moe:
         raise ConfigError(f"--lora-rank with {source}'s mixture-of-experts {family.name}: LoRA adapters are built for "
                           f"dense models only so far: drop --lora-rank, or train the model in full")
-    h, inter, hd = hf_config.hidden_size, hf_config.intermediate_size, head_dim(hf_config)
-    kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    sides = {"q_proj": (h, hf_config.num_attention_heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd),
-             "o_proj": (hf_config.num_attention_heads * hd, h), "gate_proj": (h, inter), "up_proj": (h, inter),
-             "down_proj": (inter, h)}
+    # each decoder linear layer's shape, from the plan's table of the model's tensors (layer 0: all alike)
+    model = ModelTensors.from_hf_config(vars(hf_config), source, dtype="float32")
+    sides = {t.name.rsplit(".", 2)[-2]: t.shape for t in model.tensors if t.layer == 0 and len(t.shape) == 2}
     for module in lora.target_modules:
         smaller = min(sides[module])
         if lora.rank > smaller:

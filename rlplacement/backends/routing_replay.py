@@ -120,9 +120,8 @@ def megatron_replay(model: torch.nn.Module, routes: torch.Tensor, *, tp_rank: in
     :func:`megatron_clear`, so a recompute in the backward of the same micro-batch replays them too."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    b, t = routes.shape[:2]
     if sequence_parallel:
-        per_rank = t // tp_size
+        per_rank = routes.shape[1] // tp_size
         routes = routes[:, tp_rank * per_rank:(tp_rank + 1) * per_rank]
     for router in megatron_routers(model):
         layer = router.layer_number - 1  # megatron numbers layers from 1, across pipeline stages

