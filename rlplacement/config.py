@@ -176,7 +176,8 @@ class LoRAConfig:
     """``--target-modules``: HF layer names (``--target-modules all-linear``: every decoder linear layer)."""
     merge_for_rollout: bool = False
     """``--lora-merge-for-rollout``: the trainer merges the adapters into the base and every update sends the
-    merged weights whole (the slow path: a full model's bytes per update)."""
+    merged weights whole (the slow path: a full model's bytes per update). Off: every update sends only the
+    adapters, which the engines serve live on the checkpoint's base (:attr:`adapter_updates`)."""
 
     @property
     def enabled(self) -> bool:
@@ -185,6 +186,15 @@ class LoRAConfig:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def adapter_updates(self) -> bool:
+        """Updates carry the adapters alone, into a live vLLM adapter over the engines' frozen base."""
+        return self.enabled and not self.merge_for_rollout
+
+    def live_spec(self) -> dict:
+        """What an engine needs to serve the adapters live (``VllmRolloutEngine(live_lora=)``)."""
+        return {"rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -92,6 +92,7 @@ class RLJob:
         """Set by the caller: what every save not given ``extra_state`` records as it (the saves
         :meth:`train` makes every ``--save-interval`` included)."""
         self.check_equal = config.transfer.check_equal
+        self._base_checked = False  # adapter-only LoRA: the engines' base held against the trainer's once
         self.transfer_mode = config.transfer.mode
         """The mode updates run in (``set_transfer`` changes it)."""
         self.trainer_names = [f"trainer rank {r}" for r in range(len(trainers))]
@@ -487,6 +488,11 @@ class RLJob:
         ranks = self.sender_ranks
         helpers = {f"trainer rank {r}": t.gather_for_update.remote() for r, t in enumerate(self.trainers)
                    if r not in ranks}
+        if self.check_equal and self.config.backend.lora.adapter_updates and not self._base_checked:
+            from rlplacement.runtime.transfer_driver import check_base
+
+            check_base(self.trainers, self.engines, version, self.timeout_s)
+            self._base_checked = True
         try:
             result = self.updates.run([self.trainers[r] for r in ranks], self.engines, version,
                                       check_equal=self.check_equal, whole_each=self.update_share == OWN_GPU)

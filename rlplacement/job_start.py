@@ -74,6 +74,8 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     engine_args.setdefault("verbose", verbose)
     if config.backend.moe.rollout_routing_replay:
         engine_args["enable_return_routed_experts"] = True
+    if config.backend.lora.adapter_updates:
+        engine_args["live_lora"] = config.backend.lora.live_spec()
     if timeout_s is not None:
         engine_args.setdefault("timeout_s", float(timeout_s))
     p = config.placement
@@ -104,7 +106,9 @@ def make_handoff(config: "Config", trainers: list, engines: list, trainer_device
     if not p.colocate or (p.offload_train is False and p.offload_rollout is False):
         return None
     handoff = ColocatedHandOff(trainers, engines, offload_train=p.offload_train, offload_rollout=p.offload_rollout,
-                               keep_engine_weights=p.offload_rollout_keep_weights, timeout_s=timeout_s,
+                               # adapter-only updates never resend the base: a sleeping engine must keep it
+                               keep_engine_weights=p.offload_rollout_keep_weights or config.backend.lora.adapter_updates,
+                               timeout_s=timeout_s,
                                trainer_names=trainer_names)
     handoff.reserve_host_memory()
     return handoff

@@ -4,6 +4,9 @@ initial ``A``): two optimizer steps' gradient norms equal the reference's, the b
 and every way of streaming an update sends the merged ``W + alpha / r * B A`` under the HF names (what the
 engine serves under ``--lora-merge-for-rollout``)."""
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -27,9 +30,16 @@ def _lora_steps(rank, world, hf):
     norms = [backend.train_step(random_batch(SPEC.vocab_size, seed=seed + rank))["grad_norm"] for seed in (10, 20)]
     streams = {share: {n: t.clone() for n, t in backend.iter_update_tensors(share)} for share in (RANK0, SHARES, OWN_GPU)}
     base = {n: p.full_tensor().clone() for n, p in backend.model.named_parameters() if ".base_layer." in n}
+    sizes = backend._update_sizes()
+    # the same trained model under adapter-only updates (the default): the stream is the adapters alone
+    backend.lora = dataclasses.replace(LORA, merge_for_rollout=False)
+    backend.__dict__.pop("_update_owners", None)  # the shares of the merged stream's names
+    adapters = {share: {n: t.clone() for n, t in backend.iter_update_tensors(share)} for share in (RANK0, SHARES, OWN_GPU)}
+    base_stream = {n: t.clone() for n, t in backend.iter_base_tensors()}
+    adapter_sizes = backend._update_sizes()
     backend.close()
-    return {"norms": norms, "trainable": trainable, "streams": streams, "base": base,
-            "sizes": backend._update_sizes()}
+    return {"norms": norms, "trainable": trainable, "streams": streams, "base": base, "sizes": sizes,
+            "adapters": adapters, "base_stream": base_stream, "adapter_sizes": adapter_sizes}
 
 
 @pytest.mark.slow
@@ -81,6 +91,25 @@ def test_fsdp_lora_two_ranks_match_an_hf_model_with_the_same_adapters(tmp_path):
     for r in range(2):
         assert all(torch.equal(t, whole[n]) for n, t in results[r]["streams"][SHARES].items())
     assert [n for n, _ in results[0]["sizes"]] == list(whole)
+    # adapter-only updates: A and B alone under PEFT's saved names, with the names and shapes the engine
+    # expects (lora_format.adapter_shapes), the same tensors as the reference's adapters
+    from rlplacement.lora_format import adapter_shapes
+
+    expected_shapes = adapter_shapes(json.loads((hf / "config.json").read_text()), LORA.rank, LORA_MODULES)
+    adapters = results[0]["adapters"][RANK0]
+    assert {n: tuple(t.shape) for n, t in adapters.items()} == expected_shapes and results[1]["adapters"][RANK0] == {}
+    for name, tensor in adapters.items():
+        module, matrix = name.removeprefix("base_model.model.").split(".lora_")
+        want = params[f"{module}.lora_{matrix[0]}.default.weight"].detach()
+        assert (tensor - want).abs().max().item() <= 1e-6, name
+        assert all(torch.equal(r["adapters"][OWN_GPU][name], tensor) for r in results)
+    assert sum(len(r["adapters"][SHARES]) for r in results) == len(adapters)
+    assert all(len(r["adapters"][SHARES]) > 0 for r in results)  # both ranks send a share
+    assert [n for n, _ in results[0]["adapter_sizes"]] == list(adapters)
+    # the frozen base, unmerged, whole on rank 0: the checkpoint's bytes
+    assert results[1]["base_stream"] == {}
+    assert set(results[0]["base_stream"]) == set(reference_weights)
+    assert all(torch.equal(t, reference_weights[n]) for n, t in results[0]["base_stream"].items())
 
 
 def test_lora_flags_are_refused_where_they_cannot_work(tmp_path):
@@ -99,8 +128,11 @@ def test_lora_flags_are_refused_where_they_cannot_work(tmp_path):
             "--train-backend", "torchtitan")
     refused(r"--lora-rank with --train-backend megatron: .* use --train-backend fsdp", *lora,
             "--train-backend", "megatron")
-    refused(r"--lora-rank: adapter-only updates into a live vLLM adapter are not built yet; add "
-            r"--lora-merge-for-rollout", "--lora-rank", "8")
+    refused(r"--update-weight-staging bucket with --lora-rank: an adapter-only update is staged whole .* use "
+            r"--update-weight-staging full or auto, or add --lora-merge-for-rollout", "--lora-rank", "8",
+            "--update-weight-staging", "bucket")
+    refused(r"--lora-rank 600: vLLM serves adapters up to rank 512; use a smaller rank or --lora-merge-for-rollout",
+            "--lora-rank", "600")
     refused(r"--lora-adapter-path: starting from an existing adapter is not built", *lora,
             "--lora-adapter-path", "/x")
     refused(r"--lora-dropout 1.0: use 0 <= p < 1", *lora, "--lora-dropout", "1.0")
@@ -171,3 +203,24 @@ def test_a_lora_run_resumed_from_its_checkpoint_goes_on_bit_exact(tmp_path):
     hf = make_tiny_model(tmp_path / "hf", SPEC)
     results = launch.spawn(_save_resume, 2, str(hf), str(tmp_path / "ckpt"), timeout_s=300)
     assert all(r["same_norm"] and r["equal"] for r in results), results
+
+
+@pytest.mark.slow
+def test_adapter_only_updates_hold_the_engines_base_against_the_trainers_once(tmp_path):
+    """Adapter-only updates never send the base, so ``--check-weight-update-equal`` holds the checkpoint each
+    engine loaded against the trainer's frozen base before the first update: engines started from another
+    model of the same shapes are refused, naming the engine and a tensor, and nothing is sent."""
+    import rlplacement
+    from rlplacement.args import build_parser, config_from_args
+    from rlplacement.errors import WeightUpdateError
+
+    trainer_model = make_tiny_model(tmp_path / "trainer", SPEC)
+    engine_model = make_tiny_model(tmp_path / "engine", dataclasses.replace(SPEC, seed=1))
+    config = config_from_args(build_parser().parse_args(
+        ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--train-backend", "fsdp", "--lora-rank", "4",
+         "--hf-checkpoint", str(trainer_model), "--check-weight-update-equal"]))
+    with rlplacement.RLJob.start(config, str(engine_model)) as job:
+        with pytest.raises(WeightUpdateError, match=r"engine 0: the base it serves is not the trainer's: .*"
+                                                    r"model\.(embed_tokens|layers\.\d+\.\S+|norm)\.weight"):
+            job.update_weights()
+        assert job.version == 0

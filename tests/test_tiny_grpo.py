@@ -293,20 +293,57 @@ def test_a_loop_resumed_from_its_checkpoint_goes_on_as_if_never_stopped(tmp_path
     assert (again["reward"], again["train/loss"]) == (uninterrupted["reward"], uninterrupted["train/loss"])
 
 
+def _lora_rows(tmp_path, *flags, steps):
+    telemetry = tmp_path / "tel.jsonl"
+    proc = run_loop(tmp_path, "--steps", str(steps), "--lora-rank", "8", "--check-weight-update-equal",
+                    "--telemetry", str(telemetry), *flags, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(" checked ") == steps
+    rows = [json.loads(line) for line in telemetry.read_text().splitlines()]
+    assert len(rows) == steps
+    # the engine's log-probs of its own samples are the trainer's: it serves this step's adapters (a stale
+    # adapter, one update behind, was seen to differ by 2e-2)
+    assert max(row["rollout/logprob_abs_diff"] for row in rows) < 1e-5, [r["rollout/logprob_abs_diff"] for r in rows]
+    return rows
+
+
+def _adapter_bytes(model_dir: Path) -> int:
+    from rlplacement.config import LORA_MODULES
+    from rlplacement.lora_format import adapter_shapes
+
+    shapes = adapter_shapes(json.loads((model_dir / "config.json").read_text()), 8, LORA_MODULES)
+    return 4 * sum(a * b for a, b in shapes.values())  # float32, the tiny model's dtype
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--actor-num-gpus-per-node", "2", "--update-weight-transfer-mode", "p2p"],
                                     ["--colocate"]], ids=["fsdp2-p2p", "colocated"])
-def test_the_example_loop_trains_lora_adapters_and_serves_them_merged(tmp_path, layout):
-    """``--lora-rank 8 --lora-merge-for-rollout`` under fsdp (two ranks over p2p, and colocated): every update
-    checked tensor by tensor, the engine's log-probs of its samples within 1e-5 of the trainer's (it serves
-    the merged adapters), the adapters training (a non-zero gradient, different every step), and the same full
-    model's bytes every update (the merged path sends every weight)."""
-    telemetry = tmp_path / "tel.jsonl"
-    proc = run_loop(tmp_path, "--steps", "6", "--lora-rank", "8", "--lora-merge-for-rollout",
-                    "--check-weight-update-equal", "--telemetry", str(telemetry), *layout, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in telemetry.read_text().splitlines()]
-    assert len(rows) == 6 and proc.stdout.count(" checked ") == 6
-    assert max(row["rollout/logprob_abs_diff"] for row in rows) < 1e-5
-    assert len({row["train/grad_norm"] for row in rows}) == 6 and all(row["train/grad_norm"] > 0 for row in rows)
-    assert len({row["perf/update_weights_bytes"] for row in rows}) == 1
+def test_the_example_loop_serves_lora_adapters_live_and_merged_alike(tmp_path, layout):
+    """``--lora-rank 8`` under fsdp (two ranks over p2p, and colocated), every update checked tensor by tensor:
+    adapter-only updates (the default) move the adapters' bytes alone, a few percent of the model's, into a
+    live vLLM adapter; ``--lora-merge-for-rollout`` moves the merged model whole. Both serve what the trainer
+    computes (log-probs within 1e-5), so the same seed gives the same samples, rewards and losses."""
+    live = _lora_rows(tmp_path / "live", *layout, steps=6)
+    merged = _lora_rows(tmp_path / "merged", "--lora-merge-for-rollout", *layout, steps=6)
+    assert len({row["train/grad_norm"] for row in live}) == 6 and all(row["train/grad_norm"] > 0 for row in live)
+    adapter = _adapter_bytes(tmp_path / "live" / "model")
+    assert {row["perf/update_weights_bytes"] for row in live} == {adapter}
+    (full,) = {row["perf/update_weights_bytes"] for row in merged}
+    assert adapter < 0.12 * full, (adapter, full)  # rank 8 of a 128-wide model: a tenth of its bytes
+    for a, b in zip(live, merged):
+        assert a["rollout/response_lengths"] == b["rollout/response_lengths"] and a["reward"] == b["reward"]
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2", "--update-weight-transfer-mode",
+     "broadcast_packed"],
+    ["--actor-num-gpus-per-node", "2", "--update-weight-transfer-mode", "disk-delta"]], ids=["tp2-engine", "disk-delta"])
+def test_live_lora_adapters_reach_every_worker_in_every_mode(tmp_path, layout):
+    """Adapter-only updates into an engine of two tensor-parallel workers (vLLM's LoRA layers cut each
+    worker's part of the whole adapter) and through disk deltas: checked, served, the adapters' bytes."""
+    if "disk-delta" in layout:
+        layout = [*layout, "--update-weight-disk-dir", str(tmp_path / "deltas")]
+    rows = _lora_rows(tmp_path, *layout, steps=3)
+    assert {row["perf/update_weights_bytes"] for row in rows} == {_adapter_bytes(tmp_path / "model")}

@@ -64,7 +64,8 @@ FLAGS = (
          help="LoRA: start from a PEFT adapter folder (not built: refused by name)."),
     flag("--lora-merge-for-rollout", action="store_true", default=default_of(LoRAConfig, "merge_for_rollout"),
          help="LoRA: merge the adapters into the base on the trainer and send full weights every update (the "
-              "slow path; adapter-only updates into a live vLLM adapter are not built, so LoRA needs it)."),
+              "slow path, for engines without LoRA serving); by default every update sends only the adapters, "
+              "served live by vLLM on the checkpoint's base."),
     flag("--sequence-parallel", action="store_true", default=default_of(BackendConfig, "sequence_parallel"),
           help="Megatron: split the activations outside attention and MLP along the sequence over the TP "
                "ranks (needs --tensor-model-parallel-size > 1 and TransformerEngine)."),
@@ -184,8 +185,14 @@ def _lora_from_args(args: argparse.Namespace, backend: str) -> LoRAConfig:
     if get(args, "lora_adapter_path"):
         raise ConfigError("--lora-adapter-path: starting from an existing adapter is not built; drop it (the "
                           "adapters start at B = 0, the base model's output)")
-    if not get(args, "lora_merge_for_rollout"):
-        raise ConfigError("--lora-rank: adapter-only updates into a live vLLM adapter are not built yet; add "
-                          "--lora-merge-for-rollout (the trainer merges the adapters and sends full weights)")
-    return LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, merge_for_rollout=True,
+    merge = bool(get(args, "lora_merge_for_rollout"))
+    if not merge and get(args, "update_weight_staging") == "bucket":
+        raise ConfigError("--update-weight-staging bucket with --lora-rank: an adapter-only update is staged whole "
+                          "(it is small, and swapped in as one); use --update-weight-staging full or auto, or add "
+                          "--lora-merge-for-rollout")
+    if not merge:
+        from rlplacement.engines.live_lora import engine_args
+
+        engine_args(rank)  # a rank vLLM cannot serve is refused here, naming the flag
+    return LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, merge_for_rollout=merge,
                       target_modules=lora_modules(get(args, "target_modules"), get(args, "exclude_modules")))

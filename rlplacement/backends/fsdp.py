@@ -22,7 +22,7 @@ from rlplacement.backends.objective import TokenStats
 from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
 from rlplacement.families import family_for
-from rlplacement.transfer.spec import OWN_GPU, RANK0
+from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 
 def served_dtype(stream_dtype: torch.dtype | None, bf16: bool) -> torch.dtype | None:
@@ -202,21 +202,43 @@ class FSDPBackend(TrainerBackend):
         return math.sqrt(float(total))
 
     def _update_sizes(self) -> list[tuple[str, int]]:
-        return [(name, p.numel() * (self.stream_dtype or p.dtype).itemsize) for name, p, _ in self._stream_entries()]
+        return [(name, p.numel() * (self.stream_dtype or p.dtype).itemsize)
+                for name, p, _ in self._stream_entries(self._adapter_updates)]
 
-    def _stream_entries(self) -> list[tuple[str, torch.nn.Parameter, tuple | None]]:
-        """``(HF name, parameter, adapter)`` of every tensor an update sends, in stream order: each parameter
+    @property
+    def _adapter_updates(self) -> bool:
+        return self.lora is not None and self.lora.adapter_updates
+
+    def _stream_entries(self, adapters: bool = False, base: bool = False) -> list[tuple[str, torch.nn.Parameter,
+                                                                                         tuple | None]]:
+        """``(name, parameter, adapter)`` of every tensor a stream yields, in stream order: each parameter
         under its HF name; under LoRA the adapters left out and each adapted layer's base weight with its
-        ``(A, B)`` to merge in (:mod:`.lora`)."""
-        from rlplacement.backends import lora as adapters
+        ``(A, B)`` to merge in (:mod:`.lora`). ``adapters``: the adapters alone instead, under their PEFT
+        names (:mod:`rlplacement.lora_format`), what an adapter-only update sends; ``base``: the frozen base
+        unmerged."""
+        from rlplacement.backends import lora as adapters_of
 
         params = dict(self.model.named_parameters())
-        return [(adapters.hf_name(n), p, adapters.adapted(params, n) if self.lora is not None else None)
-                for n, p in params.items() if not adapters.is_adapter(n)]
+        if adapters:
+            return [(adapters_of.peft_name(n), p, None) for n, p in params.items() if adapters_of.is_adapter(n)]
+        merge = self.lora is not None and not base
+        return [(adapters_of.hf_name(n), p, adapters_of.adapted(params, n) if merge else None)
+                for n, p in params.items() if not adapters_of.is_adapter(n)]
+
+    def iter_base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Under LoRA, the frozen base whole on rank 0 under HF names, in the stream's dtype, adapters not
+        merged: what the engines serve under adapter-only updates (collective)."""
+        self.root.reshard()
+        yield from self._iter_gathered(None, everywhere=False, base=True)
 
     def iter_update_tensors(self, share: str = RANK0) -> Iterator[tuple[str, torch.Tensor]]:
+        """Under adapter-only LoRA updates (:attr:`LoRAConfig.adapter_updates`) the adapters alone, under
+        their PEFT names; else the HF tensors."""
+        adapters = self._adapter_updates
         if share == OWN_GPU and dist.get_world_size() > 1:  # every rank needs every tensor: all-gathers
-            return self._iter_hf(None, everywhere=True)
+            return self._iter_hf(None, everywhere=True, adapters=adapters)
+        if adapters:
+            return self._iter_hf(self.update_owners() if share == SHARES else None, everywhere=False, adapters=True)
         return super().iter_update_tensors(share)
 
     def iter_hf_tensors(self, owners: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -230,8 +252,12 @@ class FSDPBackend(TrainerBackend):
     last_stream_gathered_bytes: int = 0
     """Bytes this rank received from other ranks' shards in its last stream."""
 
-    def _iter_hf(self, owners: dict[str, int] | None, everywhere: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_hf(self, owners: dict[str, int] | None, everywhere: bool,
+                 adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         self.root.reshard()  # see log_probs: stream the sharded parameters, never a stale gathered copy
+        if adapters:
+            yield from self._iter_gathered(owners, everywhere, adapters=True)
+            return
         if dist.get_world_size() == 1 and self.lora is None:
             whole = self._whole_parameters()
             if self.stream_dtype is None or all(t.dtype == self.stream_dtype for _, t in whole):
@@ -251,7 +277,8 @@ class FSDPBackend(TrainerBackend):
             self._expanded = (pairs, [v for name, t in pairs for v in self.family.checkpoint_views(name, t)])
         return self._expanded[1]
 
-    def _iter_gathered(self, owners: dict[str, int] | None, everywhere: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_gathered(self, owners: dict[str, int] | None, everywhere: bool, adapters: bool = False,
+                       base: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """``everywhere``: every parameter all-gathered on every rank and yielded there; else each gathered
         onto its owner only (``dist.gather`` of the ranks' dim-0 shards, padded to one size) and yielded
         there. Collective: every rank runs through every parameter in the same order."""
@@ -259,7 +286,7 @@ class FSDPBackend(TrainerBackend):
 
         rank = dist.get_rank()
         self.last_stream_gathered_bytes = 0
-        for name, param, adapter in self._stream_entries():
+        for name, param, adapter in self._stream_entries(adapters, base):
             owner = rank if everywhere else owners[name] if owners is not None else 0
             full = self._whole_on(param, owner, everywhere)
             if adapter is not None:  # LoRA: the adapters gathered with their layer, merged in fp32

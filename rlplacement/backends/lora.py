@@ -4,8 +4,10 @@
 Chosen over writing our own adapter layers because peft is the implementation HF models are fine-tuned
 with and runs on CPU as on GPU; over Megatron-Bridge's PEFT because the fsdp backend trains the HF model
 itself. Each adapted layer ``W`` (``...q_proj.base_layer.weight`` once injected) computes
-``W x + scaling * B A dropout(x)`` with ``scaling = alpha / rank``; the stream sends the merged
-``W + scaling * B A`` under the HF name, so an engine serves exactly what the trainer computes in eval.
+``W x + scaling * B A dropout(x)`` with ``scaling = alpha / rank``. An adapter-only update
+(``LoRAConfig.adapter_updates``) sends ``A`` and ``B`` alone under their PEFT names (:func:`peft_name`), which
+vLLM serves live with the same scaling; under ``--lora-merge-for-rollout`` the stream sends the merged
+``W + scaling * B A`` under the HF name instead.
 
 Initialisation is peft's rule (``A`` Kaiming-uniform with ``a = sqrt(5)``, ``B`` zero: the first forward is
 the base model's), drawn from a generator seeded per adapter name so every rank, and a reference model,
@@ -35,6 +37,14 @@ def is_adapter(name: str) -> bool:
 def hf_name(name: str) -> str:
     """The HF name of an injected model's base parameter (``.base_layer.`` dropped)."""
     return name.replace(".base_layer.", ".")
+
+
+def peft_name(name: str) -> str:
+    """The saved PEFT name (:mod:`rlplacement.lora_format`) of an injected adapter parameter
+    (``model.layers.0.self_attn.q_proj.lora_A.default.weight``)."""
+    from rlplacement.lora_format import PEFT_PREFIX
+
+    return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
 
 
 def inject(lm: torch.nn.Module, lora: "LoRAConfig") -> None:

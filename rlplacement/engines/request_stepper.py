@@ -140,11 +140,11 @@ class RequestStepper:
                 if self.timeout_s is not None else "unbounded")
 
     # ---- any thread ---------------------------------------------------------------------------
-    def submit(self, prompts: list, params: list, version: int) -> str:
+    def submit(self, prompts: list, params: list, version: int, lora_request=None) -> str:
         """Add one request per prompt (``TokensPrompt``, ``SamplingParams`` pairs) as one batch, through
         ``LLM.enqueue`` (vLLM's own rendering of prompts); returns the batch's id. Every sample of it is
         stamped ``version``: the caller keeps the weights fixed until the batch has finished
-        (``wait_idle``)."""
+        (``wait_idle``). ``lora_request``: the adapter every request of the batch runs with (None: the base)."""
         from vllm.sampling_params import RequestOutputKind
 
         for p in params:
@@ -153,7 +153,7 @@ class RequestStepper:
         with self._engine_lock:  # the stepper cannot step between the enqueue and the bookkeeping
             with self._changed:
                 self._raise_if_failed()
-            internal_ids = self._enqueue(prompts, params)
+            internal_ids = self._enqueue(prompts, params, lora_request)
             with self._changed:
                 if not self._requests:
                     self._progress_at = time.monotonic()
@@ -163,12 +163,14 @@ class RequestStepper:
                 self._changed.notify_all()
         return batch
 
-    def _enqueue(self, prompts: list, params: list) -> list[str]:
+    def _enqueue(self, prompts: list, params: list, lora_request=None) -> list[str]:
         """vLLM's ids of the new requests. ``LLM.enqueue`` where vLLM has it (0.32: it renders prompts the
         way ``generate`` does); else ``LLMEngine.add_request`` one by one."""
+        adapter = {"lora_request": lora_request} if lora_request is not None else {}
         if hasattr(self._llm, "enqueue"):
-            return list(self._llm.enqueue(prompts, params, use_tqdm=False))
-        return [self._engine.add_request(f"rlp{next(self._ids)}", prompt, p) for prompt, p in zip(prompts, params)]
+            return list(self._llm.enqueue(prompts, params, use_tqdm=False, **adapter))
+        return [self._engine.add_request(f"rlp{next(self._ids)}", prompt, p, **adapter)
+                for prompt, p in zip(prompts, params)]
 
     def poll(self, batch: str, timeout_s: float) -> tuple[list[dict], bool]:
         """Samples of ``batch`` finished since the last poll (waiting up to ``timeout_s`` for one), and

@@ -7,7 +7,10 @@ buffers and validates it (a failure here leaves the model untouched and vLLM end
 ``finish_weight_update`` loads the staged tensors and only then serves ``v``. Under
 ``--update-weight-staging bucket`` (``RlplacementInitInfo.staging``) ``update_weights`` loads each bucket
 as it arrives, holding two buckets instead of the model (``vllm_loader.BucketwiseLoad``), and
-``finish_weight_update`` only serves ``v``.
+``finish_weight_update`` only serves ``v``. Where the group carries a LoRA spec (``RlplacementInitInfo.lora``:
+adapter-only updates), every update is the whole adapter, validated against the spec's names and shapes
+(:mod:`rlplacement.lora_format`), and the commit swaps it in as the live adapter
+(:mod:`rlplacement.engines.live_lora`); the base weights are never touched.
 
 Invariant: a worker never serves a partly written or discarded version. ``weights_lost`` says why its
 weights are not a whole version (a level-2 sleep discarded them, or a load failed part-way); it is set
@@ -55,6 +58,7 @@ class RlplacementInitInfo(WeightTransferInitInfo):
     slices: str = "auto"  # --update-weight-slices: off makes every worker take whole tensors
     more_senders: list = dataclasses.field(default_factory=list)  # TransferEndpoint.more_senders
     sender_per_worker: bool = False  # TransferEndpoint.sender_per_worker
+    lora: dict = dataclasses.field(default_factory=dict)  # adapter-only updates: rank, alpha, target_modules
 
 
 @dataclasses.dataclass
@@ -88,6 +92,8 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self.staging = "full"  # of the group joined last (RlplacementInitInfo.staging)
         self.slices_checked: dict | None = None  # the keeps a load read exactly (shards.misread): trusted after
         self.copied_out = 0  # weights of layers split across buckets copied out of the last bucketwise update
+        self.lora: dict = {}  # the group's LoRA spec: updates are the live adapter's (RlplacementInitInfo.lora)
+        self.model_runner = None  # set by the worker extension before each call: holds vLLM's LoRA manager
 
     @property
     def served_version(self) -> int:
@@ -112,10 +118,21 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self.receiver = receiver_for(registry.receiver_class(init_info.mode), endpoint, self.device, version=version)
         if init_info.staging == "bucket" and not self.receiver.bucketwise:
             raise TransferError(f"mode {init_info.mode!r} stages whole updates: use --update-weight-staging full")
+        if init_info.lora and init_info.staging == "bucket":
+            raise TransferError("an adapter-only update is staged whole (an adapter is small, and is swapped in as "
+                                "one): use --update-weight-staging full with --lora-rank")
         self.staging = init_info.staging
         self.check_equal = init_info.check_equal
-        if self.receiver.accepts_slices:
-            self.receiver.keep_slices(self._keeps() if init_info.slices == "auto" else None)
+        self.lora = dict(init_info.lora)
+        if self.lora:
+            from rlplacement.lora_format import adapter_shapes
+
+            self._expected = adapter_shapes(self.model_config.hf_config.to_dict(), self.lora["rank"],
+                                            self.lora["target_modules"])
+        else:
+            self._expected = vllm_loader.checkpoint_shapes(self.model_config.model)
+        if self.receiver.accepts_slices:  # vLLM's LoRA layers cut each worker's part of an adapter themselves
+            self.receiver.keep_slices(self._keeps() if init_info.slices == "auto" and not self.lora else None)
         self.receiver.connect(endpoint, rank)
 
     def _keeps(self) -> dict | None:
@@ -229,6 +246,12 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         if self.staging == "bucket":  # every bucket is in the model: serve the version
             self.receiver.commit(lambda staged: None)
             self.weights_lost, self.last_load_path = None, "bucketwise"
+            return
+        if self.lora:
+            from rlplacement.engines import live_lora
+
+            self.receiver.commit(lambda staged: live_lora.install(self.model_runner, staged, self.lora))
+            self.last_load_path = "live-adapter"
             return
         self.receiver.commit(lambda staged: self._load_whole(staged, self._receiving))
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -49,7 +50,7 @@ class VllmRolloutEngine(RolloutEngine):
                  sleep_mode: bool = False, enforce_eager: bool = False, verbose: bool = True,
                  engine_core_in_own_process: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  update_weight_staging: str = "full", update_weight_buffer_size: int = DEFAULT_BUFFER_SIZE,
-                 update_weight_slices: str = "auto", **llm_kwargs: Any):
+                 update_weight_slices: str = "auto", live_lora: dict | None = None, **llm_kwargs: Any):
         """``dtype``: ``auto`` is the dtype the model's config declares (``engine_settings.declared_dtype``),
         given to vLLM by name so the engine and the trainer's stream agree on it; ``max_model_len``: None is
         the model's own context; ``enforce_eager``: no CUDA graphs (CPU engines are always eager);
@@ -60,7 +61,9 @@ class VllmRolloutEngine(RolloutEngine):
         (``update_weight_staging`` ``full``, ``bucket`` or ``auto``, with ``update_weight_buffer_size``:
         ``engine_settings.resolve_engine_memory``). On CPU the staging is host memory and ``auto`` is ``full``.
         ``update_weight_slices`` (``--update-weight-slices``): ``auto``, each worker receives only its slices
-        where the mode and model allow; ``off``, whole tensors.
+        where the mode and model allow; ``off``, whole tensors. ``live_lora`` (``rank``, ``alpha``,
+        ``target_modules``): every update is a LoRA adapter served live on the checkpoint's base
+        (:mod:`.live_lora`); requests use it from the first update on.
 
         ``engine_core_in_own_process``: where vLLM's engine core (and, at one worker, the worker) runs.
         On a GPU always in its own process, as vLLM runs it; on CPU in this process by default (~5 s to
@@ -78,6 +81,12 @@ class VllmRolloutEngine(RolloutEngine):
         from rlplacement.engines.engine_settings import resolve_dtype, resolve_engine_memory
 
         dtype = resolve_dtype(model_dir, dtype)
+        self.live_lora = dict(live_lora) if live_lora else {}
+        if self.live_lora:
+            from rlplacement.engines import live_lora as adapters
+
+            llm_kwargs.update(adapters.engine_args(int(self.live_lora["rank"])))
+        self._adapter_served = False  # a live adapter is installed on every worker: requests name it
         llm_kwargs["worker_extension_cls"] = _checked_worker_extension(llm_kwargs.get("worker_extension_cls"))
         llm_kwargs.setdefault("use_tqdm_on_load", bool(verbose))
         if not torch.cuda.is_available():
@@ -294,7 +303,8 @@ class VllmRolloutEngine(RolloutEngine):
         if staging == "full" and self.staging == "bucket" and self.device_is_gpu:
             raise TransferError(f"engine {self.engine_index} was started with --update-weight-staging bucket: its "
                                 f"memory budget has no room to stage a whole update")
-        init_info = {**endpoint, "rank_offset": rank_offset, "staging": staging, "slices": self.slices}
+        init_info = {**endpoint, "rank_offset": rank_offset, "staging": staging, "slices": self.slices,
+                     "lora": self.live_lora}
         self._group_staging = staging
         self._between_steps(lambda: self.llm.collective_rpc("init_weight_transfer_engine",
                                                             kwargs={"init_info": init_info}),
@@ -331,6 +341,7 @@ class VllmRolloutEngine(RolloutEngine):
                 self._prefix_cache_filled = False
         instants.mark("prefix_cache_reset")
         self._served = int(version)
+        self._adapter_served = bool(self.live_lora)
         # every worker committed (a failure raised above): the version is the one asked for, with no
         # extra round trip to the workers (generate() reads it from them)
         return EngineUpdateReport(engine_index=self.engine_index, version=int(version),
@@ -427,6 +438,25 @@ class VllmRolloutEngine(RolloutEngine):
         """
         return self._workers("rlplacement_model_checksums")[0]
 
+    def checkpoint_checksums(self, dtypes: dict[str, str]) -> dict[str, str]:
+        """Checksums of the tensors of the checkpoint this engine loaded (its model folder, read here), each
+        cast to ``dtypes[name]`` first where named (the trainer's streamed dtype): what it serves as the base
+        under adapter-only updates, which never rewrite it."""
+        import torch
+        from safetensors import safe_open
+
+        from rlplacement.transfer.base import tensor_checksum
+
+        sums: dict[str, str] = {}
+        for path in sorted(Path(self.model_dir).glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    if name in dtypes:
+                        t = t.to(getattr(torch, dtypes[name]))
+                    sums[name] = tensor_checksum(t)
+        return sums
+
     def call_workers(self, method: str, *args: Any) -> list:
         """Worker method ``method`` (by name: a worker-extension method such as ``rlplacement_load_path``,
         or vLLM's own) with ``args`` on every worker of this engine, once no request is in flight; each
@@ -464,6 +494,10 @@ class VllmRolloutEngine(RolloutEngine):
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_token_ids]
         served = self._servable_version()
         self._prefix_cache_filled = True
+        if self._adapter_served:
+            from rlplacement.engines.live_lora import lora_request
+
+            return self._stepper.submit(prompts, params, served, lora_request=lora_request())
         return self._stepper.submit(prompts, params, served)
 
     # poll, abort, pause and resume are control calls (``base.CONTROL_CALLS``): they run beside the others

@@ -94,6 +94,7 @@ class RlplacementWorkerExtension:
         engine = self._rlplacement_backend()
         if engine is None:
             raise TransferError(NOT_OUR_BACKEND)
+        engine.model_runner = self.model_runner  # where a live LoRA adapter is installed (engines.live_lora)
         return engine
 
     def rlplacement_serving_state(self) -> dict:

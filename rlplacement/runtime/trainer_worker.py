@@ -193,6 +193,16 @@ class TrainerWorker(TrainerTransferMixin):
         return {key: tensor_checksum(shards.cut(t, box)) for name, t in self.backend.iter_hf_tensors()
                 for key, box in wanted.get(name, [])}
 
+    def base_checksums(self) -> dict[str, tuple[str, str]]:
+        """Under LoRA: ``name -> (checksum, dtype)`` of the frozen base as rank 0 gathers it (collective; the
+        other ranks return {}); the engines' checkpoint is held against it once (``--check-weight-update-equal``
+        with adapter-only updates)."""
+        from rlplacement.transfer.base import tensor_checksum
+
+        self._require_resident("checksums")
+        return {name: (tensor_checksum(t), str(t.dtype).removeprefix("torch."))
+                for name, t in self.backend.iter_base_tensors()}
+
     def save_hf_folder(self, out_dir: str, like_dir: str) -> str | None:
         """Write the current weights as a Hugging Face folder (collective; rank 0 writes), with the
         config and tokenizer files of ``like_dir``: a fresh engine started from it must behave

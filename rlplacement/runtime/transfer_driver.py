@@ -122,6 +122,29 @@ def check_received(engines: Sequence, expected: dict[str, str] | None, version: 
         raise WeightUpdateError(version, {f"engine {mismatch[0]}": str(mismatch[1])})
 
 
+def check_base(trainers: Sequence, engines: Sequence, version: int, timeout_s: float) -> None:
+    """Adapter-only LoRA updates never send the base: hold the trainer's frozen base (rank 0's gather) against
+    the checkpoint each engine loaded, once; raise WeightUpdateError naming the first engine and tensor that
+    differ. A tied ``lm_head.weight`` may be absent on either side."""
+    names = [f"trainer rank {r}" for r in range(len(trainers))]
+    trainer_side = get_all([t.base_checksums.remote() for t in trainers], timeout_s, "trainer base checksums", names)[0]
+    dtypes = {name: dtype for name, (_, dtype) in trainer_side.items()}
+    expected = {name: checksum for name, (checksum, _) in trainer_side.items()}
+    got_all = get_all([e.checkpoint_checksums.remote(dtypes) for e in engines], timeout_s,
+                      "reading engine checkpoints", [f"engine {i}" for i in range(len(engines))])
+    for i, got in enumerate(got_all):
+        extra = sorted(set(got) - set(expected) - {"lm_head.weight"})
+        if extra:
+            raise WeightUpdateError(version, {f"engine {i}": f"its checkpoint holds {extra[0]!r}, which the trainer's "
+                                                             f"base does not: it loaded another model"})
+        wanted = {name: want for name, want in expected.items() if name in got or name != "lm_head.weight"}
+        mismatch = first_mismatch(wanted, [got])
+        if mismatch is not None:
+            raise WeightUpdateError(version, {f"engine {i}": f"the base it serves is not the trainer's: {mismatch[1]}; "
+                                                             f"start the engines from the trainer's checkpoint, or "
+                                                             f"add --lora-merge-for-rollout (full weights every update)"})
+
+
 def first_mismatch(expected: dict[str, str], got_all: Sequence[dict[str, str]]) -> tuple[int, WeightMismatchError] | None:
     """The first engine whose received checksums differ from the trainer's, and the tensor; None if all agree."""
     for i, got in enumerate(got_all):
