@@ -199,10 +199,92 @@ def _save_resume(rank, world, hf, root):
 @pytest.mark.slow
 def test_a_lora_run_resumed_from_its_checkpoint_goes_on_bit_exact(tmp_path):
     """``--save`` then ``--load`` under LoRA (AdamW: the adapters' moments are in the checkpoint): the resumed
-    step's gradient norm and the merged weights it streams equal the uninterrupted run's bit for bit."""
+    step's gradient norm and the merged weights it streams equal the uninterrupted run's bit for bit. The
+    checkpoint holds the adapters and their optimizer state alone (the base is the model folder's, named by
+    the checkpoint's identity); a run without ``--lora-rank`` refuses it by name."""
+    import torch.distributed.checkpoint as dcp
+
+    from rlplacement.backends import train_checkpoint
+
     hf = make_tiny_model(tmp_path / "hf", SPEC)
-    results = launch.spawn(_save_resume, 2, str(hf), str(tmp_path / "ckpt"), timeout_s=300)
+    root = tmp_path / "ckpt"
+    results = launch.spawn(_save_resume, 2, str(hf), str(root), timeout_s=300)
     assert all(r["same_norm"] and r["equal"] for r in results), results
+    folder = train_checkpoint.latest(root)
+    keys = list(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    weights = [k for k in keys if k.startswith("model.")]
+    layers = SPEC.num_hidden_layers * len(LORA_MODULES)
+    assert len(weights) == 2 * layers and all(".lora_" in k for k in weights), weights
+    assert all(".lora_" in k for k in keys if k.startswith("optim.state.")), keys
+    assert train_checkpoint.read_state(folder)["trainable_only"] is True
+    with pytest.raises(RuntimeError, match=r"ConfigError: --load .*: its checkpoint holds the trainable parameters "
+                                           r"alone \(a LoRA "
+                                          r"run's adapters\): resume it with the same --lora-rank flags"):
+        launch.spawn(_load_without_lora, 1, str(hf), str(root), timeout_s=300)
+    _check_exports(hf, root, tmp_path)
+
+
+VLLM_SCRIPT = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+base, adapter = sys.argv[1], sys.argv[2]
+kwargs = dict(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=64)
+llm = LLM(model=base, enable_lora=adapter != "-", max_lora_rank=8, **kwargs)
+out = llm.generate([{"prompt_token_ids": [5, 9, 17, 33]}], SamplingParams(max_tokens=8, temperature=0, logprobs=0),
+                   lora_request=LoRARequest("exported", 1, adapter) if adapter != "-" else None, use_tqdm=False)
+o = out[0].outputs[0]
+print("RESULT", json.dumps({"tokens": list(o.token_ids), "logprobs": [d[t].logprob for t, d in zip(o.token_ids, o.logprobs)]}))
+"""
+
+
+def _served(base, adapter="-"):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, str(base), str(adapter)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def _check_exports(hf, root, tmp_path):
+    """``export-hf`` of the LoRA checkpoint: a PEFT adapter folder that peft loads with the checkpoint's
+    adapters bit for bit and vLLM serves as a LoRA, and ``--merge-lora``'s merged folder, which vLLM serves
+    with the same greedy tokens and log-probs (within 1e-4)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from rlplacement.backends import train_checkpoint
+    from rlplacement.cli import main as cli_main
+    from rlplacement.convert.peft_export import read_adapters
+
+    adapters = read_adapters(train_checkpoint.latest(root))
+    assert cli_main(["export-hf", "--load", str(root), "--save", str(tmp_path / "peft"), "--hf-config", str(hf)]) == 0
+    assert cli_main(["export-hf", "--load", str(root), "--save", str(tmp_path / "merged"), "--hf-config", str(hf),
+                     "--merge-lora"]) == 0
+    written = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert set(written) == set(adapters) and all(torch.equal(written[n], adapters[n]) for n in written)
+    peft_model = PeftModel.from_pretrained(load_hf(hf), str(tmp_path / "peft"))
+    loaded = {n: p for n, p in peft_model.named_parameters() if ".lora_" in n}
+    assert len(loaded) == len(adapters)
+    for name, tensor in adapters.items():
+        module, matrix = name.removeprefix("base_model.model.").split(".lora_")
+        assert torch.equal(loaded[f"base_model.model.{module}.lora_{matrix[0]}.default.weight"], tensor), name
+    assert any(t.abs().max() > 0 for n, t in adapters.items() if ".lora_B." in n)  # trained: B moved from zero
+    live, merged = _served(hf, tmp_path / "peft"), _served(tmp_path / "merged")
+    assert live["tokens"] == merged["tokens"]
+    assert live["logprobs"] == pytest.approx(merged["logprobs"], abs=1e-4)
+    assert _served(hf)["logprobs"] != pytest.approx(merged["logprobs"], abs=1e-4)  # the adapters change what is served
+
+
+def _load_without_lora(rank, world, hf, root):
+    from rlplacement.backends import make_backend
+
+    make_backend(BackendConfig(name="fsdp", hf_checkpoint=hf, load=root), OptimConfig(name="adamw"), TRAIN)
 
 
 @pytest.mark.slow

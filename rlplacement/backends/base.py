@@ -346,8 +346,18 @@ class TrainerBackend(abc.ABC):
         from rlplacement.backends import train_checkpoint
 
         module, optimizer = self._checkpointed()
-        state = self._saved_state(weight_version, job_state)
-        return str(train_checkpoint.save(root, self.train_calls, module, optimizer, state, self.model_identity()))
+        state = self._saved_state(weight_version, job_state, trainable_only=self.checkpoints_trainable_only,
+                                  **self.checkpoint_extra())
+        return str(train_checkpoint.save(root, self.train_calls, module, optimizer, state, self.model_identity(),
+                                         trainable_only=self.checkpoints_trainable_only))
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """What else a checkpoint's ``trainer_state.json`` records about the run (JSON values)."""
+        return {}
+
+    checkpoints_trainable_only: bool = False
+    """A checkpoint holds the trainable parameters alone (LoRA's adapters: the frozen base is the model
+    folder's, which the checkpoint's identity names)."""
 
     def _saved_state(self, weight_version: int, job_state: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
         """``trainer_state.json``'s content; a ``job_state`` JSON cannot hold is refused before any rank writes."""
@@ -377,7 +387,15 @@ class TrainerBackend(abc.ABC):
         from rlplacement.backends import train_checkpoint
 
         module, optimizer = self._checkpointed()
-        state = train_checkpoint.load(train_checkpoint.latest(root), module, optimizer, self.source_hf_dir)
+        folder = train_checkpoint.latest(root)
+        saved = bool(train_checkpoint.read_state(folder).get("trainable_only", False))
+        if saved != self.checkpoints_trainable_only:
+            raise ConfigError(f"--load {root}: its checkpoint holds "
+                              + ("the trainable parameters alone (a LoRA run's adapters): resume it with the same "
+                                 "--lora-rank flags" if saved else
+                                 "the whole model, not a LoRA run's adapters: resume it without --lora-rank"))
+        state = train_checkpoint.load(folder, module, optimizer, self.source_hf_dir,
+                                      trainable_only=self.checkpoints_trainable_only)
         return self._resumed_from(state)
 
     def _resumed_from(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -64,7 +64,8 @@ class FSDPBackend(TrainerBackend):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         bf16 = resolve_bf16(train)
         root = build_sharded(cfg.hf_checkpoint, device, mixed_precision=bf16, dtype=dtype,
-                             gradient_checkpointing=train.gradient_checkpointing, weights=not cfg.load,
+                             gradient_checkpointing=train.gradient_checkpointing,
+                             weights=not cfg.load or cfg.lora.enabled,  # a LoRA checkpoint holds no base
                              compile_layers=compile_layers, lora=cfg.lora if cfg.lora.enabled else None)
         reference = None
         if train.use_kl_loss:
@@ -88,6 +89,17 @@ class FSDPBackend(TrainerBackend):
 
     def _checkpointed(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         return self.root, self.optimizer
+
+    @property
+    def checkpoints_trainable_only(self) -> bool:
+        """Under LoRA a checkpoint is the adapters and their optimizer state: the base is frozen."""
+        return self.lora is not None
+
+    def checkpoint_extra(self) -> dict:
+        """Under LoRA the adapters' settings, which ``rlplacement export-hf`` writes as a PEFT config."""
+        if self.lora is None:
+            return {}
+        return {"lora": {**self.lora.live_spec(), "dropout": self.lora.dropout}}
 
     @property
     def yields_resident_tensors(self) -> bool:

@@ -66,16 +66,25 @@ def read_state(folder: Path) -> dict[str, Any]:
     return json.loads((folder / STATE).read_text())
 
 
+def _options(trainable_only: bool):
+    """``torch.distributed.checkpoint``'s state-dict options: ``trainable_only`` leaves frozen parameters out
+    (LoRA's base, which the run's model folder holds, checked by its identity)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
 def save(root: str | os.PathLike, iteration: int, model, optimizer, state: dict[str, Any],
-         identity: dict[str, Any] | None = None) -> Path:
+         identity: dict[str, Any] | None = None, trainable_only: bool = False) -> Path:
     """Collective: write ``model``'s and ``optimizer``'s sharded state (``torch.distributed.checkpoint``), this
     rank's RNG and (rank 0) ``state`` into ``iter_N.tmp``, then publish it with the model's ``identity``
-    (``checkpoint_manifest.model_identity``). Returns the published folder."""
+    (``checkpoint_manifest.model_identity``). Returns the published folder. ``trainable_only``: frozen
+    parameters left out (:func:`_options`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     def write(tmp: Path) -> None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
 
     return publish(root, iteration, write, state, identity)
@@ -117,17 +126,22 @@ def publish(root: str | os.PathLike, iteration: int, write: Callable[[Path], Non
     return final
 
 
-def load(folder: Path, model, optimizer, hf_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+def load(folder: Path, model, optimizer, hf_dir: str | os.PathLike | None = None,
+         trainable_only: bool = False) -> dict[str, Any]:
     """Collective: model and optimizer state from ``folder`` (any number of ranks wrote it, checked first:
-    :func:`restore`), this rank's RNG when the same rank wrote one; returns the saved state."""
+    :func:`restore`), this rank's RNG when the same rank wrote one; returns the saved state.
+    ``trainable_only``: frozen parameters keep the values they were built with (:func:`_options`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    options = _options(trainable_only)
+
     def read(folder: Path) -> None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         loaded = {"model": model_sd, "optim": optim_sd}
         dcp.load(loaded, checkpoint_id=str(folder))
-        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
+                       options=options)
 
     return restore(folder, read, hf_dir)
 

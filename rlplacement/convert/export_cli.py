@@ -13,12 +13,14 @@ from rlplacement.errors import ConfigError
 DESCRIPTION = """\
 Write a Megatron-core torch_dist checkpoint (from `rlplacement convert`) back as a Hugging Face folder:
 q/k/v and gate/up un-fused, vocabulary padding dropped, config.json and tokenizer copied. A round trip
-HF -> convert -> export-hf gives every tensor back bit for bit."""
+HF -> convert -> export-hf gives every tensor back bit for bit. A LoRA run's --save folder (--lora-rank)
+becomes a PEFT adapter folder, or with --merge-lora the --hf-config base with the adapters merged in."""
 
 EPILOG = """\
 examples:
   rlplacement export-hf --load /ckpt/qwen3-tp2 --save /models/qwen3-export
-  rlplacement export-hf --load /ckpt/external --save OUT --hf-config /models/Qwen3-8B"""
+  rlplacement export-hf --load /ckpt/external --save OUT --hf-config /models/Qwen3-8B
+  rlplacement export-hf --load /ckpt/lora-run --save /adapters/step100 --hf-config /models/Qwen3-4B"""
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -37,6 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3, metavar="BYTES",
                    help="Largest safetensors file to write; more files get an index (HF layout). Default 5 GiB.")
     p.add_argument("--no-progress", action="store_true", help="Hide the progress bar over tensors.")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="A LoRA run's --save folder: write the --hf-config base with the adapters merged in (an HF "
+                        "folder) instead of a PEFT adapter folder.")
     return p
 
 
@@ -56,6 +61,11 @@ def main(args: argparse.Namespace) -> int:
     from rlplacement.convert.run import run_collective
 
     load = Path(args.load)
+    lora_export = _lora_export(load, args)
+    if lora_export is not None:
+        return lora_export
+    if args.merge_lora:
+        raise ConfigError(f"--merge-lora: --load {load} is not a LoRA run's --save folder (no adapters to merge)")
     if layout.state(load) != "finished":
         raise ConfigError(f"--load {load}: no {layout.MARKER} there; convert first with "
                           f"`rlplacement convert --hf-checkpoint HF_DIR --save {load}`")
@@ -69,4 +79,23 @@ def main(args: argparse.Namespace) -> int:
                            args.tensor_model_parallel_size, args.layer_spec, args.max_shard_bytes,
                            not args.no_progress)
     print(f"rlplacement export-hf: wrote {len(names)} tensors to {args.save}")
+    return 0
+
+
+def _lora_export(load: Path, args: argparse.Namespace) -> int | None:
+    """A LoRA run's ``--save`` folder exported (:mod:`.peft_export`); None when ``load`` is not one."""
+    from rlplacement.backends import train_checkpoint
+    from rlplacement.convert import peft_export
+
+    try:
+        folder = train_checkpoint.latest(load)
+    except ConfigError:  # not a training checkpoint: a converted torch_dist folder, or nothing
+        return None
+    if peft_export.lora_spec(folder) is None:
+        return None
+    if args.hf_config is not None and not (Path(args.hf_config) / "config.json").is_file():
+        raise ConfigError(f"--hf-config {args.hf_config}: no config.json there")
+    count = peft_export.export(folder, args.save, args.hf_config, args.merge_lora)
+    what = "merged weights" if args.merge_lora else "a PEFT adapter"
+    print(f"rlplacement export-hf: wrote {what} ({count} tensors) to {args.save}")
     return 0
