@@ -417,7 +417,11 @@ class TrainerBackend(abc.ABC):
             p.grad = None  # the next step starts from None anyway
         tensors, drop = self._resident_tensors(), self._dropped_tensors()
         prepared = time.perf_counter() - start
-        return {**self._host_offload.offload(tensors, drop), "prepare_seconds": prepared}
+        return {**self._host_offload.offload(tensors, drop, self._frozen_tensors()), "prepare_seconds": prepared}
+
+    def _frozen_tensors(self) -> list[torch.Tensor]:
+        """Resident tensors nothing writes during the run (copied to host once, ``HostOffload.offload``)."""
+        return []
 
     def reserve_host_memory(self) -> dict[str, float]:
         """Make and pin, now, the host buffer every later :meth:`offload_to_host` uses: sized for the

@@ -142,6 +142,15 @@ class FSDPBackend(TrainerBackend):
         frozen = list(self.reference.parameters()) if self.reference is not None else []
         return super()._resident_tensors() + [t for t in frozen if local_tensor(t).device == self.device]
 
+    def _frozen_tensors(self) -> list[torch.Tensor]:
+        """LoRA's base (no gradient, no optimizer) and the KL reference model: copied to host once."""
+        from rlplacement.backends.offload import local_tensor
+
+        frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        if self.reference is not None:
+            frozen += list(self.reference.parameters())
+        return [t for t in frozen if local_tensor(t).device == self.device]
+
     def _whole_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """One rank: (name, detached local tensor) of every parameter, the same objects every update while
         each module still holds the same parameter with the same local tensor. Walking the model and

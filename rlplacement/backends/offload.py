@@ -21,7 +21,9 @@ the reservation grows the buffer (a new one, pinned again) and says so in the re
 
 Gradients are not moved: every training step starts by setting them to None, so they are dropped;
 buffers a step rewrites before reading (megatron's DDP gradient buffers) are freed without a copy
-(``offload``'s ``drop``) and come back as zeros.
+(``offload``'s ``drop``) and come back as zeros. Frozen storages (``offload``'s ``frozen``: LoRA's base, a
+KL reference model) are copied out once; their host bytes stay valid, so every later offload frees them
+without a copy and only the reload moves them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ def unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedS
         if storage.nbytes():
             storages.setdefault(storage.data_ptr(), storage)
     return storages
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Each of ``sizes``' start when laid out one after another from 0."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -83,6 +94,7 @@ class HostOffload:
 
     def __init__(self) -> None:
         self._saved: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, offset in host, bytes)
+        self._frozen_at: dict[int, tuple[int, int]] = {}  # frozen storage (its StorageImpl) -> (offset, bytes) kept
         self._host: torch.Tensor | None = None
         self._mapping: mmap.mmap | None = None  # what the host buffer's bytes live in, when mapped here
         self._registered = False
@@ -104,15 +116,19 @@ class HostOffload:
         return {"seconds": time.perf_counter() - start, "bytes": float(self.capacity),
                 "host_pinned": float(self._registered)}
 
-    def offload(self, tensors: Iterable[torch.Tensor], drop: Iterable[torch.Tensor] = ()) -> dict[str, float]:
-        """Every storage of ``tensors`` to the host buffer, then freed; the storages of ``drop`` (buffers whose
-        contents the next step overwrites, such as megatron's gradient buffers) freed without a copy and
-        zeros when reloaded. Returns seconds (``copy_seconds`` of them moving bytes, the rest freeing),
-        bytes moved, bytes dropped, and whether the buffer had to grow."""
+    def offload(self, tensors: Iterable[torch.Tensor], drop: Iterable[torch.Tensor] = (),
+                frozen: Iterable[torch.Tensor] = ()) -> dict[str, float]:
+        """Every storage of ``tensors`` and ``frozen`` to the host buffer, then freed; the storages of ``drop``
+        (buffers whose contents the next step overwrites, such as megatron's gradient buffers) freed without a
+        copy and zeros when reloaded. ``frozen``: storages nothing writes between offloads, copied only the
+        first time (their region of the host buffer is kept). Returns seconds (``copy_seconds`` of them moving
+        bytes, the rest freeing), bytes moved, frozen bytes kept from an earlier offload (``kept_bytes``),
+        bytes dropped, and whether the buffer had to grow."""
         if self._saved:
             raise RuntimeError("the trainer's state is already in host memory: reload before offloading again")
         start = time.perf_counter()
-        storages = unique_storages(tensors)
+        fixed = unique_storages(frozen)
+        storages = {**fixed, **{k: v for k, v in unique_storages(tensors).items() if k not in fixed}}
         dropped = {k: v for k, v in unique_storages(drop).items() if k not in storages}
         collected = time.perf_counter()
         on_gpu = any(s.device.type == "cuda" for s in storages.values())
@@ -124,15 +140,24 @@ class HostOffload:
                             "start: a new one is pinned now, in this step", total / 1e9, self.capacity / 1e9)
             self._new_host_buffer(total, on_gpu)
         host = self._host
-        saved, offset = [], 0
-        for storage in storages.values():  # nothing is freed until every byte is copied: a failure loses nothing
+        # frozen storages first, at the same offsets every time: one laid out as before keeps its host bytes
+        frozen_at = {storage._cdata: (offset, storage.nbytes()) for storage, offset in
+                     zip(fixed.values(), _offsets([s.nbytes() for s in fixed.values()]))}
+        kept_at, self._frozen_at = self._frozen_at, {}  # until every copy is done, no host copy is trusted
+        saved, offset, moved, kept = [], 0, 0, 0
+        for key, storage in storages.items():  # nothing is freed until every byte is copied: a failure loses nothing
             n = storage.nbytes()
-            host[offset:offset + n].copy_(_bytes_of(storage), non_blocking=on_gpu)
+            if key in fixed and kept_at.get(storage._cdata) == (offset, n):
+                kept += n
+            else:
+                host[offset:offset + n].copy_(_bytes_of(storage), non_blocking=on_gpu)
+                moved += n
             saved.append((storage, offset, n))
             offset += n
         if on_gpu:
             torch.cuda.synchronize()
         copied = time.perf_counter()
+        self._frozen_at = frozen_at  # every frozen storage's bytes are in host memory now
         for storage, _, _ in saved:
             storage.resize_(0)
         for storage in dropped.values():
@@ -145,7 +170,7 @@ class HostOffload:
         end = time.perf_counter()
         return {"seconds": end - start, "collect_seconds": collected - start, "copy_seconds": copied - collected,
                 "free_seconds": freed - copied,
-                "release_seconds": end - freed, "bytes": float(offset),
+                "release_seconds": end - freed, "bytes": float(moved), "kept_bytes": float(kept),
                 "dropped_bytes": float(sum(n for _, o, n in saved if o < 0)), "host_pinned": float(self._registered),
                 "grew": float(grew)}
 
@@ -168,6 +193,7 @@ class HostOffload:
         return {"seconds": time.perf_counter() - start, "bytes": float(moved)}
 
     def _new_host_buffer(self, nbytes: int, pin: bool) -> None:
+        self._frozen_at = {}  # a new buffer holds none of the frozen bytes
         self._release_host()
         self._host, self._mapping = _host_bytes(nbytes)
         if pin and nbytes:

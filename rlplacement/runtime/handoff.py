@@ -57,7 +57,8 @@ KEYS = {
     "perf/handoff_trainer_offload_release_time": "seconds of the trainer's offload spent giving its freed GPU memory "
                                                  "back to the driver (empty_cache), where the engines allocate",
     "perf/handoff_bytes_to_host": "bytes per step that crossed PCIe to host memory, on the busiest GPU (the "
-                                  "trainer's state, plus the engine's weights at level 1)",
+                                  "trainer's state less its frozen part, copied once: LoRA's base, the KL "
+                                  "reference; plus the engine's weights at level 1)",
     "perf/handoff_bytes_to_device": "bytes per step that crossed PCIe back to the GPU, on the busiest GPU",
     "perf/handoff_engine_weight_bytes": "bytes per step of engine weights that crossed PCIe (level 1 only; 0 at "
                                         "level 2, where the update refills them from the trainer's GPU memory)",
@@ -291,8 +292,8 @@ class ColocatedHandOff:
             reports = offload()
         returned_at = time.time()
         self.trainer_on_host = True
-        if any(r.get("bytes") is not None for r in reports):
-            self._trainer_state_gb = max(r.get("bytes") or 0.0 for r in reports) / GIB
+        if any(r.get("bytes") is not None for r in reports):  # what comes back: moved, and frozen kept on host
+            self._trainer_state_gb = max((r.get("bytes") or 0.0) + (r.get("kept_bytes") or 0.0) for r in reports) / GIB
         if all("started_at" in r for r in reports):  # before the method ran (Ray, a turn), and inside it
             self._add("perf/handoff_trainer_offload_dispatch_time", max(r["started_at"] for r in reports) - issued_at)
             self._add("perf/handoff_trainer_offload_worker_time",
