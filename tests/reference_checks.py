@@ -89,3 +89,20 @@ def check_two_ranks_match_hf_reference(backend_name: str, hf, tmp_path, optim, *
     ref_metrics = hf_reference_step(ref, batches, optim)
     assert results[0]["metrics"]["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4)
     assert_streamed_match_reference(streamed_path, ref)
+
+
+def peft_reference(hf, lora) -> torch.nn.Module:
+    """The HF model of ``hf`` with peft's adapters of ``lora`` at the backends' initial values (``A`` by
+    ``lora.initial_a`` of its name, ``B`` zero): what a LoRA backend's model is before its first step."""
+    from rlplacement.backends.hf_reference import load_hf
+    from rlplacement.backends.lora import initial_a, inject
+
+    ref = load_hf(hf)
+    inject(ref, lora)
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            if ".lora_A." in name:
+                param.copy_(initial_a(name, tuple(param.shape)))
+            elif ".lora_B." in name:
+                param.zero_()
+    return ref

@@ -44,20 +44,13 @@ def _lora_steps(rank, world, hf):
 
 @pytest.mark.slow
 def test_fsdp_lora_two_ranks_match_an_hf_model_with_the_same_adapters(tmp_path):
-    from rlplacement.backends.lora import initial_a, inject
     from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
+    from tests.reference_checks import peft_reference
 
     hf = make_tiny_model(tmp_path / "hf", SPEC)
     results = launch.spawn(_lora_steps, 2, str(hf), timeout_s=300)
     original = load_hf(hf)
-    ref = load_hf(hf)
-    inject(ref, LORA)
-    with torch.no_grad():
-        for name, param in ref.named_parameters():
-            if ".lora_A." in name:
-                param.copy_(initial_a(name, tuple(param.shape)))
-            elif ".lora_B." in name:
-                param.zero_()
+    ref = peft_reference(hf, LORA)
     # only the adapters train: A and B of every adapted layer
     layers = SPEC.num_hidden_layers * len(LORA_MODULES)
     assert len(results[0]["trainable"]) == 2 * layers and all(".lora_" in n for n in results[0]["trainable"])
@@ -124,10 +117,8 @@ def test_lora_flags_are_refused_where_they_cannot_work(tmp_path):
     lora = ["--lora-rank", "8", "--lora-merge-for-rollout"]
     refused(r"--target-modules qkv: not a decoder linear layer; use all-linear or HF names", *lora,
             "--target-modules", "qkv")
-    refused(r"--lora-rank with --train-backend torchtitan: LoRA adapters train on the fsdp backend so far", *lora,
-            "--train-backend", "torchtitan")
-    refused(r"--lora-rank with --train-backend megatron: .* use --train-backend fsdp", *lora,
-            "--train-backend", "megatron")
+    refused(r"--lora-rank with --train-backend torchtitan: LoRA adapters train on the fsdp and megatron backends",
+            *lora, "--train-backend", "torchtitan")
     refused(r"--update-weight-staging bucket with --lora-rank: an adapter-only update is staged whole .* use "
             r"--update-weight-staging full or auto, or add --lora-merge-for-rollout", "--lora-rank", "8",
             "--update-weight-staging", "bucket")
@@ -136,6 +127,15 @@ def test_lora_flags_are_refused_where_they_cannot_work(tmp_path):
     refused(r"--lora-adapter-path: starting from an existing adapter is not built", *lora,
             "--lora-adapter-path", "/x")
     refused(r"--lora-dropout 1.0: use 0 <= p < 1", *lora, "--lora-dropout", "1.0")
+    megatron = ["--train-backend", "megatron", "--lora-rank", "8"]
+    refused(r"--lora-dropout 0.1 with --train-backend megatron: .* use --lora-dropout 0", *megatron,
+            "--lora-dropout", "0.1")
+    refused(r"--lora-rank with --sequence-parallel: .* drop --sequence-parallel", *megatron, "--sequence-parallel",
+            "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2")
+    refused(r"--target-modules q_proj: megatron fuses q_proj, k_proj, v_proj into linear_qkv; adapt all of them or "
+            r"none", *megatron, "--target-modules", "q_proj")
+    refused(r"--save with --lora-rank on megatron: .* use --train-backend fsdp", *megatron, "--save",
+            str(tmp_path / "save"))
     refused(r"leaves no layer to adapt", *lora, "--target-modules", "linear_qkv", "--exclude-modules", "q_proj,k_proj,v_proj")
     config = config_from_args(build_parser().parse_args(["--colocate", "--train-backend", "fsdp", *lora,
                                                          "--target-modules", "linear_fc1,o_proj"]))
@@ -175,6 +175,15 @@ def test_plan_memory_counts_only_the_adapters_state(tmp_path, capsys):
     assert (memory["trainer_rank"]["gradients"], memory["trainer_rank"]["optimizer"]) == (4 * (adapters // 2),
                                                                                         8 * (adapters // 2))
     assert memory["trainer_rank"]["total"] < full["trainer_rank"]["total"] / 2
+    # megatron at TP=2: q_proj is column-parallel, so each rank holds A whole and half of B; the distributed
+    # optimizer spreads the adapters' fp32 state over the one data-parallel rank
+    megatron = ["plan", "--memory", "--hf-config", str(hf / "config.json"), "--json", "--colocate", "--train-backend",
+                "megatron", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--no-bf16"]
+    assert cli_main(megatron + ["--lora-rank", "4", "--target-modules", "q_proj,k_proj,v_proj"]) == 0
+    meg = json.loads(capsys.readouterr().out)["memory"]["trainer_rank"]
+    kv_out = cfg["num_key_value_heads"] * (q_out // cfg["num_attention_heads"])
+    per_rank = SPEC.num_hidden_layers * (3 * 4 * cfg["hidden_size"] + 4 * (q_out + 2 * kv_out) // 2)
+    assert (meg["gradients"], meg["optimizer"]) == (4 * per_rank, 8 * per_rank), meg
 
 
 def _save_resume(rank, world, hf, root):

@@ -339,10 +339,13 @@ def test_the_example_loop_serves_lora_adapters_live_and_merged_alike(tmp_path, l
 @pytest.mark.parametrize("layout", [
     ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2", "--update-weight-transfer-mode",
      "broadcast_packed"],
-    ["--actor-num-gpus-per-node", "2", "--update-weight-transfer-mode", "disk-delta"]], ids=["tp2-engine", "disk-delta"])
+    ["--actor-num-gpus-per-node", "2", "--update-weight-transfer-mode", "disk-delta"],
+    ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+     "--update-weight-transfer-mode", "broadcast_packed"]], ids=["tp2-engine", "disk-delta", "megatron-tp2"])
 def test_live_lora_adapters_reach_every_worker_in_every_mode(tmp_path, layout):
     """Adapter-only updates into an engine of two tensor-parallel workers (vLLM's LoRA layers cut each
-    worker's part of the whole adapter) and through disk deltas: checked, served, the adapters' bytes."""
+    worker's part of the whole adapter), through disk deltas, and from megatron's TP-split adapters:
+    checked, served, the adapters' bytes."""
     if "disk-delta" in layout:
         layout = [*layout, "--update-weight-disk-dir", str(tmp_path / "deltas")]
     rows = _lora_rows(tmp_path, *layout, steps=3)

@@ -52,8 +52,10 @@ def _tp_elements(model, t, tp: int) -> int:
 
 
 def megatron_rank_memory(model, *, tp: int, pp: int, ep: int, dp: int, bf16: bool,
-                         distributed_optimizer: bool) -> RankMemory:
-    """The busiest megatron rank (the pipeline stage holding the most): see the module's rules."""
+                         distributed_optimizer: bool, lora=None) -> RankMemory:
+    """The busiest megatron rank (the pipeline stage holding the most): see the module's rules. Under LoRA
+    (``lora`` on) the base is frozen: its weights only, and gradients and optimizer state of the stage's
+    adapters alone (:func:`megatron_adapter_elements`)."""
     if dp % ep:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the {dp} data-parallel ranks")
     dense, experts = [0] * pp, [0] * pp
@@ -65,6 +67,12 @@ def megatron_rank_memory(model, *, tp: int, pp: int, ep: int, dp: int, bf16: boo
             dense[model.stage_of(t, pp)] += n
     stage = max(range(pp), key=lambda s: dense[s] + experts[s])
     held = dense[stage] + experts[stage]
+    if lora is not None and lora.enabled:
+        adapters = megatron_adapter_elements(model, lora, tp, pp)[stage]
+        trained = adapters / dp if distributed_optimizer else adapters
+        width = 2 if bf16 else 4
+        return RankMemory(held + adapters, width * (held + adapters), width * adapters,
+                          int((12 if bf16 else 8) * trained))
     sharded = (dense[stage] / dp + experts[stage] / (dp // ep)) if distributed_optimizer else held
     if bf16:
         return RankMemory(held, 2 * held, 4 * held, int(12 * sharded))
@@ -77,6 +85,20 @@ def adapter_elements(model, lora) -> int:
         return 0
     return sum(lora.rank * (t.shape[0] + t.shape[1]) for t in model.tensors
                if t.name.rsplit(".", 2)[-2] in lora.target_modules and len(t.shape) == 2)
+
+
+def megatron_adapter_elements(model, lora, tp: int, pp: int) -> list[int]:
+    """Each pipeline stage's adapter elements on one TP rank (``backends.megatron_lora``): a column-parallel
+    layer's ``A`` whole and ``B`` split over TP, a row-parallel layer's ``A`` split and ``B`` whole."""
+    stages = [0] * pp
+    for t in model.tensors:
+        if t.layer is None or len(t.shape) != 2 or t.name.rsplit(".", 2)[-2] not in lora.target_modules:
+            continue
+        out, inn = t.shape
+        column = t.kind != "row"
+        stages[model.stage_of(t, pp)] += (lora.rank * inn + -(-lora.rank * out // tp) if column
+                                          else -(-lora.rank * inn // tp) + lora.rank * out)
+    return stages
 
 
 def fsdp_rank_memory(model, *, world: int, bf16: bool, lora=None) -> RankMemory:
@@ -109,7 +131,7 @@ def layout_memory(model, *, backend: str, trainer_gpus: int, tp: int, pp: int, e
     """The busiest trainer rank and an engine worker, as JSON (``rlplacement plan --memory``)."""
     if backend == "megatron":
         rank = megatron_rank_memory(model, tp=tp, pp=pp, ep=ep, dp=trainer_gpus // (tp * pp), bf16=bf16,
-                                    distributed_optimizer=distributed_optimizer)
+                                    distributed_optimizer=distributed_optimizer, lora=lora)
     else:
         rank = fsdp_rank_memory(model, world=trainer_gpus, bf16=bf16, lora=lora)
     expert_elements = sum(math.prod(t.shape) for t in model.tensors if expert_of(t.name) is not None)

@@ -51,7 +51,8 @@ FLAGS = (
          help="Mixture-of-experts: the engines return each token's experts and the trainer routes every token to "
               "them (Batch.routed_experts), so training runs the experts the rollout ran (needs GPU engines)."),
     flag("--lora-rank", type=int, default=default_of(LoRAConfig, "rank"),
-         help="LoRA: train rank-N adapters on --target-modules with the base frozen (0: full fine-tuning; fsdp)."),
+         help="LoRA: train rank-N adapters on --target-modules with the base frozen (0: full fine-tuning; fsdp, "
+              "megatron)."),
     flag("--lora-alpha", type=float, default=default_of(LoRAConfig, "alpha"),
          help="LoRA: the adapters' output is scaled by alpha / rank."),
     flag("--lora-dropout", type=float, default=default_of(LoRAConfig, "dropout"),
@@ -174,9 +175,9 @@ def _lora_from_args(args: argparse.Namespace, backend: str) -> LoRAConfig:
         return LoRAConfig()
     if rank < 0:
         raise ConfigError(f"--lora-rank {rank}: use 1 or more (0: no adapters)")
-    if backend != "fsdp":
-        raise ConfigError(f"--lora-rank with --train-backend {backend}: LoRA adapters train on the fsdp backend so "
-                          f"far: use --train-backend fsdp")
+    if backend not in ("fsdp", "megatron"):
+        raise ConfigError(f"--lora-rank with --train-backend {backend}: LoRA adapters train on the fsdp and megatron "
+                          f"backends: use --train-backend fsdp or megatron")
     alpha, dropout = get(args, "lora_alpha"), get(args, "lora_dropout")
     if alpha <= 0:
         raise ConfigError(f"--lora-alpha {alpha}: use a positive scale")
@@ -185,6 +186,15 @@ def _lora_from_args(args: argparse.Namespace, backend: str) -> LoRAConfig:
     if get(args, "lora_adapter_path"):
         raise ConfigError("--lora-adapter-path: starting from an existing adapter is not built; drop it (the "
                           "adapters start at B = 0, the base model's output)")
+    lora_targets = lora_modules(get(args, "target_modules"), get(args, "exclude_modules"))
+    if backend == "megatron":
+        from rlplacement.backends.megatron_lora import check_supported
+
+        check_supported(LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, target_modules=lora_targets),
+                        bool(get(args, "sequence_parallel")), moe=False)
+        if get(args, "save"):
+            raise ConfigError("--save with --lora-rank on megatron: a LoRA run's training checkpoint is built on the "
+                              "fsdp backend only; drop --save, or use --train-backend fsdp")
     merge = bool(get(args, "lora_merge_for_rollout"))
     if not merge and get(args, "update_weight_staging") == "bucket":
         raise ConfigError("--update-weight-staging bucket with --lora-rank: an adapter-only update is staged whole "
@@ -194,5 +204,4 @@ def _lora_from_args(args: argparse.Namespace, backend: str) -> LoRAConfig:
         from rlplacement.engines.live_lora import engine_args
 
         engine_args(rank)  # a rank vLLM cannot serve is refused here, naming the flag
-    return LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, merge_for_rollout=merge,
-                      target_modules=lora_modules(get(args, "target_modules"), get(args, "exclude_modules")))
+    return LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, merge_for_rollout=merge, target_modules=lora_targets)

@@ -29,7 +29,7 @@ from rlplacement.backends import megatron_model as mm
 from rlplacement.backends.base import TrainerBackend, resolve_bf16
 from rlplacement.backends.objective import TokenStats
 from rlplacement.families import family_for
-from rlplacement.transfer.spec import RANK0
+from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 
 class MegatronBackend(TrainerBackend):
@@ -43,6 +43,7 @@ class MegatronBackend(TrainerBackend):
         super().__init__(optim, train)
         self.model, self.hf_config, self.shape = model, hf_config, shape
         self.reference = reference
+        self.lora = None  # the LoRAConfig where adapters train (--lora-rank; backends.megatron_lora)
         self.description: tuple[Path, dict] | None = None  # (HF side files, metadata): what --save writes beside
         self.family = family_for(hf_config)
         self.spec = model.rlplacement_spec
@@ -110,11 +111,20 @@ class MegatronBackend(TrainerBackend):
             return stage
 
         model = built(recompute=recompute)
+        if cfg.lora.enabled:  # before megatron's DDP and optimizer are built: they take the adapters alone
+            from rlplacement.backends import megatron_lora
+
+            megatron_lora.check_supported(cfg.lora, cfg.sequence_parallel, family.moe)
+            if resume:
+                raise ConfigError(f"--load {cfg.load} with --lora-rank on megatron: resuming a LoRA run's training "
+                                  f"checkpoint is built on the fsdp backend only; use --train-backend fsdp")
+            megatron_lora.inject(model, cfg.lora, shape)
         reference = None
         if t.use_kl_loss:  # the starting weights, frozen: what the KL term pulls towards
             reference = built().eval()
             reference.requires_grad_(False)
         backend = cls(model, hf_config, shape, optim, stream_dtype, train, overlap_grad_reduce, reference)
+        backend.lora = cfg.lora if cfg.lora.enabled else None
         backend.description = (hf_dir, mm.model_meta(hf_config, family, padded, model.rlplacement_spec))
         backend.source_hf_dir = cfg.hf_checkpoint or str(hf_dir)  # hf_config/ of a --load: config, no weights
         if resume:
@@ -143,7 +153,9 @@ class MegatronBackend(TrainerBackend):
         self.model.train(training)
 
     def _parameters(self) -> list[torch.nn.Parameter]:
-        return [p for _, p in self._named]
+        from rlplacement.backends.megatron_lora import adapters_of
+
+        return [p for _, p in self._named] + [p for a in adapters_of(self.model) for p in a.parameters()]
 
     def _stage_log_probs(self, input_ids: torch.Tensor, model=None) -> torch.Tensor | None:
         """This pipeline stage's forward of ``model`` (default: the trained one) without gradients: the
@@ -365,6 +377,10 @@ class MegatronBackend(TrainerBackend):
         from rlplacement.backends import megatron_checkpoint as layout
         from rlplacement.backends import train_checkpoint
 
+        if self.lora is not None:
+            raise ConfigError("--save with --lora-rank on megatron: a LoRA run's training checkpoint is built on the "
+                              "fsdp backend only; drop --save, or use --train-backend fsdp")
+
         def write(tmp: Path) -> None:
             if dist.get_rank() == 0:
                 layout.describe(root, *self.description)
@@ -421,7 +437,7 @@ class MegatronBackend(TrainerBackend):
         """One rank holds every parameter whole (TP = PP = DP = 1) in the dtype streamed (bf16 under
         ``--bf16``, whose fp32 main parameters live in the optimizer): an update reads the parameters in
         place (:meth:`iter_update_tensors`). A cast stream (fp32 training, bf16 served) still goes by copies."""
-        return dist.get_world_size() == 1 and self.stream_dtype in (None, self._dtype)
+        return dist.get_world_size() == 1 and self.stream_dtype in (None, self._dtype) and self.lora is None
 
     @property
     def update_hf_shapes(self) -> dict[str, tuple[int, ...]] | None:
@@ -437,7 +453,35 @@ class MegatronBackend(TrainerBackend):
         if self.yields_resident_tensors:
             self.last_stream_collectives = 0
             return iter(self._resident_views()[0])
+        if self.lora is not None and self.lora.adapter_updates:
+            return self._iter_adapters(share)
         return self._iter_stream(share)
+
+    def _iter_adapters(self, share: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """The adapters alone under their PEFT names (gathered everywhere: they are small): every one on global
+        rank 0, on every rank (``OWN_GPU``), or each on the one rank that sends it (``SHARES``, balanced by
+        bytes)."""
+        from rlplacement.backends.megatron_lora import full_adapters
+        from rlplacement.transfer.bucket import fused_group_of
+        from rlplacement.transfer.plan.senders import spread_owners_by_group
+
+        adapters = full_adapters(self.model)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if share == OWN_GPU:
+            owners = {name: rank for name in adapters}
+        elif share == SHARES and world > 1:
+            owners = spread_owners_by_group([(n, t.numel() * (self.stream_dtype or t.dtype).itemsize)
+                                             for n, t in adapters.items()], world, fused_group_of)
+        else:
+            owners = {name: 0 for name in adapters}
+        self.last_stream_collectives = None
+        for name, tensor in adapters.items():
+            if owners[name] == rank:
+                yield name, tensor if self.stream_dtype is None else tensor.to(self.stream_dtype)
+
+    def iter_base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Under LoRA, the frozen base as :meth:`iter_hf_tensors` streams it, adapters not merged (collective)."""
+        return self._iter_stream(RANK0, merge=False)
 
     def _resident_views(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, tuple[int, ...]]]:
         """Made once: the parameters are never replaced (loads copy into them), and views follow their
@@ -461,9 +505,23 @@ class MegatronBackend(TrainerBackend):
             raise ValueError("megatron spreads an update by its own parameters: iter_update_tensors(share)")
         return self._iter_stream(RANK0)
 
-    def _iter_stream(self, share: str) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_stream(self, share: str, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Under LoRA (``merge``) each adapted weight with ``alpha / r * B A`` merged in (the adapters gathered
+        everywhere first: :func:`megatron_lora.full_adapters`)."""
         counter = mm.CollectiveCount()
+        merges = {}
+        if self.lora is not None and merge:
+            from rlplacement.backends.megatron_lora import full_adapters
+            from rlplacement.lora_format import PEFT_PREFIX
+
+            adapters = full_adapters(self.model)
+            merges = {n.removeprefix(PEFT_PREFIX).replace(".lora_A.weight", ".weight"):
+                      (t, adapters[n.replace(".lora_A.", ".lora_B.")]) for n, t in adapters.items() if ".lora_A." in n}
         for name, tensor in mm.iter_hf_tensors(self.model, self.shape, self.family, counter=counter, share=share):
+            if name in merges:
+                from rlplacement.backends.lora import merged
+
+                tensor = merged(tensor, *merges[name], self.lora.scaling)
             yield name, tensor if self.stream_dtype is None else tensor.to(self.stream_dtype)
         self.last_stream_collectives = counter.count
 

@@ -282,6 +282,8 @@ def global_named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
 
         first_expert = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
     for name, param in model.named_parameters():
+        if ".lora." in name:  # LoRA adapters (backends.megatron_lora): not the model's own parameters
+            continue
         layer, suffix = mapping._split_layer(name)
         if layer is not None:
             name = mapping.megatron_layer_name(layers[layer].layer_number - 1,
