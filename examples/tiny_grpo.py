@@ -41,6 +41,7 @@ PROMPTS = ["what is two plus three ?", "count : 1 2 3", "the quick brown fox", "
 TINY_MODEL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # 2 KV heads: TP=2 works
 # --tiny-model-family qwen3_moe: every layer sparse, 4 experts of 64, top-2
 TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+LORA_HEAD_STD = 0.2  # the tiny model's output layer under --lora-rank: see main
 DIGITS = "0123456789"  # reward: fraction of response tokens that are digits
 
 
@@ -147,8 +148,12 @@ def run(args: argparse.Namespace) -> int:
         preflight(config.backend)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tiny_grpo_"))
     moe = TINY_MOE if args.tiny_model_family == "qwen3_moe" else {}
+    # LoRA adapts the decoder's linear layers only; behind HF's random head (std 0.02) the RMS-normed hidden
+    # states of width 128 reach logits of about +-2.6 at most, so adapters cannot make digits likely (checked:
+    # 0.02 -> ~0.1 in 40 steps at any lr to 1e-1, and at rank 64). A LoRA run's tiny model has a wider head.
+    head = {"lm_head_std": LORA_HEAD_STD} if config.backend.lora.enabled else {}
     hf_dir = config.backend.hf_checkpoint or str(make_tiny_model(work / "model", TinySpec(
-        **TINY_MODEL, **moe, family=args.tiny_model_family, dtype=tiny_model_dtype())))
+        **TINY_MODEL, **moe, **head, family=args.tiny_model_family, dtype=tiny_model_dtype())))
     tok = AutoTokenizer.from_pretrained(hf_dir)
     targets = {tok.convert_tokens_to_ids(d) for d in DIGITS}
     prompts = [tok.encode(p) for p in PROMPTS]

@@ -240,11 +240,14 @@ def test_a_run_saved_after_two_steps_and_resumed_ends_where_one_that_never_stopp
                          TrainConfig(**train, **KL_ENTROPY), "resume", timeout_s=600)
 
 
-def _offload_worker(rank, world, hf, train, offload):
+def _offload_worker(rank, world, hf, train, offload, lora=None):
     from rlplacement.backends.megatron import MegatronBackend
     from rlplacement.backends.offload import local_tensor
+    from rlplacement.config import LoRAConfig
 
-    backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf), ADAMW, train)
+    backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf, lora=lora or LoRAConfig()),
+                                          ADAMW, train)
+    base = sum(p.numel() * p.element_size() for p in backend.model.parameters() if not p.requires_grad)
     dp, dp_rank = backend.data_parallel_size, backend.data_parallel_rank
     reserved = backend.reserve_host_memory()["bytes"] if offload else None
     reports, freed = [], []
@@ -261,8 +264,9 @@ def _offload_worker(rank, world, hf, train, offload):
     main = [v.clone() for opt in backend._torch_optimizers() for g in opt.param_groups for p in g["params"]
             for v in [p, *[s for s in opt.state[p].values() if isinstance(s, torch.Tensor) and s.dim()]]]
     backend.close()
-    return {"params": params, "main": main, "reserved": reserved, "freed": freed,
-            "moved": [r["bytes"] for r in reports], "dropped": [r["dropped_bytes"] for r in reports]}
+    return {"params": params, "main": main, "reserved": reserved, "freed": freed, "base": base,
+            "moved": [r["bytes"] for r in reports], "dropped": [r["dropped_bytes"] for r in reports],
+            "kept": [r["kept_bytes"] for r in reports]}
 
 
 @pytest.mark.slow
@@ -278,3 +282,24 @@ def test_the_hand_off_moves_megatrons_state_and_frees_its_gradient_buffers_and_t
         assert all(torch.equal(x, y) for x, y in zip(a["main"], b["main"])) and len(a["main"]) == len(b["main"])
         for name, t in b["params"].items():
             assert torch.equal(a["params"][name], t), name
+
+
+@pytest.mark.slow
+def test_a_megatron_lora_hand_off_copies_the_frozen_base_once_and_training_stays_bit_exact(tmp_path):
+    """Under LoRA megatron's base is frozen: the first offload copies it with the adapters' state, later ones
+    free it without a copy (kept on host), and training after each reload equals a run that never offloaded."""
+    from rlplacement.config import LORA_MODULES, LoRAConfig
+
+    hf = tmp_path / "hf"
+    make_tiny_model(hf, SPEC)
+    train = TrainConfig(bf16=True, use_distributed_optimizer=True)
+    lora = LoRAConfig(rank=4, target_modules=LORA_MODULES)
+    moved = launch.spawn(_offload_worker, 2, str(hf), train, True, lora, timeout_s=600)
+    stayed = launch.spawn(_offload_worker, 2, str(hf), train, False, lora, timeout_s=600)
+    for a, b in zip(moved, stayed):
+        assert a["freed"] == [True] * 3 and a["base"] > 0
+        assert a["kept"] == [0.0, a["base"], a["base"]] and a["moved"][1] == a["moved"][0] - a["base"]
+        assert 0 < a["moved"][1] < a["base"] / 2  # bf16 adapters with fp32 main copies and moments: 14 B each
+        assert all(torch.equal(x, y) for x, y in zip(a["main"], b["main"])) and len(a["main"]) == len(b["main"])
+        assert all(torch.equal(a["params"][n], t) for n, t in b["params"].items())
+    assert stayed[0]["params"]  # rank 0 streams the merged weights

@@ -307,6 +307,13 @@ def _lora_rows(tmp_path, *flags, steps):
     return rows
 
 
+def _assert_learns(rows) -> None:
+    """The learning bar of the example loop: the first 5 steps' mean reward under 0.2, the last 5's over 0.8."""
+    rewards = [row["reward"] for row in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.2 and last > 0.8, (first, last, rewards)
+
+
 def _adapter_bytes(model_dir: Path) -> int:
     from rlplacement.config import LORA_MODULES
     from rlplacement.lora_format import adapter_shapes
@@ -320,12 +327,15 @@ def _adapter_bytes(model_dir: Path) -> int:
                                     ["--colocate"]], ids=["fsdp2-p2p", "colocated"])
 def test_the_example_loop_serves_lora_adapters_live_and_merged_alike(tmp_path, layout):
     """``--lora-rank 8`` under fsdp (two ranks over p2p, and colocated), every update checked tensor by tensor:
-    adapter-only updates (the default) move the adapters' bytes alone, a few percent of the model's, into a
-    live vLLM adapter; ``--lora-merge-for-rollout`` moves the merged model whole. Both serve what the trainer
-    computes (log-probs within 1e-5), so the same seed gives the same samples, rewards and losses."""
-    live = _lora_rows(tmp_path / "live", *layout, steps=6)
+    adapter-only updates (the default) move the adapters' bytes alone, a tenth of the model's, into a live
+    vLLM adapter, and the loop learns in 40 steps; ``--lora-merge-for-rollout`` moves the merged model whole.
+    Both serve what the trainer computes (log-probs within 1e-5), so the same seed gives the same samples,
+    rewards and losses."""
+    live = _lora_rows(tmp_path / "live", *layout, steps=40)
+    _assert_learns(live)
     merged = _lora_rows(tmp_path / "merged", "--lora-merge-for-rollout", *layout, steps=6)
-    assert len({row["train/grad_norm"] for row in live}) == 6 and all(row["train/grad_norm"] > 0 for row in live)
+    early = live[:6]  # once every sample earns 1 the advantages, and so the gradients, are zero
+    assert len({row["train/grad_norm"] for row in early}) == 6 and all(row["train/grad_norm"] > 0 for row in early)
     adapter = _adapter_bytes(tmp_path / "live" / "model")
     assert {row["perf/update_weights_bytes"] for row in live} == {adapter}
     (full,) = {row["perf/update_weights_bytes"] for row in merged}
@@ -336,17 +346,21 @@ def test_the_example_loop_serves_lora_adapters_live_and_merged_alike(tmp_path, l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2", "--update-weight-transfer-mode",
-     "broadcast_packed"],
-    ["--actor-num-gpus-per-node", "2", "--update-weight-transfer-mode", "disk-delta"],
-    ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
-     "--update-weight-transfer-mode", "broadcast_packed"]], ids=["tp2-engine", "disk-delta", "megatron-tp2"])
-def test_live_lora_adapters_reach_every_worker_in_every_mode(tmp_path, layout):
+@pytest.mark.parametrize("layout,steps", [
+    (["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2", "--update-weight-transfer-mode",
+      "broadcast_packed"], 3),
+    (["--actor-num-gpus-per-node", "2", "--update-weight-transfer-mode", "disk-delta"], 3),
+    (["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+      "--update-weight-transfer-mode", "broadcast_packed"], 40),
+    (["--train-backend", "megatron", "--colocate"], 3)], ids=["tp2-engine", "disk-delta", "megatron-tp2",
+                                                               "megatron-colocated"])
+def test_live_lora_adapters_reach_every_worker_in_every_mode(tmp_path, layout, steps):
     """Adapter-only updates into an engine of two tensor-parallel workers (vLLM's LoRA layers cut each
-    worker's part of the whole adapter), through disk deltas, and from megatron's TP-split adapters:
-    checked, served, the adapters' bytes."""
+    worker's part of the whole adapter), through disk deltas, and from megatron's TP-split adapters (which
+    learn in 40 steps) and colocated: checked, served, the adapters' bytes."""
     if "disk-delta" in layout:
         layout = [*layout, "--update-weight-disk-dir", str(tmp_path / "deltas")]
-    rows = _lora_rows(tmp_path, *layout, steps=3)
+    rows = _lora_rows(tmp_path, *layout, steps=steps)
     assert {row["perf/update_weights_bytes"] for row in rows} == {_adapter_bytes(tmp_path / "model")}
+    if steps == 40:
+        _assert_learns(rows)

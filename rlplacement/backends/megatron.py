@@ -355,6 +355,13 @@ class MegatronBackend(TrainerBackend):
     def _dropped_tensors(self) -> list[torch.Tensor]:
         return self._training.gradient_buffers()
 
+    def _frozen_tensors(self) -> list[torch.Tensor]:
+        """LoRA's base (no gradient, no optimizer state) and the KL reference model: copied to host once."""
+        frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        if self.reference is not None:
+            frozen += list(self.reference.parameters())
+        return [t for t in frozen if t.device == self.device]
+
     def _resident_tensors(self) -> list[torch.Tensor]:
         """Parameters, DDP's parameter buffers and the optimizer's main parameters and state on the device
         (the gradient buffers are freed, not moved: :meth:`_dropped_tensors`)."""

@@ -42,6 +42,8 @@ class TinySpec:
     max_position_embeddings: int = 512
     dtype: str = "float32"
     seed: int = 0
+    lm_head_std: float | None = None
+    """The output layer's init std (None: HF's ``initializer_range``, 0.02); untied heads only."""
     # qwen3_moe only: experts per sparse layer, top-k, each expert's width, which layers are sparse
     num_experts: int = 4
     num_experts_per_tok: int = 2
@@ -122,6 +124,8 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinySpec = TinySpec()) -> 
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.05)
+        if spec.lm_head_std is not None and not spec.tie_word_embeddings:
+            model.lm_head.weight.normal_(0.0, spec.lm_head_std)
     from transformers.utils import logging as hf_logging
 
     bar_was_on = hf_logging.is_progress_bar_enabled()
