@@ -24,6 +24,13 @@ figures) and ``steady_handoff_no_overlap_s``: what the overlaps save, measured i
     source benchmarks/gpu/device_env.sh
     python3 benchmarks/gpu/offload_h200.py --size 8B --steps 5 --out $OUT   # -> offload_h200.json
     python3 benchmarks/gpu/offload_h200.py --size smoke --steps 2            # the same code on CPU (no hand-off)
+
+With ``--lora-ranks 0 32`` the same job runs once per rank, in the same process (``offload_h200_<size>_lora.json``):
+rank 0 is full fine-tuning, the baseline; rank N trains rank-N adapters on every decoder linear layer with the
+base frozen and sends adapter-only updates into the engine's live adapter. Each run's rows give the update's
+seconds and bytes (``update_s``, ``bytes``) and the hand-off's, so the adapter update stands beside the full one.
+
+    python3 benchmarks/gpu/offload_h200.py --size 4B --steps 5 --lora-ranks 0 32 --out $OUT
 """
 
 from __future__ import annotations
@@ -38,11 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 
-def job_config(flags: str):
+def job_config(flags: str, lora_rank: int = 0):
     from rlplacement.args import build_parser, config_from_args
 
     argv = ["--colocate", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1", "--train-backend", "fsdp",
-            "--check-weight-update-equal"]
+            "--check-weight-update-equal"] + (["--lora-rank", str(lora_rank)] if lora_rank else [])
     argv += {"explicit": ["--offload-train", "--offload-rollout"], "auto": [],
              "off": ["--no-offload-train", "--no-offload-rollout"]}[flags]
     return config_from_args(build_parser().parse_args(argv))
@@ -77,7 +84,7 @@ def refill_check(job, prompts: list[list[int]]) -> dict:
             "version": job.version, "setup_s": metrics.get("perf/handoff_setup_time")}
 
 
-def run(model_dir: Path, args, flags: str) -> dict:
+def run(model_dir: Path, args, flags: str, lora_rank: int = 0) -> dict:
     import torch
 
     from rlplacement import OptimConfig, RLJob
@@ -89,11 +96,11 @@ def run(model_dir: Path, args, flags: str) -> dict:
     if cuda:
         engine_kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     vocab = 8192 if args.size != "smoke" else 300
-    out: dict = {"flags": flags, "steps": []}
+    out: dict = {"flags": flags, "lora_rank": lora_rank, "steps": []}
     t0 = time.time()
     job = None
     try:
-        job = RLJob.start(job_config(flags), str(model_dir), optim=OptimConfig(name="adamw", lr=1e-4),
+        job = RLJob.start(job_config(flags, lora_rank), str(model_dir), optim=OptimConfig(name="adamw", lr=1e-4),
                           engine_kwargs=engine_kwargs, backend_options={"dtype": master})
         out["startup_s"] = round(time.time() - t0, 1)
         prompts = [[(7 * i + j) % vocab for j in range(16)] for i in range(args.prompts)]
@@ -189,6 +196,9 @@ def main() -> int:
     parser.add_argument("--master-fp32", action="store_true",
                         help="fp32 master weights and AdamW state with bf16 compute (mixed precision), bf16 served "
                              "(-> offload_h200_<size>_fp32.json)")
+    parser.add_argument("--lora-ranks", type=int, nargs="+", default=[0],
+                        help="one run per rank, after the --flags runs' first flags: 0 full fine-tuning, N rank-N LoRA "
+                             "adapters with adapter-only updates (-> offload_h200_<size>_lora.json)")
     parser.add_argument("--commit", default=None, help="the checkout's commit, recorded with the results")
     parser.add_argument("--out", type=str, default=None)
     args = parser.parse_args()
@@ -212,17 +222,19 @@ def main() -> int:
         torch.cuda.empty_cache()
         torch._C._host_emptyCache()  # the measurement's pinned buffers go back before the job starts
         print(f"host link: {results['host_link_gbps']}", flush=True)
-    name = (f"offload_h200_{args.size}_fp32.json" if args.master_fp32 else
-            "offload_h200.json" if args.size == "8B" else f"offload_h200_{args.size}.json")
+    lora = args.lora_ranks != [0]
+    name = (f"offload_h200_{args.size}_lora.json" if lora else f"offload_h200_{args.size}_fp32.json" if args.master_fp32
+            else "offload_h200.json" if args.size == "8B" else f"offload_h200_{args.size}.json")
+    runs = [(flags, 0) for flags in args.flags] if not lora else [(args.flags[0], rank) for rank in args.lora_ranks]
     try:
-        for flags in args.flags:
-            run_result = run(model_dir, args, flags)
+        for flags, rank in runs:
+            run_result = run(model_dir, args, flags, rank)
             summarize(run_result, results.get("host_link_gbps"))
             for key in ("perf/gpu_used_gb_in_train", "perf/gpu_used_gb_in_rollout",
                         "perf/trainer_gpu_peak_gb_in_train", "perf/rollout_gpu_resident_gb_in_train"):
                 run_result[f"growth_{key.removeprefix('perf/')}"] = growth(run_result["steps"], key)
             results["runs"].append(run_result)
-            if flags == args.flags[0]:  # the contract's top-level keys: the first run's
+            if (flags, rank) == runs[0]:  # the contract's top-level keys: the first run's
                 results.update({k: run_result.get(k) for k in ("steps", "steady_handoff_s", "bound_s", "setup_s")})
             common.write(args.out, name, results)
             if ray.is_initialized():

@@ -3,6 +3,9 @@
 #   bash benchmarks/gpu/run_h200.sh split [--sizes ...]     -> $OUT/split_h200.json     (2 GPUs)
 #   bash benchmarks/gpu/run_h200.sh colocate [--sizes ...]  -> $OUT/colocate_h200.json  (1 GPU)
 #   bash benchmarks/gpu/run_h200.sh offload [--size 8B]     -> $OUT/offload_h200.json   (1 GPU, hand-off)
+#   bash benchmarks/gpu/run_h200.sh offload --size 4B --lora-ranks 0 32 -> $OUT/offload_h200_4B_lora.json
+#       (1 GPU: full fine-tuning beside rank-32 adapters with adapter-only updates; needs peft: first
+#        `bash benchmarks/gpu/device_setup.sh g2 .carry/lora`, carrying .carry/lora)
 #   bash benchmarks/gpu/run_h200.sh replay [--sizes ...]    -> $OUT/replay_copies_h200.json (1 GPU, commit copies)
 #   bash benchmarks/gpu/run_h200.sh loop [--steps N]        -> $OUT/loop_h200.json      (1 GPU, tiny loop colocated)
 #   bash benchmarks/gpu/run_h200.sh rollout [--size 0.5B]   -> $OUT/rollout_h200.json   (1 GPU, RLJob.generate vs vLLM)
