@@ -346,8 +346,9 @@ class TrainerBackend(abc.ABC):
         from rlplacement.backends import train_checkpoint
 
         module, optimizer = self._checkpointed()
-        state = self._saved_state(weight_version, job_state, trainable_only=self.checkpoints_trainable_only,
-                                  **self.checkpoint_extra())
+        # a full checkpoint's state stays as before: only a trainable-only one says so
+        state = self._saved_state(weight_version, job_state, **self.checkpoint_extra(),
+                                  **({"trainable_only": True} if self.checkpoints_trainable_only else {}))
         return str(train_checkpoint.save(root, self.train_calls, module, optimizer, state, self.model_identity(),
                                          trainable_only=self.checkpoints_trainable_only))
 
