@@ -134,8 +134,6 @@ def test_lora_flags_are_refused_where_they_cannot_work(tmp_path):
             "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2")
     refused(r"--target-modules q_proj: megatron fuses q_proj, k_proj, v_proj into linear_qkv; adapt all of them or "
             r"none", *megatron, "--target-modules", "q_proj")
-    refused(r"--save with --lora-rank on megatron: .* use --train-backend fsdp", *megatron, "--save",
-            str(tmp_path / "save"))
     refused(r"leaves no layer to adapt", *lora, "--target-modules", "linear_qkv", "--exclude-modules", "q_proj,k_proj,v_proj")
     config = config_from_args(build_parser().parse_args(["--colocate", "--train-backend", "fsdp", *lora,
                                                          "--target-modules", "linear_fc1,o_proj"]))

@@ -191,11 +191,13 @@ def _four_batches():
     return [random_batch(SPEC.vocab_size, batch=4, seq=12, seed=20 + i) for i in range(4)]
 
 
-def _resume_worker(rank, world, hf, root, tp, train, phase):
+def _resume_worker(rank, world, hf, root, tp, train, phase, lora=None):
     from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.config import LoRAConfig
 
-    cfg = BackendConfig(name="megatron", hf_checkpoint=None if phase == "resume" else hf,
-                        load=root if phase == "resume" else None, tensor_model_parallel_size=tp)
+    cfg = BackendConfig(name="megatron", hf_checkpoint=None if phase == "resume" and lora is None else hf,
+                        load=root if phase == "resume" else None, tensor_model_parallel_size=tp,
+                        lora=lora or LoRAConfig())
     backend = MegatronBackend.from_config(cfg, ADAMW, train)
     dp, dp_rank = backend.data_parallel_size, backend.data_parallel_rank
     resumed = None if backend.resumed is None else {k: backend.resumed[k] for k in ("train_calls", "step",
@@ -238,6 +240,35 @@ def test_a_run_saved_after_two_steps_and_resumed_ends_where_one_that_never_stopp
                                                r"checkpoint holds no reference model"):
             launch.spawn(_resume_worker, world, str(hf), str(tmp_path / "save"), tp,
                          TrainConfig(**train, **KL_ENTROPY), "resume", timeout_s=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, tp, train", [
+    (2, 1, {"use_distributed_optimizer": True, "bf16": True, **KL_ENTROPY}), (2, 2, {})],
+    ids=["dp2-distributed-optimizer-bf16-kl", "tp2"])
+def test_a_lora_run_saved_and_resumed_ends_where_one_that_never_stopped_ends(tmp_path, world, tp, train):
+    """Megatron LoRA's ``--save``: the adapters (TP-split ones sharded as megatron shards its own) and their
+    optimizer state alone; ``--load`` with ``--hf-checkpoint`` rebuilds the base (and the KL reference, the
+    base itself) from the HF folder and goes on bit for bit."""
+    from megatron.core import dist_checkpointing
+
+    from rlplacement.backends import train_checkpoint
+    from rlplacement.config import LORA_MODULES, LoRAConfig
+
+    hf = tmp_path / "hf"
+    make_tiny_model(hf, SPEC)
+    lora = LoRAConfig(rank=4, target_modules=LORA_MODULES)
+    run = lambda phase: launch.spawn(_resume_worker, world, str(hf), str(tmp_path / "save"), tp,  # noqa: E731
+                                     TrainConfig(**train), phase, lora, timeout_s=600)[0]
+    whole, first = run("whole"), run("first")
+    folder = train_checkpoint.latest(tmp_path / "save")
+    model_keys = [k for k in dist_checkpointing.load_tensors_metadata(str(folder)) if not k.startswith("optimizer")]
+    assert model_keys and all(k.startswith("lora.layers.") for k in model_keys), model_keys
+    resumed = run("resume")
+    assert resumed["resumed"] == {"train_calls": 2, "step": 2, "weight_version": 7}
+    assert [m["loss"] for m in first["metrics"] + resumed["metrics"]] == [m["loss"] for m in whole["metrics"]]
+    for name, t in whole["params"].items():  # the merged weights: adapters, moments and the base came back
+        assert torch.equal(resumed["params"][name], t), name
 
 
 def _offload_worker(rank, world, hf, train, offload, lora=None):

@@ -192,9 +192,6 @@ def _lora_from_args(args: argparse.Namespace, backend: str) -> LoRAConfig:
 
         check_supported(LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, target_modules=lora_targets),
                         bool(get(args, "sequence_parallel")), moe=False)
-        if get(args, "save"):
-            raise ConfigError("--save with --lora-rank on megatron: a LoRA run's training checkpoint is built on the "
-                              "fsdp backend only; drop --save, or use --train-backend fsdp")
     merge = bool(get(args, "lora_merge_for_rollout"))
     if not merge and get(args, "update_weight_staging") == "bucket":
         raise ConfigError("--update-weight-staging bucket with --lora-rank: an adapter-only update is staged whole "

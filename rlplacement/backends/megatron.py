@@ -115,14 +115,18 @@ class MegatronBackend(TrainerBackend):
             from rlplacement.backends import megatron_lora
 
             megatron_lora.check_supported(cfg.lora, cfg.sequence_parallel, family.moe)
-            if resume:
-                raise ConfigError(f"--load {cfg.load} with --lora-rank on megatron: resuming a LoRA run's training "
-                                  f"checkpoint is built on the fsdp backend only; use --train-backend fsdp")
+            if resume:  # the checkpoint holds the adapters alone: the base comes from the HF folder
+                if not cfg.hf_checkpoint:
+                    raise ConfigError(f"--load {cfg.load} with --lora-rank: a LoRA run's checkpoint holds the adapters "
+                                      f"alone; add --hf-checkpoint with the base model's HF folder")
+                mm.load_hf_weights(model, cfg.hf_checkpoint, shape, family)
             megatron_lora.inject(model, cfg.lora, shape)
         reference = None
         if t.use_kl_loss:  # the starting weights, frozen: what the KL term pulls towards
             reference = built().eval()
             reference.requires_grad_(False)
+            if cfg.lora.enabled and resume:  # LoRA's reference is its frozen base, which the checkpoint lacks
+                mm.load_hf_weights(reference, cfg.hf_checkpoint, shape, family)
         backend = cls(model, hf_config, shape, optim, stream_dtype, train, overlap_grad_reduce, reference)
         backend.lora = cfg.lora if cfg.lora.enabled else None
         backend.description = (hf_dir, mm.model_meta(hf_config, family, padded, model.rlplacement_spec))
@@ -384,16 +388,16 @@ class MegatronBackend(TrainerBackend):
         from rlplacement.backends import megatron_checkpoint as layout
         from rlplacement.backends import train_checkpoint
 
-        if self.lora is not None:
-            raise ConfigError("--save with --lora-rank on megatron: a LoRA run's training checkpoint is built on the "
-                              "fsdp backend only; drop --save, or use --train-backend fsdp")
 
         def write(tmp: Path) -> None:
             if dist.get_rank() == 0:
                 layout.describe(root, *self.description)
             dist_checkpointing.save(self._sharded_state_dict(loading=False), str(tmp))
 
-        state = self._saved_state(weight_version, job_state, kl_reference=self.reference is not None)
+        state = self._saved_state(weight_version, job_state, kl_reference=self.reference is not None,
+                                  trainable_only=self.lora is not None,
+                                  **({"lora": {**self.lora.live_spec(), "dropout": self.lora.dropout}} if self.lora
+                                     else {}))
         return str(train_checkpoint.publish(root, self.train_calls, write, state, self.model_identity()))
 
     def load_checkpoint(self, root: str) -> dict[str, Any]:
@@ -406,14 +410,24 @@ class MegatronBackend(TrainerBackend):
         @torch.no_grad()  # the loads copy into parameters and views of them
         def read(folder: Path) -> None:
             saved = train_checkpoint.read_state(folder)
-            if self.reference is not None and not saved.get("kl_reference"):
+            if self.reference is not None and self.lora is None and not saved.get("kl_reference"):
                 raise ConfigError(f"--use-kl-loss with --load {root}: that run had no --use-kl-loss, so its "
                                   f"checkpoint holds no reference model to pull towards; drop --use-kl-loss, or "
                                   f"start from the converted checkpoint with it")
+            if bool(saved.get("trainable_only")) != (self.lora is not None):
+                raise ConfigError(f"--load {root}: its checkpoint holds " + (
+                    "a LoRA run's adapters alone: resume it with the same --lora-rank flags" if saved.get(
+                        "trainable_only") else "the whole model, not a LoRA run's adapters: resume it without "
+                                               "--lora-rank"))
             self._training.ensure_optimizer_state(adam_step=saved["step"])
             loaded = dist_checkpointing.load(self._sharded_state_dict(loading=True), str(folder))
-            _load_model_state(self.model, loaded["model"], folder)
-            if self.reference is not None:
+            if self.lora is not None:
+                from rlplacement.backends.megatron_lora import load_state
+
+                load_state(self.model, loaded["model"], folder)
+            else:
+                _load_model_state(self.model, loaded["model"], folder)
+            if self.reference is not None and self.lora is None:
                 _load_model_state(self.reference, {k.removeprefix("reference."): v
                                                    for k, v in loaded["reference"].items()}, folder)
             self._training.load_optimizer_state(loaded["optimizer"])
@@ -424,11 +438,17 @@ class MegatronBackend(TrainerBackend):
     def _sharded_state_dict(self, loading: bool) -> dict:
         """What a checkpoint holds, as megatron's training lays it out: the distributed optimizer's state
         ``dp_reshardable`` (its default there: one tensor per buffer, resumable at another DP size; the
-        model itself at any TP/PP)."""
-        model = self.model.sharded_state_dict()
+        model itself at any TP/PP). Under LoRA the model is its adapters alone
+        (:func:`megatron_lora.sharded_state_dict`)."""
+        if self.lora is not None:  # the adapters alone: the base is the HF folder's, named by the identity
+            from rlplacement.backends.megatron_lora import sharded_state_dict
+
+            model = sharded_state_dict(self.model)
+        else:
+            model = self.model.sharded_state_dict()
         out = {"model": model, "optimizer": self.optimizer.sharded_state_dict(
             model, is_loading=loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
-        if self.reference is not None:
+        if self.reference is not None and self.lora is None:  # LoRA's reference is the HF folder's base
             out["reference"] = self.reference.sharded_state_dict(prefix="reference.")
         return out
 

@@ -18,7 +18,8 @@ written here on megatron-core's own tensor-parallel regions, the way its paralle
 Each adapter adds ``alpha / r * B A x`` to its layer's output through a forward hook, so the base layer and its
 parameter names are megatron's own; the adapters are submodules (``<layer>.lora``), in megatron's DDP and
 optimizer, the base frozen. Replicated adapter tensors are marked not tensor-parallel (megatron counts them once
-in the gradient norm). Under TransformerEngine's fused layer-norm linears the hook normalises the input with
+in the gradient norm). A checkpoint holds the adapters alone (:func:`sharded_state_dict`). Under
+TransformerEngine's fused layer-norm linears the hook normalises the input with
 the layer's own RMSNorm weight first (not run here: TE needs a GPU). Sequence parallelism and adapter
 dropout are refused (:func:`check_supported`). ``A`` starts as :func:`rlplacement.backends.lora.initial_a`
 of the HF adapter's name (as the fsdp backend and a peft reference draw it), ``B`` at zero.
@@ -187,3 +188,41 @@ def full_adapters(model) -> dict[str, torch.Tensor]:
     dist.all_gather_object(stages, {n: t.cpu() for n, t in mine.items()}, group=ps.get_pipeline_model_parallel_group())
     device = next(iter(mine.values())).device if mine else torch.device("cpu")
     return {n: t.to(device) for stage in stages for n, t in stage.items()}
+
+
+def sharded_state_dict(model) -> dict:
+    """The adapters of ``model`` (this stage) as megatron ``dist_checkpointing`` entries keyed by global layer
+    (``lora.layers.<L>.<layer>.<a|b>.<part>``): a TP-split tensor sharded along its split dimension, a
+    replicated one marked so (megatron's replica ids), as megatron shards its own parameters."""
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+
+    out = {}
+    for layer in model.decoder.layers:
+        index = layer.layer_number - 1
+        for name, module in _linears(layer):
+            adapters = getattr(module, "lora", None)
+            if adapters is None:
+                continue
+            for part in adapters.parts:
+                for matrix, param in (("a", adapters.a[part]), ("b", adapters.b[part])):
+                    key = f"lora.layers.{index}.{name}.{matrix}.{part}"
+                    if getattr(param, "tensor_model_parallel", False):
+                        out[key] = make_tp_sharded_tensor_for_checkpoint(param, key, tp_axis=param.partition_dim)
+                    else:
+                        out[key] = make_sharded_tensor_for_checkpoint(param, key)
+    return out
+
+
+def load_state(model, loaded: dict, folder) -> None:
+    """Copy the adapters read back (:func:`sharded_state_dict`'s keys) into ``model``'s (this stage's)."""
+    want = sharded_state_dict(model)
+    missing = sorted(set(want) - set(loaded))
+    if missing:
+        raise RuntimeError(f"{folder}: the checkpoint lacks the adapters {missing[:3]}: it was written with other "
+                           f"--lora-rank or --target-modules flags")
+    with torch.no_grad():
+        for key, entry in want.items():
+            value = loaded[key]
+            value = value.data if hasattr(value, "data") and not isinstance(value, torch.Tensor) else value
+            if value is not entry.data:
+                entry.data.copy_(value)
