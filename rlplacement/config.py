@@ -174,6 +174,8 @@ class LoRAConfig:
     """``--lora-dropout``: dropout on each adapter's input while training."""
     target_modules: tuple[str, ...] = LORA_MODULES
     """``--target-modules``: HF layer names (``--target-modules all-linear``: every decoder linear layer)."""
+    adapter_path: str | None = None
+    """``--lora-adapter-path``: a PEFT adapter folder the adapters start from (None: ``A`` drawn, ``B`` zero)."""
     merge_for_rollout: bool = False
     """``--lora-merge-for-rollout``: the trainer merges the adapters into the base and every update sends the
     merged weights whole (the slow path: a full model's bytes per update). Off: every update sends only the

@@ -180,6 +180,9 @@ class RLJob:
             if resumed is not None:  # the engines serve the checkpoint's weights, as the version it recorded
                 job.update_weights()
                 console.stage(f"engines serve the checkpoint's weights (version {job.version})")
+            elif config.backend.lora.adapter_path:  # the engines start from the base alone: the adapters go now
+                job.update_weights()
+                console.stage(f"engines serve the adapters of --lora-adapter-path (version {job.version})")
             console.done("ready")
         except BaseException as exc:
             release(None, trainers, engines, started.placement)

@@ -35,3 +35,55 @@ def adapter_shapes(hf_config: dict[str, Any], rank: int, target_modules: tuple[s
             shapes[adapter_name(module, "A")] = (rank, in_features)
             shapes[adapter_name(module, "B")] = (out_features, rank)
     return shapes
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def check_adapter_folder(path: str, rank: int, alpha: float, expected: dict[str, tuple[int, int]]) -> None:
+    """A PEFT adapter folder (``--lora-adapter-path``) against the flags and the model: its rank and alpha are
+    ``--lora-rank``/``--lora-alpha``, and its tensors are exactly ``expected`` (:func:`adapter_shapes`) by name and
+    shape; anything else is refused naming the flag, the file and what differs. Reads the config and the
+    safetensors header only."""
+    import json
+    import struct
+    from pathlib import Path
+
+    from rlplacement.errors import ConfigError
+
+    folder = Path(path)
+    config_file, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    for f in (config_file, weights):
+        if not f.is_file():
+            raise ConfigError(f"--lora-adapter-path {path}: no {f.name} there; pass a PEFT adapter folder (as "
+                              f"`rlplacement export-hf` or peft's save_pretrained writes)")
+    config = json.loads(config_file.read_text())
+    if config.get("r") != rank:
+        raise ConfigError(f"--lora-adapter-path {path}: {ADAPTER_CONFIG} says r = {config.get('r')}, not --lora-rank "
+                          f"{rank}; use --lora-rank {config.get('r')}")
+    if float(config.get("lora_alpha", -1)) != float(alpha):
+        raise ConfigError(f"--lora-adapter-path {path}: {ADAPTER_CONFIG} says lora_alpha = {config.get('lora_alpha')}, "
+                          f"not --lora-alpha {alpha}; use --lora-alpha {config.get('lora_alpha')}")
+    with open(weights, "rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(size))
+    held = {name: tuple(info["shape"]) for name, info in header.items() if name != "__metadata__"}
+    missing, extra = sorted(set(expected) - set(held)), sorted(set(held) - set(expected))
+    if missing or extra:
+        what = f"lacks {missing[0]}" if missing else f"holds {extra[0]}, which --target-modules does not adapt"
+        raise ConfigError(f"--lora-adapter-path {path}: {ADAPTER_WEIGHTS} {what} ({len(missing)} missing, {len(extra)} "
+                          f"extra): pass the --target-modules it was trained with")
+    for name, shape in expected.items():
+        if held[name] != tuple(shape):
+            raise ConfigError(f"--lora-adapter-path {path}: {name} is {list(held[name])}, not {list(shape)} as this "
+                              f"model's layers need: it was trained on another model")
+
+
+def read_adapter_folder(path: str) -> dict:
+    """Saved name -> tensor of a PEFT adapter folder's weights (checked first: :func:`check_adapter_folder`)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / ADAPTER_WEIGHTS))

@@ -106,3 +106,24 @@ def peft_reference(hf, lora) -> torch.nn.Module:
             elif ".lora_B." in name:
                 param.zero_()
     return ref
+
+
+def write_adapter_folder(out, model_dir, rank: int, alpha: float, modules, seed: int = 0) -> dict:
+    """A PEFT adapter folder for the model of ``model_dir`` (rank-``rank`` adapters on ``modules``, random ``A``
+    and ``B``: the adapters change the model's output), as peft saves one; returns its tensors by name."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from rlplacement.lora_format import adapter_shapes
+
+    shapes = adapter_shapes(json.loads((Path(model_dir) / "config.json").read_text()), rank, modules)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {name: torch.randn(shape, generator=g) * 0.05 for name, shape in shapes.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+                                                         "target_modules": list(modules)}))
+    return tensors

@@ -124,8 +124,6 @@ def test_lora_flags_are_refused_where_they_cannot_work(tmp_path):
             "--update-weight-staging", "bucket")
     refused(r"--lora-rank 600: vLLM serves adapters up to rank 512; use a smaller rank or --lora-merge-for-rollout",
             "--lora-rank", "600")
-    refused(r"--lora-adapter-path: starting from an existing adapter is not built", *lora,
-            "--lora-adapter-path", "/x")
     refused(r"--lora-dropout 1.0: use 0 <= p < 1", *lora, "--lora-dropout", "1.0")
     megatron = ["--train-backend", "megatron", "--lora-rank", "8"]
     refused(r"--lora-dropout 0.1 with --train-backend megatron: .* use --lora-dropout 0", *megatron,
@@ -313,3 +311,51 @@ def test_adapter_only_updates_hold_the_engines_base_against_the_trainers_once(tm
                                                     r"model\.(embed_tokens|layers\.\d+\.\S+|norm)\.weight"):
             job.update_weights()
         assert job.version == 0
+
+
+def _started_from_folder(rank, world, hf, folder, backend):
+    from rlplacement.backends import make_backend
+    from rlplacement.transfer.spec import RANK0
+
+    lora = dataclasses.replace(LORA, merge_for_rollout=False, adapter_path=folder)
+    built = make_backend(BackendConfig(name=backend, hf_checkpoint=hf, lora=lora,
+                                       tensor_model_parallel_size=world if backend == "megatron" else 1), SGD, TRAIN)
+    streamed = {n: t.clone() for n, t in built.iter_update_tensors(RANK0)}
+    built.close()
+    return streamed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_adapters_start_from_a_peft_folder_bit_for_bit(tmp_path, backend):
+    """``--lora-adapter-path``: every rank's adapters (FSDP shards, megatron's TP=2 parts) start as the folder's
+    tensors; the adapter stream gives them back bit for bit. A folder of another rank, alpha, module set or
+    model is refused by name before any process starts (preflight)."""
+    from rlplacement.backends.preflight import preflight
+    from rlplacement.errors import ConfigError
+    from tests.reference_checks import write_adapter_folder
+
+    spec = TinySpec(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    hf = make_tiny_model(tmp_path / "hf", spec)
+    tensors = write_adapter_folder(tmp_path / "adapter", hf, LORA.rank, LORA.alpha, LORA_MODULES)
+    streamed = launch.spawn(_started_from_folder, 2, str(hf), str(tmp_path / "adapter"), backend, timeout_s=300)[0]
+    assert set(streamed) == set(tensors) and all(torch.equal(streamed[n], t) for n, t in tensors.items())
+    if backend == "megatron":
+        return
+    lora = dataclasses.replace(LORA, adapter_path=str(tmp_path / "adapter"))
+    preflight(BackendConfig(name="fsdp", hf_checkpoint=str(hf), lora=lora))
+    for change, message in [
+            ({"rank": 8}, r"adapter_config.json says r = 4, not --lora-rank 8; use --lora-rank 4"),
+            ({"alpha": 2.0}, r"says lora_alpha = 8.0, not --lora-alpha 2.0; use --lora-alpha 8.0"),
+            ({"target_modules": ("q_proj", "k_proj", "v_proj")}, r"adapter_model.safetensors holds .*down_proj.lora_A.weight, "
+                                                                 r"which --target-modules does not adapt \(0 missing, "
+                                                                 r"16 extra\)")]:
+        with pytest.raises(ConfigError, match=message):
+            preflight(BackendConfig(name="fsdp", hf_checkpoint=str(hf), lora=dataclasses.replace(lora, **change)))
+    wider = make_tiny_model(tmp_path / "wider", dataclasses.replace(spec, hidden_size=128))
+    with pytest.raises(ConfigError, match=r"--lora-adapter-path .*: base_model\.model\..* is \[4, 64\], not \[4, 128\] "
+                                          r"as this model's layers need: it was trained on another model"):
+        preflight(BackendConfig(name="fsdp", hf_checkpoint=str(wider), lora=lora))
+    with pytest.raises(ConfigError, match=r"--lora-adapter-path .*: no adapter_config.json there"):
+        preflight(BackendConfig(name="fsdp", hf_checkpoint=str(hf),
+                                lora=dataclasses.replace(lora, adapter_path=str(tmp_path))))

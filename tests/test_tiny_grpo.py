@@ -304,7 +304,7 @@ def _lora_rows(tmp_path, *flags, steps):
     # the engine's log-probs of its own samples are the trainer's: it serves this step's adapters (a stale
     # adapter, one update behind, was seen to differ by 2e-2)
     assert max(row["rollout/logprob_abs_diff"] for row in rows) < 1e-5, [r["rollout/logprob_abs_diff"] for r in rows]
-    return rows
+    return rows, step_lines(proc.stdout)
 
 
 def _assert_learns(rows) -> None:
@@ -312,6 +312,22 @@ def _assert_learns(rows) -> None:
     rewards = [row["reward"] for row in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.2 and last > 0.8, (first, last, rewards)
+
+
+def _adapter_folder(out: Path) -> Path:
+    """A rank-8 PEFT adapter folder on every decoder linear layer of the example loop's tiny model."""
+    import importlib.util
+
+    from rlplacement.config import LORA_MODULES
+    from rlplacement.models.tiny import TinySpec, make_tiny_model
+    from tests.reference_checks import write_adapter_folder
+
+    spec = importlib.util.spec_from_file_location("tiny_grpo", ROOT / "examples" / "tiny_grpo.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = make_tiny_model(out.parent / "shapes", TinySpec(**example.TINY_MODEL))
+    write_adapter_folder(out, model, 8, 16.0, LORA_MODULES, seed=3)
+    return out
 
 
 def _adapter_bytes(model_dir: Path) -> int:
@@ -331,9 +347,9 @@ def test_the_example_loop_serves_lora_adapters_live_and_merged_alike(tmp_path, l
     vLLM adapter, and the loop learns in 40 steps; ``--lora-merge-for-rollout`` moves the merged model whole.
     Both serve what the trainer computes (log-probs within 1e-5), so the same seed gives the same samples,
     rewards and losses."""
-    live = _lora_rows(tmp_path / "live", *layout, steps=40)
+    live, _ = _lora_rows(tmp_path / "live", *layout, steps=40)
     _assert_learns(live)
-    merged = _lora_rows(tmp_path / "merged", "--lora-merge-for-rollout", *layout, steps=6)
+    merged, _ = _lora_rows(tmp_path / "merged", "--lora-merge-for-rollout", *layout, steps=6)
     early = live[:6]  # once every sample earns 1 the advantages, and so the gradients, are zero
     assert len({row["train/grad_norm"] for row in early}) == 6 and all(row["train/grad_norm"] > 0 for row in early)
     adapter = _adapter_bytes(tmp_path / "live" / "model")
@@ -353,14 +369,20 @@ def test_the_example_loop_serves_lora_adapters_live_and_merged_alike(tmp_path, l
     (["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
       "--update-weight-transfer-mode", "broadcast_packed"], 40),
     (["--train-backend", "megatron", "--colocate"], 3)], ids=["tp2-engine", "disk-delta", "megatron-tp2",
-                                                               "megatron-colocated"])
+                                                               "megatron-colocated-from-a-peft-folder"])
 def test_live_lora_adapters_reach_every_worker_in_every_mode(tmp_path, layout, steps):
     """Adapter-only updates into an engine of two tensor-parallel workers (vLLM's LoRA layers cut each
     worker's part of the whole adapter), through disk deltas, and from megatron's TP-split adapters (which
-    learn in 40 steps) and colocated: checked, served, the adapters' bytes."""
+    learn in 40 steps) and colocated: checked, served, the adapters' bytes. The colocated run starts from a
+    PEFT adapter folder (``--lora-adapter-path``): the job sends it before the first step, so the first
+    rollout already runs the adapters (log-probs within 1e-5 of the trainer's from step 0)."""
     if "disk-delta" in layout:
         layout = [*layout, "--update-weight-disk-dir", str(tmp_path / "deltas")]
-    rows = _lora_rows(tmp_path, *layout, steps=steps)
+    if "--colocate" in layout:
+        layout = [*layout, "--lora-adapter-path", str(_adapter_folder(tmp_path / "adapter"))]
+    rows, lines = _lora_rows(tmp_path, *layout, steps=steps)
+    if "--colocate" in layout:  # version 1 is the folder's adapters, sent at start; step 0's update is version 2
+        assert "v2)" in lines[0], lines[0]
     assert {row["perf/update_weights_bytes"] for row in rows} == {_adapter_bytes(tmp_path / "model")}
     if steps == 40:
         _assert_learns(rows)

@@ -62,7 +62,8 @@ FLAGS = (
               "linear_proj, linear_fc1, linear_fc2) names; all-linear: every decoder linear layer."),
     flag("--exclude-modules", type=str, default=None, help="LoRA: layers left out of --target-modules."),
     flag("--lora-adapter-path", type=str, default=None,
-         help="LoRA: start from a PEFT adapter folder (not built: refused by name)."),
+         help="LoRA: start the adapters from a PEFT adapter folder (its rank, alpha and modules must match the "
+              "flags)."),
     flag("--lora-merge-for-rollout", action="store_true", default=default_of(LoRAConfig, "merge_for_rollout"),
          help="LoRA: merge the adapters into the base on the trainer and send full weights every update (the "
               "slow path, for engines without LoRA serving); by default every update sends only the adapters, "
@@ -183,9 +184,6 @@ def _lora_from_args(args: argparse.Namespace, backend: str) -> LoRAConfig:
         raise ConfigError(f"--lora-alpha {alpha}: use a positive scale")
     if not 0 <= dropout < 1:
         raise ConfigError(f"--lora-dropout {dropout}: use 0 <= p < 1")
-    if get(args, "lora_adapter_path"):
-        raise ConfigError("--lora-adapter-path: starting from an existing adapter is not built; drop it (the "
-                          "adapters start at B = 0, the base model's output)")
     lora_targets = lora_modules(get(args, "target_modules"), get(args, "exclude_modules"))
     if backend == "megatron":
         from rlplacement.backends.megatron_lora import check_supported
@@ -201,4 +199,5 @@ def _lora_from_args(args: argparse.Namespace, backend: str) -> LoRAConfig:
         from rlplacement.engines.live_lora import engine_args
 
         engine_args(rank)  # a rank vLLM cannot serve is refused here, naming the flag
-    return LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, merge_for_rollout=merge, target_modules=lora_targets)
+    return LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, merge_for_rollout=merge, target_modules=lora_targets,
+                      adapter_path=get(args, "lora_adapter_path"))

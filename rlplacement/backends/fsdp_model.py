@@ -123,7 +123,9 @@ def build_sharded(hf_dir: str | os.PathLike, device: torch.device, *, mixed_prec
     if weights:
         load_hf_into(root, hf_dir)
     if lora is not None:
-        adapters.initialise(root.lm)
+        from rlplacement.lora_format import read_adapter_folder
+
+        adapters.initialise(root.lm, read_adapter_folder(lora.adapter_path) if lora.adapter_path else None)
     if not trainable:
         root.requires_grad_(False)
     return root

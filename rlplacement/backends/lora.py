@@ -69,18 +69,21 @@ def initial_a(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 
 
-def initialise(model: torch.nn.Module) -> None:
-    """Every adapter of ``model`` (sharded or not) to its initial value: ``A`` by :func:`initial_a`, this rank's
-    rows of it; ``B`` zero."""
+def initialise(model: torch.nn.Module, start: dict[str, torch.Tensor] | None = None) -> None:
+    """Every adapter of ``model`` (sharded or not) to its initial value, this rank's rows of it: ``A`` by
+    :func:`initial_a`, ``B`` zero; or, with ``start`` (saved name -> whole tensor: ``--lora-adapter-path``),
+    those tensors."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".lora_B." in name:
+            if not is_adapter(name):
+                continue
+            if start is None and ".lora_B." in name:
                 (param.to_local() if isinstance(param, DTensor) else param).zero_()
-            elif ".lora_A." in name:
-                full = initial_a(name, tuple(param.shape))
+            else:
+                full = start[peft_name(name)] if start is not None else initial_a(name, tuple(param.shape))
                 if isinstance(param, DTensor):
                     local = param.to_local()
                     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,

@@ -394,10 +394,9 @@ class MegatronBackend(TrainerBackend):
                 layout.describe(root, *self.description)
             dist_checkpointing.save(self._sharded_state_dict(loading=False), str(tmp))
 
-        state = self._saved_state(weight_version, job_state, kl_reference=self.reference is not None,
-                                  trainable_only=self.lora is not None,
-                                  **({"lora": {**self.lora.live_spec(), "dropout": self.lora.dropout}} if self.lora
-                                     else {}))
+        lora = {"trainable_only": True, "lora": {**self.lora.live_spec(), "dropout": self.lora.dropout}} \
+            if self.lora is not None else {}
+        state = self._saved_state(weight_version, job_state, kl_reference=self.reference is not None, **lora)
         return str(train_checkpoint.publish(root, self.train_calls, write, state, self.model_identity()))
 
     def load_checkpoint(self, root: str) -> dict[str, Any]:

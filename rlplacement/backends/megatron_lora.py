@@ -22,7 +22,8 @@ in the gradient norm). A checkpoint holds the adapters alone (:func:`sharded_sta
 TransformerEngine's fused layer-norm linears the hook normalises the input with
 the layer's own RMSNorm weight first (not run here: TE needs a GPU). Sequence parallelism and adapter
 dropout are refused (:func:`check_supported`). ``A`` starts as :func:`rlplacement.backends.lora.initial_a`
-of the HF adapter's name (as the fsdp backend and a peft reference draw it), ``B`` at zero.
+of the HF adapter's name (as the fsdp backend and a peft reference draw it), ``B`` at zero; or both as a PEFT
+adapter folder holds them (``--lora-adapter-path``).
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ class LayerAdapters(torch.nn.Module):
     """The adapters of one megatron linear layer: ``a.<part>`` and ``b.<part>`` per HF module."""
 
     def __init__(self, layer: str, hf_prefix: str, parts: tuple[str, ...], in_local: int, outs_local: list[int],
-                 rank: int, scaling: float, tp_rank: int, tp: int, shape, device, dtype):
+                 rank: int, scaling: float, tp_rank: int, tp: int, shape, device, dtype, start: dict | None = None):
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         from rlplacement.backends.lora import initial_a
+        from rlplacement.lora_format import adapter_name
 
         super().__init__()
         self.layer, self.parts, self.scaling, self.shape = layer, parts, scaling, shape
@@ -72,10 +74,16 @@ class LayerAdapters(torch.nn.Module):
         self.a, self.b = torch.nn.ParameterDict(), torch.nn.ParameterDict()
         for part, module, out_local in zip(parts, self.hf_modules, outs_local):
             in_full = in_local if self.column else in_local * tp
-            full_a = initial_a(f"{module}.lora_A.default.weight", (rank, in_full))
-            a = full_a if self.column else full_a.chunk(tp, dim=1)[tp_rank]
             out_full = out_local * tp if self.column else out_local
-            b = torch.zeros(out_local if self.column else out_full, rank)
+            if start is None:
+                full_a, full_b = initial_a(f"{module}.lora_A.default.weight", (rank, in_full)), None
+            else:  # --lora-adapter-path: the folder's whole tensors, this rank's part of each
+                full_a, full_b = start[adapter_name(module, "A")], start[adapter_name(module, "B")]
+            a = full_a if self.column else full_a.chunk(tp, dim=1)[tp_rank]
+            if full_b is None:
+                b = torch.zeros(out_local if self.column else out_full, rank)
+            else:
+                b = full_b.chunk(tp, dim=0)[tp_rank] if self.column else full_b
             self.a[part] = torch.nn.Parameter(a.contiguous().to(device=device, dtype=dtype))
             self.b[part] = torch.nn.Parameter(b.to(device=device, dtype=dtype))
             set_tensor_model_parallel_attributes(self.a[part], not self.column, 1, 1)
@@ -121,6 +129,11 @@ def inject(model, lora, shape) -> int:
     from megatron.core import parallel_state as ps
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    start = None
+    if lora.adapter_path:
+        from rlplacement.lora_format import read_adapter_folder
+
+        start = read_adapter_folder(lora.adapter_path)
     model.requires_grad_(False)
     made = 0
     for layer in model.decoder.layers:
@@ -139,7 +152,7 @@ def inject(model, lora, shape) -> int:
             else:
                 outs = [out_local]
             adapters = LayerAdapters(name, f"model.layers.{index}.{HF_PARENT[name]}", parts, in_local, outs,
-                                     lora.rank, lora.scaling, tp_rank, tp, shape, weight.device, weight.dtype)
+                                     lora.rank, lora.scaling, tp_rank, tp, shape, weight.device, weight.dtype, start)
             module.lora = adapters
             module.register_forward_hook(_hook(adapters))
             made += len(parts)

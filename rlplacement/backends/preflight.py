@@ -90,6 +90,11 @@ def _check_lora(lora, hf_config: Any, family, source: str) -> None:
         if lora.rank > smaller:
             raise ConfigError(f"--lora-rank {lora.rank} is larger than {module}'s smaller side {smaller} in {source}: "
                               f"use --lora-rank {smaller} or less, or drop {module} with --exclude-modules")
+    if lora.adapter_path:
+        from rlplacement.lora_format import adapter_shapes, check_adapter_folder
+
+        check_adapter_folder(lora.adapter_path, lora.rank, lora.alpha,
+                             adapter_shapes(vars(hf_config), lora.rank, lora.target_modules, source))
 
 
 def _hf_source(cfg: BackendConfig, hf_dir: str | None) -> tuple[str, str | None]:
