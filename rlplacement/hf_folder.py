@@ -66,6 +66,21 @@ class HFTensors:
         return self._handles[fname].get_tensor(name)
 
 
+def safetensors_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
+    """Tensor name -> shape from the headers of every ``*.safetensors`` file in ``folder`` (None if it has
+    none): no weight is read."""
+    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        shapes.update((k, tuple(v["shape"])) for k, v in header.items() if k != "__metadata__")
+    return shapes
+
+
 def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Copy an HF folder's non-weight files (config, tokenizer, generation config) into ``dst``."""
     dst = Path(dst)

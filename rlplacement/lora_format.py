@@ -47,10 +47,10 @@ def check_adapter_folder(path: str, rank: int, alpha: float, expected: dict[str,
     shape; anything else is refused naming the flag, the file and what differs. Reads the config and the
     safetensors header only."""
     import json
-    import struct
     from pathlib import Path
 
     from rlplacement.errors import ConfigError
+    from rlplacement.hf_folder import safetensors_shapes
 
     folder = Path(path)
     config_file, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
@@ -65,10 +65,7 @@ def check_adapter_folder(path: str, rank: int, alpha: float, expected: dict[str,
     if float(config.get("lora_alpha", -1)) != float(alpha):
         raise ConfigError(f"--lora-adapter-path {path}: {ADAPTER_CONFIG} says lora_alpha = {config.get('lora_alpha')}, "
                           f"not --lora-alpha {alpha}; use --lora-alpha {config.get('lora_alpha')}")
-    with open(weights, "rb") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(size))
-    held = {name: tuple(info["shape"]) for name, info in header.items() if name != "__metadata__"}
+    held = safetensors_shapes(folder)  # the safetensors headers: a PEFT folder's one weights file
     missing, extra = sorted(set(expected) - set(held)), sorted(set(held) - set(expected))
     if missing or extra:
         what = f"lacks {missing[0]}" if missing else f"holds {extra[0]}, which --target-modules does not adapt"

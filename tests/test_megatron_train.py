@@ -212,6 +212,10 @@ def _resume_worker(rank, world, hf, root, tp, train, phase, lora=None):
         backend.save_checkpoint(root, weight_version=7)
     params = {n: t.clone() for n, t in backend.iter_hf_tensors()}  # collective over TP
     out = {"metrics": metrics, "resumed": resumed, "params": params if rank == 0 else None}
+    if lora is not None:  # the adapters as an update streams them (collective)
+        from rlplacement.transfer.spec import RANK0
+
+        out["adapters"] = {n: t.clone() for n, t in backend.iter_update_tensors(RANK0)}
     backend.close()
     return out
 
@@ -249,10 +253,12 @@ def test_a_run_saved_after_two_steps_and_resumed_ends_where_one_that_never_stopp
 def test_a_lora_run_saved_and_resumed_ends_where_one_that_never_stopped_ends(tmp_path, world, tp, train):
     """Megatron LoRA's ``--save``: the adapters (TP-split ones sharded as megatron shards its own) and their
     optimizer state alone; ``--load`` with ``--hf-checkpoint`` rebuilds the base (and the KL reference, the
-    base itself) from the HF folder and goes on bit for bit."""
+    base itself) from the HF folder and goes on bit for bit. ``export-hf`` reads the saved adapters back
+    whole, as the run streamed them."""
     from megatron.core import dist_checkpointing
 
     from rlplacement.backends import train_checkpoint
+    from rlplacement.convert.peft_export import read_adapters
     from rlplacement.config import LORA_MODULES, LoRAConfig
 
     hf = tmp_path / "hf"
@@ -264,6 +270,9 @@ def test_a_lora_run_saved_and_resumed_ends_where_one_that_never_stopped_ends(tmp
     folder = train_checkpoint.latest(tmp_path / "save")
     model_keys = [k for k in dist_checkpointing.load_tensors_metadata(str(folder)) if not k.startswith("optimizer")]
     assert model_keys and all(k.startswith("lora.layers.") for k in model_keys), model_keys
+    exported = read_adapters(folder)
+    assert set(exported) == set(first["adapters"]) and all(torch.equal(exported[n], t)
+                                                            for n, t in first["adapters"].items())
     resumed = run("resume")
     assert resumed["resumed"] == {"train_calls": 2, "step": 2, "weight_version": 7}
     assert [m["loss"] for m in first["metrics"] + resumed["metrics"]] == [m["loss"] for m in whole["metrics"]]

@@ -346,19 +346,37 @@ class TrainerBackend(abc.ABC):
         from rlplacement.backends import train_checkpoint
 
         module, optimizer = self._checkpointed()
-        # a full checkpoint's state stays as before: only a trainable-only one says so
-        state = self._saved_state(weight_version, job_state, **self.checkpoint_extra(),
-                                  **({"trainable_only": True} if self.checkpoints_trainable_only else {}))
+        state = self._saved_state(weight_version, job_state, **self.lora_checkpoint_state())
         return str(train_checkpoint.save(root, self.train_calls, module, optimizer, state, self.model_identity(),
                                          trainable_only=self.checkpoints_trainable_only))
 
-    def checkpoint_extra(self) -> dict[str, Any]:
-        """What else a checkpoint's ``trainer_state.json`` records about the run (JSON values)."""
-        return {}
+    lora = None
+    """The :class:`~rlplacement.config.LoRAConfig` where adapters train (``--lora-rank``), else None."""
+    reference: torch.nn.Module | None = None
+    """The frozen starting model of ``--use-kl-loss``, where the backend keeps one."""
 
-    checkpoints_trainable_only: bool = False
-    """A checkpoint holds the trainable parameters alone (LoRA's adapters: the frozen base is the model
-    folder's, which the checkpoint's identity names)."""
+    @property
+    def checkpoints_trainable_only(self) -> bool:
+        """A checkpoint holds the trainable parameters alone: under LoRA its adapters, the frozen base being
+        the model folder's, which the checkpoint's identity names."""
+        return self.lora is not None
+
+    def lora_checkpoint_state(self) -> dict[str, Any]:
+        """What ``trainer_state.json`` records of a LoRA run (nothing otherwise, so a full checkpoint's state is
+        unchanged): that it holds the trainable parameters alone, and the adapters' settings, which
+        ``rlplacement export-hf`` writes as a PEFT config."""
+        if self.lora is None:
+            return {}
+        return {"trainable_only": True, "lora": {**self.lora.live_spec(), "dropout": self.lora.dropout}}
+
+    def _refuse_other_checkpoint_kind(self, saved: dict[str, Any], root: str) -> None:
+        """A LoRA run's checkpoint (the adapters alone) loaded without LoRA, or a full one with it: refused."""
+        holds_adapters = bool(saved.get("trainable_only", False))
+        if holds_adapters != self.checkpoints_trainable_only:
+            raise ConfigError(f"--load {root}: its checkpoint holds "
+                              + ("the trainable parameters alone (a LoRA run's adapters): resume it with the same "
+                                 "--lora-rank flags" if holds_adapters else
+                                 "the whole model, not a LoRA run's adapters: resume it without --lora-rank"))
 
     def _saved_state(self, weight_version: int, job_state: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
         """``trainer_state.json``'s content; a ``job_state`` JSON cannot hold is refused before any rank writes."""
@@ -389,12 +407,7 @@ class TrainerBackend(abc.ABC):
 
         module, optimizer = self._checkpointed()
         folder = train_checkpoint.latest(root)
-        saved = bool(train_checkpoint.read_state(folder).get("trainable_only", False))
-        if saved != self.checkpoints_trainable_only:
-            raise ConfigError(f"--load {root}: its checkpoint holds "
-                              + ("the trainable parameters alone (a LoRA run's adapters): resume it with the same "
-                                 "--lora-rank flags" if saved else
-                                 "the whole model, not a LoRA run's adapters: resume it without --lora-rank"))
+        self._refuse_other_checkpoint_kind(train_checkpoint.read_state(folder), root)
         state = train_checkpoint.load(folder, module, optimizer, self.source_hf_dir,
                                       trainable_only=self.checkpoints_trainable_only)
         return self._resumed_from(state)
@@ -421,8 +434,11 @@ class TrainerBackend(abc.ABC):
         return {**self._host_offload.offload(tensors, drop, self._frozen_tensors()), "prepare_seconds": prepared}
 
     def _frozen_tensors(self) -> list[torch.Tensor]:
-        """Resident tensors nothing writes during the run (copied to host once, ``HostOffload.offload``)."""
-        return []
+        """Tensors nothing writes during the run: parameters that train nothing (LoRA's base) and the KL
+        reference. Those of them the offload moves (:meth:`_resident_tensors`) go to host once
+        (``HostOffload.offload``'s ``frozen``)."""
+        frozen = [p for p in self._parameters() if not p.requires_grad]
+        return frozen + (list(self.reference.parameters()) if self.reference is not None else [])
 
     def reserve_host_memory(self) -> dict[str, float]:
         """Make and pin, now, the host buffer every later :meth:`offload_to_host` uses: sized for the

@@ -45,7 +45,6 @@ class FSDPBackend(TrainerBackend):
         self.hf_config = model.config
         self.family = family_for(model.config)
         self.route_replay = None  # HFRouteReplay under --use-rollout-routing-replay
-        self.lora = None  # the LoRAConfig where adapters train (--lora-rank)
 
     @classmethod
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
@@ -91,17 +90,6 @@ class FSDPBackend(TrainerBackend):
         return self.root, self.optimizer
 
     @property
-    def checkpoints_trainable_only(self) -> bool:
-        """Under LoRA a checkpoint is the adapters and their optimizer state: the base is frozen."""
-        return self.lora is not None
-
-    def checkpoint_extra(self) -> dict:
-        """Under LoRA the adapters' settings, which ``rlplacement export-hf`` writes as a PEFT config."""
-        if self.lora is None:
-            return {}
-        return {"lora": {**self.lora.live_spec(), "dropout": self.lora.dropout}}
-
-    @property
     def yields_resident_tensors(self) -> bool:
         """One rank holds every parameter whole (see iter_hf_tensors): the tensors streamed are the
         parameters themselves, or, cast to the served dtype, the persistent copies of
@@ -141,15 +129,6 @@ class FSDPBackend(TrainerBackend):
 
         frozen = list(self.reference.parameters()) if self.reference is not None else []
         return super()._resident_tensors() + [t for t in frozen if local_tensor(t).device == self.device]
-
-    def _frozen_tensors(self) -> list[torch.Tensor]:
-        """LoRA's base (no gradient, no optimizer) and the KL reference model: copied to host once."""
-        from rlplacement.backends.offload import local_tensor
-
-        frozen = [p for p in self.model.parameters() if not p.requires_grad]
-        if self.reference is not None:
-            frozen += list(self.reference.parameters())
-        return [t for t in frozen if local_tensor(t).device == self.device]
 
     def _whole_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """One rank: (name, detached local tensor) of every parameter, the same objects every update while

@@ -43,7 +43,6 @@ class MegatronBackend(TrainerBackend):
         super().__init__(optim, train)
         self.model, self.hf_config, self.shape = model, hf_config, shape
         self.reference = reference
-        self.lora = None  # the LoRAConfig where adapters train (--lora-rank; backends.megatron_lora)
         self.description: tuple[Path, dict] | None = None  # (HF side files, metadata): what --save writes beside
         self.family = family_for(hf_config)
         self.spec = model.rlplacement_spec
@@ -359,13 +358,6 @@ class MegatronBackend(TrainerBackend):
     def _dropped_tensors(self) -> list[torch.Tensor]:
         return self._training.gradient_buffers()
 
-    def _frozen_tensors(self) -> list[torch.Tensor]:
-        """LoRA's base (no gradient, no optimizer state) and the KL reference model: copied to host once."""
-        frozen = [p for p in self.model.parameters() if not p.requires_grad]
-        if self.reference is not None:
-            frozen += list(self.reference.parameters())
-        return [t for t in frozen if t.device == self.device]
-
     def _resident_tensors(self) -> list[torch.Tensor]:
         """Parameters, DDP's parameter buffers and the optimizer's main parameters and state on the device
         (the gradient buffers are freed, not moved: :meth:`_dropped_tensors`)."""
@@ -388,15 +380,13 @@ class MegatronBackend(TrainerBackend):
         from rlplacement.backends import megatron_checkpoint as layout
         from rlplacement.backends import train_checkpoint
 
-
         def write(tmp: Path) -> None:
             if dist.get_rank() == 0:
                 layout.describe(root, *self.description)
             dist_checkpointing.save(self._sharded_state_dict(loading=False), str(tmp))
 
-        lora = {"trainable_only": True, "lora": {**self.lora.live_spec(), "dropout": self.lora.dropout}} \
-            if self.lora is not None else {}
-        state = self._saved_state(weight_version, job_state, kl_reference=self.reference is not None, **lora)
+        state = self._saved_state(weight_version, job_state, kl_reference=self.reference is not None,
+                                  **self.lora_checkpoint_state())
         return str(train_checkpoint.publish(root, self.train_calls, write, state, self.model_identity()))
 
     def load_checkpoint(self, root: str) -> dict[str, Any]:
@@ -413,11 +403,7 @@ class MegatronBackend(TrainerBackend):
                 raise ConfigError(f"--use-kl-loss with --load {root}: that run had no --use-kl-loss, so its "
                                   f"checkpoint holds no reference model to pull towards; drop --use-kl-loss, or "
                                   f"start from the converted checkpoint with it")
-            if bool(saved.get("trainable_only")) != (self.lora is not None):
-                raise ConfigError(f"--load {root}: its checkpoint holds " + (
-                    "a LoRA run's adapters alone: resume it with the same --lora-rank flags" if saved.get(
-                        "trainable_only") else "the whole model, not a LoRA run's adapters: resume it without "
-                                               "--lora-rank"))
+            self._refuse_other_checkpoint_kind(saved, root)
             self._training.ensure_optimizer_state(adam_step=saved["step"])
             loaded = dist_checkpointing.load(self._sharded_state_dict(loading=True), str(folder))
             if self.lora is not None:

@@ -226,6 +226,18 @@ def sharded_state_dict(model) -> dict:
     return out
 
 
+def peft_name_of(key: str) -> str | None:
+    """The PEFT name of the adapter tensor a checkpoint stores under ``key`` (:func:`sharded_state_dict`'s
+    keys), None for any other key."""
+    from rlplacement.lora_format import adapter_name
+
+    parts = key.split(".")
+    if len(parts) != 6 or parts[:2] != ["lora", "layers"] or parts[3] not in HF_PARENT or parts[4] not in "ab":
+        return None
+    _, _, index, layer, matrix, part = parts
+    return adapter_name(f"model.layers.{index}.{HF_PARENT[layer]}.{part}", matrix.upper())
+
+
 def load_state(model, loaded: dict, folder) -> None:
     """Copy the adapters read back (:func:`sharded_state_dict`'s keys) into ``model``'s (this stage's)."""
     want = sharded_state_dict(model)
@@ -235,7 +247,5 @@ def load_state(model, loaded: dict, folder) -> None:
                            f"--lora-rank or --target-modules flags")
     with torch.no_grad():
         for key, entry in want.items():
-            value = loaded[key]
-            value = value.data if hasattr(value, "data") and not isinstance(value, torch.Tensor) else value
-            if value is not entry.data:
-                entry.data.copy_(value)
+            if loaded[key] is not entry.data:  # megatron may have loaded into the parameter itself
+                entry.data.copy_(loaded[key])

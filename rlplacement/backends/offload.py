@@ -54,15 +54,6 @@ def unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedS
     return storages
 
 
-def _offsets(sizes: list[int]) -> list[int]:
-    """Each of ``sizes``' start when laid out one after another from 0."""
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += n
-    return out
-
-
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole storage (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -118,17 +109,18 @@ class HostOffload:
 
     def offload(self, tensors: Iterable[torch.Tensor], drop: Iterable[torch.Tensor] = (),
                 frozen: Iterable[torch.Tensor] = ()) -> dict[str, float]:
-        """Every storage of ``tensors`` and ``frozen`` to the host buffer, then freed; the storages of ``drop``
-        (buffers whose contents the next step overwrites, such as megatron's gradient buffers) freed without a
-        copy and zeros when reloaded. ``frozen``: storages nothing writes between offloads, copied only the
-        first time (their region of the host buffer is kept). Returns seconds (``copy_seconds`` of them moving
+        """Every storage of ``tensors`` to the host buffer, then freed; the storages of ``drop`` (buffers whose
+        contents the next step overwrites, such as megatron's gradient buffers) freed without a copy and zeros
+        when reloaded. ``frozen``: tensors nothing writes between offloads; those of their storages among
+        ``tensors``' are copied only the first time (their region of the host buffer is kept). Returns seconds (``copy_seconds`` of them moving
         bytes, the rest freeing), bytes moved, frozen bytes kept from an earlier offload (``kept_bytes``),
         bytes dropped, and whether the buffer had to grow."""
         if self._saved:
             raise RuntimeError("the trainer's state is already in host memory: reload before offloading again")
         start = time.perf_counter()
-        fixed = unique_storages(frozen)
-        storages = {**fixed, **{k: v for k, v in unique_storages(tensors).items() if k not in fixed}}
+        resident = unique_storages(tensors)
+        fixed = {k: v for k, v in unique_storages(frozen).items() if k in resident}
+        storages = {**fixed, **{k: v for k, v in resident.items() if k not in fixed}}  # frozen first
         dropped = {k: v for k, v in unique_storages(drop).items() if k not in storages}
         collected = time.perf_counter()
         on_gpu = any(s.device.type == "cuda" for s in storages.values())
@@ -141,12 +133,13 @@ class HostOffload:
             self._new_host_buffer(total, on_gpu)
         host = self._host
         # frozen storages first, at the same offsets every time: one laid out as before keeps its host bytes
-        frozen_at = {storage._cdata: (offset, storage.nbytes()) for storage, offset in
-                     zip(fixed.values(), _offsets([s.nbytes() for s in fixed.values()]))}
         kept_at, self._frozen_at = self._frozen_at, {}  # until every copy is done, no host copy is trusted
+        frozen_at: dict[int, tuple[int, int]] = {}
         saved, offset, moved, kept = [], 0, 0, 0
         for key, storage in storages.items():  # nothing is freed until every byte is copied: a failure loses nothing
             n = storage.nbytes()
+            if key in fixed:
+                frozen_at[storage._cdata] = (offset, n)
             if key in fixed and kept_at.get(storage._cdata) == (offset, n):
                 kept += n
             else:

@@ -16,10 +16,7 @@ import shutil
 from pathlib import Path
 
 from rlplacement.errors import ConfigError
-
-WEIGHTS = "adapter_model.safetensors"
-CONFIG = "adapter_config.json"
-
+from rlplacement.lora_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 def lora_spec(folder: Path) -> dict | None:
     """The adapters' settings a LoRA run's checkpoint recorded (``rank``, ``alpha``, ``dropout``,
@@ -34,17 +31,28 @@ def read_adapters(folder: Path) -> dict[str, "torch.Tensor"]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from rlplacement.backends.lora import peft_name
-
     reader = dcp.FileSystemReader(str(folder))
     metadata = reader.read_metadata().state_dict_metadata
-    keys = [k for k in metadata if k.startswith("model.") and (".lora_A." in k or ".lora_B." in k)]
+    names = {k: _peft_name(k) for k in metadata}
+    keys = [k for k, name in names.items() if name is not None]
     if not keys:
         raise ConfigError(f"--load {folder}: the checkpoint holds no LoRA adapters")
     state = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys}
     dcp.load(state, storage_reader=reader, no_dist=True)
-    # checkpoint keys are "model." + the FQN under the trained module's root ("lm." + the HF model's names)
-    return {peft_name(k.removeprefix("model.").split(".", 1)[1]): t for k, t in state.items()}
+    return {names[k]: t for k, t in state.items()}
+
+
+def _peft_name(key: str) -> str | None:
+    """The PEFT name of a checkpoint key that holds an adapter tensor, else None: fsdp's ``model.`` + the FQN
+    under the trained root (``lm.`` + the HF model's names), or megatron's
+    (:func:`~rlplacement.backends.megatron_lora.peft_name_of`), whose ``torch_dist`` format is
+    ``torch.distributed.checkpoint``'s too."""
+    from rlplacement.backends.lora import peft_name
+    from rlplacement.backends.megatron_lora import peft_name_of
+
+    if key.startswith("model.") and (".lora_A." in key or ".lora_B." in key):
+        return peft_name(key.removeprefix("model.").split(".", 1)[1])
+    return peft_name_of(key)
 
 
 def export(folder: Path, out: str | os.PathLike, hf_config: str | None, merge: bool) -> int:
@@ -68,11 +76,11 @@ def export(folder: Path, out: str | os.PathLike, hf_config: str | None, merge: b
         copy_side_files(hf_config, tmp)
     else:
         tensors = {name: t.contiguous() for name, t in adapters.items()}
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec["rank"], "lora_alpha": spec["alpha"],
                   "lora_dropout": spec["dropout"], "target_modules": list(spec["target_modules"]), "bias": "none",
                   "base_model_name_or_path": str(hf_config) if hf_config else None}
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2))
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     fsync_dir(out.parent)

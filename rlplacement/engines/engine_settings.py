@@ -37,9 +37,9 @@ def resolve_dtype(model_dir: str | Path, requested: str) -> str:
 
 def checkpoint_tensor_bytes(model_dir: str | Path, dtype: str) -> dict[str, int]:
     """HF name -> bytes in ``dtype`` of every tensor of the model's checkpoint (its safetensors headers)."""
-    from rlplacement.engines.vllm_loader import checkpoint_shapes
+    from rlplacement.hf_folder import safetensors_shapes
 
-    return {n: math.prod(s) * _DTYPE_BYTES[dtype] for n, s in (checkpoint_shapes(model_dir) or {}).items()}
+    return {n: math.prod(s) * _DTYPE_BYTES[dtype] for n, s in (safetensors_shapes(model_dir) or {}).items()}
 
 
 def model_bytes(model_dir: str | Path, dtype: str) -> int:

@@ -66,7 +66,6 @@ def install(model_runner, staged: list, spec: dict) -> None:
         tensors = {name: t.clone() for name, t in staged}  # vLLM scales B in place when it packs the adapter
     model = LoRAModel.from_lora_tensors(ADAPTER_ID, tensors, helper, device="cpu",
                                         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size)
-    adapters.deactivate_adapter(ADAPTER_ID)  # no-op when none is active; activate below copies into the slots
-    adapters.remove_adapter(ADAPTER_ID)
+    adapters.remove_adapter(ADAPTER_ID)  # deactivates it too: activate below copies the new one into the slots
     adapters.add_adapter(model)
     adapters.activate_adapter(ADAPTER_ID)

@@ -32,6 +32,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from rlplacement.engines import copy_plan, vllm_loader
+from rlplacement.hf_folder import safetensors_shapes
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, TransferEndpoint, TransferError, hf_shaped, tensor_checksum
 from rlplacement.transfer.group import gpu_identity
@@ -81,7 +82,8 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self.receiver = None
         self.check_equal = False
         self.received_checksums: dict[str, str] = {}
-        self._expected = vllm_loader.checkpoint_shapes(self.model_config.model)
+        self._checkpoint_shapes = safetensors_shapes(self.model_config.model)
+        self._expected = self._checkpoint_shapes  # what an update holds: the checkpoint, or a LoRA spec's adapter
         self._tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
         self._plan: copy_plan.CopyPlan | None = None
         self._validated: list = []  # the staged (name, tensor) pairs of the last update that passed validation
@@ -130,7 +132,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             self._expected = adapter_shapes(self.model_config.hf_config.to_dict(), self.lora["rank"],
                                             self.lora["target_modules"])
         else:
-            self._expected = vllm_loader.checkpoint_shapes(self.model_config.model)
+            self._expected = self._checkpoint_shapes
         if self.receiver.accepts_slices:  # vLLM's LoRA layers cut each worker's part of an adapter themselves
             self.receiver.keep_slices(self._keeps() if init_info.slices == "auto" and not self.lora else None)
         self.receiver.connect(endpoint, rank)

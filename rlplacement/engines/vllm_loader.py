@@ -12,8 +12,6 @@ model broken, so every name and shape is checked against the engine's own checkp
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,20 +19,6 @@ from rlplacement.transfer.base import NamedTensor, TransferError
 
 if TYPE_CHECKING:
     import torch
-
-
-def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | None:
-    """HF name -> shape from the safetensors headers of ``model_dir`` (None if it has none)."""
-    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
-    if not files:
-        return None
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        shapes.update((k, tuple(v["shape"])) for k, v in header.items() if k != "__metadata__")
-    return shapes
 
 
 def validate(staged: list[NamedTensor], expected: dict[str, tuple[int, ...]] | None, where: str,

@@ -15,7 +15,8 @@ def main(hf_dir: str) -> dict:
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
 
-    from rlplacement.engines.vllm_loader import BucketwiseLoad, checkpoint_shapes, load_into_model
+    from rlplacement.engines.vllm_loader import BucketwiseLoad, load_into_model
+    from rlplacement.hf_folder import safetensors_shapes
 
     llm = LLM(hf_dir, dtype="float32", enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.1)
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -34,7 +35,7 @@ def main(hf_dir: str) -> dict:
     start = tokens()
 
     def bucketwise():
-        load = BucketwiseLoad(model, model_config, checkpoint_shapes(hf_dir), "moe reload check")
+        load = BucketwiseLoad(model, model_config, safetensors_shapes(hf_dir), "moe reload check")
         try:
             for i in range(0, len(staged), 3):
                 load.apply(staged[i:i + 3])
