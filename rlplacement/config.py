@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 DEFAULT_BUFFER_SIZE = 512 * 1024 * 1024
 ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+PAUSE_GENERATION_MODES = ("abort", "retract", "in_place")
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -370,6 +371,14 @@ class TrainConfig:
     rollout_temperature: float = 1.0
     """Sampling temperature: the trainer divides its logits by it, so its log-probs and the engines'
     (processed, after temperature) are the same quantity."""
+    use_tis: bool = False
+    """Truncated importance sampling (``--use-tis``): each token's policy-gradient term is weighted by
+    ``clamp(exp(old log p - rollout log p), tis_clip_low, tis_clip)``, the trainer's log-probs at the start
+    of the step over those of the engine that sampled the token (``Batch.rollout_logprobs``)."""
+    tis_clip: float = 2.0
+    """Upper bound of the truncated importance weight."""
+    tis_clip_low: float = 0.0
+    """Lower bound of the truncated importance weight."""
     save: str | None = None
     """Folder for training checkpoints (``--save``): model, optimizer, schedule, step, RNG, weight version."""
     save_interval: int | None = None
@@ -431,6 +440,33 @@ class RolloutConfig:
         if self.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         return kwargs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AsyncRolloutConfig:
+    """Fully asynchronous rollout (split layouts): engines keep generating while the trainer trains, and
+    updates land between their steps. Versions are the job's update numbers (``RLJob.version``); a
+    sample's staleness is the engines' current version minus the oldest version that sampled any of its
+    tokens, as Miles measures it."""
+
+    fully_async: bool = False
+    """Engines generate continuously from a prompt source; the trainer takes completed groups as they are
+    ready; updates do not drain the engines (``--fully-async``)."""
+    pause_generation_mode: str = "retract"
+    """What an update does to requests in flight: ``abort`` ends them (partial samples), ``retract``
+    preempts them and recomputes their KV under the new weights, ``in_place`` keeps their KV and goes on."""
+    partial_rollout: bool = False
+    """A sample cut short by an update (``abort``) is continued in a later request instead of thrown away."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """Train only on the tokens sampled by the engines' current version (others masked out of the loss)."""
+    max_weight_staleness: int | None = None
+    """A group whose oldest token is more than this many versions behind is recycled, never trained on."""
+    update_weights_interval: int = 1
+    """Update the engines every this many optimizer steps."""
+    over_sampling_batch_size: int | None = None
+    """Prompts submitted at a time when the source is topped up (None: one step's prompts)."""
+    async_max_concurrent_samples: int | None = None
+    """The most samples generating at once over all engines (None: two steps' samples)."""
 
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -528,3 +564,4 @@ class Config:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
     fault_tolerance: FaultToleranceConfig = dataclasses.field(default_factory=FaultToleranceConfig)
+    async_rollout: AsyncRolloutConfig = dataclasses.field(default_factory=AsyncRolloutConfig)

@@ -304,6 +304,10 @@ class RLJob:
             raise ConfigError("the job replays rollout routing (--use-rollout-routing-replay) and the batch has no "
                               "routed_experts: build it with rlplacement.routed_experts_of(samples)")
         refuse_unreplayed_routes(batch, replay)
+        if cfg.use_tis and (batch.rollout_logprobs is None or batch.old_logprobs is None):
+            raise ConfigError("--use-tis weighs each token by the trainer's log-prob over the engine's: give the batch "
+                              "rollout_logprobs (the samples' engine log-probs) and old_logprobs (job.log_probs(batch) "
+                              "before the step), or drop --use-tis")
         if n % dp:
             raise ConfigError(f"a batch of {n} samples does not split over {dp} data-parallel trainer "
                               f"ranks: use a multiple of {dp} samples per step")

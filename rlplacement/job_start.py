@@ -76,6 +76,8 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
         engine_args["enable_return_routed_experts"] = True
     if config.backend.lora.adapter_updates:
         engine_args["live_lora"] = config.backend.lora.live_spec()
+    if config.async_rollout.fully_async:  # updates land while requests run, in the mode asked
+        engine_args["pause_generation_mode"] = config.async_rollout.pause_generation_mode
     if timeout_s is not None:
         engine_args.setdefault("timeout_s", float(timeout_s))
     p = config.placement

@@ -39,7 +39,7 @@ class RolloutSample:
     finish_reason: str
     """``stop`` (end of sequence, a stop string or token), ``length`` (max tokens) or ``abort``."""
     weight_version: int
-    """The weight version that generated every token of it."""
+    """The weight version that sampled its first token (the oldest of :attr:`token_versions`)."""
     engine: int
     finished_at: float
     """Wall time its last token was produced (stamped on the engine as it came out)."""
@@ -55,6 +55,18 @@ class RolloutSample:
     model's ``L`` layers (``--use-rollout-routing-replay``; None otherwise). The last position was never fed
     to the engine; it holds experts ``0..K-1``. :func:`rlplacement.routed_experts_of` stacks them into
     :attr:`Batch.routed_experts`."""
+    token_versions: "np.ndarray | None" = None
+    """int32, one per generated token: the version that sampled it. All :attr:`weight_version` unless an update
+    landed while it generated (``--fully-async`` with ``retract`` or ``in_place``)."""
+    kv_mixed: bool = False
+    """In flight at an ``in_place`` update: its tokens after it attend to KV computed by older weights, so its
+    log-probs there are of neither version alone (the loss's importance weight takes them as they are)."""
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest version that sampled any of its tokens (what staleness is measured from)."""
+        return int(self.token_versions.min()) if self.token_versions is not None and len(self.token_versions) \
+            else self.weight_version
 
 
 @dataclasses.dataclass
@@ -208,7 +220,8 @@ def stream(engines: Sequence, pending: PendingRollout, timeout_s: float) -> Iter
             j = idx[out["index"]]
             sample = RolloutSample(pending.prompts[j], out["token_ids"], out["logprobs"], out["finish_reason"],
                                    out["weight_version"], key[0], out["finished_at"], out["first_token_at"],
-                                   out["stop_reason"], out["aborted"], j, out.get("routed_experts"))
+                                   out["stop_reason"], out["aborted"], j, out.get("routed_experts"),
+                                   out.get("token_versions"), bool(out.get("kv_mixed", False)))
             pending.samples[j] = sample
             yield sample
 

@@ -34,6 +34,11 @@ class Batch:
     ``K``), as the engine routed it (:func:`routed_experts_of`; vLLM's layout: every layer, a dense layer's rows
     unread). Given (``--use-rollout-routing-replay``), every forward over the batch routes each token of a sparse
     layer to these experts; the router's own weights for them still weigh the experts' outputs."""
+    rollout_logprobs: torch.Tensor | None = None
+    """``[B, T]`` the engine's log-probs of the tokens it sampled (the behaviour policy, each token under the
+    version that sampled it), for ``--use-tis``: ``old_logprobs`` are then the trainer's own at the step's
+    start (the proximal policy PPO clips against), and each token's term is weighted by the truncated
+    ``exp(old - rollout)``."""
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2 or self.input_ids.dtype != torch.int64:
@@ -45,9 +50,11 @@ class Batch:
         if tuple(self.advantages.shape) != (self.input_ids.shape[0],):
             raise ValueError(f"Batch.advantages must be [B] = [{self.input_ids.shape[0]}], got "
                              f"{tuple(self.advantages.shape)}")
-        if self.old_logprobs is not None and tuple(self.old_logprobs.shape) != tuple(self.input_ids.shape):
-            raise ValueError(f"Batch.old_logprobs shape {tuple(self.old_logprobs.shape)} must equal input_ids "
-                             f"shape {tuple(self.input_ids.shape)}")
+        for name in ("old_logprobs", "rollout_logprobs"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != tuple(self.input_ids.shape):
+                raise ValueError(f"Batch.{name} shape {tuple(t.shape)} must equal input_ids "
+                                 f"shape {tuple(self.input_ids.shape)}")
         if self.lengths is not None and tuple(self.lengths.shape) != (self.input_ids.shape[0],):
             raise ValueError(f"Batch.lengths must be [B] = [{self.input_ids.shape[0]}], got "
                              f"{tuple(self.lengths.shape)}")
@@ -92,19 +99,21 @@ class Batch:
                 return None if t is None else t[:, :width]
 
             return Batch(cut(self.input_ids), cut(self.loss_mask), self.advantages, cut(self.old_logprobs),
-                         self.lengths, cut(self.routed_experts))
+                         self.lengths, cut(self.routed_experts), cut(self.rollout_logprobs))
 
         def pad(t):
             return None if t is None else torch.nn.functional.pad(t, (0, width - have))
 
         return Batch(pad(self.input_ids), pad(self.loss_mask), self.advantages, pad(self.old_logprobs), self.lengths,
-                     None if self.routed_experts is None else _pad_routes(self.routed_experts, width))
+                     None if self.routed_experts is None else _pad_routes(self.routed_experts, width),
+                     pad(self.rollout_logprobs))
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(*(None if t is None else t.to(device) for t in self._fields()))
 
     def _fields(self) -> tuple:
-        return (self.input_ids, self.loss_mask, self.advantages, self.old_logprobs, self.lengths, self.routed_experts)
+        return (self.input_ids, self.loss_mask, self.advantages, self.old_logprobs, self.lengths, self.routed_experts,
+                self.rollout_logprobs)
 
 
 def refuse_unreplayed_routes(batch: Batch, replays: bool) -> None:

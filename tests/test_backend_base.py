@@ -169,3 +169,30 @@ def test_a_micro_batch_is_trimmed_to_its_longest_sample_and_padded_to_a_multiple
     assert four.input_ids[:, 7].tolist() == [0, 0] and four.loss_mask[:, 7].tolist() == [0.0, 0.0]
     assert torch.equal(four.loss_mask[:, :7], mask) and four.old_logprobs[:, 7].tolist() == [0.0, 0.0]
     assert batch.trimmed(3).input_ids.shape[1] == 6 and torch.equal(batch.trimmed(3).input_ids, ids[:, :6])
+
+
+def test_truncated_importance_sampling_weighs_each_token_by_the_clamped_trainer_over_engine_ratio():
+    """--use-tis: the gradient equals the PPO surrogate's with each token's term times the constant
+    clamp(exp(old - rollout), low, high), written out by hand here token by token."""
+    torch.manual_seed(0)
+    logp = torch.randn(2, 5, dtype=torch.float64).clamp(max=-0.1).requires_grad_()
+    old = (logp.detach() + 0.05 * torch.randn(2, 5, dtype=torch.float64))
+    rollout = old + torch.tensor([[0, 2.0, -2.0, 0.3, -0.1], [0, 0.1, 0.0, -3.0, 1.5]], dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    batch = Batch(torch.zeros(2, 5, dtype=torch.int64), mask, adv, old, None, None, rollout)
+    cfg = TrainConfig(use_tis=True, tis_clip=2.0, tis_clip_low=0.5)
+    got = torch.autograd.grad(policy_loss(TokenStats(logp), batch, cfg, float(mask.sum())).loss, logp)[0]
+    expected = torch.zeros_like(logp)
+    for b in range(2):
+        for t in range(5):
+            x = logp[b, t].detach().clone().requires_grad_()
+            r = torch.exp(x - old[b, t])
+            surrogate = -torch.minimum(r * adv[b], r.clamp(0.8, 1.2) * adv[b])
+            w = torch.exp(old[b, t] - rollout[b, t]).clamp(0.5, 2.0)
+            expected[b, t] = torch.autograd.grad(surrogate * w * mask[b, t] / mask.sum(), x)[0]
+    assert torch.allclose(got, expected, atol=1e-12)
+    weights = torch.exp(old - rollout).clamp(0.5, 2.0)
+    assert weights[0, 1] == 0.5 and weights[0, 2] == 2.0 and weights[1, 3] == 2.0  # both bounds bind
+    with pytest.raises(ValueError, match="--use-tis needs Batch.rollout_logprobs"):
+        policy_loss(TokenStats(logp), Batch(batch.input_ids, mask, adv, old), cfg, 1.0)

@@ -10,7 +10,8 @@ are read from its registry when asked, so a backend or transfer mode registered 
 offered and accepted like the built-in ones.
 
 One module per group of flags (:mod:`.placement`, :mod:`.transfer`, :mod:`.backend`, :mod:`.train`,
-:mod:`.rollout`, :mod:`.optim`, :mod:`.tracking`, :mod:`.fault_tolerance`), each with its flags and its ``*_from_args``.
+:mod:`.rollout`, :mod:`.optim`, :mod:`.tracking`, :mod:`.fault_tolerance`,
+:mod:`.async_rollout`), each with its flags and its ``*_from_args``.
 
 Invariant: validation never rewrites a value the user set. Values the user left unset are derived
 (``--rollout-num-gpus`` under ``--colocate`` is the trainer's GPU count) and the derivation is
@@ -22,7 +23,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rlplacement.args import backend, fault_tolerance, optim, placement, rollout, tracking, train, transfer
+from rlplacement.args import async_rollout, backend, fault_tolerance, optim, placement, rollout, tracking, train, transfer
+from rlplacement.args.async_rollout import async_rollout_from_args
 from rlplacement.args.backend import backend_from_args
 from rlplacement.args.fault_tolerance import fault_tolerance_from_args
 from rlplacement.args.common import (TRAIN_BACKENDS, TRANSFER_MODES, ArgumentParser, Flag,  # noqa: F401
@@ -39,7 +41,7 @@ from rlplacement.transfer import registry as transfer_registry
 
 __all__ = ["add_arguments", "add_flag", "build_parser", "flag_default", "config_from_args", "require_available",
            "placement_from_args", "transfer_from_args", "backend_from_args", "train_from_args", "optim_from_args",
-           "rollout_from_args", "tracking_from_args", "fault_tolerance_from_args"]
+           "rollout_from_args", "tracking_from_args", "fault_tolerance_from_args", "async_rollout_from_args"]
 
 
 def flag_groups() -> tuple[tuple[str, tuple[Flag, ...]], ...]:
@@ -47,7 +49,8 @@ def flag_groups() -> tuple[tuple[str, tuple[Flag, ...]], ...]:
     need not relearn them. Built when asked: a transfer mode registered later brings its flags."""
     return ((placement.TITLE, placement.FLAGS), (transfer.TITLE, transfer.flags()), (backend.TITLE, backend.FLAGS),
             (train.TITLE, train.FLAGS), (rollout.TITLE, rollout.FLAGS), (optim.TITLE, optim.FLAGS),
-            (tracking.TITLE, tracking.FLAGS), (fault_tolerance.TITLE, fault_tolerance.FLAGS))
+            (tracking.TITLE, tracking.FLAGS), (fault_tolerance.TITLE, fault_tolerance.FLAGS),
+            (async_rollout.TITLE, async_rollout.FLAGS))
 
 
 def all_flags() -> tuple[Flag, ...]:
@@ -103,7 +106,8 @@ def config_from_args(args: argparse.Namespace, *, this_host: bool = True) -> Con
     return Config(placement=placement_config, transfer=transfer_from_args(args, this_host=this_host),
                   backend=backend_config, train=train_config, optim=optim_from_args(args),
                   rollout=rollout_from_args(args), tracking=tracking_from_args(args, this_host=this_host),
-                  fault_tolerance=fault_tolerance_from_args(args, train_config))
+                  fault_tolerance=fault_tolerance_from_args(args, train_config),
+                  async_rollout=async_rollout_from_args(args, placement_config))
 
 
 def require_available(config: Config) -> None:

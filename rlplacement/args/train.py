@@ -63,6 +63,14 @@ FLAGS = (
           help=f"Per-token KL estimator (with --use-kl-loss; default "
                f"{default_of(TrainConfig, 'kl_loss_type')})."),
     flag("--entropy-coef", type=float, default=default_of(TrainConfig, "entropy_coef")),
+    flag("--use-tis", action="store_true", default=default_of(TrainConfig, "use_tis"),
+          help="Truncated importance sampling: weight each token's policy-gradient term by "
+               "clamp(exp(old log-prob - rollout log-prob), --tis-clip-low, --tis-clip), the trainer's "
+               "log-probs at the step's start over the engine's that sampled it (needs Batch.rollout_logprobs)."),
+    flag("--tis-clip", type=float, default=default_of(TrainConfig, "tis_clip"),
+          help="--use-tis: upper bound of the importance weight."),
+    flag("--tis-clip-low", type=float, default=default_of(TrainConfig, "tis_clip_low"),
+          help="--use-tis: lower bound of the importance weight."),
     flag("--save", type=str, default=default_of(TrainConfig, "save"),
           help="Folder for training checkpoints (model, optimizer, schedule, step, RNG, weight version)."),
     flag("--save-interval", type=int, default=default_of(TrainConfig, "save_interval"),
@@ -136,7 +144,8 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
     if interval is not None and not save:
         raise ConfigError("--save-interval says how often to write a checkpoint: set --save to a folder, or drop "
                           "--save-interval.")
-    return TrainConfig(bf16=bf16, global_batch_size=global_batch, micro_batch_size=micro,
+    tis = _tis_from_args(args)
+    return TrainConfig(**tis, bf16=bf16, global_batch_size=global_batch, micro_batch_size=micro,
                        use_dynamic_batch_size=dynamic, max_tokens_per_gpu=max_tokens,
                        gradient_checkpointing=bool(get(args, "gradient_checkpointing")),
                        use_distributed_optimizer=distributed_optimizer, **recompute, **fp32_flags,
@@ -178,3 +187,19 @@ def _recompute_from_args(args: argparse.Namespace, backend) -> dict:
         raise ConfigError(f"--recompute-granularity, --recompute-method and --recompute-num-layers are megatron's; "
                           f"the {backend.name} backend recomputes with --gradient-checkpointing: use that instead.")
     return {"recompute_granularity": granularity, "recompute_method": method, "recompute_num_layers": layers}
+
+
+def _tis_from_args(args: argparse.Namespace) -> dict:
+    use, high, low = bool(get(args, "use_tis")), float(get(args, "tis_clip")), float(get(args, "tis_clip_low"))
+    if not use:
+        given = [n for n, d, v in (("--tis-clip", "tis_clip", high), ("--tis-clip-low", "tis_clip_low", low))
+                 if v != default_of(TrainConfig, d)]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} bound{'s' if len(given) == 1 else ''} the truncated importance "
+                              f"weight, which is off: add --use-tis, or drop {' and '.join(given)}.")
+    if high <= 0:
+        raise ConfigError(f"--tis-clip {high} must be above 0: set it to the largest importance weight a token may "
+                          f"get (Miles' default {default_of(TrainConfig, 'tis_clip')}).")
+    if not 0 <= low < high:
+        raise ConfigError(f"--tis-clip-low {low} must be at least 0 and below --tis-clip {high}: lower it.")
+    return {"use_tis": use, "tis_clip": high, "tis_clip_low": low}

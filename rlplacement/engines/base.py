@@ -67,7 +67,8 @@ class RolloutEngine(abc.ABC):
     def health(self) -> dict:
         """Answered beside any running call (a control call), so an engine busy in a long update still
         answers: ``{"stuck": what}`` when a call into the engine overran its bound and was abandoned (the
-        engine refuses every call until it returns), else ``{"stuck": None}``. An engine that does not
+        engine refuses every call until it returns), else ``{"stuck": None}``; a kind that counts them adds
+        ``"steps"``, the generation steps taken so far (progress while requests run). An engine that does not
         answer at all within the health check's timeout is gone or stopped (``fault_tolerance``)."""
         return {"stuck": None}
 
@@ -139,8 +140,19 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, version: int) -> EngineUpdateReport:
-        """Receive version ``version`` from the trainer and serve it, once no request is in flight; all or
-        nothing: a failure before the load leaves the previous version served."""
+        """Receive version ``version`` from the trainer and serve it, once no request is in flight (or, under
+        a pause mode, as :meth:`set_pause_generation_mode` says); all or nothing: a failure before the load
+        leaves the previous version served."""
+
+    def set_pause_generation_mode(self, mode: str | None) -> None:
+        """What later updates do to requests in flight (``config.PAUSE_GENERATION_MODES``; None: wait for
+        them to finish). Every sample then says which version sampled each token. A kind that cannot
+        change weights under running requests refuses any mode but None (this default)."""
+        if mode is not None:
+            from rlplacement.errors import ConfigError
+
+            raise ConfigError(f"--pause-generation-mode {mode}: the {type(self).__name__} engine kind updates only "
+                              f"between batches; drop --fully-async or use the vllm engine kind")
 
     @abc.abstractmethod
     def weight_version(self) -> int:

@@ -51,6 +51,18 @@ class _Request:
     version: int
     internal_id: str
     """vLLM's own id of the request (what an abort names); outputs carry the id it was added under."""
+    segments: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """(first output token, version) for every weight version after the first that sampled part of it
+    (:meth:`RequestStepper.mark_update`); empty: every token came from ``version``."""
+    kv_mixed: bool = False
+    """In flight at an ``in_place`` update: tokens sampled after it attend to KV computed by older weights."""
+
+    def token_versions(self, n: int) -> "np.ndarray":
+        """The version that sampled each of the first ``n`` output tokens (int32)."""
+        versions = np.full(n, self.version, dtype=np.int32)
+        for start, version in self.segments:
+            versions[start:] = version
+        return versions
 
     def result(self, output, now: float, wall_minus_monotonic: float, aborted: bool = False) -> dict:
         """The sample of vLLM's ``RequestOutput`` (None: nothing generated). ``now``: when its output
@@ -66,7 +78,8 @@ class _Request:
                 "logprobs": np.asarray(logprobs, dtype=np.float32),
                 "finish_reason": "abort" if aborted else c.finish_reason,
                 "stop_reason": None if aborted else c.stop_reason, "aborted": aborted,
-                "weight_version": self.version,
+                "weight_version": self.version, "token_versions": self.token_versions(len(tokens)),
+                "kv_mixed": self.kv_mixed,
                 "finished_at": last + wall_minus_monotonic if last > 0 and not aborted else now,
                 "first_token_at": first + wall_minus_monotonic if first > 0 else None,
                 "routed_experts": _every_position(getattr(c, "routed_experts", None))}
@@ -267,6 +280,29 @@ class RequestStepper:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    def mark_update(self, version: int, *, kv_mixed: bool) -> int:
+        """Record that ``version`` samples every request in flight from its next token on (while paused,
+        between two steps: the token counts are final); ``kv_mixed``: their KV cache so far stays (an
+        ``in_place`` update), so later tokens attend to KV of older weights (every request in flight is
+        marked: even one that has sampled nothing may hold or share prompt KV computed before). A request
+        that has sampled no token yet is ``version``'s whole. Returns how many requests were in flight."""
+        with self._engine_lock:
+            with self._changed:
+                for r in self._requests.values():
+                    produced = self._tokens_so_far(r.internal_id)
+                    if produced == 0 and not r.segments:
+                        r.version = version
+                    else:
+                        r.segments.append((produced, version))
+                    r.kv_mixed = r.kv_mixed or kv_mixed  # its prompt's KV too may be older weights'
+                return len(self._requests)
+
+    def _tokens_so_far(self, internal_id: str) -> int:
+        """Output tokens vLLM's output processor holds for the request (its own running record)."""
+        state = self._engine.output_processor.request_states.get(internal_id)
+        detok = getattr(state, "detokenizer", None)
+        return len(detok.output_token_ids) if detok is not None else 0
 
     @property
     def stuck(self) -> str | None:

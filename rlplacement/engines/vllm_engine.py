@@ -33,6 +33,7 @@ from typing import Any
 
 
 from rlplacement.config import DEFAULT_BUFFER_SIZE
+from rlplacement.config import PAUSE_GENERATION_MODES as PAUSE_MODES
 from rlplacement.engines.base import RolloutEngine
 from rlplacement.runtime.one_at_a_time import one_call_at_a_time
 from rlplacement.transfer.base import EngineUpdateReport, Instants, TransferError
@@ -50,7 +51,8 @@ class VllmRolloutEngine(RolloutEngine):
                  sleep_mode: bool = False, enforce_eager: bool = False, verbose: bool = True,
                  engine_core_in_own_process: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  update_weight_staging: str = "full", update_weight_buffer_size: int = DEFAULT_BUFFER_SIZE,
-                 update_weight_slices: str = "auto", live_lora: dict | None = None, **llm_kwargs: Any):
+                 update_weight_slices: str = "auto", live_lora: dict | None = None,
+                 pause_generation_mode: str | None = None, **llm_kwargs: Any):
         """``dtype``: ``auto`` is the dtype the model's config declares (``engine_settings.declared_dtype``),
         given to vLLM by name so the engine and the trainer's stream agree on it; ``max_model_len``: None is
         the model's own context; ``enforce_eager``: no CUDA graphs (CPU engines are always eager);
@@ -63,7 +65,9 @@ class VllmRolloutEngine(RolloutEngine):
         ``update_weight_slices`` (``--update-weight-slices``): ``auto``, each worker receives only its slices
         where the mode and model allow; ``off``, whole tensors. ``live_lora`` (``rank``, ``alpha``,
         ``target_modules``): every update is a LoRA adapter served live on the checkpoint's base
-        (:mod:`.live_lora`); requests use it from the first update on.
+        (:mod:`.live_lora`); requests use it from the first update on. ``pause_generation_mode``
+        (``--pause-generation-mode``, under ``--fully-async``): what an update does to requests in flight
+        (:meth:`update_weights`); None: it waits for them to finish.
 
         ``engine_core_in_own_process``: where vLLM's engine core (and, at one worker, the worker) runs.
         On a GPU always in its own process, as vLLM runs it; on CPU in this process by default (~5 s to
@@ -144,6 +148,7 @@ class VllmRolloutEngine(RolloutEngine):
 
             raise ConfigError(f"update_weight_slices {update_weight_slices!r}: use auto or off (--update-weight-slices)")
         self.slices = update_weight_slices
+        self.set_pause_generation_mode(pause_generation_mode)
         # whether the prefix cache may hold KV computed with weights older than those served: only
         # generation fills it, and a reset or a sleep (level >= 1 clears it in vLLM's engine core) empties
         # it. The reset is a round trip into the engine core (~2 ms on an H200), paid only when needed.
@@ -325,7 +330,7 @@ class VllmRolloutEngine(RolloutEngine):
         """
         instants = Instants()
         instants.mark("start")
-        self._stepper.wait_idle(before=f"weight update {version}")  # between batches: no sample sees two versions
+        held = self._quiesce(int(version))
         instants.mark("generation_idle")
         self._served = None
         try:
@@ -335,10 +340,14 @@ class VllmRolloutEngine(RolloutEngine):
             else:
                 per_worker = self._stage_then_commit(int(version))
             instants.mark("workers_returned")
+            if held is not None:  # every token from the next step on is this version's
+                self._stepper.mark_update(int(version), kv_mixed=self.pause_mode == "in_place")
         finally:
-            if self._prefix_cache_filled:  # also after a failure: a worker may have loaded part of it
-                self._between_steps(self.llm.reset_prefix_cache, "reset_prefix_cache")
-                self._prefix_cache_filled = False
+            try:
+                self._forget_old_kv(held)
+            finally:
+                if held is not None:
+                    self._stepper.resume()
         instants.mark("prefix_cache_reset")
         self._served = int(version)
         self._adapter_served = bool(self.live_lora)
@@ -348,6 +357,50 @@ class VllmRolloutEngine(RolloutEngine):
                                   receive=max(t["receive"] for t in per_worker), load=max(t["load"] for t in per_worker),
                                   instants=dict(instants),
                                   worker_instants=tuple(t.get("instants", {}) for t in per_worker))
+
+    def set_pause_generation_mode(self, mode: str | None) -> None:
+        """What later updates do to requests in flight (``--pause-generation-mode``; None: wait for them).
+        Requests submitted from now on have their prefix-cache key salted with their version if ``mode``."""
+        if mode not in (None, *PAUSE_MODES):
+            from rlplacement.errors import ConfigError
+
+            raise ConfigError(f"pause_generation_mode {mode!r}: use one of {', '.join(PAUSE_MODES)} "
+                              f"(--pause-generation-mode)")
+        self.pause_mode = mode
+
+    def _quiesce(self, version: int) -> int | None:
+        """Make the weights safe to change; the number of requests held in flight (None: none can be).
+
+        Without a pause mode, wait for every request to finish (no sample sees two versions). ``abort``:
+        end them now (their partial samples come out of :meth:`poll`, marked aborted) and go on idle.
+        ``in_place`` and ``retract``: hold generation between two steps; the requests continue after the
+        update (:meth:`_forget_old_kv` says with which KV), their tokens stamped with the version that
+        sampled each (``RequestStepper.mark_update``)."""
+        if self.pause_mode in ("in_place", "retract"):
+            return self._stepper.pause()
+        if self.pause_mode == "abort":
+            self._stepper.abort()
+        self._stepper.wait_idle(before=f"weight update {version}")
+        return None
+
+    def _forget_old_kv(self, held: int | None) -> None:
+        """After an update (or a failed one: a worker may have loaded part of it), no request may reuse KV
+        the older weights computed, except where ``in_place`` means it to. Idle: reset the prefix cache.
+        ``retract``: vLLM's reset that also preempts the running requests, which then recompute their prompt
+        and tokens so far under the new weights. ``in_place``: the running requests keep their KV; new ones
+        cannot hit it, since every request's prefix-cache key is salted with the version it started under
+        (:meth:`submit`)."""
+        if not self._prefix_cache_filled:
+            return
+        if held is None:
+            self._between_steps(self.llm.reset_prefix_cache, "reset_prefix_cache")
+            self._prefix_cache_filled = False
+        elif self.pause_mode == "retract":
+            self._between_steps(lambda: self.llm.reset_prefix_cache(reset_running_requests=True),
+                                "reset_prefix_cache(reset_running_requests=True)")
+            self._prefix_cache_filled = bool(held)
+        else:  # in_place: a reset succeeds only with nothing running; the salt covers the rest
+            self._prefix_cache_filled = not self._between_steps(self.llm.reset_prefix_cache, "reset_prefix_cache")
 
     def _stage_then_commit(self, version: int) -> list[dict]:
         """The two-phase update of an engine of several workers; each worker's timings, in rank order.
@@ -374,7 +427,7 @@ class VllmRolloutEngine(RolloutEngine):
         return [{**s, **c} for s, c in zip(staged, committed)]
 
     def health(self) -> dict:
-        return {"stuck": self._stepper.stuck}
+        return {"stuck": self._stepper.stuck, "steps": self._stepper.steps}
 
     def weight_version(self) -> int:
         """The version every worker serves; raises if workers disagree (only after a failed load)."""
@@ -491,8 +544,10 @@ class VllmRolloutEngine(RolloutEngine):
         for ids, spec in zip(prompt_token_ids, sampling):
             check_context(len(ids), int(spec["max_tokens"]), self.max_model_len, where)
         params = [SamplingParams(**{**spec, "logprobs": 0}) for spec in sampling]
-        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_token_ids]
         served = self._servable_version()
+        # under a pause mode requests outlive updates: KV cached under one version is never another's prefix
+        salt = {"cache_salt": f"rlplacement-v{served}"} if self.pause_mode else {}
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids], **salt) for ids in prompt_token_ids]
         self._prefix_cache_filled = True
         if self._adapter_served:
             from rlplacement.engines.live_lora import lora_request
