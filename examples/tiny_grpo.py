@@ -101,11 +101,12 @@ class PromptSampler:
 
 
 def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, behaviour: bool = False,
-               routes: bool = False) -> rlplacement.Batch:
+               routes: bool = False, only_version: int | None = None) -> rlplacement.Batch:
     """Right-padded input_ids, a loss mask on response tokens, group-normalised advantages and each
     sample's length; with ``behaviour`` also the engine's log-probs at the sampled tokens' positions
     (``old_logprobs``), which the loss uses for stale samples' importance ratio; with ``routes`` the experts
-    the engine routed every token to (``--use-rollout-routing-replay``)."""
+    the engine routed every token to (``--use-rollout-routing-replay``); with ``only_version`` the loss mask keeps
+    only the tokens that version sampled (``--mask-offpolicy-in-partial-rollout``)."""
     import torch
 
     advantages = []
@@ -122,6 +123,8 @@ def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, beha
         input_ids[i, :p] = torch.tensor(s.prompt_ids)
         input_ids[i, p:lengths[i]] = torch.tensor(s.token_ids)
         loss_mask[i, p:lengths[i]] = 1.0
+        if only_version is not None and s.token_versions is not None:
+            loss_mask[i, p:lengths[i]] = torch.from_numpy(s.token_versions == only_version).float()
         old_logprobs[i, p:lengths[i]] = torch.tensor(s.logprobs)
     return rlplacement.Batch(input_ids, loss_mask, torch.tensor(advantages, dtype=torch.float32),
                              old_logprobs if behaviour else None, torch.tensor(lengths),
@@ -166,12 +169,16 @@ def run(args: argparse.Namespace) -> int:
             max_response_len=max_len, group_size=group_size,
             prompt_len=round(statistics.fmean(len(p) for p in prompts)), **job.engine_capacity()), trackers=trackers)
         one_step_off = config.placement.one_step_off
+        interval = config.async_rollout.update_weights_interval
         # where a --load resumes: the step after the checkpoint's and its sampler position ({} when fresh)
         first_step = job.resumed_extra_state.get("step", 0)
         last_step = first_step + args.steps
         sampler = PromptSampler(prompts, job.resumed_extra_state.get("prompt_position", 0))
         resume_point = {"step": first_step, "prompt_position": sampler.position}
         job.checkpoint_extra_state = lambda: dict(resume_point)  # what every --save-interval save records
+        if config.async_rollout.fully_async:
+            return run_fully_async(args, config, job, tel, sampler, targets, tok.pad_token_id or 0, first_step,
+                                   last_step, resume_point)
 
         def start_rollout(step: int):
             chosen = sampler.draw(args.prompts_per_step)
@@ -204,27 +211,86 @@ def run(args: argparse.Namespace) -> int:
                 tel.record_interval("train", rank_report.start, rank_report.end)
             job.prepare_update()
             t_sync = time.time()
-            report = job.update_weights()  # engines apply it after their current batch, never inside one
-            tel.record_interval("sync", t_sync, time.time())
+            report = job.update_weights() if (step + 1) % interval == 0 else None  # --update-weights-interval
+            tel.record_interval("sync", t_sync, time.time())  # engines apply it after their current batch
             if not one_step_off and step + 1 < last_step:
                 t0, pending, drawn = start_rollout(step + 1)
-            sync_metrics = dict(report.trainer.metrics)  # disk-delta adds its density and wire bytes
-            sync_metrics["perf/update_weights_checked"] = int(report.checked)
+            sync_metrics = dict(report.trainer.metrics) if report else {}  # disk-delta: its density and wire bytes
+            sync_metrics["perf/update_weights_checked"] = int(bool(report and report.checked))
             sync_metrics.update({"train/loss": reports[0].loss, "train/grad_norm": reports[0].grad_norm,
                                  "train/lr": reports[0].lr, "train/skipped_steps": reports[0].skipped_steps})
             if one_step_off:
                 sync_metrics["rollout/staleness"] = staleness
             sync_metrics.update(job.pop_handoff_metrics())
             row = tel.end_step(step, reward=statistics.fmean(rewards), **sync_metrics)
-            line = (f"step {step}: reward {row['reward']:.3f}  rollout {row['perf/rollout_time']:.2f}s  "
-                    f"train {row['perf/train_time']:.2f}s  sync {row['perf/update_weights_time']:.2f}s "
-                    f"({report.trainer.bytes / 1e6:.1f} MB, v{job.version}){' checked' if report.checked else ''}  "
-                    f"logprob diff {row['rollout/logprob_abs_diff']:.2e}"
-                    + (f"  staleness {staleness}" if one_step_off else ""))
-            # One write with its newline: Ray's log thread shares this stdout, and print's two
-            # writes (text, then "\n") let a worker's line land between them.
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+            print_step(step, row, report, job.version, f"  staleness {staleness}" if one_step_off else "")
+    return 0
+
+
+def print_step(step: int, row: dict, report, version: int, tail: str = "") -> None:
+    line = (f"step {step}: reward {row['reward']:.3f}  rollout {row['perf/rollout_time']:.2f}s  "
+            f"train {row['perf/train_time']:.2f}s  sync {row['perf/update_weights_time']:.2f}s "
+            f"({(report.trainer.bytes if report else 0) / 1e6:.1f} MB, v{version})"
+            f"{' checked' if report and report.checked else ''}  "
+            f"logprob diff {row['rollout/logprob_abs_diff']:.2e}" + tail)
+    # One write with its newline: Ray's log thread shares this stdout, and print's two
+    # writes (text, then "\n") let a worker's line land between them.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def run_fully_async(args, config, job, tel, sampler, targets, pad_id: int, first_step: int, last_step: int,
+                    resume_point: dict) -> int:
+    """``--fully-async``: the engines generate groups continuously (``RLJob.fully_async``); each step trains
+    on the first ``--prompts-per-step`` groups ready within ``--max-weight-staleness`` and updates the engines
+    while they generate. The loss's behaviour policy is the engine's log-probs; with ``--use-tis`` the PPO
+    ratio is against the trainer's log-probs at the step's start, each token weighted by the truncated
+    trainer-over-engine ratio."""
+    import dataclasses
+
+    group_size, max_len = config.rollout.n_samples_per_prompt, config.rollout.max_response_len
+    drawn = {"n": 0}
+
+    def lengths(n: int) -> list[int]:  # a long tail per top-up, drawn reproducibly
+        drawn["n"] += 1
+        return long_tail_lengths(n, max_len, config.rollout.seed + 7919 * drawn["n"])
+
+    cfg = config.async_rollout
+    with job.fully_async(sampler.draw, max_tokens=lengths if args.long_tail else None,
+                         exact_lengths=args.long_tail) as rollout:
+        for step in range(first_step, last_step):
+            groups, stats = rollout.next_groups(args.prompts_per_step)
+            samples = [s for g in groups for s in g]
+            for start, end in rollout.pop_busy_intervals():
+                tel.record_interval("rollout", start, end)
+            tel.record_samples([len(s.token_ids) for s in samples])
+            resume_point.update(step=step + 1, prompt_position=sampler.position)
+            rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
+            batch = make_batch(samples, rewards, group_size, pad_id, behaviour=True,
+                               routes=config.backend.moe.rollout_routing_replay,
+                               only_version=job.version if cfg.mask_offpolicy_in_partial_rollout else None)
+            with tel.phase("train", role="trainer"):
+                trainer_lp = job.log_probs(batch)
+            tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)]
+                                 for row, s in zip(trainer_lp, samples)], [s.logprobs for s in samples])
+            if config.train.use_tis:  # PPO against the trainer's own log-probs; TIS weighs trainer over engine
+                batch = dataclasses.replace(batch, old_logprobs=trainer_lp,
+                                            rollout_logprobs=batch.old_logprobs)
+            reports = job.train(batch)
+            for rank_report in reports:
+                tel.record_interval("train", rank_report.start, rank_report.end)
+            t_sync = time.time()
+            report = rollout.update_weights() if (step + 1) % cfg.update_weights_interval == 0 else None
+            tel.record_interval("sync", t_sync, time.time())
+            metrics = dict(report.trainer.metrics) if report else {}
+            metrics.update(stats.metrics())
+            metrics.update({"perf/update_weights_checked": int(bool(report and report.checked)),
+                            "train/loss": reports[0].loss, "train/grad_norm": reports[0].grad_norm,
+                            "train/lr": reports[0].lr, "train/skipped_steps": reports[0].skipped_steps})
+            row = tel.end_step(step, reward=statistics.fmean(rewards), **metrics)
+            print_step(step, row, report, job.version,
+                       f"  staleness {stats.metrics()['rollout/staleness']}"
+                       f" (filtered {stats.stale_groups_filtered})")
     return 0
 
 

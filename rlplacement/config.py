@@ -466,7 +466,7 @@ class AsyncRolloutConfig:
     over_sampling_batch_size: int | None = None
     """Prompts submitted at a time when the source is topped up (None: one step's prompts)."""
     async_max_concurrent_samples: int | None = None
-    """The most samples generating at once over all engines (None: two steps' samples)."""
+    """The most samples generating or waiting to be trained on at once, over all engines (None: two steps')."""
 
 
 WANDB_MODES = ("online", "offline", "disabled")

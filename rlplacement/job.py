@@ -35,6 +35,8 @@ from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 if TYPE_CHECKING:
     import torch
 
+    from rlplacement.fully_async import FullyAsyncRollout
+
     from rlplacement.runtime.handoff import ColocatedHandOff
     from rlplacement.runtime.update_dispatch import UpdateDispatch
     from rlplacement.train_io import Batch, TrainStepReport
@@ -284,6 +286,14 @@ class RLJob:
         generate, serving the same version."""
         return rollout.abort(self.engines, pending, self.timeout_s)
 
+    def fully_async(self, prompts, **options) -> "FullyAsyncRollout":
+        """Continuous generation for a ``--fully-async`` job: ``prompts(n)`` gives the next ``n`` prompts;
+        ``next_groups`` hands out completed groups, ``update_weights`` updates while the engines generate
+        (:class:`~rlplacement.fully_async.FullyAsyncRollout`, which ``options`` go to)."""
+        from rlplacement.fully_async import FullyAsyncRollout
+
+        return FullyAsyncRollout(self, prompts, **options)
+
     def engine_capacity(self) -> dict:
         """The smallest engine's ``kv_cache_tokens`` and ``max_num_seqs`` (what caps decoding concurrency)."""
         return {"kv_cache_tokens": min(i["kv_cache_tokens"] for i in self.engine_info),
@@ -304,10 +314,6 @@ class RLJob:
             raise ConfigError("the job replays rollout routing (--use-rollout-routing-replay) and the batch has no "
                               "routed_experts: build it with rlplacement.routed_experts_of(samples)")
         refuse_unreplayed_routes(batch, replay)
-        if cfg.use_tis and (batch.rollout_logprobs is None or batch.old_logprobs is None):
-            raise ConfigError("--use-tis weighs each token by the trainer's log-prob over the engine's: give the batch "
-                              "rollout_logprobs (the samples' engine log-probs) and old_logprobs (job.log_probs(batch) "
-                              "before the step), or drop --use-tis")
         if n % dp:
             raise ConfigError(f"a batch of {n} samples does not split over {dp} data-parallel trainer "
                               f"ranks: use a multiple of {dp} samples per step")
@@ -343,6 +349,10 @@ class RLJob:
     def train(self, batch: "Batch") -> list["TrainStepReport"]:
         """Optimizer steps on ``batch`` (one, or one per ``--global-batch-size`` samples); each trainer rank's
         report, in rank order. Every ``--save-interval`` calls the training state is saved (``--save``)."""
+        if self.config.train.use_tis and (batch.rollout_logprobs is None or batch.old_logprobs is None):
+            raise ConfigError("--use-tis weighs each token by the trainer's log-prob over the engine's: give the batch "
+                              "rollout_logprobs (the samples' engine log-probs) and old_logprobs (job.log_probs(batch) "
+                              "before the step), or drop --use-tis")
         shards = self._shards(batch)  # bad sizes refused before any rank starts
         self._hand_off("to_train")
         if self.handoff is not None:

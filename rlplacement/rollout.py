@@ -194,28 +194,46 @@ def stream(engines: Sequence, pending: PendingRollout, timeout_s: float) -> Iter
     """Yield ``pending``'s samples as each finishes (any order; ``RolloutSample.index`` says which),
     waiting at most ``timeout_s`` for the next. An engine that dies, fails or gives no sample in time
     raises :class:`~rlplacement.errors.PeerError` naming it (what fault tolerance repairs)."""
-    import ray
-
     deadline = time.monotonic() + timeout_s
     while pending.batches:
+        got = poll_ready(engines, [pending], max(0.0, deadline - time.monotonic()), timeout_s)
+        if got:
+            deadline = time.monotonic() + timeout_s
+        elif time.monotonic() >= deadline:
+            raise PeerError("generation", {f"engine {i}": f"no sample within {timeout_s:.0f}s"
+                                           for i, _ in pending.batches})
+        for _, sample in got:
+            yield sample
+
+
+def poll_ready(engines: Sequence, pendings: Sequence[PendingRollout], wait_s: float,
+               timeout_s: float) -> list[tuple[PendingRollout, RolloutSample]]:
+    """The samples of any of ``pendings`` that finished, waiting at most ``wait_s`` for the first; each with
+    the rollout it belongs to (whose ``samples`` it is also stored in). Every unfinished engine batch has one
+    poll outstanding (kept across calls in ``PendingRollout.polls``); an engine whose poll fails raises
+    :class:`~rlplacement.errors.PeerError` naming it."""
+    import ray
+
+    owner = {}
+    for pending in pendings:
         for key in pending.batches:
             if key not in pending.polls.values():
                 pending.polls[engines[key[0]].poll.remote(key[1], POLL_WAIT_S)] = key
-        done, _ = ray.wait(list(pending.polls), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not done:
-            raise PeerError("generation", {f"engine {i}": f"no sample within {timeout_s:.0f}s"
-                                           for i, _ in pending.batches})
-        key = pending.polls.pop(done[0])
+        owner.update({ref: pending for ref in pending.polls})
+    if not owner:
+        return []
+    done, rest = ray.wait(list(owner), num_returns=1, timeout=wait_s)
+    if done and rest:
+        done += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+    got = []
+    for ref in done:
+        pending = owner[ref]
+        key = pending.polls.pop(ref)
         try:
-            results, finished = ray.get(done[0], timeout=timeout_s)
+            results, finished = ray.get(ref, timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001 - one error naming the engine, whatever Ray raised
             raise PeerError("generation", {f"engine {key[0]}": cause_of(exc)}) from exc
-        if finished:
-            idx = pending.batches.pop(key)
-        else:
-            idx = pending.batches[key]
-        if results:
-            deadline = time.monotonic() + timeout_s
+        idx = pending.batches.pop(key) if finished else pending.batches[key]
         for out in results:
             j = idx[out["index"]]
             sample = RolloutSample(pending.prompts[j], out["token_ids"], out["logprobs"], out["finish_reason"],
@@ -223,7 +241,8 @@ def stream(engines: Sequence, pending: PendingRollout, timeout_s: float) -> Iter
                                    out["stop_reason"], out["aborted"], j, out.get("routed_experts"),
                                    out.get("token_versions"), bool(out.get("kv_mixed", False)))
             pending.samples[j] = sample
-            yield sample
+            got.append((pending, sample))
+    return got
 
 
 def abort(engines: Sequence, pending: PendingRollout | None, timeout_s: float) -> list[RolloutSample]:
