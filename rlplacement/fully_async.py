@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from rlplacement.errors import ConfigError
 from rlplacement.rollout import PendingRollout, RolloutSample, poll_ready
 
-if TYPE_CHECKING:
-    from rlplacement.job import RLJob
+if TYPE_CHECKING:  # the job is not imported even here: it builds this (RLJob.fully_async), one way
     from rlplacement.transfer.base import UpdateResult
 
 IDLE_POLL_S = 0.05
@@ -89,11 +88,11 @@ class FullyAsyncRollout:
     """Continuous generation of groups for one job; see the module docstring. Use it as a context manager
     (or call :meth:`close`): the generation thread stops and every request in flight is aborted."""
 
-    def __init__(self, job: "RLJob", prompts: Callable[[int], Sequence[Sequence[int]]], *,
+    def __init__(self, job, prompts: Callable[[int], Sequence[Sequence[int]]], *,
                  sampling: dict[str, Any] | None = None,
                  max_tokens: Callable[[int], Sequence[int]] | int | None = None, exact_lengths: bool = False,
                  group_size: int | None = None):
-        """``prompts(n)``: the next ``n`` prompts (token ids) of the run's source; ``max_tokens``: one budget
+        """``job``: a started ``RLJob`` of ``--fully-async``; ``prompts(n)``: the next ``n`` prompts (token ids) of the run's source; ``max_tokens``: one budget
         for every sample, or ``max_tokens(n)`` giving the next ``n`` samples' (a long-tailed workload);
         ``exact_lengths``: each sample exactly its budget; ``group_size``: samples per prompt (default
         ``--n-samples-per-prompt``)."""

@@ -35,8 +35,6 @@ from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 if TYPE_CHECKING:
     import torch
 
-    from rlplacement.fully_async import FullyAsyncRollout
-
     from rlplacement.runtime.handoff import ColocatedHandOff
     from rlplacement.runtime.update_dispatch import UpdateDispatch
     from rlplacement.train_io import Batch, TrainStepReport
@@ -286,10 +284,11 @@ class RLJob:
         generate, serving the same version."""
         return rollout.abort(self.engines, pending, self.timeout_s)
 
-    def fully_async(self, prompts, **options) -> "FullyAsyncRollout":
+    def fully_async(self, prompts, **options):
         """Continuous generation for a ``--fully-async`` job: ``prompts(n)`` gives the next ``n`` prompts;
         ``next_groups`` hands out completed groups, ``update_weights`` updates while the engines generate
-        (:class:`~rlplacement.fully_async.FullyAsyncRollout`, which ``options`` go to)."""
+        (returns a :class:`~rlplacement.fully_async.FullyAsyncRollout`, which ``options`` go to; the import runs
+        here, one way: fully_async builds on the job)."""
         from rlplacement.fully_async import FullyAsyncRollout
 
         return FullyAsyncRollout(self, prompts, **options)
