@@ -37,6 +37,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--plot-warmup", action="store_true",
                    help="--plot: draw the --skip-steps warm-up steps too (left out by default: a first step that "
                         "loads and compiles can take most of the time axis)")
+    p.add_argument("--modes", action="store_true",
+                   help="also predict sync, one-step-off and fully async at the current and the recommended split "
+                        "(step time, the trainer's idle, staleness) and recommend one; needs each sample's finish "
+                        "time in the rows (a run without --fully-async)")
+    p.add_argument("--max-weight-staleness", type=int, default=2,
+                   help="--modes: the staleness a recommended mode may reach (fully async's bound)")
     lay = p.add_argument_group("layout limits")
     lay.add_argument("--trainer-min-gpus", type=_positive_int, default=1,
                      help="the trainer's memory floor: never recommend fewer trainer GPUs")
@@ -112,8 +118,50 @@ def main(args: argparse.Namespace) -> int:
 
         plot(rows, args.plot, title=f"{args.metrics}: {advice.diagnosis.label}",
              skip_steps=0 if args.plot_warmup else thresholds.skip_steps)
+    modes = _modes(rows, advice, thresholds.skip_steps, args.max_weight_staleness) if args.modes else None
     if args.json:
         for w in advice.warnings:  # also where a person reads, since the JSON may go to a file or a program
             print(f"rlplacement advise: warning: {w}", file=sys.stderr)
-    print(json.dumps(advice.to_json()) if args.json else render(advice))
+    if args.json:
+        print(json.dumps({**advice.to_json(), **({"modes": modes} if modes else {})}))
+    else:
+        print(render(advice) + (("\n" + render_modes(modes)) if modes else ""))
     return 0
+
+
+def _modes(rows, advice: Advice, skip_steps: int, bound: int) -> dict:
+    """Each mode predicted at the current and the recommended split (``advisor.asynchrony``), the phases moved
+    by the step model's ratios; the recommended mode at the recommended split, with its flags."""
+    from rlplacement.advisor import asynchrony
+    from rlplacement.errors import CliError
+
+    try:
+        x = asynchrony.inputs_from_rows(rows, skip_steps)
+    except ValueError as exc:
+        raise CliError(f"--modes: {exc}") from None
+    cur = advice.current
+    sync = asynchrony.predict(x, "sync")
+    other = advice.measurement.step_time - sync.step_time if not advice.measurement.overlapped else 0.0
+    out = {}
+    for name, pred in (("current", cur), ("recommended", advice.recommended)):
+        scales = {"rollout_scale": pred.rollout_time / cur.rollout_time if cur.rollout_time else 1.0,
+                  "train_scale": pred.train_time / cur.train_time if cur.train_time else 1.0}
+        table = asynchrony.predict_modes(x, other=other, max_staleness=bound, **scales)
+        out[name] = {"placement": str(pred.placement), "modes": [dataclasses.asdict(p) for p in table]}
+    best, flags = asynchrony.recommend_mode([asynchrony.AsyncPrediction(**p) for p in out["recommended"]["modes"]],
+                                            bound)
+    out["recommended_mode"] = {"mode": best.mode, "flags": flags, "placement": out["recommended"]["placement"],
+                               "step_time": best.step_time}
+    return out
+
+
+def render_modes(modes: dict) -> str:
+    lines = [f"{'split':>16} {'mode':>13} {'step':>8} {'trainer idle':>13} {'staleness mean/max':>19}"]
+    for name in ("current", "recommended"):
+        for p in modes[name]["modes"]:
+            lines.append(f"{modes[name]['placement']:>16} {p['mode']:>13} {p['step_time']:8.3g} "
+                         f"{p['train_wait_time']:13.3g} {p['mean_staleness']:>12.2f}/{p['max_staleness']}")
+    r = modes["recommended_mode"]
+    lines.append(f"recommended mode: {r['mode']} at {r['placement']}, predicted {r['step_time']:.3g} s a step"
+                 + (f": {r['flags']}" if r["flags"] else ""))
+    return "\n".join(lines)

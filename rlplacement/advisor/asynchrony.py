@@ -1,0 +1,175 @@
+"""Step time and staleness of sync, one-step-off and fully async rollout, predicted from one measured run.
+
+Inputs, from a run's telemetry rows (steps after ``skip_steps``): every sample's finish time from the
+start of its step's rollout (``rollout/sample_finish_times``: its generation time when it shares the
+engines with one step's samples), the train time and the update time per step (medians), the group size and
+the samples per step. Scale factors move them to another split (``rollout_scale``, ``train_scale``: the
+step model's predicted over measured phases).
+
+* **sync**: the trainer waits for the whole batch: step = R + T + U, with R the slowest sample of a step
+  (the median over the measured steps). Staleness 0.
+* **one-step-off**: step k+1 generates while step k trains, and the update waits for that batch:
+  step = max(R, T) + U; every sample one version behind.
+* **fully async**: an event simulation. Groups of the measured samples (cycled in order) are submitted
+  while fewer than ``max_concurrent`` samples are in flight or ready; a group is ready when its slowest
+  sample is; the trainer takes ``prompts_per_step`` ready groups, trains T, updates U (the version goes up
+  at the update's end). A group's staleness is the version when the trainer takes it minus the version it
+  started under (its oldest token: every sample starts with the group); a group over
+  ``max_staleness`` is recycled (submitted again). Step time is the steady interval between train starts.
+
+What the model leaves out, named so that a miss can be read: a sample's generation time does not depend on
+how many run beside it (under fully async up to ``max_concurrent`` do, more than in the measured sync run);
+an update does not slow the generation in flight (``retract`` recomputes the KV of every running request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import statistics
+from typing import Sequence
+
+MODES = ("sync", "one-step-off", "fully-async")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncInputs:
+    """What the prediction reads off a run."""
+
+    sample_times: tuple[tuple[float, ...], ...]
+    """Per measured step, each sample's generation time (s), in sample order (groups consecutive)."""
+    train_time: float
+    update_time: float
+    group_size: int
+
+    @property
+    def samples_per_step(self) -> int:
+        return len(self.sample_times[0]) if self.sample_times else 0
+
+    @property
+    def prompts_per_step(self) -> int:
+        return max(1, self.samples_per_step // self.group_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncPrediction:
+    mode: str
+    step_time: float
+    train_wait_time: float
+    """The trainer's idle time per step: step time minus training and the update."""
+    mean_staleness: float
+    max_staleness: int
+    stale_groups_filtered_per_step: float = 0.0
+
+
+def inputs_from_rows(rows: Sequence[dict], skip_steps: int = 1) -> AsyncInputs:
+    """The inputs of a run that recorded each sample's finish time (a sync or one-step-off run of the example
+    loop, or any loop that calls ``StepRecorder.record_samples`` with finish times)."""
+    used = [r for r in rows if r.get("step", 0) >= skip_steps] or list(rows)
+    times = tuple(tuple(float(t) for t in r["rollout/sample_finish_times"]) for r in used
+                  if r.get("rollout/sample_finish_times"))
+    if not times:
+        raise ValueError("the rows have no rollout/sample_finish_times: predict from a run that records each "
+                         "sample's finish time (the example loop without --fully-async)")
+    group = int(used[0].get("group_size") or 1)
+    return AsyncInputs(times, statistics.median(r["perf/train_time"] for r in used),
+                       statistics.median(r["perf/update_weights_time"] for r in used), group)
+
+
+def predict_modes(x: AsyncInputs, *, other: float = 0.0, max_staleness: int | None = 2,
+                  **scales: float) -> list[AsyncPrediction]:
+    """Every mode's prediction, each step plus ``other`` (the measured run's step beyond its phases: driver
+    time the phases miss, which every mode pays once a step)."""
+    out = []
+    for mode in MODES:
+        p = predict(x, mode, max_staleness=max_staleness if mode == "fully-async" else None, **scales)
+        out.append(dataclasses.replace(p, step_time=p.step_time + other))
+    return out
+
+
+def recommend_mode(predictions: Sequence[AsyncPrediction], max_staleness: int | None = 2) -> tuple[AsyncPrediction, str]:
+    """The fastest mode whose staleness stays within ``max_staleness`` (ties go to the less stale), and the
+    flags that select it."""
+    allowed = [p for p in predictions if max_staleness is None or p.max_staleness <= max_staleness]
+    best = min(allowed, key=lambda p: (round(p.step_time, 6), p.mean_staleness))
+    flags = {"sync": "", "one-step-off": "--one-step-off",
+             "fully-async": "--fully-async --partial-rollout --use-tis"
+                            + (f" --max-weight-staleness {max_staleness}" if max_staleness is not None else "")}
+    return best, flags[best.mode]
+
+
+def predict(x: AsyncInputs, mode: str, *, rollout_scale: float = 1.0, train_scale: float = 1.0,
+            max_concurrent: int | None = None, max_staleness: int | None = None,
+            steps: int = 200) -> AsyncPrediction:
+    """``mode``'s steady step (see the module docstring); ``max_concurrent``: samples in flight or ready at
+    most (default two steps', as ``--async-max-concurrent-samples``); ``max_staleness``: the bound."""
+    t, u = x.train_time * train_scale, x.update_time
+    slowest = statistics.median(max(s) for s in x.sample_times) * rollout_scale
+    if mode == "sync":
+        step = slowest + t + u
+        return AsyncPrediction(mode, step, step - t - u, 0.0, 0)
+    if mode == "one-step-off":
+        step = max(slowest, t) + u
+        return AsyncPrediction(mode, step, step - t - u, 1.0, 1)
+    if mode != "fully-async":
+        raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
+    return _simulate(x, t, u, rollout_scale, max_concurrent or 2 * x.samples_per_step, max_staleness, steps)
+
+
+def _simulate(x: AsyncInputs, t: float, u: float, scale: float, cap: int, bound: int | None,
+              steps: int) -> AsyncPrediction:
+    g, per_step = x.group_size, x.prompts_per_step
+    pool = [times[i:i + g] for times in x.sample_times for i in range(0, len(times), g)]
+    drawn = 0
+    ready: list[tuple[float, int, int]] = []  # (ready at, submit order, version at start)
+    in_flight = 0  # groups submitted and not yet taken (flight or ready)
+    now, version = 0.0, 0
+    starts, staleness, filtered = [], [], 0
+
+    def top_up(at: float) -> None:
+        nonlocal drawn, in_flight
+        while (in_flight + 1) * g <= cap:
+            durations = pool[drawn % len(pool)]
+            heapq.heappush(ready, (at + max(durations) * scale, drawn, version))
+            drawn += 1
+            in_flight += 1
+
+    top_up(0.0)
+    for _ in range(steps):
+        taken = 0
+        while taken < per_step:
+            at, _, started = heapq.heappop(ready)
+            now = max(now, at)
+            in_flight -= 1
+            if bound is not None and version - started > bound:
+                filtered += 1
+            else:
+                staleness.append(version - started)
+                taken += 1
+            top_up(now)
+        starts.append(now)
+        now += t + u
+        version += 1
+        top_up(now)
+    half = len(starts) // 2  # steady state: the second half
+    step = (starts[-1] - starts[half]) / max(1, len(starts) - 1 - half)
+    late = staleness[len(staleness) // 2:]
+    return AsyncPrediction("fully-async", step, max(0.0, step - t - u), statistics.fmean(late), max(late),
+                           filtered / steps)
+
+
+def measured(rows: Sequence[dict], skip_steps: int = 2) -> dict:
+    """A run's own figures to hold a prediction against: median step, the trainer's mean idle per step, and
+    staleness as the loop records it."""
+    used = [r for r in rows if r.get("step", 0) >= skip_steps]
+    out = {"step_time": statistics.median(r["perf/step_time"] for r in used),
+           "train_wait_time": statistics.fmean(r["perf/train_wait_time"] for r in used)}
+    if any("rollout/fully_async/avg_staleness" in r for r in used):
+        out["mean_staleness"] = statistics.fmean(r["rollout/fully_async/avg_staleness"] for r in used)
+        out["max_staleness"] = max(r["rollout/fully_async/max_staleness"] for r in used)
+    elif any("rollout/staleness" in r for r in used):
+        out["mean_staleness"] = statistics.fmean(r["rollout/staleness"] for r in used)
+        out["max_staleness"] = max(r["rollout/staleness"] for r in used)
+    else:
+        out["mean_staleness"], out["max_staleness"] = 0.0, 0
+    return out
