@@ -74,3 +74,20 @@ def test_advise_modes_prints_each_mode_and_refuses_rows_without_finish_times(cap
     assert "fully-async" in out and "recommended mode: fully-async" in out
     assert cli_main(["advise", "--metrics", str(RUNS / "fully_async.jsonl"), "--modes"]) != 0
     assert "--modes: the rows have no rollout/sample_finish_times" in capsys.readouterr().err
+
+
+def test_predicted_timelines_show_each_modes_bubbles(tmp_path, capsys):
+    """Sync alternates (rollout, then train and update); one-step-off trains while the next batch generates;
+    fully async trains back to back when generation keeps up. ``advise --modes --plot`` draws them."""
+    x = _inputs(1.0, 0.4, 0.1)
+    sync = A.timeline(x, "sync", steps=2)
+    assert sync["rollout"] == [("rollout", 0.0, 1.0), ("rollout", 1.5, 2.5)]
+    assert sync["trainer"][:2] == [("train", 1.0, 1.4), ("sync", 1.4, pytest.approx(1.5))]
+    off = A.timeline(x, "one-step-off", steps=2)
+    assert off["trainer"][0] == ("train", 1.0, 1.4) and off["rollout"][1] == ("rollout", 1.0, 2.0)
+    fast = A.timeline(_inputs(0.01, 0.4, 0.1), "fully-async", steps=3)
+    trains = [(s, e) for phase, s, e in fast["trainer"] if phase == "train"]
+    assert len(trains) == 3 and all(b[0] == pytest.approx(a[1] + 0.1) for a, b in zip(trains, trains[1:]))
+    assert cli_main(["advise", "--metrics", str(RUNS / "sync.jsonl"), "--modes", "--plot",
+                     str(tmp_path / "advice.png")]) == 0
+    assert (tmp_path / "advice_modes.png").stat().st_size > 10_000

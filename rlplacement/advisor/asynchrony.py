@@ -117,7 +117,7 @@ def predict(x: AsyncInputs, mode: str, *, rollout_scale: float = 1.0, train_scal
 
 
 def _simulate(x: AsyncInputs, t: float, u: float, scale: float, cap: int, bound: int | None,
-              steps: int) -> AsyncPrediction:
+              steps: int, timeline: dict | None = None) -> AsyncPrediction:
     g, per_step = x.group_size, x.prompts_per_step
     pool = [times[i:i + g] for times in x.sample_times for i in range(0, len(times), g)]
     drawn = 0
@@ -131,6 +131,8 @@ def _simulate(x: AsyncInputs, t: float, u: float, scale: float, cap: int, bound:
         while (in_flight + 1) * g <= cap:
             durations = pool[drawn % len(pool)]
             heapq.heappush(ready, (at + max(durations) * scale, drawn, version))
+            if timeline is not None:
+                timeline["rollout"].append(("rollout", at, at + max(durations) * scale))
             drawn += 1
             in_flight += 1
 
@@ -148,6 +150,8 @@ def _simulate(x: AsyncInputs, t: float, u: float, scale: float, cap: int, bound:
                 taken += 1
             top_up(now)
         starts.append(now)
+        if timeline is not None:
+            timeline["trainer"] += [("train", now, now + t), ("sync", now + t, now + t + u)]
         now += t + u
         version += 1
         top_up(now)
@@ -172,4 +176,36 @@ def measured(rows: Sequence[dict], skip_steps: int = 2) -> dict:
         out["max_staleness"] = max(r["rollout/staleness"] for r in used)
     else:
         out["mean_staleness"], out["max_staleness"] = 0.0, 0
+    return out
+
+
+def timeline(x: AsyncInputs, mode: str, steps: int = 4, *, rollout_scale: float = 1.0, train_scale: float = 1.0,
+             max_concurrent: int | None = None, max_staleness: int | None = None) -> dict[str, list]:
+    """The predicted first ``steps`` steps of ``mode`` as ``{role: [(phase, start, end), ...]}`` (roles
+    ``trainer`` and ``rollout``; the rollout's intervals may overlap: groups generating at once), what the
+    plot of predicted bubbles draws."""
+    t, u = x.train_time * train_scale, x.update_time
+    slowest = statistics.median(max(s) for s in x.sample_times) * rollout_scale
+    out: dict[str, list] = {"trainer": [], "rollout": []}
+    if mode == "fully-async":
+        _simulate(x, t, u, rollout_scale, max_concurrent or 2 * x.samples_per_step, max_staleness, steps, out)
+        return out
+    now = 0.0
+    if mode == "one-step-off":
+        out["rollout"].append(("rollout", 0.0, slowest))
+        now = slowest
+    for _ in range(steps):
+        if mode == "sync":
+            out["rollout"].append(("rollout", now, now + slowest))
+            now += slowest
+            out["trainer"] += [("train", now, now + t), ("sync", now + t, now + t + u)]
+            now += t + u
+        elif mode == "one-step-off":  # the next batch generates while this one trains; the update waits for it
+            out["rollout"].append(("rollout", now, now + slowest))
+            out["trainer"].append(("train", now, now + t))
+            now = max(now + slowest, now + t)
+            out["trainer"].append(("sync", now, now + u))
+            now += u
+        else:
+            raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
     return out

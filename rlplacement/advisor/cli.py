@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import json
 import sys
 
@@ -33,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--metrics", required=True, help="telemetry JSONL written by the loop (one row per step)")
     p.add_argument("--json", action="store_true", help="print the advice as one JSON object")
     p.add_argument("--plot", default=None, metavar="PNG",
-                   help="write a per-role timeline and a response-length histogram of the steps after the warm-up")
+                   help="write a per-role timeline and a response-length histogram of the steps after the warm-up "
+                        "(with --modes also PNG's name + _modes: each mode's predicted timeline)")
     p.add_argument("--plot-warmup", action="store_true",
                    help="--plot: draw the --skip-steps warm-up steps too (left out by default: a first step that "
                         "loads and compiles can take most of the time axis)")
@@ -119,6 +121,15 @@ def main(args: argparse.Namespace) -> int:
         plot(rows, args.plot, title=f"{args.metrics}: {advice.diagnosis.label}",
              skip_steps=0 if args.plot_warmup else thresholds.skip_steps)
     modes = _modes(rows, advice, thresholds.skip_steps, args.max_weight_staleness) if args.modes else None
+    if modes and args.plot:
+        from rlplacement.advisor import asynchrony
+        from rlplacement.advisor.plot import plot_modes
+
+        x = asynchrony.inputs_from_rows(rows, thresholds.skip_steps)
+        root, ext = os.path.splitext(args.plot)
+        plot_modes({mode: asynchrony.timeline(x, mode, max_staleness=args.max_weight_staleness)
+                    for mode in asynchrony.MODES}, f"{root}_modes{ext or '.png'}",
+                   title=f"{args.metrics}: predicted at {modes['current']['placement']}")
     if args.json:
         for w in advice.warnings:  # also where a person reads, since the JSON may go to a file or a program
             print(f"rlplacement advise: warning: {w}", file=sys.stderr)

@@ -96,3 +96,28 @@ def _histogram(ax, rows: Sequence[dict]) -> None:
     ax.set_ylabel("samples")
     ax.set_title(f"response lengths over {len(rows)} step(s), {len(lengths)} samples")
     ax.legend(loc="upper right")
+
+
+def plot_modes(timelines: dict[str, dict[str, list]], path: str | os.PathLike, title: str = "") -> None:
+    """One predicted timeline per mode (``advisor.asynchrony.timeline``): the trainer's train and update
+    bars and the rollout's generating groups, so each mode's idle gaps (its bubbles) show side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI, sharex=True)
+    try:
+        for ax, (mode, roles) in zip(axes, timelines.items()):
+            for y, role in enumerate(ROLE_ROWS):
+                for phase, start, end in roles[role]:
+                    ax.broken_barh([(start, end - start)], (y - 0.35, 0.7), color=PHASE_COLORS[phase], alpha=0.45
+                                   if role == "rollout" else 0.9)
+            ax.set_yticks(range(len(ROLE_ROWS)), ROLE_ROWS)
+            ax.set_title(f"{mode} (predicted)", fontsize=10)
+        axes[-1].set_xlabel("seconds")
+        fig.suptitle(title or "predicted timelines: gaps are idle time")
+        fig.tight_layout()
+        fig.savefig(os.fspath(path))
+    finally:
+        plt.close(fig)
