@@ -189,14 +189,30 @@ def run(args: argparse.Namespace) -> int:
             return time.time(), job.generate_async(chosen, max_tokens=lengths, exact_lengths=args.long_tail), \
                 sampler.position
 
-        t0, pending, drawn = start_rollout(first_step)
+        if one_step_off:  # step k+1 generates (on the current weights) while k trains: RLJob.one_step_off
+            positions = []  # the sampler's position after each batch's prompts, in batch order
+
+            def draw(n: int) -> list[list[int]]:
+                chosen = sampler.draw(n)
+                positions.append(sampler.position)
+                return chosen
+
+            def budgets(n: int) -> list[int]:  # called right after its batch's draw: seeded by that batch's step
+                return long_tail_lengths(n, max_len, config.rollout.seed + first_step + len(positions) - 1)
+
+            rollout = job.one_step_off(draw, args.prompts_per_step, max_tokens=budgets if args.long_tail else None,
+                                       exact_lengths=args.long_tail)
+        else:
+            t0, pending, drawn = start_rollout(first_step)
         for step in range(first_step, last_step):
-            samples = job.collect(pending)
+            if one_step_off:
+                samples = rollout.next_samples(start_next=step + 1 < last_step)
+                t0, drawn = rollout.started_at, positions[step - first_step]
+            else:
+                samples = job.collect(pending)
             tel.record_interval("rollout", t0, max(s.finished_at for s in samples))
             tel.record_samples([len(s.token_ids) for s in samples], [s.finished_at - t0 for s in samples])
             resume_point.update(step=step + 1, prompt_position=drawn)  # this step's prompts are trained next
-            if one_step_off and step + 1 < last_step:  # step k+1 generates (on the current weights) while k trains
-                t0, pending, drawn = start_rollout(step + 1)
             staleness = job.version - min(s.weight_version for s in samples)  # versions behind the trainer
             rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
             batch = make_batch(samples, rewards, group_size, tok.pad_token_id or 0, behaviour=one_step_off,

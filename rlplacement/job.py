@@ -293,6 +293,14 @@ class RLJob:
 
         return FullyAsyncRollout(self, prompts, **options)
 
+    def one_step_off(self, prompts, prompts_per_step: int, **options):
+        """Rollout for a ``--one-step-off`` job: ``next_samples()`` returns a step's samples after starting the
+        next step's batch, which generates while the caller trains (returns a
+        :class:`~rlplacement.one_step_off.OneStepOffRollout`, which ``options`` go to)."""
+        from rlplacement.one_step_off import OneStepOffRollout
+
+        return OneStepOffRollout(self, prompts, prompts_per_step, **options)
+
     def engine_capacity(self) -> dict:
         """The smallest engine's ``kv_cache_tokens`` and ``max_num_seqs`` (what caps decoding concurrency)."""
         return {"kv_cache_tokens": min(i["kv_cache_tokens"] for i in self.engine_info),

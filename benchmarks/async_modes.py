@@ -1,0 +1,74 @@
+"""Sync, one-step-off and fully async on one long-tailed workload, against the advisor's prediction from the
+sync run of the same call.
+
+Runs the example loop three times on the same flags (``--long-tail``: Pareto response lengths, each step's
+longest at ``--max-response-len``), writes each run's telemetry to OUT/{sync,one_step_off,fully_async}.jsonl,
+then prints per mode: the median step, the trainer's idle per step, staleness (mean, max), and
+``rlplacement.advisor.asynchrony``'s prediction from the sync run with the ratio predicted / measured.
+Where a GPU is present the loop's engines and trainer run on it (a split layout needs two GPUs); on CPU it
+runs on logical GPUs, which share the host's cores.
+
+    python benchmarks/async_modes.py --out benchmarks/results/fully_async_cpu [--steps 12] [-- extra loop flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {"sync": [], "one_step_off": ["--one-step-off"],
+         "fully_async": ["--fully-async", "--partial-rollout", "--max-weight-staleness", "2", "--use-tis"]}
+ADVISOR_MODE = {"sync": "sync", "one_step_off": "one-step-off", "fully_async": "fully-async"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--max-response-len", type=int, default=96)
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("extra", nargs="*", help="more flags for every run of the loop (after --)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    for name, flags in MODES.items():
+        telemetry = out / f"{name}.jsonl"
+        telemetry.unlink(missing_ok=True)
+        cmd = [sys.executable, str(ROOT / "examples" / "tiny_grpo.py"), "--rollout-num-gpus", "1", "--long-tail",
+               "--max-response-len", str(args.max_response_len), "--prompts-per-step", str(args.prompts_per_step),
+               "--steps", str(args.steps), "--telemetry", str(telemetry), *flags, *args.extra]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return proc.returncode
+
+    from rlplacement.advisor import asynchrony
+    from rlplacement.telemetry.jsonl import read_rows
+
+    sync_rows = read_rows(out / "sync.jsonl")
+    x = asynchrony.inputs_from_rows(sync_rows)
+    other = asynchrony.measured(sync_rows)["step_time"] - asynchrony.predict(x, "sync").step_time
+    predicted = {p.mode: p for p in asynchrony.predict_modes(x, other=other, max_staleness=2)}
+    report = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "modes": {}}
+    print(f"{'mode':>13} {'step':>7} {'pred':>7} {'ratio':>6} {'idle':>7} {'pred':>7} {'stale mean/max':>15} {'pred':>10}")
+    for name in MODES:
+        m, p = asynchrony.measured(read_rows(out / f"{name}.jsonl")), predicted[ADVISOR_MODE[name]]
+        report["modes"][name] = {"measured": m, "predicted": {"step_time": p.step_time,
+                                                               "train_wait_time": p.train_wait_time,
+                                                               "mean_staleness": p.mean_staleness,
+                                                               "max_staleness": p.max_staleness}}
+        print(f"{name:>13} {m['step_time']:7.3f} {p.step_time:7.3f} {p.step_time / m['step_time']:6.2f} "
+              f"{m['train_wait_time']:7.3f} {p.train_wait_time:7.3f} {m['mean_staleness']:9.2f}/{m['max_staleness']} "
+              f"{p.mean_staleness:7.2f}/{p.max_staleness}")
+    (out / "summary.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
