@@ -8,7 +8,10 @@ target token) -> group-normalised advantages -> one optimizer step -> weights to
 (a new version) -> one telemetry row. With --check-weight-update-equal a mismatch between the
 trainer's and an engine's weights exits non-zero naming the tensor. With --one-step-off (split
 layouts) step k+1 generates while step k trains: samples are one version stale after the first
-step (``rollout/staleness``) and the loss uses the engine's log-probs for the importance ratio.
+step (``rollout/staleness``) and the loss uses the engine's log-probs for the importance ratio (``RLJob.one_step_off``).
+With --fully-async the engines generate groups continuously (``RLJob.fully_async``): each step trains on the first
+--prompts-per-step groups ready within --max-weight-staleness and updates the engines while they generate
+(--pause-generation-mode); --use-tis weighs each token by the truncated trainer-over-engine ratio.
 With --save and --load a run stopped after a checkpoint and resumed goes on as if never stopped: the
 checkpoint keeps the prompt sampler's position and the next step's number (``RLJob.save_checkpoint``'s
 ``extra_state``), the job keeps its rollout seeds, so the resumed steps draw the same prompts with the
