@@ -126,8 +126,8 @@ def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, beha
         input_ids[i, :p] = torch.tensor(s.prompt_ids)
         input_ids[i, p:lengths[i]] = torch.tensor(s.token_ids)
         loss_mask[i, p:lengths[i]] = 1.0
-        if only_version is not None and s.token_versions is not None:
-            loss_mask[i, p:lengths[i]] = torch.from_numpy(s.token_versions == only_version).float()
+        if only_version is not None:
+            loss_mask[i, p:lengths[i]] = torch.from_numpy(s.versions == only_version).float()
         old_logprobs[i, p:lengths[i]] = torch.tensor(s.logprobs)
     return rlplacement.Batch(input_ids, loss_mask, torch.tensor(advantages, dtype=torch.float32),
                              old_logprobs if behaviour else None, torch.tensor(lengths),

@@ -152,8 +152,7 @@ class FullyAsyncRollout:
                     out.append(list(group.members))
                     for m in group.members:
                         staleness.append(current - m.oldest_version)
-                        for v in (m.token_versions if m.token_versions is not None else [m.weight_version] * len(m.token_ids)):
-                            by_lag[current - int(v)] += 1
+                        by_lag.update(current - int(v) for v in m.versions)
                 if len(out) < n:
                     left = start + timeout_s - time.monotonic()
                     if left <= 0:
@@ -313,14 +312,9 @@ def _joined(prompt: list[int], pieces: list[RolloutSample], last: RolloutSample)
     import numpy as np
 
     parts = [*pieces, last]
-
-    def versions(s: RolloutSample):
-        return s.token_versions if s.token_versions is not None else np.full(len(s.token_ids), s.weight_version,
-                                                                              dtype=np.int32)
-
     return dataclasses.replace(
         last, prompt_ids=list(prompt), token_ids=np.concatenate([p.token_ids for p in parts]),
         logprobs=np.concatenate([p.logprobs for p in parts]),
-        token_versions=np.concatenate([versions(p) for p in parts]).astype(np.int32),
+        token_versions=np.concatenate([p.versions for p in parts]),
         weight_version=pieces[0].weight_version, first_token_at=pieces[0].first_token_at,
         kv_mixed=any(p.kv_mixed for p in parts))

@@ -63,10 +63,20 @@ class RolloutSample:
     log-probs there are of neither version alone (the loss's importance weight takes them as they are)."""
 
     @property
+    def versions(self) -> "np.ndarray":
+        """int32 per generated token: the version that sampled it (:attr:`weight_version` for every token
+        where the engine kind records no :attr:`token_versions`)."""
+        import numpy as np
+
+        if self.token_versions is not None:
+            return np.asarray(self.token_versions, dtype=np.int32)
+        return np.full(len(self.token_ids), self.weight_version, dtype=np.int32)
+
+    @property
     def oldest_version(self) -> int:
         """The oldest version that sampled any of its tokens (what staleness is measured from)."""
-        return int(self.token_versions.min()) if self.token_versions is not None and len(self.token_versions) \
-            else self.weight_version
+        versions = self.versions
+        return int(versions.min()) if len(versions) else self.weight_version
 
 
 @dataclasses.dataclass

@@ -14,8 +14,6 @@ import pytest
 from rlplacement.config import PAUSE_GENERATION_MODES
 from tests.test_tiny_grpo import run_loop, step_lines
 
-pytestmark = pytest.mark.slow
-
 SPLIT = ["--rollout-num-gpus", "1"]
 ASYNC = ["--fully-async", "--partial-rollout", "--max-weight-staleness", "2", "--use-tis"]
 
@@ -24,6 +22,7 @@ def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", PAUSE_GENERATION_MODES)
 def test_fully_async_learns_within_its_staleness_bound(tmp_path, mode):
     telemetry = tmp_path / "steps.jsonl"
@@ -51,6 +50,7 @@ def test_fully_async_learns_within_its_staleness_bound(tmp_path, mode):
         assert lags and max(lags) <= 2, r
 
 
+@pytest.mark.slow
 def test_fully_async_leaves_the_trainer_less_idle_than_sync_under_a_long_tail(tmp_path):
     """Same long-tailed workload (responses up to 96 tokens, Pareto lengths), synchronous and fully async:
     the trainer's idle time per step (``perf/train_wait_time``, after the first two steps) is lower when the
@@ -67,3 +67,25 @@ def test_fully_async_leaves_the_trainer_less_idle_than_sync_under_a_long_tail(tm
     print(f"trainer idle per step: sync {waits['sync']:.3f} s, fully async {waits['fully_async']:.3f} s "
           f"(ratio {waits['fully_async'] / waits['sync']:.2f})")
     assert waits["fully_async"] < waits["sync"], waits
+
+
+def test_mask_offpolicy_keeps_only_the_current_versions_tokens_in_the_loss():
+    """--mask-offpolicy-in-partial-rollout: the example loop's batch counts a response token only where the
+    engines' current version sampled it (a sample continued across an update: old tokens masked)."""
+    import importlib.util
+
+    import numpy as np
+
+    from rlplacement.rollout import RolloutSample
+    from tests.test_tiny_grpo import ROOT
+
+    spec = importlib.util.spec_from_file_location("tiny_grpo", ROOT / "examples" / "tiny_grpo.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    mixed = RolloutSample([5, 6], np.array([7, 8, 9]), np.zeros(3, np.float32), "length", 3, 0, 0.0,
+                          token_versions=np.array([3, 4, 4], np.int32))
+    whole = RolloutSample([5], np.array([7, 8]), np.zeros(2, np.float32), "length", 4, 0, 0.0)
+    batch = example.make_batch([mixed, whole], [1.0, 0.0], 2, 0, behaviour=True, only_version=4)
+    assert batch.loss_mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 0, 0]]
+    assert example.make_batch([mixed, whole], [1.0, 0.0], 2, 0).loss_mask.tolist() == [[0, 0, 1, 1, 1],
+                                                                                       [0, 1, 1, 0, 0]]

@@ -103,8 +103,7 @@ def predict(x: AsyncInputs, mode: str, *, rollout_scale: float = 1.0, train_scal
             steps: int = 200) -> AsyncPrediction:
     """``mode``'s steady step (see the module docstring); ``max_concurrent``: samples in flight or ready at
     most (default two steps', as ``--async-max-concurrent-samples``); ``max_staleness``: the bound."""
-    t, u = x.train_time * train_scale, x.update_time
-    slowest = statistics.median(max(s) for s in x.sample_times) * rollout_scale
+    t, u, slowest, cap = _phases(x, rollout_scale, train_scale, max_concurrent)
     if mode == "sync":
         step = slowest + t + u
         return AsyncPrediction(mode, step, step - t - u, 0.0, 0)
@@ -113,7 +112,14 @@ def predict(x: AsyncInputs, mode: str, *, rollout_scale: float = 1.0, train_scal
         return AsyncPrediction(mode, step, step - t - u, 1.0, 1)
     if mode != "fully-async":
         raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
-    return _simulate(x, t, u, rollout_scale, max_concurrent or 2 * x.samples_per_step, max_staleness, steps)
+    return _simulate(x, t, u, rollout_scale, cap, max_staleness, steps)
+
+
+def _phases(x: AsyncInputs, rollout_scale: float, train_scale: float,
+            max_concurrent: int | None) -> tuple[float, float, float, int]:
+    """(train, update, a step's slowest sample, samples in flight or ready at most), scaled to the split."""
+    slowest = statistics.median(max(s) for s in x.sample_times) * rollout_scale
+    return x.train_time * train_scale, x.update_time, slowest, max_concurrent or 2 * x.samples_per_step
 
 
 def _simulate(x: AsyncInputs, t: float, u: float, scale: float, cap: int, bound: int | None,
@@ -129,10 +135,10 @@ def _simulate(x: AsyncInputs, t: float, u: float, scale: float, cap: int, bound:
     def top_up(at: float) -> None:
         nonlocal drawn, in_flight
         while (in_flight + 1) * g <= cap:
-            durations = pool[drawn % len(pool)]
-            heapq.heappush(ready, (at + max(durations) * scale, drawn, version))
+            done = at + max(pool[drawn % len(pool)]) * scale  # a group is ready with its slowest sample
+            heapq.heappush(ready, (done, drawn, version))
             if timeline is not None:
-                timeline["rollout"].append(("rollout", at, at + max(durations) * scale))
+                timeline["rollout"].append(("rollout", at, done))
             drawn += 1
             in_flight += 1
 
@@ -184,11 +190,10 @@ def timeline(x: AsyncInputs, mode: str, steps: int = 4, *, rollout_scale: float 
     """The predicted first ``steps`` steps of ``mode`` as ``{role: [(phase, start, end), ...]}`` (roles
     ``trainer`` and ``rollout``; the rollout's intervals may overlap: groups generating at once), what the
     plot of predicted bubbles draws."""
-    t, u = x.train_time * train_scale, x.update_time
-    slowest = statistics.median(max(s) for s in x.sample_times) * rollout_scale
+    t, u, slowest, cap = _phases(x, rollout_scale, train_scale, max_concurrent)
     out: dict[str, list] = {"trainer": [], "rollout": []}
     if mode == "fully-async":
-        _simulate(x, t, u, rollout_scale, max_concurrent or 2 * x.samples_per_step, max_staleness, steps, out)
+        _simulate(x, t, u, rollout_scale, cap, max_staleness, steps, out)
         return out
     now = 0.0
     if mode == "one-step-off":
