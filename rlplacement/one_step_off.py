@@ -49,13 +49,6 @@ class OneStepOffRollout:
             self._start()
         return samples
 
-    def abort(self) -> list[RolloutSample]:
-        """End the batch generating ahead (e.g. before stopping); its partial samples."""
-        if self._next is None:
-            return []
-        (_, pending), self._next = self._next, None
-        return self.job.abort(pending)
-
     def _start(self) -> None:
         n_samples = self._per_step * self.job.config.rollout.n_samples_per_prompt
         prompts = self._prompts(self._per_step)
