@@ -101,9 +101,10 @@ class TransferConfig:
     receivers stage whole updates is ``full``."""
     slices: str = "auto"
     """What a worker of a tensor-parallel engine receives (``--update-weight-slices``): ``auto``, only the slices
-    its loader takes where the mode, the model and the engine allow (``transfer.shards``: host memory, no
-    pipeline stages, a family the plan knows; the first load from slices is checked against what the loader
-    read); ``off``, every tensor whole (the way out should a loader read outside its slices)."""
+    its loader takes where the mode, the model and the engine allow (``transfer.shards``: no pipeline stages,
+    a family the plan knows; every load checks that the loader read exactly the slices,
+    ``transfer.slice_tensor``); ``off``, every tensor whole (the way out should a loader read outside its
+    slices)."""
     options: Any = None
     """``requested_mode``'s options (a frozen dataclass, validated and resolved for this run: disk-delta's
     folder, p2p's transport); None for a mode that has none."""

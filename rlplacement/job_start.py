@@ -70,6 +70,7 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     engine_args["dtype"] = resolve_dtype(hf_dir, engine_args.get("dtype", "auto"))
     engine_args.setdefault("update_weight_staging", config.transfer.staging)
     engine_args.setdefault("update_weight_slices", config.transfer.slices)
+    engine_args.setdefault("update_weight_mode", config.transfer.mode)
     engine_args.setdefault("update_weight_buffer_size", config.transfer.buffer_size)
     engine_args.setdefault("verbose", verbose)
     if config.backend.moe.rollout_routing_replay:

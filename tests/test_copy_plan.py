@@ -7,6 +7,8 @@ stands in for vLLM's: shards of fused parameters written by ``narrow(...).copy_(
 views, as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` loaders do.
 """
 
+import types
+
 import pytest
 import torch
 
@@ -190,3 +192,81 @@ def test_rows_in_groups_read_other_than_by_whole_rows_get_no_plan():
     result = copy_plan.record_load(lambda ws: [model.w.data.copy_(w.narrow(1, 0, 2)) for _, w in ws],
                                    [("q", grouped)], model, {"q": (8, 4)})
     assert isinstance(result, str) and "other than whole rows" in result
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_plan_recorded_from_a_workers_slices_replays_vllms_loaders_bit_exact(tp, monkeypatch):
+    """How a GPU worker of a TP engine commits: it holds only its slices (``transfer.slice_tensor``), vLLM's own
+    parallel layers load from them once under the recorder, and the plan replays later updates from the slices
+    alone. Every rank's parameters equal those loaded from the whole tensors, over versions; the staged bytes
+    are the worker's share. The layers run on CPU through a stand-in TP group (rank and size only), as in
+    ``test_transfer_plan``; a worker holding its neighbour's slices is refused by name at the recording."""
+    linear = pytest.importorskip("vllm.model_executor.layers.linear")
+    vocab = pytest.importorskip("vllm.model_executor.layers.vocab_parallel_embedding")
+    import vllm.distributed.parallel_state as ps
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from rlplacement.transfer import shards
+    from rlplacement.transfer.slice_tensor import SliceReadError, as_whole
+    from tests.test_transfer_plan import SMALL_QWEN2
+
+    p = "model.layers.0."
+    shapes = {p + "self_attn.q_proj.weight": (256, 64), p + "self_attn.k_proj.weight": (64, 64),
+              p + "self_attn.v_proj.weight": (64, 64), p + "self_attn.q_proj.bias": (256,),
+              p + "self_attn.k_proj.bias": (64,), p + "self_attn.v_proj.bias": (64,),
+              p + "mlp.gate_proj.weight": (96, 64), p + "mlp.up_proj.weight": (96, 64),
+              p + "self_attn.o_proj.weight": (64, 256), p + "mlp.down_proj.weight": (64, 96),
+              "model.embed_tokens.weight": (1000, 64), "lm_head.weight": (1000, 64)}
+
+    class Layers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = linear.QKVParallelLinear(64, 32, 8, 2, bias=True, params_dtype=torch.float32)
+            self.gate_up = linear.MergedColumnParallelLinear(64, [96, 96], bias=False, params_dtype=torch.float32)
+            self.o = linear.RowParallelLinear(256, 64, bias=False, params_dtype=torch.float32)
+            self.down = linear.RowParallelLinear(96, 64, bias=False, params_dtype=torch.float32)
+            self.embed = vocab.VocabParallelEmbedding(1000, 64, params_dtype=torch.float32)
+            self.head = vocab.ParallelLMHead(1000, 64, params_dtype=torch.float32)
+
+        def load_weights(self, weights):  # vLLM's stacked-parameter mapping, as Qwen2's load_weights
+            where = {"q_proj.weight": (self.qkv.weight, "q"), "k_proj.weight": (self.qkv.weight, "k"),
+                     "v_proj.weight": (self.qkv.weight, "v"), "q_proj.bias": (self.qkv.bias, "q"),
+                     "k_proj.bias": (self.qkv.bias, "k"), "v_proj.bias": (self.qkv.bias, "v"),
+                     "gate_proj.weight": (self.gate_up.weight, 0), "up_proj.weight": (self.gate_up.weight, 1),
+                     "o_proj.weight": (self.o.weight, None), "down_proj.weight": (self.down.weight, None),
+                     "embed_tokens.weight": (self.embed.weight, None), "lm_head.weight": (self.head.weight, None)}
+            for name, w in weights:
+                param, shard = where[".".join(name.split(".")[-2:])]
+                param.weight_loader(param, w, *(() if shard is None else (shard,)))
+
+    def version(seed):
+        g = torch.Generator().manual_seed(seed)
+        return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+    def sliced(tensors, keeps):
+        return [(n, as_whole(shards.cut(t, keeps[n]).contiguous(), keeps[n], t.shape, n) if n in keeps else t)
+                for n, t in tensors.items()]
+
+    for w in range(tp):
+        monkeypatch.setattr(ps, "_TP", types.SimpleNamespace(rank_in_group=w, world_size=tp))
+        keeps = shards.keeps_for_worker(SMALL_QWEN2, w, tp)
+        assert set(keeps) <= set(shapes) and len(keeps) >= 8
+        with set_current_vllm_config(VllmConfig()), torch.no_grad():
+            served, reference = Layers(), Layers()
+            staged = sliced(version(0), keeps)
+            held = sum(shards.cut(t, keeps.get(n)).numel() for n, t in version(0).items())
+            assert held < 0.75 * sum(t.numel() for t in version(0).values())
+            plan = copy_plan.record_load(served.load_weights, staged, served)
+            assert isinstance(plan, copy_plan.CopyPlan), plan
+            for seed in (0, 1, 2):
+                tensors = version(seed)
+                staged = sliced(tensors, keeps)  # new slice objects each update, as a receiver's staging
+                assert plan.matches(staged) and plan.still_live(served)
+                plan.replay(staged)
+                reference.load_weights(tensors.items())
+                for (name, got), (_, want) in zip(served.named_parameters(), reference.named_parameters()):
+                    assert torch.equal(got, want), f"worker {w} of {tp}: {name}"
+                assert plan.mismatches(staged) == []
+            wrong = shards.keeps_for_worker(SMALL_QWEN2, (w + 1) % tp, tp)
+            with pytest.raises(SliceReadError, match=r"the loader read '[a-z_.0-9]+' other than as its slice"):
+                copy_plan.record_load(Layers().load_weights, sliced(version(0), wrong))

@@ -67,3 +67,25 @@ def test_bucket_staging_that_leaves_no_room_names_the_bucket_size(model_70b_like
     with pytest.raises(ConfigError, match=r"--vllm-gpu-memory-utilization 0\.12: lower --update-weight-buffer-size"):
         resolve_engine_memory(model_70b_like, "bfloat16", staging="bucket", bucket_bytes=4 * GIB, utilization=0.12,
                               total_bytes=80 * 10**9)
+
+
+def test_a_wide_engine_whose_workers_receive_their_slices_stages_each_workers_share(tmp_path):
+    """A 70B-shaped Llama engine at TP=8 on an 80 GB card: whole tensors under full staging cannot fit, each
+    worker's share (its q/k/v heads, gate/up rows, o/down columns and vocabulary rows; norms whole) does, and
+    the refusal for whole tensors names the way out."""
+    from rlplacement.engines.engine_settings import worker_tensor_bytes
+
+    model = _headers_only_model(tmp_path / "m", hidden=8192, layers=80, vocab=128256)
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 24576,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 16, "head_dim": 128,
+        "vocab_size": 128256, "tie_word_embeddings": False, "dtype": "bfloat16"}))
+    whole = model_bytes(model, "bfloat16")
+    share = sum(worker_tensor_bytes(model, "bfloat16", 8).values())
+    assert share == pytest.approx(whole / 8, rel=0.01)
+    memory = resolve_engine_memory(model, "bfloat16", staging="full", bucket_bytes=512 << 20, utilization=0.9,
+                                   total_bytes=80 * 10**9, sliced_width=8)
+    assert memory.staging_bytes == share and memory.vllm_utilization == pytest.approx(0.9 - share / 80e9, abs=1e-4)
+    with pytest.raises(ConfigError, match=r"workers receive whole tensors \(a mode that sends slices, with "
+                                          r"--update-weight-slices auto, sends each worker its share\)"):
+        resolve_engine_memory(model, "bfloat16", staging="full", bucket_bytes=512 << 20, total_bytes=80 * 10**9)

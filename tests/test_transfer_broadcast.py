@@ -32,6 +32,19 @@ def _model(seed):
     return named
 
 
+def _as_loaded(t):
+    """What a loader taking a worker's slice ends up with: the box copied out of the staged tensor (through
+    ``transfer.slice_tensor``'s check), zeros elsewhere; a whole tensor cloned."""
+    from rlplacement.transfer import shards
+    from rlplacement.transfer.slice_tensor import is_slice
+
+    if not is_slice(t):
+        return t.clone()
+    out = torch.zeros(t.shape, dtype=t.dtype)
+    shards.cut(out, t._box).copy_(shards.cut(t, t._box))
+    return out
+
+
 class Session:
     """A sender and N receiver threads joined on one group; ``run`` does one update everywhere."""
 
@@ -72,7 +85,7 @@ class Session:
             r = self.receivers[i]
             r.begin(version)
             r.receive()
-            r.commit(lambda staged: self.applied.__setitem__(i, [(n, t.clone()) for n, t in staged]))
+            r.commit(lambda staged: self.applied.__setitem__(i, [(n, _as_loaded(t)) for n, t in staged]))
 
         def send():
             try:

@@ -141,19 +141,31 @@ def test_a_worker_keeps_vllms_slices_of_the_tensors_tp_cuts():
 
 
 @pytest.mark.parametrize("box", [((2, 5), (0, 6)), ((0, 7), (1, 4)), ((0, 7), (0, 6), (3, 5))])
-def test_the_loader_gets_the_whole_shape_with_the_slice_in_its_box(box):
+def test_the_loader_gets_the_whole_shape_holding_only_the_slice_and_must_read_exactly_its_box(box):
+    """A slice stands in for its whole tensor without the rows outside it (meta storage); a copy of exactly the
+    box (contiguous or not) takes the slice's bytes; any other read is refused naming the tensor and the flag."""
+    from rlplacement.transfer.slice_tensor import SliceReadError, as_whole, slice_of
+
     shape = (7, 6) if len(box) == 2 else (7, 6, 5)
     whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
-    view = shards.full_view(shards.cut(whole, box).contiguous(), box, shape)
-    assert view.shape == whole.shape
-    assert torch.equal(shards.cut(view, box), shards.cut(whole, box))
-    sliced = {"t": (box, shape)}
-    d = shards.sliced_dim(box, shape)
-    exact = (box[d][0] * view.stride()[d], shards.box_shape(box), tuple(view.stride()))
-    assert shards.misread({"t": [exact]}, sliced, {"t": view.stride()}) is None
-    assert "read 't' other than as its slice" in shards.misread({"t": [(0, shape, view.stride())]}, sliced,
-                                                                   {"t": view.stride()})
-    assert "took nothing of 't'" in shards.misread({}, sliced, {"t": view.stride()})
+    piece = shards.cut(whole, box).contiguous()
+    view = as_whole(piece, box, shape, "t")
+    assert view.shape == whole.shape and view.device == piece.device and slice_of(view) is piece
+    assert view.untyped_storage is not None and view.to(torch.float32) is view and view.data.shape == whole.shape
+    for taken in (shards.cut(view, box), shards.cut(view, box).contiguous(), shards.cut(view.detach(), box)):
+        into = torch.zeros(shards.box_shape(box))
+        into.copy_(taken)
+        assert torch.equal(into, shards.cut(whole, box))
+    wider = tuple((0, n) if (a, b) != (0, n) else (a, b) for (a, b), n in zip(box, shape))  # the neighbour's rows too
+    for misread in (lambda: torch.zeros(whole.shape).copy_(view), lambda: torch.zeros(shards.box_shape(wider)).copy_(
+            shards.cut(view, wider))):
+        with pytest.raises(SliceReadError, match=r"the loader read 't' other than as its slice .*"
+                                                 r"--update-weight-slices off"):
+            misread()
+    for computed in (lambda: view * 2, lambda: view[[0, 1]], lambda: view.to(torch.bfloat16), lambda: view.item()):
+        with pytest.raises(SliceReadError, match=r"the loader applied .* to 't', of which this worker was sent "
+                                                 r"only the slice"):
+            computed()
 
 
 def test_a_mode_that_hands_over_whole_buckets_refuses_slices():

@@ -46,8 +46,8 @@ SHARED_FLAGS = (
               "beside --vllm-gpu-memory-utilization, else bucket). Counted inside the engine's memory budget."),
     flag("--update-weight-slices", type=str, default=default_of(TransferConfig, "slices"), choices=SLICES_CHOICES,
          help="What each worker of a tensor-parallel engine receives: auto (only the slices its loader takes, "
-              "where the mode and the model allow: p2p, broadcast, broadcast_packed and disk-delta into engines "
-              "in host memory; whole tensors elsewhere), off (every tensor whole on every worker)."),
+              "where the mode and the model allow: p2p, broadcast, broadcast_packed and disk-delta, on GPU or CPU; "
+              "whole tensors elsewhere), off (every tensor whole on every worker)."),
     flag("--check-weight-update-equal", action="store_true", default=default_of(TransferConfig, "check_equal"),
          help="After each update compare engine and trainer weights; raise on mismatch."),
 )

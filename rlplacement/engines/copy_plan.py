@@ -13,7 +13,7 @@ replays the list: on a GPU in one chunk-kernel launch (``copy_kernel``), else co
 A plan is only used when it is provably what the loader did:
 
 * every operation the loader applied to a staged tensor is a view or metadata query
-  (``_VIEW_OPS``); anything else (a dtype cast, ``torch.cat``, an in-place op on the source) makes
+  (``transfer.slice_tensor.VIEW_OPS``); anything else (a dtype cast, ``torch.cat``, an in-place op on the source) makes
   the layout unrecordable and the engine keeps using the generic loader;
 * every staged tensor reached at least one parameter, and after the recorded load every
   destination equals its source (the loader's post-processing did not transform parameters, as
@@ -34,6 +34,8 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from rlplacement.transfer.slice_tensor import VIEW_OPS, is_slice, slice_of, with_slice
+
 if TYPE_CHECKING:
     import torch
 
@@ -44,15 +46,6 @@ LARGE_COPY_BYTES = 1 << 20  # a copy this big is replayed on its own (see CopyPl
 
 class Unrecordable(Exception):
     """The loader did something to a staged tensor that is not a view or a copy into a parameter."""
-
-
-_VIEW_OPS = {"narrow", "view", "reshape", "t", "transpose", "permute", "chunk", "split", "unflatten", "flatten",
-             "squeeze", "unsqueeze", "expand", "__getitem__", "detach", "as_strided", "select", "unbind",
-             "size", "dim", "numel", "stride", "element_size", "data_ptr", "storage_offset", "is_contiguous",
-             "nelement", "__len__", "__format__", "__repr__", "dtype", "shape", "device", "is_cuda", "is_cpu",
-             "ndim", "contiguous", "to", "type", "float", "untyped_storage", "is_floating_point", "requires_grad",
-             "layout", "is_meta", "T", "data", "__get__", "_is_view", "_base", "is_sparse", "names", "grad",
-             "is_quantized", "__hash__", "__bool__", "dim_order", "get_device", "nbytes", "itemsize", "item"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +108,7 @@ def _make_probe_class():
             if rec is not None:
                 if name == "copy_" and len(args) >= 2 and isinstance(args[1], _Probe) and not isinstance(args[0], _Probe):
                     rec.on_copy(args[0], args[1])
-                elif name not in _VIEW_OPS:  # conversions (to, contiguous) that copy fail at copy_
+                elif name not in VIEW_OPS:  # conversions (to, contiguous) that copy fail at copy_
                     rec.fail(f"the loader applied {name} to a staged tensor")
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
@@ -193,7 +186,7 @@ class CopyPlan:
     def pairs(self, staged: Sequence[NamedTensor]) -> tuple[list, list]:
         if self._pairs is not None and self._same_objects(staged):
             return self._pairs
-        roots = dict(staged)
+        roots = {n: slice_of(t) for n, t in staged}  # a worker's slice: the copies read its bytes
         dsts, srcs = [], []
         for c in self.copies:
             root = roots[c.name]
@@ -286,52 +279,12 @@ def _equal_in_chunks(a: "torch.Tensor", b: "torch.Tensor", chunk_bytes: int) -> 
     return all(torch.equal(a[i:i + rows], b[i:i + rows].to(a.dtype)) for i in range(0, a.shape[0], rows))
 
 
-class ReadRecorder:
-    """Every copy a loader makes out of the watched staged tensors, as (storage offset, size, stride) of the
-    source view, by tensor name; a source is known by its storage, so views that alias one another's memory
-    (``transfer.shards.full_view``) are still told apart. Used around a real load
-    (:meth:`recording`); ``failure`` says what the loader did to a staged tensor other than a view or a copy
-    into a parameter."""
-
-    def __init__(self):
-        self.reads: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
-        self.failure: str | None = None
-        self._names: dict[int, str] = {}
-
-    def probes(self, staged: Sequence[NamedTensor], watch: set[str]) -> list[NamedTensor]:
-        """``staged`` with the ``watch`` tensors as probes (same storage, same values), for the loader."""
-        out = []
-        for name, t in staged:
-            if name in watch:
-                self._names[t.untyped_storage().data_ptr()] = name
-                t = _probe(t)
-            out.append((name, t))
-        return out
-
-    def on_copy(self, dst: "torch.Tensor", src: "torch.Tensor") -> None:
-        name = self._names.get(src.untyped_storage().data_ptr())
-        if name is None:
-            self.fail(f"a copy from a transformed tensor ({src.dtype}, {tuple(src.shape)})")
-            return
-        self.reads.setdefault(name, []).append((src.storage_offset(), tuple(src.shape), tuple(src.stride())))
-
-    def fail(self, why: str) -> None:
-        self.failure = self.failure or why
-
-    @contextlib.contextmanager
-    def recording(self):
-        """A context in which probes' copies are recorded here."""
-        _ACTIVE.append(self)
-        try:
-            yield self
-        finally:
-            _ACTIVE.pop()
-
-
 def layout_of(staged: Sequence[NamedTensor], hf_shapes: dict | None = None) -> tuple:
-    """Per staged tensor: name, dtype, shape, and its HF shape where it is held in another."""
+    """Per staged tensor: name, dtype, shape, and its HF shape where it is held in another (for a worker's
+    slice, ``transfer.slice_tensor``: the box and the whole shape)."""
     hf_shapes = hf_shapes or {}
-    return tuple((n, str(t.dtype), tuple(t.shape), hf_shapes.get(n)) for n, t in staged)
+    return tuple((n, str(t.dtype), tuple(slice_of(t).shape), (t._box, t._whole) if is_slice(t) else hf_shapes.get(n))
+                 for n, t in staged)
 
 
 def record_load(load: Callable[[list[NamedTensor]], None], staged: list[NamedTensor],
@@ -342,14 +295,15 @@ def record_load(load: Callable[[list[NamedTensor]], None], staged: list[NamedTen
     With ``model``, every copy must land in memory the model serves (not in a loader's scratch).
     ``hf_shapes``: staged tensors held as row groups (``transfer.base.HFShapes``): the loader reads
     contiguous copies in the HF shapes, and each copy it makes out of one is recorded as the same rows
-    taken group by group from the staged tensor (:func:`_grouped_rows`).
+    taken group by group from the staged tensor (:func:`_grouped_rows`). A worker's slice
+    (``transfer.slice_tensor``) is recorded as copies out of its own bytes, which is what the plan replays.
     """
     hf_shapes = hf_shapes or {}
     loaded = [(n, t.reshape(hf_shapes[n]).contiguous() if n in hf_shapes else t) for n, t in staged]
-    rec = _Recorder(loaded)
+    rec = _Recorder([(n, slice_of(t)) for n, t in loaded])
     _ACTIVE.append(rec)
-    try:
-        load([(n, _probe(t)) for n, t in loaded])
+    try:  # a slice's copies are made from its bytes (transfer.slice_tensor): those are what is probed
+        load([(n, with_slice(t, _probe(slice_of(t))) if is_slice(t) else _probe(t)) for n, t in loaded])
     finally:
         _ACTIVE.pop()
     if rec.failure:

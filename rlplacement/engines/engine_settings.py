@@ -42,6 +42,27 @@ def checkpoint_tensor_bytes(model_dir: str | Path, dtype: str) -> dict[str, int]
     return {n: math.prod(s) * _DTYPE_BYTES[dtype] for n, s in (safetensors_shapes(model_dir) or {}).items()}
 
 
+def worker_tensor_bytes(model_dir: str | Path, dtype: str, tensor_parallel_size: int = 1) -> dict[str, int]:
+    """HF name -> bytes in ``dtype`` of what the busiest worker of a ``tensor_parallel_size``-wide engine
+    receives of each tensor when workers receive only their slices (``transfer.shards.keeps_for_worker``);
+    every tensor whole at width 1 or for a model the slicing rules do not know."""
+    whole = checkpoint_tensor_bytes(model_dir, dtype)
+    if tensor_parallel_size <= 1:
+        return whole
+    from rlplacement.transfer import shards
+    from rlplacement.transfer.plan.boxes import volume
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        per_worker = [shards.keeps_for_worker(config, w, tensor_parallel_size) for w in range(tensor_parallel_size)]
+    except (ValueError, KeyError, TypeError, OSError):
+        return whole
+    itemsize = _DTYPE_BYTES[dtype]
+    busiest = max(per_worker, key=lambda keeps: sum(volume(keeps[n]) * itemsize if n in keeps else b
+                                                    for n, b in whole.items()))
+    return {n: volume(busiest[n]) * itemsize if n in busiest else b for n, b in whole.items()}
+
+
 def model_bytes(model_dir: str | Path, dtype: str) -> int:
     """Bytes of every tensor of the model's checkpoint in ``dtype``: what one update stages on each
     engine worker under ``full`` staging (every receiver stages the whole model)."""
@@ -65,8 +86,9 @@ def largest_bucket_of(tensor_bytes: dict[str, int], bucket_bytes: int) -> int:
 
 
 def staging_per_option(tensor_bytes: dict[str, int], bucket_bytes: int) -> dict[str, int]:
-    """Bytes an update holds on each engine worker under each ``--update-weight-staging`` option: the whole
-    model under ``full``; two of the largest buckets under ``bucket`` (never more than the model)."""
+    """Bytes an update holds on each engine worker under each ``--update-weight-staging`` option, of tensors
+    of these sizes (the whole model's, or a worker's share: :func:`worker_tensor_bytes`): all of them under
+    ``full``; two of the largest buckets under ``bucket`` (never more than all)."""
     whole = sum(tensor_bytes.values())
     return {"full": whole, "bucket": min(whole, 2 * largest_bucket_of(tensor_bytes, bucket_bytes))}
 
@@ -93,18 +115,22 @@ class EngineMemory:
 
 
 def resolve_engine_memory(model_dir: str | Path, dtype: str, *, staging: str = "full", bucket_bytes: int,
-                          utilization: float | None = None, total_bytes: int | None = None) -> EngineMemory:
+                          utilization: float | None = None, total_bytes: int | None = None,
+                          sliced_width: int = 1) -> EngineMemory:
     """The staging an engine runs and the fraction vLLM gets: the engine's budget (``utilization``, or
     vLLM's 0.9) less what an update holds on each worker, whoever set the budget, so the first update fits
     beside the KV cache vLLM sized at start. ``staging`` ``auto``: :data:`AUTO_FULL_SHARE`. Refused by
     name when the staging leaves vLLM less than :data:`MIN_VLLM_SHARE`. ``total_bytes``: the GPU's size
-    (default: this process's first visible GPU, read through vLLM's platform without a CUDA context)."""
+    (default: this process's first visible GPU, read through vLLM's platform without a CUDA context).
+    ``sliced_width``: the engine's tensor-parallel width where its workers receive only their slices (the
+    mode sends slices and ``--update-weight-slices auto``): a worker then stages its share
+    (:func:`worker_tensor_bytes`); 1: every worker stages whole tensors."""
     if total_bytes is None:
         from vllm.platforms import current_platform
 
         total_bytes = int(current_platform.get_device_total_memory(0))
     budget = VLLM_DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else float(utilization)
-    held_by = staging_per_option(checkpoint_tensor_bytes(model_dir, dtype), bucket_bytes)
+    held_by = staging_per_option(worker_tensor_bytes(model_dir, dtype, sliced_width), bucket_bytes)
     if staging == "auto":
         staging = "full" if held_by["full"] <= AUTO_FULL_SHARE * total_bytes else "bucket"
     held = held_by[staging]
@@ -118,10 +144,12 @@ def resolve_engine_memory(model_dir: str | Path, dtype: str, *, staging: str = "
                    f"transfer mode that supports it), or raise --vllm-gpu-memory-utilization")
         else:
             fix = "lower --update-weight-buffer-size, or raise --vllm-gpu-memory-utilization"
+        wider = (" More GPUs per engine do not help: this engine's workers receive whole tensors "
+                 "(a mode that sends slices, with --update-weight-slices auto, sends each worker its share)."
+                 if sliced_width == 1 else "")
         raise ConfigError(f"an update under --update-weight-staging {staging} holds {held / gib:.1f} GiB in {dtype} "
                           f"on each engine worker, which leaves vLLM {max(fraction, 0):.2f} of a "
-                          f"{total_bytes / gib:.0f} GiB GPU within {budget_flag}: {fix}. More GPUs per engine do "
-                          f"not help: every worker receives whole tensors.")
+                          f"{total_bytes / gib:.0f} GiB GPU within {budget_flag}: {fix}.{wider}")
     return EngineMemory(staging, held, round(fraction, 4))
 
 

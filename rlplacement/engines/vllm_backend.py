@@ -92,7 +92,6 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self.weights_lost: str | None = None  # why the model's weights are not a whole version; None: they are
         self._receiving: int | None = None  # the version the last receive_weights staged
         self.staging = "full"  # of the group joined last (RlplacementInitInfo.staging)
-        self.slices_checked: dict | None = None  # the keeps a load read exactly (shards.misread): trusted after
         self.copied_out = 0  # weights of layers split across buckets copied out of the last bucketwise update
         self.lora: dict = {}  # the group's LoRA spec: updates are the live adapter's (RlplacementInitInfo.lora)
         self.model_runner = None  # set by the worker extension before each call: holds vLLM's LoRA manager
@@ -139,14 +138,15 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
 
     def _keeps(self) -> dict | None:
         """The slice of each tensor this worker's loader takes (``transfer.shards.keeps_for_worker``), where it
-        can receive only those: a tensor-parallel engine in host memory, without pipeline stages, of a family
-        the plan knows; else None (whole tensors)."""
+        can receive only those: a tensor-parallel engine without pipeline stages or expert parallelism, of a
+        family the plan knows, on any device (the slices reach the loader as ``transfer.slice_tensor``
+        tensors, which hold only the slice); else None (whole tensors)."""
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         from rlplacement.transfer import shards
 
         tp = get_tensor_model_parallel_world_size()
-        if (self.device.type != "cpu" or tp == 1 or getattr(self.parallel_config, "pipeline_parallel_size", 1) > 1
+        if (tp == 1 or getattr(self.parallel_config, "pipeline_parallel_size", 1) > 1
                 or getattr(self.parallel_config, "enable_expert_parallel", False)):  # whole experts, not TP slices
             return None
         try:
@@ -199,25 +199,12 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             if not load.touched:
                 self.weights_lost = (f"version {version} was being loaded bucket by bucket "
                                      f"(--update-weight-staging bucket) and did not complete")
-            load.apply([pair for pair in bucket if not (self._tied and pair[0] == "lm_head.weight")],
-                       frozenset(self.receiver.sliced))
-
-        recorder = copy_plan.ReadRecorder() if self._check_slices_now() else None
-        strides: dict[str, tuple] = {}
-
-        def apply_checked(bucket: list) -> None:
-            if recorder is not None:
-                sliced = self.receiver.sliced
-                strides.update((name, tuple(t.stride())) for name, t in bucket if name in sliced)
-                bucket = recorder.probes(bucket, set(sliced))
-            apply(bucket)
+            load.apply([pair for pair in bucket if not (self._tied and pair[0] == "lm_head.weight")])
 
         try:
-            with recorder.recording() if recorder is not None else contextlib.nullcontext():
-                self.receiver.receive_bucketwise(apply_checked)
+            with self._slices_read_exactly():
+                self.receiver.receive_bucketwise(apply)
                 load.finish()
-            if recorder is not None:
-                self._check_slices(recorder, strides)
         except BaseException:
             self.receiver.abort()
             if not load.touched:
@@ -262,8 +249,22 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         part-way leaves it set (the previous version is gone); one that ends clears it, since every update
         stages every tensor of the checkpoint (``_validate``)."""
         self.weights_lost = self.weights_lost or f"the load of version {version} failed part-way"
-        self._load(staged)
+        with self._slices_read_exactly():
+            self._load(staged)
         self.weights_lost = None
+
+    @contextlib.contextmanager
+    def _slices_read_exactly(self):
+        """Around a load: a loader that read one of this worker's slices other than exactly as its box
+        (``transfer.slice_tensor.SliceReadError``) leaves the weights marked lost and fails naming the worker."""
+        from rlplacement.transfer.slice_tensor import SliceReadError
+
+        try:
+            yield
+        except SliceReadError as exc:
+            self.weights_lost = f"a load from slices read outside them ({exc})"
+            raise TransferError(f"{self._where()}: this worker was sent only the slices its loader takes, and {exc}. "
+                                f"Its weights are not the trainer's") from exc
 
     def _load(self, staged: list) -> None:
         """Replay the recorded copy plan when it still applies, else load through vLLM (recording a
@@ -273,16 +274,9 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         copies them group by group."""
         import torch
 
+        from rlplacement.transfer.slice_tensor import SliceReadError
+
         hf_shapes = self.receiver.staged_hf_shapes
-        sliced = self.receiver.sliced
-        if sliced and self._check_slices_now():
-            recorder = copy_plan.ReadRecorder()
-            probes = recorder.probes(staged, set(sliced))
-            with recorder.recording():
-                vllm_loader.load_into_model(self.model, self.model_config, probes)
-            self._check_slices(recorder, {name: tuple(t.stride()) for name, t in staged if name in sliced})
-            self.last_load_path = "generic"
-            return
         plan = self._plan
         if plan is not None and plan.matches(staged, hf_shapes) and plan.still_live(self.model):
             self.receiver.instants.mark("plan_checked")
@@ -298,6 +292,8 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             try:
                 result = copy_plan.record_load(lambda tensors: self.model.load_weights(iter(tensors)), staged,
                                                self.model, hf_shapes)
+            except SliceReadError:
+                raise
             except Exception as exc:  # noqa: BLE001 - the generic load below rewrites every weight whole
                 result = f"recording the load raised {type(exc).__name__}: {exc}"
             if isinstance(result, str):
@@ -313,24 +309,6 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # served means on the GPU, not queued
             self.receiver.instants.mark("copies_done")
-
-    def _check_slices_now(self) -> bool:
-        """This worker keeps slices no load has been checked against yet (first update, or new keeps)."""
-        return bool(self.receiver.keeps) and self.receiver.keeps != self.slices_checked
-
-    def _check_slices(self, recorder: "copy_plan.ReadRecorder", strides: dict) -> None:
-        """After the first load from slices: every copy the loader made out of a slice was exactly that
-        slice (``shards.misread``), else raise naming the tensor; the weights it loaded are then not the
-        trainer's, and ``weights_lost`` stays set. ``strides``: of each sliced tensor's staged view."""
-        from rlplacement.transfer import shards
-
-        problem = recorder.failure or shards.misread(recorder.reads, self.receiver.sliced, strides)
-        if problem:
-            self.weights_lost = f"a load from slices read outside them ({problem})"
-            raise TransferError(f"{self._where()}: this worker was sent only the slices its loader takes, and the "
-                                f"loader read otherwise: {problem}. Its weights are not the trainer's; start the "
-                                f"engines with --update-weight-slices off (whole tensors) for this model")
-        self.slices_checked = self.receiver.keeps
 
     @staticmethod
     def trainer_send_weights(*args: Any, **kwargs: Any) -> None:

@@ -44,6 +44,18 @@ DEFAULT_TIMEOUT_S = 600.0
 """The bound of the engine's waits when none is given: the job's default (``rlplacement.job.DEFAULT_TIMEOUT_S``)."""
 
 
+def _sliced_width(tensor_parallel_size: int, slices: str, mode: str | None, live_lora: dict, llm_kwargs: dict) -> int:
+    """The width whose share each worker stages (``engine_settings.resolve_engine_memory``): the engine's
+    tensor-parallel size where its workers will receive only their slices (the rules of
+    ``vllm_backend.RlplacementWeightTransferEngine._keeps``), else 1."""
+    if (slices != "auto" or mode is None or live_lora or llm_kwargs.get("pipeline_parallel_size", 1) > 1
+            or llm_kwargs.get("enable_expert_parallel")):
+        return 1
+    from rlplacement.transfer import registry
+
+    return tensor_parallel_size if registry.receiver_class(mode).accepts_slices else 1
+
+
 @one_call_at_a_time  # a compiled update graph calls update_weights from another thread than generate
 class VllmRolloutEngine(RolloutEngine):
     def __init__(self, model_dir: str, *, engine_index: int = 0, dtype: str = "auto",
@@ -51,7 +63,8 @@ class VllmRolloutEngine(RolloutEngine):
                  sleep_mode: bool = False, enforce_eager: bool = False, verbose: bool = True,
                  engine_core_in_own_process: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  update_weight_staging: str = "full", update_weight_buffer_size: int = DEFAULT_BUFFER_SIZE,
-                 update_weight_slices: str = "auto", live_lora: dict | None = None,
+                 update_weight_slices: str = "auto", update_weight_mode: str | None = None,
+                 live_lora: dict | None = None,
                  pause_generation_mode: str | None = None, **llm_kwargs: Any):
         """``dtype``: ``auto`` is the dtype the model's config declares (``engine_settings.declared_dtype``),
         given to vLLM by name so the engine and the trainer's stream agree on it; ``max_model_len``: None is
@@ -63,7 +76,9 @@ class VllmRolloutEngine(RolloutEngine):
         (``update_weight_staging`` ``full``, ``bucket`` or ``auto``, with ``update_weight_buffer_size``:
         ``engine_settings.resolve_engine_memory``). On CPU the staging is host memory and ``auto`` is ``full``.
         ``update_weight_slices`` (``--update-weight-slices``): ``auto``, each worker receives only its slices
-        where the mode and model allow; ``off``, whole tensors. ``live_lora`` (``rank``, ``alpha``,
+        where the mode and model allow; ``off``, whole tensors. ``update_weight_mode``: the transfer mode the
+        job connects with, for the memory estimate (a mode that sends slices stages each worker's share; None:
+        whole tensors are counted). ``live_lora`` (``rank``, ``alpha``,
         ``target_modules``): every update is a LoRA adapter served live on the checkpoint's base
         (:mod:`.live_lora`); requests use it from the first update on. ``pause_generation_mode``
         (``--pause-generation-mode``, under ``--fully-async``): what an update does to requests in flight
@@ -129,7 +144,9 @@ class VllmRolloutEngine(RolloutEngine):
             _keep_update_graph_channels_off_the_gpu()
             memory = resolve_engine_memory(model_dir, dtype, staging=update_weight_staging,
                                            bucket_bytes=update_weight_buffer_size,
-                                           utilization=llm_kwargs.get("gpu_memory_utilization"))
+                                           utilization=llm_kwargs.get("gpu_memory_utilization"),
+                                           sliced_width=_sliced_width(tensor_parallel_size, update_weight_slices,
+                                                                      update_weight_mode, self.live_lora, llm_kwargs))
             llm_kwargs["gpu_memory_utilization"] = memory.vllm_utilization
             update_weight_staging = memory.staging
         from vllm import LLM

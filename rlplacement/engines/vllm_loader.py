@@ -87,7 +87,11 @@ def load_into_model(model: "torch.nn.Module", model_config, staged: list[NamedTe
         prepare_cpu_moe_updates(model)
         initialize_layerwise_reload(model)
         _exclude_non_persistent_buffers(model)
-        model.load_weights(iter(staged))
+        try:
+            model.load_weights(iter(staged))
+        except BaseException:
+            abandon_layerwise_reload(model, model_config)
+            raise
         finalize_layerwise_reload(model, model_config)
     else:
         model.load_weights(iter(staged))
@@ -123,11 +127,11 @@ class BucketwiseLoad:
         self.touched = False
         self.copied_out = 0
         self._open = False
+        self._finishing = False
 
-    def apply(self, bucket: list[NamedTensor], owned: frozenset[str] = frozenset()) -> None:
-        """Load ``bucket``. ``owned``: its tensors that own their memory rather than view the bucket's buffer
-        (a worker's slices, ``transfer.shards.full_view``): nothing reuses that memory, so nothing of them
-        is copied out."""
+    def apply(self, bucket: list[NamedTensor]) -> None:
+        """Load ``bucket``, whose tensors view the bucket's buffer (a worker's slices too:
+        ``transfer.slice_tensor``)."""
         check_tensors(bucket, self.expected, self.where, self.seen)
         if not bucket:
             return
@@ -142,22 +146,44 @@ class BucketwiseLoad:
         self.touched = True
         self.model.load_weights(iter(bucket))
         if self.layerwise:
-            self.copied_out += _copy_out_pending(self.model, [pair for pair in bucket if pair[0] not in owned])
+            self.copied_out += _copy_out_pending(self.model, bucket)
 
     def finish(self) -> None:
         """The update is off the wire and every bucket loaded: refuse one that left a tensor out, then
         end vLLM's reload (its post-load processing of what is left)."""
         check_complete(self.expected, self.seen, self.where, self.optional)
+        self._finishing = True
         self.close()
         refresh_tied_lm_head(self.model, self.model_config)
 
     def close(self) -> None:
-        """Leave vLLM's reload state (idempotent): layers that received nothing get their tensors back."""
+        """Leave vLLM's reload state (idempotent). After :meth:`finish` layers that received nothing get their
+        tensors back; before it (a failure) the update is abandoned (:func:`abandon_layerwise_reload`)."""
         if self._open and self.layerwise:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            finalize_layerwise_reload(self.model, self.model_config)
+            self._open = False
+            if self._finishing:
+                finalize_layerwise_reload(self.model, self.model_config)
+            else:
+                abandon_layerwise_reload(self.model, self.model_config)
         self._open = False
+
+
+def abandon_layerwise_reload(model: "torch.nn.Module", model_config) -> None:
+    """End vLLM's layerwise reload after a load failed part-way: drop the weights buffered for layers still
+    waiting for more, so every such layer gets its served tensors back, then finalize as usual. Without this
+    the next reload finds the layers still initialised (vLLM skips those) and replays the failed update's
+    buffered weights. Layers already processed keep what they loaded: the caller marks the weights lost."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if info.can_load():
+            info.loaded_weights.clear()
+            info.load_numel = 0
+    finalize_layerwise_reload(model, model_config)
 
 
 def _copy_out_pending(model: "torch.nn.Module", bucket: list[NamedTensor]) -> int:
@@ -167,14 +193,18 @@ def _copy_out_pending(model: "torch.nn.Module", bucket: list[NamedTensor]) -> in
     import torch
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    storages = {t.untyped_storage().data_ptr() for _, t in bucket}
+    from rlplacement.transfer.slice_tensor import is_slice, slice_of, with_slice
+
+    storages = {slice_of(t).untyped_storage().data_ptr() for _, t in bucket}
     copied = 0
     for layer in model.modules():
         for _, bound in get_layerwise_info(layer).loaded_weights:
             for key, value in bound.arguments.items():
-                if (isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
-                        and value.device.type != "meta" and value.untyped_storage().data_ptr() in storages):
-                    bound.arguments[key] = value.clone()
+                if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+                    continue
+                data = slice_of(value)  # a worker's slice: its bytes are what the bucket holds
+                if data.device.type != "meta" and data.untyped_storage().data_ptr() in storages:
+                    bound.arguments[key] = with_slice(value, data.clone()) if is_slice(value) else value.clone()
                     copied += 1
     return copied
 

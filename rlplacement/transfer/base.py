@@ -354,7 +354,7 @@ class WeightReceiver(abc.ABC):
     def sliced(self) -> "dict[str, tuple]":
         """Tensors of the update staged last that arrived as this worker's slice: name -> (box, HF shape). The
         staged tensor has the HF shape, but only its box holds the tensor's bytes
-        (:func:`rlplacement.transfer.shards.full_view`)."""
+        (:func:`rlplacement.transfer.slice_tensor.as_whole`)."""
         return {}
 
     @property

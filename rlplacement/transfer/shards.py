@@ -10,19 +10,14 @@ HF tensor.
   bucket, named as the tensor. Sender and receiver derive it from the same bucket manifest and keeps, so
   only the whole bucket's manifest travels. Checksums of slices are keyed ``name[box]``
   (:func:`region_key`); a tensor sent whole keeps its name as key.
-* :func:`full_view` hands a slice to the loader as a tensor of the whole shape whose elements inside
-  the box are the slice. Its storage is the slice plus the elements before and after the box along the
-  sliced dimension: for a slice of rows, the rows outside it are allocated and never written or read
-  (host pages that are never touched are never resident); for a slice of columns, a few elements, and
-  the view's elements outside the box alias other rows of the slice. Either way the loader must read
-  only the box: ``engines.vllm_backend`` records the loader's reads on the first sliced load and
-  refuses by name one that reads outside it.
+* A slice reaches the loader as a tensor of the whole shape that holds only the slice's bytes
+  (``transfer.slice_tensor.as_whole``): every copy the loader makes out of it must be exactly the box,
+  else the load fails by name.
 
 Who uses it: ``p2p`` writes each worker its region of every bucket; ``broadcast`` and ``broadcast_packed``
 broadcast each region in a group of its own (the sender and the workers keeping it: one worker position of
 every engine, :func:`position_key`); ``disk-delta``'s workers decode, check and hold only their slices
-(``delta_codec.decode_slice``). Host memory only: on a GPU the rows outside a slice would be device memory,
-so workers there receive whole tensors.
+(``delta_codec.decode_slice``). The same on every device: nothing outside a worker's slices is allocated.
 
 Receivers publish their keeps in their group's store at join (:func:`keeps_key`); the sender reads them
 once per group (:func:`slice_positions`), so the cut of every bucket is known before any bytes move.
@@ -36,7 +31,7 @@ import math
 from typing import TYPE_CHECKING
 
 from rlplacement.transfer.base import BucketManifest, TensorMeta
-from rlplacement.transfer.bucket import aligned, pack_into, raw_kinds
+from rlplacement.transfer.bucket import aligned, pack_into
 from rlplacement.transfer.plan.boxes import Box, describe, volume, whole
 
 if TYPE_CHECKING:
@@ -92,14 +87,6 @@ def parse_region_key(key: str) -> tuple[str, Box | None]:
     return name, tuple(tuple(int(x) for x in r.split(":")) for r in ranges.split(", "))
 
 
-def sliced_dim(box: Box, shape: tuple[int, ...]) -> int:
-    """The one dimension ``box`` cuts (the rules cut one); raises for a box that cuts several."""
-    cut = [d for d, ((a, b), n) in enumerate(zip(box, shape)) if (a, b) != (0, n)]
-    if len(cut) != 1:
-        raise ValueError(f"a box of shape {shape} cutting dimensions {cut}: a slice cuts exactly one")
-    return cut[0]
-
-
 def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(b - a for a, b in box)
 
@@ -136,37 +123,6 @@ def cut(tensor: "torch.Tensor", box: Box | None) -> "torch.Tensor":
         if (a, b) != (0, tensor.shape[d]):
             tensor = tensor.narrow(d, a, b - a)
     return tensor
-
-
-def full_view(data: "torch.Tensor", box: Box, shape: tuple[int, ...]) -> "torch.Tensor":
-    """A tensor of ``shape`` whose box ``box`` holds ``data`` (of the box's shape): a copy of ``data`` into
-    storage laid out as the module docstring says. Elements outside the box are not the tensor's."""
-    import torch
-
-    d = sliced_dim(box, shape)
-    a, b = box[d]
-    dims = box_shape(box)
-    strides = [math.prod(dims[k + 1:]) for k in range(len(dims))]
-    before, after = a * strides[d], (shape[d] - b) * strides[d]
-    storage = torch.empty(before + data.numel() + after, dtype=data.dtype, device=data.device)
-    into = storage[before:before + data.numel()]
-    kind = raw_kinds(data.element_size()) if data.device.type == "cpu" else None
-    if kind is not None:  # numpy's memcpy: torch's copy_ starts a thread team per call on a few cores
-        import numpy as np
-
-        np.copyto(into.view(kind[0]).numpy(), data.reshape(-1).view(kind[0]).numpy())
-    else:
-        into.copy_(data.reshape(-1))
-    return storage.as_strided(shape, strides, 0)
-
-
-def slice_bounds(view: "torch.Tensor", box: Box, shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """For a :func:`full_view` ``view``: its storage's first element, and the box's elements' offsets
-    ``[start, stop)`` in that storage (what the loader may read)."""
-    d = sliced_dim(box, shape)
-    stride = view.stride()[d]
-    start = box[d][0] * stride
-    return view.untyped_storage().data_ptr(), start, start + volume(box)
 
 
 def slice_positions(keeps_by_worker: list[Keeps | None]) -> list[tuple[Keeps | None, list[int]]]:
@@ -220,20 +176,3 @@ def pack_regions(get_buffer, cut_regions: list[Region]) -> tuple["torch.Tensor",
     return flat[:total], spans
 
 
-def misread(reads: dict[str, list], sliced: dict[str, tuple], strides: dict[str, tuple[int, ...]]) -> str | None:
-    """Why a load that read ``reads`` (``engines.copy_plan.ReadRecorder``: per tensor, each copy's source as
-    storage offset, size and stride) may have taken bytes outside the slices of ``sliced`` (name -> (box,
-    HF shape)) staged as :func:`full_view` tensors of ``strides``; None when every copy out of a slice is
-    exactly its box. Exactly, because the view's elements outside the box alias the box's own memory: a
-    copy of the box's size, the view's strides and the box's first offset can only be the box."""
-    for name, (box, shape) in sorted(sliced.items()):
-        d = sliced_dim(box, shape)
-        want = (box[d][0] * strides[name][d], box_shape(box), tuple(strides[name]))
-        got = reads.get(name, [])
-        if not got:
-            return f"the loader took nothing of {name!r} through a view of it (its slice {describe(box)} was sent)"
-        bad = next((r for r in got if tuple(r) != want), None)
-        if bad is not None:
-            return (f"the loader read {name!r} other than as its slice {describe(box)} (a view of size {bad[1]} at "
-                    f"offset {bad[0]}, strides {bad[2]}; the slice is size {want[1]} at offset {want[0]})")
-    return None

@@ -415,12 +415,13 @@ class FramedReceiver(StagingReceiver):
     def _as_loaded(self, tensors: list[NamedTensor], manifest: BucketManifest, boxes: tuple,
                    hash_now: bool = False) -> list[NamedTensor]:
         """``tensors`` (a region's, in manifest order) as the loader takes them: a slice as a tensor of the HF
-        shape (``shards.full_view``), noted in :attr:`sliced`; a whole tensor as it is. ``hash_now``: the
+        shape over the slice's bytes (``slice_tensor.as_whole``), noted in :attr:`sliced`; a whole tensor as it is. ``hash_now``: the
         region's buffer is reused before the update ends (bucket staging), so its checksums are taken now."""
         if not self.keeps:
             return tensors
         from rlplacement.transfer import shards
         from rlplacement.transfer.base import tensor_checksum
+        from rlplacement.transfer.slice_tensor import as_whole
 
         out = []
         for (name, t), meta, box in zip(tensors, manifest.tensors, boxes):
@@ -430,7 +431,7 @@ class FramedReceiver(StagingReceiver):
                 out.append((name, t))
             else:
                 self._sliced[name] = (box, meta.shape)
-                out.append((name, shards.full_view(t, box, meta.shape)))
+                out.append((name, as_whole(t, box, meta.shape, name)))
         return out
 
     def _slices_landed(self) -> None:

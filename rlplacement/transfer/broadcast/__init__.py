@@ -3,11 +3,10 @@ after each bucket's manifest, in a private group of each sending trainer rank + 
 GPUs, gloo on CPU). The engines' loaders re-fuse and re-shard what arrives. :mod:`.sender` and
 :mod:`.receiver` hold its two classes; this package registers its spec.
 
-Slices: where engine workers keep slices (tensor-parallel engines in host memory,
-:mod:`rlplacement.transfer.shards`), the sender builds one more group per worker position (itself and the
+Slices: where engine workers keep slices (tensor-parallel engines, :mod:`rlplacement.transfer.shards`), the sender builds one more group per worker position (itself and the
 workers keeping the same slices: one worker of every engine) and broadcasts each position only its slices
-there; the frames stay in the group of all. Elsewhere (GPU workers, ``--update-weight-slices off``) every
-worker receives every tensor whole and its loader keeps its slice.
+there; the frames stay in the group of all. Elsewhere (TP=1, pipeline-parallel or expert-parallel engines,
+``--update-weight-slices off``) every worker receives every tensor whole and its loader keeps its slice.
 """
 
 from rlplacement.transfer.registry import register_mode

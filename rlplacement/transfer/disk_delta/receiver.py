@@ -29,7 +29,8 @@ from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, ApplyFn, NamedTensor, 
 from rlplacement.transfer.disk_delta import folder_format
 from rlplacement.transfer.disk_delta import MODE
 from rlplacement.transfer.disk_delta.signing import SenderIdentity
-from rlplacement.transfer.shards import full_view, keeps_to_json, region_key
+from rlplacement.transfer.shards import keeps_to_json, region_key
+from rlplacement.transfer.slice_tensor import as_whole
 from rlplacement.transfer.staging import StagingReceiver
 
 if TYPE_CHECKING:
@@ -226,10 +227,12 @@ class DiskDeltaReceiver(StagingReceiver):
             new_held[name], new_sums[name] = (dtype, kept_shape, data), want
             checked[region_key(name, box)] = want
             tensor = torch.from_numpy(data).view(dtype_from_name(dtype)).view(kept_shape)
+            if self.device.type != "cpu":
+                tensor = tensor.to(self.device)
             if box is not None:
                 self._sliced[name] = (box, shape)
-                tensor = full_view(tensor, box, shape)
-            staged.append((name, tensor if self.device.type == "cpu" else tensor.to(self.device)))
-        if self.keeps:  # what this worker checked stands for what it serves (the views hold more than its slices)
+                tensor = as_whole(tensor, box, shape, name)
+            staged.append((name, tensor))
+        if self.keeps:  # what this worker checked stands for what it serves (a sliced tensor cannot be hashed whole)
             self.verified_checksums = checked
         return staged, new_held, new_sums, stored_bytes

@@ -1,6 +1,6 @@
 """Mode ``p2p``: the trainer writes each bucket straight into every engine worker's staging memory
 with the Mooncake Transfer Engine (RDMA in production, TCP where RDMA is missing: the same protocol).
-A worker that keeps slices (a tensor-parallel engine in host memory, :mod:`rlplacement.transfer.shards`)
+A worker that keeps slices (a tensor-parallel engine's, :mod:`rlplacement.transfer.shards`)
 is written only its region of each bucket; every other worker the whole bucket.
 
 Control runs over the private gloo group of ``group.py`` (as ``cuda_ipc``); bytes go by Mooncake.
