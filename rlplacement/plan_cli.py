@@ -66,7 +66,7 @@ def simulate_layout(config, layout, args: argparse.Namespace) -> dict:
     b = config.backend
     pair = plans_for(model, layout, backend=b.name, tp=b.tensor_model_parallel_size,
                      pp=b.pipeline_model_parallel_size, mode=config.transfer.mode, assumptions=assumptions,
-                     ep=b.expert_model_parallel_size)
+                     ep=b.expert_model_parallel_size, slices=config.transfer.slices == "auto")
     return {"model": model.source, "model_bytes": model.total_bytes, "mode": config.transfer.mode,
             "backend": b.name, "engine_staging": engine_staging(config, model), **pair.to_json()}
 
@@ -102,16 +102,33 @@ def render_memory(memory: dict) -> str:
 
 
 def engine_staging(config, model) -> dict:
-    """What an update holds on each engine worker under each ``--update-weight-staging`` option, and the
-    options this run's mode offers."""
+    """What an update holds on each engine worker under each ``--update-weight-staging`` option (of the
+    worker's share: :func:`worker_share`), and the options this run's mode offers."""
     from rlplacement.engines.engine_settings import staging_per_option
     from rlplacement.transfer import registry
 
-    per_option = staging_per_option({t.name: t.bytes(model.itemsize) for t in model.tensors},
-                                    config.transfer.buffer_size)
+    per_option = staging_per_option(worker_share(config, model), config.transfer.buffer_size)
     offered = ("full", "bucket") if registry.spec(config.transfer.mode).bucket_staging else ("full",)
     return {"bytes": {k: v for k, v in per_option.items() if k in offered}, "requested": config.transfer.staging,
             "bucket_size": config.transfer.buffer_size}
+
+
+def worker_share(config, model) -> dict[str, int]:
+    """HF name -> bytes of the busiest engine worker's part of each tensor: its slices where the run's workers
+    receive only those (a mode whose receivers take slices, ``--update-weight-slices auto``, engines wider
+    than one GPU, split), else every tensor whole."""
+    from rlplacement.transfer import registry
+    from rlplacement.transfer.plan.boxes import volume
+    from rlplacement.transfer.plan.engine_shards import vllm_worker_needs
+
+    width = config.placement.rollout_num_gpus_per_engine
+    whole = {t.name: t.bytes(model.itemsize) for t in model.tensors}
+    if (width == 1 or config.placement.colocate or config.transfer.slices != "auto"
+            or not registry.spec(config.transfer.mode).receiver_class().accepts_slices):
+        return whole
+    needs = vllm_worker_needs(model, width)
+    busiest = max(needs, key=lambda boxes: sum(volume(b) for b in boxes.values()))
+    return {name: volume(busiest[name]) * model.itemsize for name in whole if name in busiest}
 
 
 def render(result: dict) -> str:

@@ -194,13 +194,17 @@ def test_rows_in_groups_read_other_than_by_whole_rows_get_no_plan():
     assert isinstance(result, str) and "other than whole rows" in result
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_a_plan_recorded_from_a_workers_slices_replays_vllms_loaders_bit_exact(tp, monkeypatch):
+def test_a_plan_recorded_from_a_workers_slices_replays_vllms_loaders_bit_exact(tp, device, monkeypatch):
     """How a GPU worker of a TP engine commits: it holds only its slices (``transfer.slice_tensor``), vLLM's own
     parallel layers load from them once under the recorder, and the plan replays later updates from the slices
-    alone. Every rank's parameters equal those loaded from the whole tensors, over versions; the staged bytes
-    are the worker's share. The layers run on CPU through a stand-in TP group (rank and size only), as in
-    ``test_transfer_plan``; a worker holding its neighbour's slices is refused by name at the recording."""
+    alone (on a GPU through the chunk kernel). Every rank's parameters equal those loaded from the whole tensors,
+    over versions; the staged bytes are the worker's share. The layers run in one process through a stand-in
+    TP group (rank and size only), as in ``test_transfer_plan``; a worker holding its neighbour's slices is
+    refused by name at the recording."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     linear = pytest.importorskip("vllm.model_executor.layers.linear")
     vocab = pytest.importorskip("vllm.model_executor.layers.vocab_parallel_embedding")
     import vllm.distributed.parallel_state as ps
@@ -241,7 +245,7 @@ def test_a_plan_recorded_from_a_workers_slices_replays_vllms_loaders_bit_exact(t
 
     def version(seed):
         g = torch.Generator().manual_seed(seed)
-        return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+        return {n: torch.randn(s, generator=g).to(device) for n, s in shapes.items()}
 
     def sliced(tensors, keeps):
         return [(n, as_whole(shards.cut(t, keeps[n]).contiguous(), keeps[n], t.shape, n) if n in keeps else t)
@@ -251,7 +255,7 @@ def test_a_plan_recorded_from_a_workers_slices_replays_vllms_loaders_bit_exact(t
         monkeypatch.setattr(ps, "_TP", types.SimpleNamespace(rank_in_group=w, world_size=tp))
         keeps = shards.keeps_for_worker(SMALL_QWEN2, w, tp)
         assert set(keeps) <= set(shapes) and len(keeps) >= 8
-        with set_current_vllm_config(VllmConfig()), torch.no_grad():
+        with set_current_vllm_config(VllmConfig()), torch.no_grad(), torch.device(device):
             served, reference = Layers(), Layers()
             staged = sliced(version(0), keeps)
             held = sum(shards.cut(t, keeps.get(n)).numel() for n, t in version(0).items())

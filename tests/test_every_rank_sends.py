@@ -66,7 +66,6 @@ def _planned_bytes_per_sender(job, mode) -> tuple[int, ...]:
     import os
 
     from rlplacement.advisor.thresholds import ModelAssumptions
-    from rlplacement.transfer.plan.build import WRITE
     from rlplacement.transfer.plan.for_layout import plans_for
     from rlplacement.transfer.plan.tensors import ModelTensors
 
@@ -74,8 +73,13 @@ def _planned_bytes_per_sender(job, mode) -> tuple[int, ...]:
     layout = job.placement.layout
     pair = plans_for(model, layout, backend="fsdp", tp=1, pp=1, mode=mode, assumptions=ModelAssumptions())
     assert pair.runs == "spread" and pair.who == "shares"
-    copies = len(layout.rollout_gpus) if pair.spread.fanout == WRITE else 1  # a write leaves once per worker
-    return tuple(b // copies for _, b in sorted(pair.spread.bytes_per_sender().items()))
+    sizes = {t.name: t.bytes(model.itemsize) for t in model.tensors}
+    sent = [set() for _ in range(pair.spread.num_senders)]  # the tensors each rank sends (its workers' slices)
+    for route in pair.spread.routes:
+        sent[route.sender].add(route.tensor)
+    # the plan that runs sends each worker of the 2-wide engine its slices, not the model
+    assert max(pair.spread.bytes_per_receiver().values()) < 0.6 * model.total_bytes
+    return tuple(sum(sizes[name] for name in names) for names in sent)
 
 
 def test_the_engine_generates_after_spread_updates(job):

@@ -239,24 +239,28 @@ def test_plan_simulate_transfer_prints_the_plans_and_marks_the_one_that_runs(tmp
     assert out["transfer"]["rank0"]["max_sender_bytes"] == 8 * 16381470720
     assert out["transfer"]["sharded"]["max_sender_bytes"] < 1.01 * 16381470720
     assert out["transfer"]["sharded"]["predicted_seconds"] < out["transfer"]["rank0"]["predicted_seconds"]
-    # what runs: all 8 ranks write whole tensors of their own stage to all 8 workers, an eighth of rank 0's each
+    # what runs: all 8 ranks write their share of whole tensors, each of the 8 workers only its slices of them:
+    # every engine receives the model once (its two workers a half each, norms on both)
     spread = out["transfer"]["spread"]
     assert out["transfer"]["runs"] == "spread"
     assert len([b for b in spread["bytes_per_sender"].values() if b]) == 8
-    assert sum(spread["bytes_per_sender"].values()) == 8 * 16381470720
-    assert spread["max_sender_bytes"] < 1.1 * 16381470720
-    assert spread["max_receiver_bytes"] == 16381470720  # each worker still receives whole tensors
-    assert out["transfer"]["sharded"]["predicted_seconds"] < spread["predicted_seconds"] < \
+    assert 4 * 16381470720 < sum(spread["bytes_per_sender"].values()) < 4.01 * 16381470720
+    assert spread["max_sender_bytes"] < 1.1 * 16381470720 / 2
+    assert 0.5 * 16381470720 < spread["max_receiver_bytes"] < 0.501 * 16381470720
+    assert out["transfer"]["sharded"]["predicted_seconds"] <= spread["predicted_seconds"] < \
         out["transfer"]["rank0"]["predicted_seconds"]
     staging = out["transfer"]["engine_staging"]
-    assert staging["bytes"]["full"] == 16381470720  # every worker stages the whole model
-    # two of the largest buckets: the 1.24 GB embedding (and the untied head) go alone, over the 512 MiB default
-    assert staging["bytes"]["bucket"] == 2 * 151936 * 4096 * 2
+    assert staging["bytes"]["full"] == spread["max_receiver_bytes"]  # a worker stages its slices
+    # two of the largest buckets: the embedding's and the head's halves, 0.62 GB each
+    assert staging["bytes"]["bucket"] == 2 * 151936 * 4096 * 2 // 2
     assert cli_main(argv) == 0
     text = capsys.readouterr().out
     assert "sharded (planned)" in text and "every rank sends *" in text and "rank 0 sends" in text
-    assert ("engine worker memory for an update (--update-weight-staging auto): full 16.38 GB, bucket 2.49 GB"
+    assert ("engine worker memory for an update (--update-weight-staging auto): full 8.19 GB, bucket 1.24 GB"
             in text), text
+    assert cli_main(argv + ["--update-weight-slices", "off", "--json"]) == 0  # every worker takes whole tensors
+    whole = json.loads(capsys.readouterr().out)["transfer"]
+    assert whole["spread"]["max_receiver_bytes"] == whole["engine_staging"]["bytes"]["full"] == 16381470720
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -1,8 +1,9 @@
 """The plans of a layout, from the validated flags and a model's config: the sharded plan (every rank sends
 what it holds, every worker receives its slice), the spread plan (every rank sends its share of whole
-tensors: what split layouts of ``broadcast``, ``broadcast_packed`` and ``p2p`` run; colocated ``cuda_ipc``: every
-rank hands the whole model to the worker on its own GPU) and the rank-0 plan (what the other layouts and
-modes run); each simulated on the layout's GPUs.
+tensors, each worker receiving its slices of them: what split layouts of ``broadcast``, ``broadcast_packed`` and
+``p2p`` run; colocated ``cuda_ipc``: every rank hands the whole model to the worker on its own GPU) and the
+rank-0 plan (rank 0 sends every worker every tensor whole: the baseline, and what runs for a one-rank
+trainer, with slices where the mode sends them); each simulated on the layout's GPUs.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _missing_bytes(model: ModelTensors, held: dict, wanted: dict) -> int:
 
 
 def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mode: str,
-              assumptions, ep: int = 1) -> PlanPair:
+              assumptions, ep: int = 1, slices: bool = True) -> PlanPair:
     """Both plans of ``layout`` (a :class:`~rlplacement.placement.layout.Layout`) for ``mode`` (a
     transfer mode's name; ``cuda_ipc`` colocated), simulated at ``assumptions``' rates (the advisor's
     :class:`~rlplacement.advisor.thresholds.ModelAssumptions`) times the mode's measured or estimated share
@@ -78,7 +79,10 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     Sharded, split: each worker's slice comes from the ranks that hold it. Sharded, colocated: each
     trainer rank first gathers what the worker on its GPU keeps and the worker reads it there, so no
     engine reads another GPU's trainer memory. Rank 0: rank 0 gathers the whole model and every worker is
-    sent every tensor whole (colocated: every worker reads rank 0's GPU).
+    sent every tensor whole (colocated: every worker reads rank 0's GPU): the baseline. The plan that runs
+    sends each worker of a wider engine only its slices where the mode's receivers take them
+    (``WeightReceiver.accepts_slices``) and ``slices`` (``--update-weight-slices auto``); a one-rank trainer
+    then runs the rank-0 plan with those slices.
     """
     from rlplacement.transfer import registry
 
@@ -105,17 +109,19 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
         sharded = build_plan(model, holdings, needs, fanout)
     whole = whole_model_needs(model, width)
     whole_needs = {r: whole[r[1]] for r in receivers}
+    sliced = slices and width > 1 and not layout.colocate and spec.receiver_class().accepts_slices
+    run_needs = needs if sliced else whole_needs  # what each worker is sent in the plan that runs
     gathered0 = rank0_holdings(model, world)
-    rank0 = build_plan(model, gathered0, whole_needs, fanout)
+    who = spec.who_sends(colocate=layout.colocate) if world > 1 else RANK0
+    rank0 = build_plan(model, gathered0, run_needs if who == RANK0 else whole_needs, fanout)
     gather0 = {0: _missing_bytes(model, holdings[0], gathered0[0])}
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     spread = spread_sim = None
-    who = spec.who_sends(colocate=layout.colocate) if world > 1 else RANK0
     if who == SHARES:
         # each rank sends the share the runtime assigns it: the same rule on the same sizes
         shares = megatron_share_holdings(model, tp, pp, world // (tp * pp), ep) if backend == "megatron" \
             else share_holdings(model, world)
-        spread = build_plan(model, shares, whole_needs, fanout)
+        spread = build_plan(model, shares, run_needs, fanout)
         # a rank gathers what it sends: FSDP from every rank's dim-0 shard, megatron from its TP peers
         gathered = shares
         gather_spread = {rank: _missing_bytes(model, holdings[rank], gathered[rank]) for rank in range(world)}
