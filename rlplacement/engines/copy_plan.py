@@ -159,7 +159,10 @@ class CopyPlan:
         return layout_of(staged, hf_shapes) == self.layout
 
     def _same_objects(self, staged: Sequence[NamedTensor]) -> bool:
-        return len(staged) == len(self._staged_ids) and all(id(t) == i for (_, t), i in zip(staged, self._staged_ids))
+        """The same tensor objects as the pairs were built from (for a worker's slice, the same bytes: a
+        receiver wraps its kept views afresh every update, ``transfer.slice_tensor``)."""
+        return len(staged) == len(self._staged_ids) and all(_identity(t) == i
+                                                             for (_, t), i in zip(staged, self._staged_ids))
 
     def still_live(self, model: "torch.nn.Module") -> bool:
         if self._owners:
@@ -193,8 +196,8 @@ class CopyPlan:
             dsts.append(c.dst)
             srcs.append(root.as_strided(c.src_size, c.src_stride, root.storage_offset() + c.src_offset))
         # keep the staged objects alive with the views, so their ids cannot be reused by others
-        self._staged_ids, self._pairs = tuple(id(t) for _, t in staged), (dsts, srcs)
-        self._staged_keep = [t for _, t in staged]
+        self._staged_ids, self._pairs = tuple(_identity(t) for _, t in staged), (dsts, srcs)
+        self._staged_keep = [slice_of(t) for _, t in staged]
         self._sources_moved = True  # the chunk table holds the old sources' addresses: retargeted at replay
         return self._pairs
 
@@ -266,6 +269,11 @@ class CopyPlan:
             if not _equal_in_chunks(dst, src, chunk_bytes):
                 bad.append(c.name)
         return bad
+
+
+def _identity(t: "torch.Tensor") -> tuple:
+    """What makes a staged tensor the same source as before: the object, or a slice's bytes and box."""
+    return (id(slice_of(t)), t._box if is_slice(t) else None)
 
 
 def _equal_in_chunks(a: "torch.Tensor", b: "torch.Tensor", chunk_bytes: int) -> bool:
