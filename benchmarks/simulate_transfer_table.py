@@ -9,7 +9,7 @@ Split: half the GPUs train (Megatron, the TP x PP below, the rest data-parallel)
 the width below, 8 GPUs a node, trainer and engines on their own nodes. Colocated: every GPU of one node
 trains and serves. Rates are the advisor's defaults.
 
-    python benchmarks/simulate_transfer_table.py [--json OUT]
+    python benchmarks/simulate_transfer_table.py [--models 8B 32B 70B] [--json OUT]
 """
 
 from __future__ import annotations
@@ -104,9 +104,11 @@ def ep_rows() -> list[dict]:
     return out
 
 
-def rows() -> list[dict]:
+def rows(only: list[str] | None = None) -> list[dict]:
     out = []
     for name, config in MODELS.items():
+        if only and name not in only:
+            continue
         model = ModelTensors.from_hf_config(config, source=name)
         tp, pp, width = SHAPES[name]
         for total in MOE_GPUS.get(name, GPUS):
@@ -143,10 +145,12 @@ def markdown(table: list[dict], *, colocate: bool = False) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--models", nargs="*", default=None, choices=list(MODELS),
+                        help="only these models' rows (default: every one)")
     parser.add_argument("--moe-ep", action="store_true",
                         help="only the mixture-of-experts rows, their trainers with expert parallelism (MOE_EP)")
     args = parser.parse_args()
-    table = ep_rows() if args.moe_ep else rows()
+    table = ep_rows() if args.moe_ep else rows(args.models)
     print(markdown(table))
     print()
     print(markdown(table, colocate=True))
