@@ -176,12 +176,18 @@ def test_a_mode_that_hands_over_whole_buckets_refuses_slices():
 
 
 @pytest.mark.parametrize("encoding", ["xor", "overwrite", "full"])
-@pytest.mark.parametrize("box", [((2, 4), (0, 10)), ((0, 6), (3, 7))])
-def test_a_slice_decodes_from_the_whole_payload_and_its_own_base(encoding, box):
+@pytest.mark.parametrize("box", [((2, 4), (0, 10)), ((0, 6), (3, 7)), ((5, 6), (0, 10))])
+@pytest.mark.parametrize("stream_bytes", [1 << 20, 40, 1])  # the whole tensor, two rows, one row at a time
+def test_a_slice_decodes_from_the_whole_payload_and_its_own_base(encoding, box, stream_bytes, monkeypatch):
+    """xor and full payloads are read as a stream of row chunks, never decompressed whole (the whole-payload
+    decompression is made to fail); overwrite's payload (the changed bytes) is."""
     import numpy as np
 
     from rlplacement.transfer import delta_codec as codec
 
+    monkeypatch.setattr(codec, "SLICE_STREAM_BYTES", stream_bytes)
+    if encoding != "overwrite":
+        monkeypatch.setattr(codec, "_decompress", lambda *a: pytest.fail("a slice decompressed its tensor whole"))
     rng = np.random.default_rng(0)
     shape, itemsize = (6, 10), 2
     old = rng.integers(0, 256, size=6 * 10 * 2, dtype=np.uint8)
@@ -192,6 +198,12 @@ def test_a_slice_decodes_from_the_whole_payload_and_its_own_base(encoding, box):
     base = None if encoding == "full" else codec.cut_bytes(old, shape, itemsize, box)
     got = codec.decode_slice(enc.encoding, enc.payload, base, new.size, enc.extra, shape, itemsize, box)
     assert np.array_equal(got, codec.cut_bytes(new, shape, itemsize, box))
+    if encoding != "overwrite":  # a payload cut short is refused, not read as zeros
+        from rlplacement.errors import DeltaDecodeError
+
+        with pytest.raises(DeltaDecodeError, match="zstd|the payload ends"):
+            codec.decode_slice(enc.encoding, enc.payload[:len(enc.payload) // 3], None if encoding == "full" else old,
+                               new.size, enc.extra, shape, itemsize, ((0, 6), (0, 10)))
 
 
 def test_a_disk_delta_worker_whose_slices_the_index_lacks_refuses_by_name():

@@ -14,7 +14,10 @@ Encodings of one tensor (``new`` and ``old`` are 1-D uint8 arrays of the same le
 
 A receiver that keeps only a slice of a tensor (a box of its elements) decodes that slice alone
 (:func:`decode_slice`) from its slice of the base: xor and overwrite are bytewise, so the slice of the
-result needs only the slice of the base (the payload is still decompressed whole, one tensor at a time).
+result needs only the slice of the base. A ``full`` or ``xor`` payload is decompressed as a stream, a few
+rows at a time (:data:`SLICE_STREAM_BYTES`), keeping only the slice's bytes and stopping after its last
+row, so decoding a slice never holds the whole tensor; an ``overwrite`` payload (its size is the changed
+bytes, not the tensor) is decompressed whole.
 
 zstd level 1: on sparse changes (1-3% of bytes) the xor stream is mostly zeros and compresses
 at memory speed; the level barely changes the ratio there.
@@ -36,6 +39,8 @@ COMPRESSION = "zstd-1"
 ZSTD_LEVEL = 1
 
 FULL, UNCHANGED = "full", "unchanged"
+SLICE_STREAM_BYTES = 16 << 20
+"""Decompressed bytes a slice decode holds at a time (whole rows of the tensor, at least one)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +155,47 @@ def cut_bytes(data: "np.ndarray", shape: tuple[int, ...], itemsize: int, box) ->
     return np.array(shaped[tuple(slice(a, b) for a, b in box)], order="C", copy=True).reshape(-1)
 
 
+def _decompressed_slice(payload, nbytes: int, shape: tuple[int, ...], itemsize: int, box) -> "np.ndarray":
+    """The bytes of ``box`` of the tensor whose raw bytes ``payload`` compresses, read from a decompressing
+    stream in chunks of whole rows (:data:`SLICE_STREAM_BYTES`) up to the box's last row: the rows before the
+    box are decompressed and dropped, the rows after it never decompressed. The bytes read are checked to be
+    the tensor's up to there; the slice's checksum checks the rest."""
+    import numpy as np
+    import zstandard
+
+    if not shape:
+        return cut_bytes(np.frombuffer(_decompress(payload, nbytes), dtype=np.uint8), shape, itemsize, box)
+    rows = shape[0]
+    row_bytes = nbytes // rows if rows else 0
+    (first, last), rest = box[0], tuple(box[1:])
+    per_chunk = max(1, SLICE_STREAM_BYTES // max(row_bytes, 1))
+    pieces = []
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(payload)
+        row = 0
+        while row < last:
+            n = min(per_chunk, last - row)
+            chunk = _read_exactly(reader, n * row_bytes)
+            if row + n > first:
+                lo = max(first, row)
+                pieces.append(cut_bytes(np.frombuffer(chunk, dtype=np.uint8), (n, *shape[1:]), itemsize,
+                                        ((lo - row, n), *rest)))
+            row += n
+    except zstandard.ZstdError as exc:
+        raise DeltaDecodeError(f"zstd: {exc}") from exc
+    return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
+
+
+def _read_exactly(reader, size: int) -> bytes:
+    out = bytearray()
+    while len(out) < size:
+        got = reader.read(size - len(out))
+        if not got:
+            raise DeltaDecodeError(f"the payload ends after {len(out)} of {size} bytes of a row chunk")
+        out += got
+    return bytes(out)
+
+
 def decode_slice(encoding: str, payload, base: "np.ndarray | None", nbytes: int, extra: dict,
                  shape: tuple[int, ...], itemsize: int, box) -> "np.ndarray":
     """The new bytes of ``box`` of the tensor (``shape``, ``itemsize``, ``nbytes`` in all), from the payload
@@ -157,7 +203,7 @@ def decode_slice(encoding: str, payload, base: "np.ndarray | None", nbytes: int,
     import numpy as np
 
     if encoding == FULL:
-        return cut_bytes(decode(FULL, payload, None, nbytes, extra), shape, itemsize, box)
+        return _decompressed_slice(payload, nbytes, shape, itemsize, box)
     size = itemsize
     for a, b in box:
         size *= b - a
@@ -165,8 +211,7 @@ def decode_slice(encoding: str, payload, base: "np.ndarray | None", nbytes: int,
         raise DeltaDecodeError(f"a {encoding} delta of a slice needs its {size} base bytes, "
                                f"got {'none' if base is None else base.size}")
     if encoding == "xor":
-        diff = np.frombuffer(_decompress(payload, nbytes), dtype=np.uint8)
-        return np.bitwise_xor(base, cut_bytes(diff, shape, itemsize, box))
+        return np.bitwise_xor(base, _decompressed_slice(payload, nbytes, shape, itemsize, box))
     if encoding == "overwrite":
         positions, values = _overwrites(payload, nbytes, extra)
         count = positions.size

@@ -5,8 +5,8 @@ Data flow: trainer tensors -> diff against the bytes the engines hold (``delta_c
 ``DIR/weight_v{N:06d}/`` (:mod:`.folder_format`: written, fsynced, published by renames) ->
 ``DIR/latest`` -> each engine worker reads, verifies and stages the full new tensors -> commit.
 A worker that keeps slices (``transfer.shards``) publishes them in the folder at join; the sender adds
-each slice's checksum to every index, and the worker decodes, checks and holds only its slices (each payload
-is still read and decompressed whole). Other workers read and hold every tensor whole.
+each slice's checksum to every index, and the worker decodes, checks and holds only its slices (a payload
+is decompressed a few rows at a time up to the slice's last row: ``delta_codec.decode_slice``). Other workers read and hold every tensor whole.
 :mod:`.sender` is the trainer side, :mod:`.receiver` the engine side.
 
 Coordination: ``transfer_driver.run_update`` starts the trainer's ``update`` and the engines'

@@ -11,8 +11,8 @@ decoding and every result's after: corruption is refused naming the tensor, and 
 the model before ``commit``. The receiver keeps a host copy of the bytes it serves (vLLM CPU
 repacks its linear layers, so the model's own parameters cannot serve as the base). A worker that keeps
 slices (``transfer.shards``) decodes, checks (against the index's ``slice_checksums``) and holds only those:
-its host copy is its share of the model; each payload is still read and decompressed whole, one tensor at
-a time.
+its host copy is its share of the model, and decoding a slice holds a few rows of its tensor at a time
+(``delta_codec.decode_slice``).
 """
 
 from __future__ import annotations
