@@ -60,8 +60,8 @@ GPUS = (8, 64, 256, 1024)
 MOE_GPUS = {"30B-A3B": (64, 256), "235B-A22B": (256,), "1T (Kimi-K2 sizes)": (256,)}
 MOE_MODES = {"1T (Kimi-K2 sizes)": ("broadcast_packed",)}
 MODES = ("broadcast_packed", "p2p")
-COLOCATED_SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2)}  # on one node of 8 GPUs (--colocate is refused across
-# nodes); 70B does not train on 8 GPUs
+COLOCATED_SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2)}  # on one node of 8 GPUs (every rank hands its own
+# GPU's worker the update, so more nodes add nothing per GPU); 70B does not train on 8 GPUs
 
 
 def _row(name: str, model: ModelTensors, layout, mode: str, tp: int, pp: int, trainer_gpus: int, ep: int = 1) -> dict:

@@ -192,12 +192,20 @@ def test_a_split_run_whose_transfer_mode_colocating_refuses_is_not_told_to_coloc
     assert not advice.recommended.placement.colocate
 
 
-def test_colocating_is_never_a_candidate_across_nodes():
-    """--colocate refuses --actor-num-nodes > 1: on two 8-GPU nodes only splits are candidates."""
-    from rlplacement.advisor import candidate_placements
+def test_colocating_across_nodes_is_a_candidate_only_where_every_engine_fits_in_a_node():
+    """As the flags allow: on two 8-GPU nodes engines of 2 colocate (each inside a node), engines of 16 do not,
+    nor engines of 3 on 12 GPUs of 8-GPU nodes (one would straddle)."""
+    import argparse
 
-    assert not any(p.colocate for p in candidate_placements(16, 8, 2))
+    from rlplacement.advisor import candidate_placements
+    from rlplacement.args import add_arguments, config_from_args
+
+    assert any(p.colocate for p in candidate_placements(16, 8, 2))
     assert any(p.colocate for p in candidate_placements(8, 8, 2))
+    assert not any(p.colocate for p in candidate_placements(16, 8, 16))
+    assert not any(p.colocate for p in candidate_placements(12, 8, 3))
+    flags = ["--colocate", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8", "--rollout-num-gpus-per-engine", "2"]
+    assert config_from_args(add_arguments(argparse.ArgumentParser()).parse_args(flags)).placement.num_engines == 8
 
 
 @pytest.mark.parametrize("path", [SPLIT, ONE_STEP_OFF, COLOCATED])

@@ -89,7 +89,10 @@ def test_config_is_frozen():
      r"--rollout-num-gpus-per-engine 12 is wider than a node .*not a whole number of nodes"),
     (["--colocate", "--rollout-num-gpus", "4"], r"--colocate .*--rollout-num-gpus is 4.*set it to 8"),
     (["--colocate", "--update-weight-transfer-mode", "p2p"], r"p2p cannot be used with --colocate"),
-    (["--colocate", "--actor-num-nodes", "2"], r"--colocate with --actor-num-nodes 2: .*use --actor-num-nodes 1"),
+    (["--colocate", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4", "--num-gpus-per-node", "4",
+      "--rollout-num-gpus-per-engine", "8"],
+     r"--colocate with --actor-num-nodes 2: an engine of --rollout-num-gpus-per-engine 8 must lie inside one node "
+     r".*use a divisor of 4, or --actor-num-nodes 1"),
     (["--colocate", "--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "/x"],
      r"disk-delta cannot be used with --colocate"),
     (["--rollout-num-gpus", "2", "--update-weight-transfer-mode", "disk-delta"],

@@ -3,8 +3,8 @@
 Invariants of the result: the same total GPUs as the run (or ``--num-gpus`` in a what-if); the
 rollout side is whole engines; splits come from
 :func:`rlplacement.placement.layout.feasible_splits`, so node boundaries and the trainer's
-memory floor (``trainer_min_gpus``) and TP x PP multiple hold; colocating stays on one node (the
-flags refuse ``--colocate`` with ``--actor-num-nodes`` > 1); a ``long-tail`` run is never given
+memory floor (``trainer_min_gpus``) and TP x PP multiple hold; colocating across nodes keeps each engine
+inside a node (as the flags require); a ``long-tail`` run is never given
 more rollout GPUs; a change is proposed only when predicted to cut the measured step by at least
 ``min_gain``, and its gain is stated against the measured step (under a ``Workload`` what-if, which
 changes the job, against the current layout's prediction for it).
@@ -82,12 +82,15 @@ class Advice:
 
 def candidate_placements(total_gpus: int, num_gpus_per_node: int, gpus_per_engine: int,
                          trainer_min_gpus: int = 1, trainer_multiple: int = 1) -> list[Placement]:
-    """Feasible splits (from the placement layer) plus colocate on all GPUs when that is valid: one node
-    (the flags refuse --colocate across nodes), whole engines, the trainer's floor and multiple."""
+    """Feasible splits (from the placement layer) plus colocate on all GPUs when that is valid: whole engines,
+    each inside a node (one node, or whole nodes each holding whole engines: what the flags allow), the
+    trainer's floor and multiple."""
     out = [Placement(False, s.trainer_gpus, s.rollout_gpus)
            for s in feasible_splits(total_gpus, num_gpus_per_node, gpus_per_engine, trainer_min_gpus, trainer_multiple)]
+    inside_nodes = total_gpus <= num_gpus_per_node or (total_gpus % num_gpus_per_node == 0
+                                                       and num_gpus_per_node % gpus_per_engine == 0)
     if (total_gpus >= trainer_min_gpus and total_gpus % gpus_per_engine == 0
-            and total_gpus % trainer_multiple == 0 and total_gpus <= num_gpus_per_node):
+            and total_gpus % trainer_multiple == 0 and inside_nodes):
         out.append(Placement(True, total_gpus, total_gpus))
     return out
 

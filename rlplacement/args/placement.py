@@ -75,12 +75,12 @@ def placement_from_args(args: argparse.Namespace) -> PlacementConfig:
         raise ConfigError(
             f"--rollout-num-gpus-per-engine {per_engine} is wider than a node (--num-gpus-per-node "
             f"{gpus_per_node}) but not a whole number of nodes: use {gpus_per_node} or a multiple of it.")
-    if colocate and nodes > 1:
+    if colocate and nodes > 1 and (per_engine > per_node or per_node % per_engine):
         raise ConfigError(
-            f"--colocate with --actor-num-nodes {nodes}: colocated layouts are placed and run on one node only "
-            f"(each engine worker reads the trainer rank on its own GPU by IPC; a layout across nodes has not been "
-            f"run): use --actor-num-nodes 1, or drop --colocate and use --update-weight-transfer-mode "
-            f"broadcast_packed.")
+            f"--colocate with --actor-num-nodes {nodes}: an engine of --rollout-num-gpus-per-engine {per_engine} "
+            f"must lie inside one node of --actor-num-gpus-per-node {per_node} (each engine worker reads the "
+            f"trainer rank on its own GPU by IPC, which does not cross nodes): use a divisor of {per_node}, or "
+            f"--actor-num-nodes 1.")
     if colocate and per_engine > per_node and per_engine % per_node:
         raise ConfigError(
             f"Under --colocate an engine of --rollout-num-gpus-per-engine {per_engine} would straddle "
