@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from rlplacement.transfer.slice_tensor import VIEW_OPS, is_slice, slice_of, with_slice
+from rlplacement.transfer.slice_tensor import VIEW_OPS, box_of, is_slice, slice_of, with_slice
 
 if TYPE_CHECKING:
     import torch
@@ -273,7 +273,7 @@ class CopyPlan:
 
 def _identity(t: "torch.Tensor") -> tuple:
     """What makes a staged tensor the same source as before: the object, or a slice's bytes and box."""
-    return (id(slice_of(t)), t._box if is_slice(t) else None)
+    return (id(slice_of(t)), box_of(t))
 
 
 def _equal_in_chunks(a: "torch.Tensor", b: "torch.Tensor", chunk_bytes: int) -> bool:
@@ -291,7 +291,7 @@ def layout_of(staged: Sequence[NamedTensor], hf_shapes: dict | None = None) -> t
     """Per staged tensor: name, dtype, shape, and its HF shape where it is held in another (for a worker's
     slice, ``transfer.slice_tensor``: the box and the whole shape)."""
     hf_shapes = hf_shapes or {}
-    return tuple((n, str(t.dtype), tuple(slice_of(t).shape), (t._box, t._whole) if is_slice(t) else hf_shapes.get(n))
+    return tuple((n, str(t.dtype), tuple(slice_of(t).shape), box_of(t) or hf_shapes.get(n))
                  for n, t in staged)
 
 

@@ -180,6 +180,11 @@ def slice_of(t: "torch.Tensor") -> "torch.Tensor":
     return t._slice if is_slice(t) else t
 
 
+def box_of(t: "torch.Tensor") -> tuple[tuple, tuple[int, ...]] | None:
+    """A SliceTensor's box and whole shape; None for any other tensor."""
+    return (t._box, t._whole) if is_slice(t) else None
+
+
 def with_slice(t: "torch.Tensor", data: "torch.Tensor") -> "torch.Tensor":
     """The SliceTensor ``t`` over other bytes of the same box (a copy, or a recording probe of the slice)."""
     return as_whole(data, t._box, t._whole, t._name)
