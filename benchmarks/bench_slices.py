@@ -48,12 +48,16 @@ def scaled(named, step: int):
 
 
 def load_like_vllm(receiver, staged) -> None:
-    """What the engine's loader copies: a sliced tensor's box, every other tensor whole."""
+    """What the engine's loader copies: a sliced tensor's box (out of the ``slice_tensor`` it is handed, into a
+    parameter-sized destination, as vLLM's ``param.copy_(loaded.narrow(...))``), every other tensor whole."""
+    import torch
+
     from rlplacement.transfer.shards import cut
 
     sliced = receiver.sliced
     for name, t in staged:
-        cut(t, sliced[name][0] if name in sliced else None).clone()
+        view = cut(t, sliced[name][0] if name in sliced else None)
+        torch.empty(view.shape, dtype=view.dtype).copy_(view)
 
 
 def run_update(s, version: int, named) -> tuple:
