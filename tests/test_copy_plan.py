@@ -245,7 +245,7 @@ def test_a_plan_recorded_from_a_workers_slices_replays_vllms_loaders_bit_exact(t
 
     def version(seed):
         g = torch.Generator().manual_seed(seed)
-        return {n: torch.randn(s, generator=g).to(device) for n, s in shapes.items()}
+        return {n: torch.randn(s, generator=g, device="cpu").to(device) for n, s in shapes.items()}
 
     def sliced(tensors, keeps):
         return [(n, as_whole(shards.cut(t, keeps[n]).contiguous(), keeps[n], t.shape, n) if n in keeps else t)
