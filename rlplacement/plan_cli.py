@@ -66,7 +66,7 @@ def simulate_layout(config, layout, args: argparse.Namespace) -> dict:
     b = config.backend
     pair = plans_for(model, layout, backend=b.name, tp=b.tensor_model_parallel_size,
                      pp=b.pipeline_model_parallel_size, mode=config.transfer.mode, assumptions=assumptions,
-                     ep=b.expert_model_parallel_size, slices=config.transfer.slices == "auto")
+                     ep=b.expert_model_parallel_size, slices=config.transfer.slices)
     return {"model": model.source, "model_bytes": model.total_bytes, "mode": config.transfer.mode,
             "backend": b.name, "engine_staging": engine_staging(config, model), **pair.to_json()}
 
@@ -115,20 +115,14 @@ def engine_staging(config, model) -> dict:
 
 def worker_share(config, model) -> dict[str, int]:
     """HF name -> bytes of the busiest engine worker's part of each tensor: its slices where the run's workers
-    receive only those (a mode whose receivers take slices, ``--update-weight-slices auto``, engines wider
-    than one GPU, split), else every tensor whole."""
-    from rlplacement.transfer import registry
-    from rlplacement.transfer.plan.boxes import volume
-    from rlplacement.transfer.plan.engine_shards import vllm_worker_needs
+    receive only those (``registry.workers_take_slices``), else every tensor whole."""
+    from rlplacement.transfer import registry, shards
 
     width = config.placement.rollout_num_gpus_per_engine
     whole = {t.name: t.bytes(model.itemsize) for t in model.tensors}
-    if (width == 1 or config.placement.colocate or config.transfer.slices != "auto"
-            or not registry.spec(config.transfer.mode).receiver_class().accepts_slices):
+    if not registry.workers_take_slices(config.transfer.mode, width, config.transfer.slices):
         return whole
-    needs = vllm_worker_needs(model, width)
-    busiest = max(needs, key=lambda boxes: sum(volume(b) for b in boxes.values()))
-    return {name: volume(busiest[name]) * model.itemsize for name in whole if name in busiest}
+    return shards.busiest_share(whole, [shards.keeps_of(model, w, width) for w in range(width)], model.itemsize)
 
 
 def render(result: dict) -> str:

@@ -19,26 +19,20 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    from ray.cluster_utils import Cluster
+    from tests.transfer_helpers.cluster import REPO, two_node_ray
 
-    from tests.transfer_helpers.cluster import REPO
-
-    if ray.is_initialized():
-        ray.shutdown()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1, num_gpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
-    try:
+    with two_node_ray(gpus_per_node=1, runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}}):
         with tiny_job(tmp_path_factory, [
                 "--colocate", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1",
                 "--rollout-num-gpus-per-engine", "1", "--train-backend", "fsdp", "--n-samples-per-prompt", "2",
                 "--rollout-max-response-len", "4", "--check-weight-update-equal"], timeout_s=240) as started:
             yield started
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+
+
+def _node_and_gpu(actor) -> tuple[str, str | None]:
+    """The Ray node an actor runs on and the GPUs its process sees."""
+    return ray.get(actor.__ray_call__.remote(
+        lambda self: (ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES"))), timeout=60)
 
 
 def test_each_engine_sits_on_its_trainer_ranks_node_and_gpu(job):
@@ -49,10 +43,7 @@ def test_each_engine_sits_on_its_trainer_ranks_node_and_gpu(job):
     for index, engine_gpus in enumerate(layout.engines):
         assert engine_gpus == (layout.trainer_gpus[index],)
         assert job.placement.engine_node(index) == nodes[index]
-        where = ray.get(job.engines[index].__ray_call__.remote(
-            lambda self: (ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES"))), timeout=60)
-        trainer = ray.get(job.trainers[index].__ray_call__.remote(
-            lambda self: (ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES"))), timeout=60)
+        where, trainer = _node_and_gpu(job.engines[index]), _node_and_gpu(job.trainers[index])
         assert where == trainer and where[0] == nodes[index], (index, where, trainer)
 
 

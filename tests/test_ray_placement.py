@@ -103,18 +103,10 @@ def test_nodes_smaller_than_num_gpus_per_node_are_rejected(local_ray):
 
 @pytest.fixture(scope="module")
 def two_node_cluster():
-    from ray.cluster_utils import Cluster
+    from tests.transfer_helpers.cluster import two_node_ray
 
-    if ray.is_initialized():
-        ray.shutdown()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 4, "include_dashboard": False})
-    cluster.add_node(num_cpus=1, num_gpus=4)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with two_node_ray(gpus_per_node=4) as cluster:
+        yield cluster
 
 
 def test_multi_node_split_keeps_engines_inside_nodes(two_node_cluster):

@@ -30,7 +30,6 @@ A plan is only used when it is provably what the loader did:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Sequence
 

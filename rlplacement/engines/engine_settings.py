@@ -50,17 +50,13 @@ def worker_tensor_bytes(model_dir: str | Path, dtype: str, tensor_parallel_size:
     if tensor_parallel_size <= 1:
         return whole
     from rlplacement.transfer import shards
-    from rlplacement.transfer.plan.boxes import volume
 
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         per_worker = [shards.keeps_for_worker(config, w, tensor_parallel_size) for w in range(tensor_parallel_size)]
     except (ValueError, KeyError, TypeError, OSError):
         return whole
-    itemsize = _DTYPE_BYTES[dtype]
-    busiest = max(per_worker, key=lambda keeps: sum(volume(keeps[n]) * itemsize if n in keeps else b
-                                                    for n, b in whole.items()))
-    return {n: volume(busiest[n]) * itemsize if n in busiest else b for n, b in whole.items()}
+    return shards.busiest_share(whole, per_worker, _DTYPE_BYTES[dtype])
 
 
 def model_bytes(model_dir: str | Path, dtype: str) -> int:

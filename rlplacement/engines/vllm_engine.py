@@ -48,12 +48,11 @@ def _sliced_width(tensor_parallel_size: int, slices: str, mode: str | None, live
     """The width whose share each worker stages (``engine_settings.resolve_engine_memory``): the engine's
     tensor-parallel size where its workers will receive only their slices (the rules of
     ``vllm_backend.RlplacementWeightTransferEngine._keeps``), else 1."""
-    if (slices != "auto" or mode is None or live_lora or llm_kwargs.get("pipeline_parallel_size", 1) > 1
-            or llm_kwargs.get("enable_expert_parallel")):
+    if mode is None or live_lora or llm_kwargs.get("pipeline_parallel_size", 1) > 1 or llm_kwargs.get("enable_expert_parallel"):
         return 1
     from rlplacement.transfer import registry
 
-    return tensor_parallel_size if registry.receiver_class(mode).accepts_slices else 1
+    return tensor_parallel_size if registry.workers_take_slices(mode, tensor_parallel_size, slices) else 1
 
 
 @one_call_at_a_time  # a compiled update graph calls update_weights from another thread than generate

@@ -65,6 +65,14 @@ def spec(mode: str) -> ModeSpec:
     return known[mode]
 
 
+def workers_take_slices(mode: str, engine_width: int, slices: str = "auto") -> bool:
+    """Each worker of an ``engine_width``-wide engine receives only its slices under ``mode``: the mode's
+    receivers take slices (``WeightReceiver.accepts_slices``), the engine is wider than one GPU and
+    ``--update-weight-slices`` is ``auto``. An engine's own settings may still give whole tensors (pipeline or
+    expert parallelism, a model the rules do not know: ``engines.vllm_backend``)."""
+    return slices == "auto" and engine_width > 1 and receiver_class(mode).accepts_slices
+
+
 def selectable_modes() -> tuple[str, ...]:
     """The modes a user may name with ``--update-weight-transfer-mode`` (those serving split layouts)."""
     return tuple(name for name, s in specs().items() if SPLIT in s.layouts)

@@ -37,6 +37,8 @@ from rlplacement.transfer.plan.boxes import Box, describe, volume, whole
 if TYPE_CHECKING:
     import torch
 
+    from rlplacement.transfer.plan.tensors import ModelTensors
+
 Keeps = dict[str, Box]
 """HF name -> the box of it a worker keeps (tensors kept whole are absent)."""
 
@@ -44,13 +46,27 @@ Keeps = dict[str, Box]
 def keeps_for_worker(hf_config: dict, rank: int, tp: int) -> Keeps:
     """What worker ``rank`` of a ``tp``-wide engine keeps of each tensor of the model of ``hf_config``
     (its ``config.json`` as a dict); raises ``ValueError`` for a model the plan does not know."""
-    from rlplacement.transfer.plan.engine_shards import vllm_worker_needs
     from rlplacement.transfer.plan.tensors import ModelTensors
 
-    model = ModelTensors.from_hf_config(hf_config, dtype="float32")  # boxes count elements: any dtype will do
+    return keeps_of(ModelTensors.from_hf_config(hf_config, dtype="float32"), rank, tp)  # boxes count elements
+
+
+def keeps_of(model: "ModelTensors", rank: int, tp: int) -> Keeps:
+    """:func:`keeps_for_worker` of a model already read (``transfer.plan.tensors.ModelTensors``)."""
+    from rlplacement.transfer.plan.engine_shards import vllm_worker_needs
+
     needs = vllm_worker_needs(model, tp)[rank]
     shapes = {t.name: t.shape for t in model.tensors}
     return {name: box for name, box in needs.items() if box != whole(shapes[name]) and volume(box)}
+
+
+def busiest_share(tensor_bytes: dict[str, int], keeps_by_worker: list[Keeps], itemsize: int) -> dict[str, int]:
+    """HF name -> bytes the busiest worker receives of each tensor of ``tensor_bytes`` (whole sizes), the workers
+    keeping ``keeps_by_worker``: a kept box's bytes, else the whole tensor (kept whole, or sent whole)."""
+    def share(keeps: Keeps) -> dict[str, int]:
+        return {n: volume(keeps[n]) * itemsize if n in keeps else b for n, b in tensor_bytes.items()}
+
+    return max((share(keeps) for keeps in keeps_by_worker), key=lambda s: sum(s.values()), default=dict(tensor_bytes))
 
 
 def keeps_to_json(keeps: Keeps | None) -> str:

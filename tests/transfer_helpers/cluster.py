@@ -8,6 +8,7 @@ A module takes its cluster with ``cluster = cluster_fixture(spec)``; the fixture
 of the module's).
 """
 
+import contextlib
 import os
 
 import pytest
@@ -17,6 +18,28 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 17, 9, 250]]
 BUCKET = 64 * 1024  # several buckets per update for the ~450 KB tiny model
 TIMEOUT_S = 60.0
+
+@contextlib.contextmanager
+def two_node_ray(gpus_per_node: int, runtime_env: dict | None = None):
+    """A real two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: two raylets of one CPU and
+    ``gpus_per_node`` logical GPUs each), this process connected to it (with ``runtime_env``), shut down after."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 1, "num_gpus": gpus_per_node, "include_dashboard": False})
+    cluster.add_node(num_cpus=1, num_gpus=gpus_per_node)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, **({"runtime_env": runtime_env} if runtime_env else {}))
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
 
 def start_local_ray():
     """A fresh local Ray of two CPUs whose workers import this checkout (never a neighbour's Ray

@@ -70,7 +70,7 @@ def _missing_bytes(model: ModelTensors, held: dict, wanted: dict) -> int:
 
 
 def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mode: str,
-              assumptions, ep: int = 1, slices: bool = True) -> PlanPair:
+              assumptions, ep: int = 1, slices: str = "auto") -> PlanPair:
     """Both plans of ``layout`` (a :class:`~rlplacement.placement.layout.Layout`) for ``mode`` (a
     transfer mode's name; ``cuda_ipc`` colocated), simulated at ``assumptions``' rates (the advisor's
     :class:`~rlplacement.advisor.thresholds.ModelAssumptions`) times the mode's measured or estimated share
@@ -81,7 +81,7 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     engine reads another GPU's trainer memory. Rank 0: rank 0 gathers the whole model and every worker is
     sent every tensor whole (colocated: every worker reads rank 0's GPU): the baseline. The plan that runs
     sends each worker of a wider engine only its slices where the mode's receivers take them
-    (``WeightReceiver.accepts_slices``) and ``slices`` (``--update-weight-slices auto``); a one-rank trainer
+    (``registry.workers_take_slices``, ``slices`` being ``--update-weight-slices``); a one-rank trainer
     then runs the rank-0 plan with those slices.
     """
     from rlplacement.transfer import registry
@@ -109,7 +109,7 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
         sharded = build_plan(model, holdings, needs, fanout)
     whole = whole_model_needs(model, width)
     whole_needs = {r: whole[r[1]] for r in receivers}
-    sliced = slices and width > 1 and not layout.colocate and spec.receiver_class().accepts_slices
+    sliced = not layout.colocate and registry.workers_take_slices(mode, width, slices)
     run_needs = needs if sliced else whole_needs  # what each worker is sent in the plan that runs
     gathered0 = rank0_holdings(model, world)
     who = spec.who_sends(colocate=layout.colocate) if world > 1 else RANK0
