@@ -23,12 +23,13 @@ SLACK_MB = 4  # the process's own small allocations in an update (frames, manife
 
 @pytest.fixture(scope="module")
 def engine_and_trainer(tmp_path_factory):
-    from tests.transfer_helpers.cluster import start_local_ray
+    from tests.transfer_helpers.cluster import shut_down_engine, start_local_ray
     from tests.transfer_helpers.trainer_actor import StandInHFTrainer
     from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION
 
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("m"), SPEC))
     start_local_ray()
+    engine = None
     try:
         trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
         # large blocks mapped and unmapped by glibc as torch allocates and frees them, so resident memory is
@@ -38,6 +39,7 @@ def engine_and_trainer(tmp_path_factory):
         ray.get([engine.info.remote(), trainer.checksums.remote()], timeout=300)
         yield trainer, engine, model_dir
     finally:
+        shut_down_engine(engine)  # a TP=2 engine's workers share /dev/shm segments its shutdown releases
         ray.shutdown()
 
 

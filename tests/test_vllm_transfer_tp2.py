@@ -25,7 +25,7 @@ PROMPT = [[5, 6, 7, 8]]
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    from tests.transfer_helpers.cluster import start_local_ray
+    from tests.transfer_helpers.cluster import shut_down_engine, start_local_ray
     from tests.transfer_helpers.trainer_actor import StandInHFTrainer
     from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION
 
@@ -41,11 +41,7 @@ def tp2(tmp_path_factory):
         yield {"trainer": trainer, "engine": engine, "info": info, "version": 0, "shm_before": before, "pid": pid,
                "model_dir": model_dir}
     finally:
-        if engine is not None:  # vLLM's shared memory goes only with its engine core (not with the actor)
-            try:
-                ray.get(engine.shutdown.remote(), timeout=120)
-            except Exception:  # noqa: BLE001 - already shut down or dead: nothing more to release
-                pass
+        shut_down_engine(engine)
         ray.shutdown()
 
 

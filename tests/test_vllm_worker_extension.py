@@ -20,7 +20,7 @@ from rlplacement.errors import ConfigError  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
 from rlplacement.runtime import transfer_driver as driver  # noqa: E402
 from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
-from tests.transfer_helpers.cluster import outputs  # noqa: E402
+from tests.transfer_helpers.cluster import outputs, shut_down_engine  # noqa: E402
 from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -52,11 +52,7 @@ def cluster(tmp_path_factory):
         yield {"model_dir": model_dir, "trainer": trainer, "engine": engine, "tmp": tmp_path_factory.mktemp("out"),
                "shm_before": before}
     finally:
-        if engine is not None:  # the engine core's shared memory goes only with its shutdown (not with the actor)
-            try:
-                ray.get(engine.shutdown.remote(), timeout=120)
-            except Exception:  # noqa: BLE001 - already shut down or dead: nothing more to release
-                pass
+        shut_down_engine(engine)
         ray.shutdown()
 
 

@@ -41,6 +41,19 @@ def two_node_ray(gpus_per_node: int, runtime_env: dict | None = None):
         cluster.shutdown()
 
 
+def shut_down_engine(engine) -> None:
+    """Shut ``engine`` (an engine actor, or None) down before its Ray goes: vLLM's shared memory (/dev/shm)
+    goes only with its engine core, not with the actor. One already shut down or dead is left as it is."""
+    import ray
+
+    if engine is None:
+        return
+    try:
+        ray.get(engine.shutdown.remote(), timeout=120)
+    except Exception:  # noqa: BLE001 - already shut down or dead: nothing more to release
+        pass
+
+
 def start_local_ray():
     """A fresh local Ray of two CPUs whose workers import this checkout (never a neighbour's Ray
     via RAY_ADDRESS); returns the ``ray`` module."""
