@@ -54,29 +54,39 @@ def _run_threads(fns):
 class Senders:
     """``num_senders`` senders of ``mode`` (trainer ranks) and ``n_receivers`` receivers (engine workers)."""
 
-    def __init__(self, mode, num_senders=2, n_receivers=2, buffer_size=1024, options=lambda i: {}):
+    def __init__(self, mode, num_senders=2, n_receivers=2, buffer_size=1024, options=lambda i: {},
+                 keeps=lambda i: None):
         self.senders = [registry.sender_class(mode)(buffer_size, timeout_s=20.0, device="cpu", **options(i))
                         for i in range(num_senders)]
         endpoints = [s.listen(1 + n_receivers, host="127.0.0.1").to_dict() for s in self.senders]
         endpoint = TransferEndpoint.from_dict(with_more_senders(endpoints))
         self.receivers = [receiver_for(registry.receiver_class(mode), endpoint, "cpu", version=0)
                           for _ in range(n_receivers)]
+        for i, r in enumerate(self.receivers):
+            r.keep_slices(keeps(i))  # published at join, as an engine worker's are
         _, errors = _run_threads([s.connect for s in self.senders] +
                                  [lambda i=i, r=r: r.connect(endpoint, i + 1) for i, r in enumerate(self.receivers)])
         assert errors == [None] * len(errors)
 
     def run(self, version, shares, *, bucketwise=False):
+        """``applied[i]``: receiver ``i``'s ``(name, tensor)`` as its loader got them, a slice as ``(name,
+        (box, whole shape, the slice's bytes))``."""
+        from rlplacement.transfer.slice_tensor import box_of, slice_of
+
         applied = [[] for _ in self.receivers]
+
+        def kept(tensors):
+            return [(n, t.clone() if box_of(t) is None else (*box_of(t), slice_of(t).clone())) for n, t in tensors]
 
         def recv(i):
             r = self.receivers[i]
             r.begin(version)
             if bucketwise:
-                r.receive_bucketwise(lambda tensors: applied[i].extend((n, t.clone()) for n, t in tensors))
+                r.receive_bucketwise(lambda tensors: applied[i].extend(kept(tensors)))
                 r.commit(lambda staged: None)
             else:
                 r.receive()
-                r.commit(lambda staged: applied[i].extend((n, t.clone()) for n, t in staged))
+                r.commit(lambda staged: applied[i].extend(kept(staged)))
 
         results, errors = _run_threads([lambda s=s, share=share: s.update(version, share)
                                         for s, share in zip(self.senders, shares)] +

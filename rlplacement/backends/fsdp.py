@@ -239,7 +239,75 @@ class FSDPBackend(TrainerBackend):
             return self._iter_hf(None, everywhere=True, adapters=adapters)
         if adapters:
             return self._iter_hf(self.update_owners() if share == SHARES else None, everywhere=False, adapters=True)
+        if share == SHARES and self._sends_pieces:
+            return self._iter_pieces()
         return super().iter_update_tensors(share)
+
+    @property
+    def _sends_pieces(self) -> bool:
+        """Every rank sends its own rows of each tensor (``transfer.pieces``) instead of gathering it onto one
+        owner: several ranks, no LoRA (a merged weight is computed from gathered factors) and no fused experts
+        (their checkpoint names are per-expert views of a gathered tensor)."""
+        return dist.get_world_size() > 1 and self.lora is None and not self.family.moe
+
+    def _row_pieces(self, param) -> list[tuple[int, tuple]] | None:
+        """``(global rank, box)`` of each rank's rows of a dim-0-sharded parameter (FSDP2's ``torch.chunk``
+        split; a rank past the last row holds none and is left out); None for a parameter held otherwise."""
+        if not hasattr(param, "full_tensor") or param.device_mesh.size() == 1 or not _dim0_sharded(param):
+            return None
+        group = param.device_mesh.get_group()
+        ranks, rows = dist.get_world_size(group), param.shape[0]
+        step = -(-rows // ranks)
+        rest = tuple((0, n) for n in param.shape[1:])
+        return [(dist.get_global_rank(group, r), ((r * step, min(rows, (r + 1) * step)),) + rest)
+                for r in range(ranks) if r * step < rows]
+
+    def _iter_pieces(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's rows of every dim-0-sharded parameter, each under its piece name
+        (``transfer.pieces.piece_name``), cast to the stream's dtype: no gather, so no rank receives another's
+        shard; any other parameter gathered whole onto its owner (:meth:`update_owners`), a collective every
+        rank runs in the same order."""
+        from rlplacement.transfer.pieces import piece_name
+
+        self.root.reshard()
+        rank = dist.get_rank()
+        owners = self.update_owners()
+        self.last_stream_gathered_bytes = 0
+        for name, param, _ in self._stream_entries():
+            pieces = self._row_pieces(param)
+            if pieces is None:
+                full = self._whole_on(param, owners[name], everywhere=False)
+                if owners[name] == rank:
+                    yield name, full.detach() if self.stream_dtype is None else full.detach().to(self.stream_dtype)
+                continue
+            box = dict(pieces).get(rank)
+            if box is None:
+                continue
+            local = param.to_local().detach()
+            if local.shape[0] != box[0][1] - box[0][0]:
+                raise RuntimeError(f"{name}: this rank holds {local.shape[0]} rows, FSDP2's chunking gives "
+                                   f"{box[0][1] - box[0][0]} ({box[0]})")
+            yield piece_name(name, box, tuple(param.shape)), local if self.stream_dtype is None else \
+                local.to(self.stream_dtype)
+
+    def update_shares(self) -> list[tuple[str, int, int]]:
+        """Where every rank sends its own rows (:attr:`_sends_pieces`): ``(piece name, bytes, rank)`` of every
+        rank's piece of every tensor; else whole tensors by :meth:`update_owners`."""
+        if not self._sends_pieces:
+            return super().update_shares()
+        from rlplacement.transfer.pieces import piece_name
+
+        out, owners = [], self.update_owners()
+        itemsizes = {name: (self.stream_dtype or p.dtype).itemsize for name, p, _ in self._stream_entries()}
+        for name, param, _ in self._stream_entries():
+            pieces = self._row_pieces(param)
+            if pieces is None:
+                out.append((name, param.numel() * itemsizes[name], owners[name]))
+                continue
+            per_row = math.prod(param.shape[1:]) * itemsizes[name]
+            out.extend((piece_name(name, box, tuple(param.shape)), (box[0][1] - box[0][0]) * per_row, r)
+                       for r, box in pieces)
+        return out
 
     def iter_hf_tensors(self, owners: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Each parameter is gathered onto the one rank that yields it (``owners``, else rank 0): its

@@ -179,16 +179,21 @@ class TrainerWorker(TrainerTransferMixin):
     def hf_checksums(self, keys: "list[str] | None" = None) -> dict[str, str]:
         """Per-tensor checksums of the weights as the trainer holds them (collective). ``keys``: the checksums
         an engine holds (``received_checksums``), where a worker's slice is ``name[box]``
-        (``transfer.shards.region_key``): those slices' checksums instead of the whole tensors'."""
+        (``transfer.shards.region_key``) and a sender's piece its piece name (``transfer.pieces``): those
+        slices' checksums instead of the whole tensors'."""
         from rlplacement.transfer import shards
         from rlplacement.transfer.base import tensor_checksum
 
         self._require_resident("checksums")
         if keys is None:
             return {name: tensor_checksum(t) for name, t in self.backend.iter_hf_tensors()}
+        from rlplacement.transfer.pieces import is_piece, piece_boxes
+
         wanted: dict[str, list] = {}
         for key in keys:
             name, box = shards.parse_region_key(key)
+            if is_piece(name):  # a trainer rank's piece (transfer.pieces), or a worker's part of one
+                name, box, _ = piece_boxes(name, box)
             wanted.setdefault(name, []).append((key, box))
         return {key: tensor_checksum(shards.cut(t, box)) for name, t in self.backend.iter_hf_tensors()
                 for key, box in wanted.get(name, [])}

@@ -18,6 +18,12 @@ calling thread, one at a time (vLLM's loaders keep thread-local state, and a buc
 safe to enter twice). The update is one update: it is whole only when every channel reached its END,
 and a failure on any channel fails it, raised once every channel is off the wire, so no sender stalls.
 Under bucket staging the first failed bucket stops the loading on every channel.
+
+Senders may send *pieces* (:mod:`rlplacement.transfer.pieces`: each FSDP rank its rows of every tensor): the
+buckets pass through a :class:`~rlplacement.transfer.pieces.PieceAssembler` before the loader, which sees
+each tensor, or this worker's slice of it, once every sender's piece of it arrived. Under full staging the
+assembled tensors are the staged update (the channels' buffers hold the pieces besides: a worker's share
+twice); under bucket staging a tensor's buffer is let go once it is loaded.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
 from rlplacement.transfer.base import (ApplyFn, NamedTensor, TransferEndpoint, TransferError, UpdateReport,
                                        WeightReceiver)
+from rlplacement.transfer.pieces import PieceAssembler, is_piece, parse_piece
 from rlplacement.transfer.staging import StagingReceiver
 
 if TYPE_CHECKING:
@@ -124,6 +131,10 @@ class MultiSenderReceiver(StagingReceiver):
         self.channels: list[StagingReceiver] = [mode_class(device, version=version) for _ in range(num_senders)]
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._joined_all = False
+        self._check_equal = False
+        self._staged_pieces = PieceAssembler(None, keep_buffers=True)  # full staging's assembled tensors
+        self._assembler = self._staged_pieces  # the last update's
+        self._piece_sums: dict[str, str] | None = None  # checksums of what arrived whole, where no slice is kept
 
     def _joined(self) -> bool:
         return self._joined_all
@@ -135,6 +146,7 @@ class MultiSenderReceiver(StagingReceiver):
                                 f"{len(self.channels)}")
         self._check_endpoint(endpoints[0], rank)
         self._joined_all = False
+        self._check_equal = endpoints[0].check_equal
         for channel, e in zip(self.channels, endpoints):  # every member joins the groups in this order
             channel.connect(e, rank)
         if self._pool is None:
@@ -148,11 +160,23 @@ class MultiSenderReceiver(StagingReceiver):
 
     @property
     def sliced(self) -> dict[str, tuple]:
-        return {name: where for channel in self.channels for name, where in channel.sliced.items()}
+        """HF name -> (kept box, whole shape) of every tensor that reached the loader as a slice."""
+        out = {}
+        for channel in self.channels:
+            for name, where in channel.sliced.items():
+                if is_piece(name):
+                    base, _, shape = parse_piece(name)
+                    name, where = base, (self.keeps[base], shape)
+                out[name] = where
+        return out
 
     @property
     def verified_checksums(self) -> dict[str, str] | None:
-        """Every channel's own checksums where each has them (channels that keep slices do)."""
+        """Every channel's own checksums where each has them (channels that keep slices do); where pieces
+        arrived at a worker keeping no slices, the checksum of every tensor and piece as it arrived (what the
+        senders' reports hold: no sender had a whole tensor to sum)."""
+        if self._assembler.seen and self._piece_sums is not None:
+            return dict(self._piece_sums)
         sums = [channel.verified_checksums for channel in self.channels]
         return None if any(s is None for s in sums) else {k: v for s in sums for k, v in s.items()}
 
@@ -174,13 +198,31 @@ class MultiSenderReceiver(StagingReceiver):
             channel.on_committed(version)
 
     def _stage(self) -> tuple[list[NamedTensor], int, int]:
+        self._assembler = self._begin_pieces(self._staged_pieces)
         results = self._run_all(lambda channel, _: channel._stage())
-        staged = [pair for r in results for pair in r[0]]
+        staged = self._assembler.feed([pair for r in results for pair in r[0]])
+        self._assembler.finish()
         return staged, sum(r[1] for r in results), sum(r[2] for r in results)
 
     def _stream(self, apply_bucket: ApplyFn) -> tuple[int, int, int]:
-        results = self._run_all(lambda channel, relay: channel._stream(relay), apply_bucket)
+        assembler = self._assembler = self._begin_pieces(PieceAssembler(self.keeps, keep_buffers=False))
+
+        def apply_assembled(tensors: list[NamedTensor]) -> None:
+            ready = assembler.feed(tensors)
+            if ready:
+                apply_bucket(ready)
+
+        results = self._run_all(lambda channel, relay: channel._stream(relay), apply_assembled)
+        assembler.finish()
         return tuple(sum(r[i] for r in results) for i in range(3))
+
+    def _begin_pieces(self, assembler: PieceAssembler) -> PieceAssembler:
+        """``assembler`` set for this update: this worker's keeps, and, with checks on where the channels keep
+        no slices (they then check nothing themselves), a fresh dict for the checksums of what arrives."""
+        assembler.keeps = self.keeps or {}
+        self._piece_sums = {} if self._check_equal and not self.keeps else None
+        assembler.begin(self._piece_sums)
+        return assembler
 
     def _run_all(self, job: Callable[[StagingReceiver, ApplyFn], tuple], apply_bucket: ApplyFn | None = None) -> list:
         """``job(channel, relay)`` for every channel at once, where ``relay`` queues a bucket here and waits
@@ -222,10 +264,10 @@ class MultiSenderReceiver(StagingReceiver):
 
     @property
     def staging_bytes(self) -> int:
-        return sum(c.staging_bytes for c in self.channels)
+        return sum(c.staging_bytes for c in self.channels) + self._staged_pieces.nbytes
 
     def release_staging(self) -> int:
-        return sum(c.release_staging() for c in self.channels)
+        return sum(c.release_staging() for c in self.channels) + self._staged_pieces.release()
 
     def close(self) -> None:
         self._joined_all = False

@@ -96,11 +96,31 @@ def region_key(name: str, box: Box | None) -> str:
 
 
 def parse_region_key(key: str) -> tuple[str, Box | None]:
-    """``(name, box)`` of a :func:`region_key` (box None: the whole tensor)."""
+    """``(name, box)`` of a :func:`region_key` (box None: the whole tensor); ``name`` may be a piece name
+    (``transfer.pieces``), and ``box`` then a part of the piece."""
+    from rlplacement.transfer.pieces import split_piece_key
+
+    piece, rest = split_piece_key(key)
+    if piece is not None:
+        return piece, parse_region_key(rest)[1] if rest else None
     if not key.endswith("]") or "[" not in key:
         return key, None
     name, _, ranges = key[:-1].rpartition("[")
     return name, tuple(tuple(int(x) for x in r.split(":")) for r in ranges.split(", "))
+
+
+def kept_box(keeps: Keeps | None, name: str) -> Box | None:
+    """The box of tensor ``name`` a worker with ``keeps`` receives (None: all of it). For a piece
+    (``transfer.pieces``) of a tensor kept sliced: the piece's part of the slice, in the piece's coordinates,
+    possibly of no elements."""
+    if not keeps:
+        return None
+    from rlplacement.transfer.pieces import is_piece, kept_part, parse_piece
+
+    if is_piece(name):
+        base, box, _ = parse_piece(name)
+        return kept_part(box, keeps[base]) if base in keeps else None
+    return keeps.get(name)
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
@@ -118,7 +138,7 @@ def region_manifest(manifest: BucketManifest, keeps: Keeps | None,
         return manifest, (None,) * len(manifest.tensors)
     metas, boxes, end = [], [], 0
     for t in manifest.tensors:
-        box = keeps.get(t.name) if keeps else None
+        box = kept_box(keeps, t.name)
         if box is not None and len(box) != len(t.shape):
             raise ValueError(f"tensor {t.name!r} of shape {t.shape} arrived where a slice {describe(box)} is kept")
         shape = box_shape(box) if box is not None else t.shape

@@ -112,8 +112,8 @@ class P2PReceiver(FramedReceiver):
     def _recv_payload(self, buf: "torch.Tensor", manifest: BucketManifest) -> None:
         import torch
 
-        if not manifest.nbytes:
-            return
+        if not self._manifests[manifest.index][0].nbytes:  # the sender's whole bucket, not this worker's region:
+            return  # a worker whose region is empty (pieces outside its slices) still joins the exchange
         addresses = torch.zeros(self._endpoint.world_size, dtype=torch.int64)
         addresses[self._group.rank] = self._engine.register(buf)
         self._group.all_reduce_sum(addresses)

@@ -170,6 +170,8 @@ class P2PSender(FramedSender):
         batches = []
         for rank in range(1, self._endpoint.world_size):
             base, n = where[rank]
+            if not n:  # this worker keeps nothing of the bucket (pieces outside its slices)
+                continue
             offsets = list(range(0, n, SLICE_BYTES))
             lens = [min(SLICE_BYTES, n - o) for o in offsets]
             dst = int(addresses[rank])

@@ -1,0 +1,177 @@
+"""Pieces: a trainer rank sends the part of a tensor it holds (an FSDP rank's dim-0 rows) instead of the
+whole, and each engine worker assembles the tensor, or its slice of it, from every sender's pieces.
+
+A piece travels as an ordinary tensor of the bucket under a *piece name* that says what it is part of:
+``{name}#piece[0:64, 0:128]of[128, 128]`` (:func:`piece_name`: the HF name, the piece's box in the whole
+tensor, the whole shape). Everything between sender and receiver (buckets, manifests, checksums, regions)
+handles it as a tensor of that name, so every wire mode carries pieces unchanged. A worker that keeps a
+slice of the tensor receives the piece's part of its slice (:func:`kept_part`, which ``shards.region_manifest``
+applies), possibly nothing.
+
+:class:`PieceAssembler` is the receiving end: it copies each arriving piece into a buffer of the worker's box
+of the tensor (its slice, else the whole) and hands the tensor on, under its HF name, once its box is
+covered. Coverage is counted in elements: the senders' pieces are disjoint by construction (FSDP's shards
+are), and the transfer plan's coverage check (``transfer.plan.build``) is what proves a layout's pieces tile
+every tensor; an update that ends with a tensor short of its box fails by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from rlplacement.transfer.base import NamedTensor, TransferError
+from rlplacement.transfer.plan.boxes import Box, describe, intersect, volume, whole
+
+if TYPE_CHECKING:
+    import torch
+
+PIECE = "#piece"
+
+
+def piece_name(name: str, box: Box, shape: tuple[int, ...]) -> str:
+    """The name piece ``box`` of tensor ``name`` (whole ``shape``) travels under."""
+    return f"{name}{PIECE}{describe(box)}of[{', '.join(str(n) for n in shape)}]"
+
+
+def parse_piece(key: str) -> tuple[str, Box, tuple[int, ...]] | None:
+    """``(name, box, whole shape)`` of a :func:`piece_name`; None for any other name."""
+    name, sep, rest = key.partition(PIECE)
+    if not sep:
+        return None
+    ranges, _, shape = rest.partition("of")
+    box = tuple(tuple(int(x) for x in r.split(":")) for r in ranges.strip("[]").split(", "))
+    return name, box, tuple(int(n) for n in shape.strip("[]").split(", "))
+
+
+def split_piece_key(key: str) -> tuple[str | None, str]:
+    """A key that starts with a piece name, split after it: ``(piece name, the rest)``; ``(None, key)`` for
+    any other key."""
+    at = key.find(PIECE)
+    if at < 0:
+        return None, key
+    end = key.index("]", key.index("of[", at)) + 1
+    return key[:end], key[end:]
+
+
+def is_piece(key: str) -> bool:
+    return PIECE in key
+
+
+def kept_part(piece_box: Box, kept: Box) -> Box:
+    """The part of piece ``piece_box`` inside the worker's ``kept`` box, in the piece's own coordinates; a box
+    of no elements where they do not meet."""
+    common = intersect(piece_box, kept)
+    if common is None:
+        return tuple((0, 0) for _ in piece_box)
+    return tuple((a - p, b - p) for (a, b), (p, _) in zip(common, piece_box))
+
+
+def piece_boxes(key: str, part: Box | None) -> tuple[str, Box, tuple[int, ...]]:
+    """``(name, box in the whole tensor, whole shape)`` of what arrived under piece name ``key``: the piece,
+    or its ``part`` (a box in the piece's coordinates, :func:`kept_part`)."""
+    name, box, shape = parse_piece(key)
+    if part is not None:
+        box = tuple((p + a, p + b) for (a, b), (p, _) in zip(part, box))
+    return name, box, shape
+
+
+class PieceAssembler:
+    """One engine worker's assembly of an update's pieces, fed bucket by bucket from every sender's channel.
+
+    ``keeps``: the worker's slices (``transfer.shards.Keeps``); a tensor it keeps is assembled into a buffer
+    of its box and handed on as a tensor of the whole shape over those bytes (``slice_tensor.as_whole``), any
+    other into a whole buffer. ``keep_buffers``: buffers stay for the next update (full staging: the staged
+    update is these buffers until it is committed); else each is let go once handed on (bucket staging: a
+    worker holds only the tensors whose pieces are still arriving, which the senders' common order bounds
+    by about one bucket per sender). ``checksums``: a dict that gets the checksum of every piece that
+    arrived whole (a worker keeping slices has its channels check what arrives)."""
+
+    def __init__(self, keeps: dict | None, *, keep_buffers: bool, checksums: dict | None = None):
+        self.keeps = keeps or {}
+        self.keep_buffers = keep_buffers
+        self.checksums = checksums
+        self._buffers: dict[str, "torch.Tensor"] = {}
+        self._pending: dict[str, list] = {}  # name -> [elements still missing, box, whole shape]
+        self.seen = False
+
+    def begin(self, checksums: dict | None) -> None:
+        """A new update: nothing pending (a failed update's partial tensors are dropped)."""
+        self._pending = {}
+        self.checksums = checksums
+        self.seen = False
+
+    def feed(self, pairs: list[NamedTensor]) -> list[NamedTensor]:
+        """``pairs`` as they arrived (pieces and whole tensors); returns the whole tensors, and the tensors
+        this bucket completed, in arrival order."""
+        from rlplacement.transfer.slice_tensor import box_of, slice_of
+
+        out = []
+        for key, t in pairs:
+            if not is_piece(key):
+                out.append((key, t))
+                continue
+            self.seen = True
+            where = box_of(t)
+            if where is None and self.checksums is not None:
+                from rlplacement.transfer.base import tensor_checksum
+
+                self.checksums[key] = tensor_checksum(t)
+            name, box, shape = piece_boxes(key, where[0] if where is not None else None)
+            done = self._place(name, box, shape, slice_of(t))
+            if done is not None:
+                out.append(done)
+        return out
+
+    def _place(self, name: str, box: Box, shape: tuple[int, ...], data: "torch.Tensor") -> NamedTensor | None:
+        if not volume(box):  # a piece outside this worker's slice: its part of it is empty
+            return None
+        kept = self.keeps.get(name, whole(shape))
+        pending = self._pending.get(name)
+        if pending is None:
+            pending = self._pending[name] = [volume(kept), kept, shape]
+        if intersect(box, kept) != box:
+            raise TransferError(f"a piece {describe(box)} of {name!r} arrived where this worker keeps "
+                                f"{describe(kept)} of it")
+        view = self._buffer(name, kept, data)
+        for d, ((a, b), (k, _)) in enumerate(zip(box, kept)):
+            view = view.narrow(d, a - k, b - a)
+        view.copy_(data.reshape(view.shape))
+        pending[0] -= volume(box)
+        if pending[0] > 0:
+            return None
+        if pending[0] < 0:
+            raise TransferError(f"{name!r}: pieces of this update overlap (more elements arrived than "
+                                f"{describe(kept)} holds)")
+        del self._pending[name]
+        buf = self._buffers[name] if self.keep_buffers else self._buffers.pop(name)
+        if kept == whole(shape):
+            return name, buf
+        from rlplacement.transfer.slice_tensor import as_whole
+
+        return name, as_whole(buf, kept, shape, name)
+
+    def _buffer(self, name: str, kept: Box, like: "torch.Tensor") -> "torch.Tensor":
+        shape = tuple(b - a for a, b in kept)
+        buf = self._buffers.get(name)
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != like.dtype or buf.device != like.device:
+            import torch
+
+            buf = self._buffers[name] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return buf
+
+    def finish(self) -> None:
+        """The update is off the wire: raise naming a tensor whose pieces did not all arrive."""
+        if self._pending:
+            name, (missing, kept, _) = next(iter(self._pending.items()))
+            raise TransferError(f"{name!r}: {missing} of the {volume(kept)} elements of {describe(kept)} this "
+                                f"worker keeps arrived from no sender")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(b.shape) * b.element_size() for b in self._buffers.values())
+
+    def release(self) -> int:
+        n = self.nbytes
+        self._buffers = {}
+        return n
