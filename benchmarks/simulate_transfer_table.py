@@ -9,7 +9,7 @@ Split: half the GPUs train (Megatron, the TP x PP below, the rest data-parallel)
 the width below, 8 GPUs a node, trainer and engines on their own nodes. Colocated: every GPU of one node
 trains and serves. Rates are the advisor's defaults.
 
-    python benchmarks/simulate_transfer_table.py [--models 8B 32B 70B] [--json OUT]
+    python benchmarks/simulate_transfer_table.py [--models 8B 32B 70B] [--moe-ep | --fsdp] [--json OUT]
 """
 
 from __future__ import annotations
@@ -64,13 +64,15 @@ COLOCATED_SHAPES = {"8B": (1, 1, 1), "32B": (4, 1, 2)}  # on one node of 8 GPUs 
 # GPU's worker the update, so more nodes add nothing per GPU); 70B does not train on 8 GPUs
 
 
-def _row(name: str, model: ModelTensors, layout, mode: str, tp: int, pp: int, trainer_gpus: int, ep: int = 1) -> dict:
+def _row(name: str, model: ModelTensors, layout, mode: str, tp: int, pp: int, trainer_gpus: int, ep: int = 1,
+         backend: str = "megatron") -> dict:
     started = time.perf_counter()
-    pair = plans_for(model, layout, backend="megatron", tp=tp, pp=pp, mode=mode, assumptions=ModelAssumptions(),
+    pair = plans_for(model, layout, backend=backend, tp=tp, pp=pp, mode=mode, assumptions=ModelAssumptions(),
                      ep=ep)
     width = layout.gpus_per_engine
-    return {"model": name, "gpus": len(layout.gpus), "ep": ep,
-            "trainer": f"TP{tp} PP{pp} {f'EP{ep} ' if ep > 1 else ''}DP{trainer_gpus // (tp * pp)}",
+    trainer = f"FSDP{trainer_gpus}" if backend == "fsdp" else \
+        f"TP{tp} PP{pp} {f'EP{ep} ' if ep > 1 else ''}DP{trainer_gpus // (tp * pp)}"
+    return {"model": name, "gpus": len(layout.gpus), "ep": ep, "backend": backend, "trainer": trainer,
             "engines": f"{len(layout.engines)} x TP{width}", "mode": mode, "model_bytes": model.total_bytes,
             "colocate": layout.colocate, "who_sends": pair.who,
             "rank0_s": pair.rank0_sim.total_s, "sharded_s": pair.sharded_sim.total_s,
@@ -101,6 +103,33 @@ def ep_rows() -> list[dict]:
             for mode in MOE_MODES.get(name, MODES):
                 out.append(_row(name, model, compute_layout(placement), mode, tp, pp, half, ep))
                 print(f"{name} {total} {mode} EP{ep}: {out[-1]['spread_s']:.2f} s", file=sys.stderr, flush=True)
+    return out
+
+
+# p2p's sharded plan has a route per (rank's rows, worker, tensor): 6.5M at 8B on 256 GPUs, which this pure-Python
+# plan did not build within several minutes here (2 cores); its rows stop at 64 GPUs
+FSDP_P2P_MAX_GPUS = 64
+
+
+def fsdp_rows(only: list[str] | None = None) -> list[dict]:
+    """The dense split rows with an FSDP trainer on the same GPUs: every rank sends its own rows of every
+    tensor (``transfer.pieces``), so the plan that runs is the sharded plan's routes."""
+    out = []
+    for name in only or ("8B", "32B", "70B"):
+        model = ModelTensors.from_hf_config(MODELS[name], source=name)
+        width = SHAPES[name][2]
+        for total in GPUS:
+            half = total // 2
+            if half < width:
+                continue
+            nodes = max(1, half // 8)
+            placement = PlacementConfig(actor_num_nodes=nodes, actor_num_gpus_per_node=half // nodes,
+                                        rollout_num_gpus=half, rollout_num_gpus_per_engine=width)
+            for mode in MODES:
+                if total > FSDP_P2P_MAX_GPUS and mode == "p2p":
+                    continue
+                out.append(_row(name, model, compute_layout(placement), mode, 1, 1, half, backend="fsdp"))
+                print(f"{name} {total} {mode} fsdp: {out[-1]['spread_s']:.2f} s", file=sys.stderr, flush=True)
     return out
 
 
@@ -149,8 +178,10 @@ def main() -> int:
                         help="only these models' rows (default: every one)")
     parser.add_argument("--moe-ep", action="store_true",
                         help="only the mixture-of-experts rows, their trainers with expert parallelism (MOE_EP)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="only the dense split rows, their trainers FSDP over all the training GPUs")
     args = parser.parse_args()
-    table = ep_rows() if args.moe_ep else rows(args.models)
+    table = ep_rows() if args.moe_ep else fsdp_rows(args.models) if args.fsdp else rows(args.models)
     print(markdown(table))
     print()
     print(markdown(table, colocate=True))

@@ -93,10 +93,11 @@ def _streams_by_who_sends(rank, world, hf):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_way_of_sending_streams_the_same_bf16_tensors(tmp_path, world):
-    """Two and three ranks (uneven shards), fp32 training streamed as bf16: rank 0 alone, each rank its share
-    (the union, each tensor once) and every rank everything (colocated) stream the same bytes; a rank
-    receives other ranks' shards only of the tensors it sends (everything only when every rank sends
+    """Two and three ranks (uneven shards), fp32 training streamed as bf16: rank 0 alone, each rank its own rows
+    (pieces whose union is each tensor once) and every rank everything (colocated) stream the same bytes; a
+    rank receives other ranks' shards only when it sends whole tensors (rank 0 alone, or every rank
     everything)."""
+    from rlplacement.transfer.pieces import parse_piece
     from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
     hf = make_tiny_model(tmp_path / "hf", SPEC)
@@ -105,15 +106,22 @@ def test_every_way_of_sending_streams_the_same_bf16_tensors(tmp_path, world):
     assert whole and all(got[r][RANK0] == {} for r in range(1, world))
     assert all(t.dtype == torch.bfloat16 for t in whole.values())
     shares = [got[r][SHARES] for r in range(world)]
-    assert sum(len(s) for s in shares) == len(whole) and set().union(*shares) == set(whole)
-    assert all(shares)  # every rank sends
+    assert all(shares)  # every rank sends: its own rows of every tensor, as pieces
+    rebuilt = {name: torch.zeros_like(t) for name, t in whole.items()}
+    covered = {name: 0 for name in whole}
+    for r in range(world):
+        for key, t in shares[r].items():
+            name, box, shape = parse_piece(key)
+            assert shape == tuple(whole[name].shape) and t.dtype == torch.bfloat16, key
+            rebuilt[name][box[0][0]:box[0][1]] = t
+            covered[name] += t.numel()
+    assert covered == {name: t.numel() for name, t in whole.items()}  # the rows tile each tensor once
+    assert all(torch.equal(rebuilt[n], whole[n]) for n in whole)
     for r in range(world):
         lacking = got[r]["lacking"]
         assert got[r]["gathered"] == {RANK0: sum(lacking.values()) if r == 0 else 0,
-                                      SHARES: sum(lacking[n] for n in shares[r]),
+                                      SHARES: 0,  # no rank receives another's shard
                                       OWN_GPU: sum(lacking.values())}
     for r in range(world):
-        for name, t in shares[r].items():
-            assert torch.equal(t, whole[name]), name
         assert set(got[r][OWN_GPU]) == set(whole)
         assert all(torch.equal(got[r][OWN_GPU][n], whole[n]) for n in whole)

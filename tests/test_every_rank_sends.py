@@ -1,6 +1,7 @@
 """Every trainer rank sends its share of an update, through ``RLJob`` on a real vLLM CPU engine of two
-workers (TP=2): an FSDP trainer of two ranks (gloo), ``--update-weight-staging bucket``, each split mode
-that spreads its senders, every update checked tensor by tensor against the trainer's checksums.
+workers (TP=2): an FSDP trainer of two ranks (gloo) whose ranks each send their own rows of every tensor
+(``transfer.pieces``), ``--update-weight-staging bucket``, each split mode that spreads its senders, every
+update checked piece by piece against the trainer's checksums.
 
 One job for the module; the mode is switched per test with ``RLJob.set_transfer``. Full staging with two
 senders runs in ``test_job_recovery`` (its trainer has two ranks too).
@@ -11,8 +12,8 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
-from rlplacement.transfer.bucket import fused_group_of  # noqa: E402
-from rlplacement.transfer.plan.senders import spread_owners_by_group  # noqa: E402
+from rlplacement.transfer.pieces import is_piece, parse_piece  # noqa: E402
+from rlplacement.transfer.shards import parse_region_key  # noqa: E402
 from tests.transfer_helpers.tiny_job import tiny_job, two_sample_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -40,17 +41,18 @@ def test_both_ranks_send_their_share_and_the_engine_serves_the_trainers_weights(
         assert result.checked and job.served_versions() == [job.version]
         per_sender = result.trainer.bytes_per_sender
         assert len(per_sender) == 2 and min(per_sender) > 0 and sum(per_sender) == result.trainer.bytes
-        # each rank sent the share the assignment gives it, computed alike on both ranks before any byte moved
+        # each rank sent its own rows of every tensor (FSDP2's dim-0 shards, as pieces), computed alike on both
+        # ranks before any byte moved: no rank sent a byte it does not hold, and no tensor was gathered
         shares = ray.get([t.update_shares.remote() for t in job.trainers], timeout=60)
         assert shares[0] == shares[1]
-        received = ray.get(job.engines[0].received_checksums.remote(), timeout=60)  # slices, "name[box]"
-        assert {n for n, _, _ in shares[0]} == {key.split("[")[0] for key in received}
-        assert any("[" in key for key in received)  # a 2-wide engine in host memory: every mode sends slices
+        assert all(is_piece(name) for name, _, _ in shares[0])
         assert per_sender == tuple(sum(b for _, b, owner in shares[0] if owner == s) for s in range(2))
-        owners = spread_owners_by_group([(n, b) for n, b, _ in shares[0]], 2, fused_group_of)
-        assert owners == {n: owner for n, _, owner in shares[0]}
-        largest = max(b for _, b, _ in shares[0])
-        assert max(per_sender) <= sum(per_sender) / 2 + largest
+        held = _fsdp_rows(job)
+        assert {(parse_piece(n)[0], parse_piece(n)[1], owner) for n, _, owner in shares[0]} == held
+        assert max(per_sender) <= 1.1 * sum(per_sender) / 2  # rows split evenly: no largest-tensor owner
+        received = ray.get(job.engines[0].received_checksums.remote(), timeout=60)  # pieces' parts, "piece[box]"
+        assert {parse_region_key(key)[0] for key in received} <= {n for n, _, _ in shares[0]}
+        assert any(parse_region_key(key)[1] is not None for key in received)  # a 2-wide engine: slices of pieces
         # each sender packs buckets of half the flag's size (at least 1 MiB): the tiny model's shares fit one
         # bucket each, and a worker keeps one buffer per sender of at most that
         paths = ray.get(job.engines[0].call_workers.remote("rlplacement_load_path"), timeout=60)
@@ -61,25 +63,42 @@ def test_both_ranks_send_their_share_and_the_engine_serves_the_trainers_weights(
         assert _planned_bytes_per_sender(job, mode) == per_sender
 
 
-def _planned_bytes_per_sender(job, mode) -> tuple[int, ...]:
-    """Each trainer rank's tensor bytes in the plan ``plan --simulate-transfer`` prices as running."""
+def _model_tensors(job):
     import os
 
-    from rlplacement.advisor.thresholds import ModelAssumptions
-    from rlplacement.transfer.plan.for_layout import plans_for
     from rlplacement.transfer.plan.tensors import ModelTensors
 
-    model = ModelTensors.from_hf_config(os.path.join(job.hf_dir, "config.json"))
+    return ModelTensors.from_hf_config(os.path.join(job.hf_dir, "config.json"))
+
+
+def _fsdp_rows(job) -> set:
+    """``(tensor, box, rank)`` of every rank's rows in the plan's FSDP holdings."""
+    from rlplacement.transfer.plan.trainer_shards import fsdp_holdings
+
+    held = fsdp_holdings(_model_tensors(job), len(job.trainers))
+    return {(name, box, rank) for rank, boxes in enumerate(held) for name, box in boxes.items()}
+
+
+def _planned_bytes_per_sender(job, mode) -> tuple[int, ...]:
+    """Each trainer rank's bytes in the plan ``plan --simulate-transfer`` prices as running: the rows it holds
+    of every tensor it routes (each of its pieces reaches some worker whole or in parts)."""
+    from rlplacement.advisor.thresholds import ModelAssumptions
+    from rlplacement.transfer.plan.boxes import volume
+    from rlplacement.transfer.plan.for_layout import plans_for, trainer_holdings
+
+    model = _model_tensors(job)
     layout = job.placement.layout
     pair = plans_for(model, layout, backend="fsdp", tp=1, pp=1, mode=mode, assumptions=ModelAssumptions())
     assert pair.runs == "spread" and pair.who == "shares"
-    sizes = {t.name: t.bytes(model.itemsize) for t in model.tensors}
-    sent = [set() for _ in range(pair.spread.num_senders)]  # the tensors each rank sends (its workers' slices)
+    held = trainer_holdings(model, "fsdp", len(job.trainers))
+    sent = [set() for _ in range(pair.spread.num_senders)]
     for route in pair.spread.routes:
         sent[route.sender].add(route.tensor)
     # the plan that runs sends each worker of the 2-wide engine its slices, not the model
     assert max(pair.spread.bytes_per_receiver().values()) < 0.6 * model.total_bytes
-    return tuple(sum(sizes[name] for name in names) for names in sent)
+    assert pair.spread_sim is not None and pair.spread.summary()["max_sender_bytes"] <= \
+        1.1 * pair.spread.summary()["mean_sender_bytes"]
+    return tuple(sum(volume(held[rank][name]) * model.itemsize for name in names) for rank, names in enumerate(sent))
 
 
 def test_the_engine_generates_after_spread_updates(job):

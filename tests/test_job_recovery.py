@@ -41,10 +41,18 @@ def _trainer_sums(job) -> dict:
 
 
 def _engine_sums(job) -> list[dict]:
-    """What each engine took in its last update (HF names), after checking that both serve the same bytes."""
+    """What each engine took in its last update, after checking that both serve the same bytes: by HF name, or
+    by piece where both trainer ranks sent their rows (``transfer.pieces``)."""
     served = ray.get([e.model_checksums.remote() for e in job.engines], timeout=60)
     assert all(s == served[0] for s in served)
     return ray.get([e.received_checksums.remote() for e in job.engines], timeout=60)
+
+
+def _engines_hold_the_trainers_weights(job) -> None:
+    """Every engine's received checksums equal the trainer's own of the same tensors or pieces."""
+    for got in _engine_sums(job):
+        want = ray.get([t.hf_checksums.remote(sorted(got)) for t in job.trainers], timeout=60)[0]  # collective
+        assert got and got == want
 
 
 @contextlib.contextmanager
@@ -70,8 +78,7 @@ def test_a_failed_update_burns_its_number_and_the_next_rollout_brings_every_engi
     assert job.stale is None and job.version == landed + 2 == job.issued
     assert job.served_versions() == [landed + 2] * 2
     assert {s.weight_version for s in samples} == {landed + 2}
-    want = _trainer_sums(job)
-    assert all(got == want for got in _engine_sums(job))
+    _engines_hold_the_trainers_weights(job)
 
 
 def test_under_fault_tolerance_a_failed_update_is_tried_once_more_under_a_fresh_number(job):
@@ -95,8 +102,7 @@ def test_a_killed_engine_is_restarted_and_serves_the_trainers_weights_before_it_
     assert metrics["ft/engine_restarts"] == 1 and metrics["ft/recovery_time"] > 0
     assert job.engines[0] is kept
     assert job.served_versions() == [job.version] * 2 and {s.weight_version for s in samples} == {job.version}
-    want = _trainer_sums(job)
-    assert all(got == want for got in _engine_sums(job))
+    _engines_hold_the_trainers_weights(job)
 
 
 def test_a_killed_trainer_restarts_from_the_last_save_and_the_engines_are_kept(job):
@@ -118,7 +124,7 @@ def test_a_killed_trainer_restarts_from_the_last_save_and_the_engines_are_kept(j
     assert all(a is b for a, b in zip(job.engines, engines))  # the engines were kept
     job.generate(PROMPTS)  # the engines get the checkpoint's weights first, numbered above any served
     assert job.version > issued and job.served_versions() == [job.version] * 2
-    assert all(got == saved_sums for got in _engine_sums(job))
+    _engines_hold_the_trainers_weights(job)  # the trainer's, which are the checkpoint's (above)
 
 
 def test_disk_delta_is_written_by_both_trainer_ranks_each_its_share(job):

@@ -143,3 +143,23 @@ def test_an_update_short_of_a_piece_or_with_overlapping_pieces_is_refused_by_nam
     with pytest.raises(TransferError, match=r"a piece \[2:4, 0:3\] of 'w' arrived where this worker keeps "
                                             r"\[0:2, 0:3\]"):
         keeping.feed([(piece_name("w", ((2, 4), (0, 3)), shape), t[2:])])
+
+
+def test_disk_delta_workers_decode_only_their_part_of_each_piece_and_deltas_chain(tmp_path):
+    """Three disk-delta senders, each publishing its rows in a folder of its own; workers keeping slices decode
+    each piece's part of their slice only (the index holds a checksum of each part), versions 2 and 3 deltas."""
+    session = Senders("disk-delta", num_senders=3, keeps=lambda i: KEEPS[i],
+                      options=lambda i: {"disk_dir": str(tmp_path), "sender_index": i})
+    try:
+        g = torch.Generator().manual_seed(0)
+        named = _model(1)
+        for version in (1, 2, 3):
+            named = [(n, t if i % 2 else t + torch.randn(t.shape, generator=g).to(t.dtype))
+                     for i, (n, t) in enumerate(named)]
+            _, errors, applied = session.run(version, row_pieces(named, 3))
+            assert errors == [None] * 5
+            for got, k in zip(applied, KEEPS):
+                _assert_assembled(got, named, k)
+            assert set(session.receivers[0].sliced) == set(KEEPS[0])
+    finally:
+        session.close()

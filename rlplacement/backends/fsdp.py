@@ -3,8 +3,9 @@ CPU, NCCL on GPU), built so that no rank holds the whole model (:mod:`.fsdp_mode
 data-parallel replica holding a ``Shard(0)`` slice of every parameter; FSDP averages gradients across
 ranks. Under ``--bf16`` the parameters and AdamW state stay fp32 (the master weights) while FSDP2's
 ``MixedPrecisionPolicy`` computes in bf16 and reduces gradients in fp32. Weights stream out one
-parameter at a time with ``DTensor.full_tensor()`` (an all-gather), already in HF names, cast to the
-served dtype (bf16 under ``--bf16``).
+parameter at a time, already in HF names, cast to the served dtype (bf16 under ``--bf16``): gathered whole
+onto the rank that sends it, or, where every rank sends (``SHARES``), each rank's own rows as pieces
+(``transfer.pieces``), with no gather at all.
 """
 
 from __future__ import annotations

@@ -202,6 +202,8 @@ def decode_slice(encoding: str, payload, base: "np.ndarray | None", nbytes: int,
     of the whole tensor and ``base``, the slice's old bytes (a fresh array; ``base`` is never modified)."""
     import numpy as np
 
+    if any(b <= a for a, b in box):  # a piece outside the worker's slice (transfer.pieces): nothing to read
+        return np.zeros(0, dtype=np.uint8)
     if encoding == FULL:
         return _decompressed_slice(payload, nbytes, shape, itemsize, box)
     size = itemsize

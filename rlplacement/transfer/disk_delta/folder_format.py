@@ -103,6 +103,7 @@ def read_safetensors_bytes(path: Path, names: set[str] | None = None,
     import numpy as np
 
     from rlplacement.transfer.delta_codec import cut_bytes
+    from rlplacement.transfer.shards import kept_box
 
     with open(path, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
@@ -121,7 +122,7 @@ def read_safetensors_bytes(path: Path, names: set[str] | None = None,
             raise TransferError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which disk-delta does not read")
         begin, end = info["data_offsets"]
         dtype, shape, raw = _ST_DTYPES[info["dtype"]], tuple(info["shape"]), data[begin:end]
-        box = keeps.get(name) if keeps else None
+        box = kept_box(keeps, name)
         if box is not None:
             itemsize = (end - begin) // max(1, int(np.prod(shape)))
             out[name] = (dtype, tuple(b - a for a, b in box), cut_bytes(raw, shape, itemsize, box))

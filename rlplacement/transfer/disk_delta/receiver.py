@@ -29,7 +29,7 @@ from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, ApplyFn, NamedTensor, 
 from rlplacement.transfer.disk_delta import folder_format
 from rlplacement.transfer.disk_delta import MODE
 from rlplacement.transfer.disk_delta.signing import SenderIdentity
-from rlplacement.transfer.shards import keeps_to_json, region_key
+from rlplacement.transfer.shards import kept_box, keeps_to_json, region_key
 from rlplacement.transfer.slice_tensor import as_whole
 from rlplacement.transfer.staging import StagingReceiver
 
@@ -185,7 +185,7 @@ class DiskDeltaReceiver(StagingReceiver):
         checked: dict[str, str] = {}
         for name, e in index["tensors"].items():
             dtype, shape, want = e["dtype"], tuple(e["shape"]), e["checksum"]
-            box = self.keeps.get(name) if self.keeps else None
+            box = kept_box(self.keeps, name)
             if box is not None:
                 want = (e.get("slice_checksums") or {}).get(region_key(name, box))
                 if want is None:
@@ -226,7 +226,8 @@ class DiskDeltaReceiver(StagingReceiver):
             kept_shape = shape if box is None else tuple(b - a for a, b in box)
             new_held[name], new_sums[name] = (dtype, kept_shape, data), want
             checked[region_key(name, box)] = want
-            tensor = torch.from_numpy(data).view(dtype_from_name(dtype)).view(kept_shape)
+            tensor = (torch.from_numpy(data).view(dtype_from_name(dtype)).view(kept_shape) if data.size
+                      else torch.empty(kept_shape, dtype=dtype_from_name(dtype)))  # a piece outside the slice
             if self.device.type != "cpu":
                 tensor = tensor.to(self.device)
             if box is not None:

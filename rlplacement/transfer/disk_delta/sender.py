@@ -39,6 +39,7 @@ from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, HFShapes, NamedTensor,
 from rlplacement.transfer.disk_delta import folder_format
 from rlplacement.transfer.disk_delta import MODE, DiskDeltaOptions
 from rlplacement.transfer.disk_delta.signing import SenderIdentity, describe_record
+from rlplacement.transfer.shards import kept_box
 
 if TYPE_CHECKING:
     import numpy as np
@@ -84,9 +85,10 @@ class DeltaUpdateReport(UpdateReport):
 def reader_slices(name: str, readers: list) -> dict:
     """The slices of tensor ``name`` the receivers keep (``shards.region_key`` -> box), from what each
     published (``folder_format.read_keeps``)."""
-    from rlplacement.transfer.shards import region_key
+    from rlplacement.transfer.shards import kept_box, region_key
 
-    return {region_key(name, keeps[name]): keeps[name] for keeps in readers if keeps and name in keeps}
+    boxes = [kept_box(keeps, name) for keeps in readers]
+    return {region_key(name, box): box for box in boxes if box is not None}
 
 
 class DiskDeltaSender(WeightSender):
@@ -276,7 +278,7 @@ class DiskDeltaSender(WeightSender):
                 entry["slice_checksums"] = {key: codec.checksum(codec.cut_bytes(new, shape, itemsize, box))
                                             for key, box in slices.items()}
                 checked.update(entry["slice_checksums"])
-            if any(keeps is None or name not in keeps for keeps in readers):
+            if any(kept_box(keeps, name) is None for keeps in readers):  # some reader takes it whole
                 checked[name] = entry["checksum"]
             entries[name] = entry
             total += int(new.size)

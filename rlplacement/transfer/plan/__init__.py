@@ -4,9 +4,10 @@ simulator that predicts an update's time from it.
 
 Torch-free and pure: shapes in, routes out, so ``rlplacement plan --simulate-transfer`` and the tests
 build plans for 1,024 GPUs without a cluster. The senders run the spread plan in split layouts of the
-modes that spread (every rank sends its share, :mod:`~rlplacement.transfer.plan.senders`, and every worker
-receives whole tensors) and the rank-0 plan elsewhere; the sharded plan, where each worker receives only its
-slice, is what receivers move to next; the simulator prices all three.
+modes that spread: an FSDP rank sends its own rows of every tensor (the sharded plan's trainer side,
+``transfer.pieces``), a Megatron or torchtitan rank its share of whole tensors
+(:mod:`~rlplacement.transfer.plan.senders`); every worker receives its slices. Elsewhere the rank-0 plan
+runs; the simulator prices all three.
 """
 
 from rlplacement.transfer.plan.build import PlanCoverageError, Route, TransferPlan, build_plan  # noqa: F401

@@ -1,7 +1,8 @@
 """The plans of a layout, from the validated flags and a model's config: the sharded plan (every rank sends
-what it holds, every worker receives its slice), the spread plan (every rank sends its share of whole
-tensors, each worker receiving its slices of them: what split layouts of ``broadcast``, ``broadcast_packed`` and
-``p2p`` run; colocated ``cuda_ipc``: every rank hands the whole model to the worker on its own GPU) and the
+what it holds, every worker receives its slice), the spread plan (what split layouts of ``broadcast``,
+``broadcast_packed`` and ``p2p`` run: an FSDP rank sends its own rows of every tensor, a megatron or torchtitan
+rank its share of whole tensors it gathered, each worker receiving its slices of them; colocated ``cuda_ipc``:
+every rank hands the whole model to the worker on its own GPU) and the
 rank-0 plan (rank 0 sends every worker every tensor whole: the baseline, and what runs for a one-rank
 trainer, with slices where the mode sends them); each simulated on the layout's GPUs.
 """
@@ -15,8 +16,9 @@ from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, buil
 from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_model_needs
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
-from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, fsdp_holdings, megatron_holdings,
-                                                      megatron_share_holdings, rank0_holdings, share_holdings)
+from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, expert_of, fsdp_holdings,
+                                                      megatron_holdings, megatron_share_holdings, rank0_holdings,
+                                                      share_holdings)
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 
@@ -57,6 +59,12 @@ def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1,
                              f"--pipeline-model-parallel-size {pp}")
         return megatron_holdings(model, tp, pp, world // (tp * pp), ep)
     return fsdp_holdings(model, world)
+
+
+def sends_pieces(model: ModelTensors, backend: str) -> bool:
+    """Every trainer rank sends its own rows of each tensor (``FSDPBackend._sends_pieces``: the fsdp backend,
+    without experts; the simulator has no LoRA) rather than a share of whole tensors it gathered."""
+    return backend == "fsdp" and not any(expert_of(t.name) is not None for t in model.tensors)
 
 
 def _missing_bytes(model: ModelTensors, held: dict, wanted: dict) -> int:
@@ -117,12 +125,16 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     gather0 = {0: _missing_bytes(model, holdings[0], gathered0[0])}
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     spread = spread_sim = None
-    if who == SHARES:
+    if who == SHARES and sends_pieces(model, backend):
+        # every FSDP rank sends its own rows of every tensor (transfer.pieces): nothing is gathered
+        spread = sharded if run_needs is needs else build_plan(model, holdings, run_needs, fanout)
+        gather_spread = {rank: 0 for rank in range(world)}
+    elif who == SHARES:
         # each rank sends the share the runtime assigns it: the same rule on the same sizes
         shares = megatron_share_holdings(model, tp, pp, world // (tp * pp), ep) if backend == "megatron" \
             else share_holdings(model, world)
         spread = build_plan(model, shares, run_needs, fanout)
-        # a rank gathers what it sends: FSDP from every rank's dim-0 shard, megatron from its TP peers
+        # a rank gathers what it sends: torchtitan from every rank's dim-0 shard, megatron from its TP peers
         gathered = shares
         gather_spread = {rank: _missing_bytes(model, holdings[rank], gathered[rank]) for rank in range(world)}
     elif who == OWN_GPU:

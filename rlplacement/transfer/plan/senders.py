@@ -1,13 +1,12 @@
-"""Which trainer rank sends which whole tensor when every rank sends (``broadcast``, ``broadcast_packed``
-and ``p2p`` from a trainer of several ranks): the assignment the senders run.
+"""Which trainer rank sends which whole tensor when every rank sends a share of whole tensors (``broadcast``,
+``broadcast_packed`` and ``p2p`` from a Megatron or torchtitan trainer of several ranks; an FSDP rank sends its
+own rows instead, ``transfer.pieces``): the assignment the senders run.
 
-The senders execute whole-tensor routes: a sender holds every tensor of its share whole (workers keeping
-slices are sent theirs of it, ``transfer.shards``), so a route here is (tensor, sender) and the sender is one
-of the ranks that hold
-the tensor whole after the backend's own gather (every FSDP rank after ``full_tensor()``; the TP rank a
-megatron stage gathers a parameter to). The sharded plan of :mod:`~rlplacement.transfer.plan.build`,
-where each worker receives only its slice, is what receivers move to next; the balance rule is the
-same: largest first, each to the least-loaded sender, ties to the lower rank.
+A route here is (tensor, sender), the sender one of the ranks that hold the tensor whole after the backend's
+own gather (the TP rank a megatron stage gathers a parameter to; every torchtitan rank after
+``full_tensor()``); workers keeping slices are sent theirs of it (``transfer.shards``). The balance rule is
+the sharded plan's (:mod:`~rlplacement.transfer.plan.build`): largest first, each to the least-loaded
+sender, ties to the lower rank.
 """
 
 from __future__ import annotations
