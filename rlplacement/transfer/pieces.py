@@ -10,7 +10,8 @@ applies), possibly nothing.
 
 :class:`PieceAssembler` is the receiving end: it copies each arriving piece into a buffer of the worker's box
 of the tensor (its slice, else the whole) and hands the tensor on, under its HF name, once its box is
-covered. Coverage is counted in elements: the senders' pieces are disjoint by construction (FSDP's shards
+covered; a piece that is by itself all the worker keeps of a tensor is handed on as it arrived, uncopied (a
+column-parallel slice when the trainer's ranks and the engine's workers cut rows alike). Coverage is counted in elements: the senders' pieces are disjoint by construction (FSDP's shards
 are), and the transfer plan's coverage check (``transfer.plan.build``) is what proves a layout's pieces tile
 every tensor; an update that ends with a tensor short of its box fails by name.
 """
@@ -128,6 +129,8 @@ class PieceAssembler:
             return None
         kept = self.keeps.get(name, whole(shape))
         pending = self._pending.get(name)
+        if pending is None and box == kept:  # one piece is all this worker keeps of it: handed on, not copied
+            return self._handed_on(name, data.reshape(tuple(b - a for a, b in kept)), kept, shape)
         if pending is None:
             pending = self._pending[name] = [volume(kept), kept, shape]
         if intersect(box, kept) != box:
@@ -144,12 +147,16 @@ class PieceAssembler:
             raise TransferError(f"{name!r}: pieces of this update overlap (more elements arrived than "
                                 f"{describe(kept)} holds)")
         del self._pending[name]
-        buf = self._buffers[name] if self.keep_buffers else self._buffers.pop(name)
+        return self._handed_on(name, self._buffers[name] if self.keep_buffers else self._buffers.pop(name), kept,
+                               shape)
+
+    @staticmethod
+    def _handed_on(name: str, data: "torch.Tensor", kept: Box, shape: tuple[int, ...]) -> NamedTensor:
         if kept == whole(shape):
-            return name, buf
+            return name, data
         from rlplacement.transfer.slice_tensor import as_whole
 
-        return name, as_whole(buf, kept, shape, name)
+        return name, as_whole(data, kept, shape, name)
 
     def _buffer(self, name: str, kept: Box, like: "torch.Tensor") -> "torch.Tensor":
         shape = tuple(b - a for a, b in kept)
