@@ -71,6 +71,7 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     engine_args.setdefault("update_weight_staging", config.transfer.staging)
     engine_args.setdefault("update_weight_slices", config.transfer.slices)
     engine_args.setdefault("update_weight_mode", config.transfer.mode)
+    engine_args.setdefault("update_weight_pieces", _trainer_sends_pieces(config, hf_dir))
     engine_args.setdefault("update_weight_buffer_size", config.transfer.buffer_size)
     engine_args.setdefault("verbose", verbose)
     if config.backend.moe.rollout_routing_replay:
@@ -151,6 +152,22 @@ def release(updates: "UpdateDispatch | None", trainers: list, engines: list, pla
     for actor in trainers + engines:
         ray.kill(actor)
     placement.remove()
+
+
+def _trainer_sends_pieces(config: "Config", hf_dir: str) -> bool:
+    """``transfer.pieces.trainer_sends_pieces`` for the job's flags and model."""
+    import json
+    import types
+    from pathlib import Path
+
+    from rlplacement.families import num_experts
+    from rlplacement.transfer import registry
+    from rlplacement.transfer.pieces import trainer_sends_pieces
+
+    hf_config = types.SimpleNamespace(**json.loads((Path(hf_dir) / "config.json").read_text()))
+    who = registry.spec(config.transfer.mode).who_sends(colocate=config.placement.colocate)
+    return trainer_sends_pieces(config.backend.name, config.placement.trainer_num_gpus, who,
+                                lora=config.backend.lora.enabled, moe=bool(num_experts(hf_config)))
 
 
 def start_engine(config: "Config", hf_dir: str, placement, index: int, *, engine_kind: str,

@@ -89,3 +89,57 @@ def test_a_wide_engine_whose_workers_receive_their_slices_stages_each_workers_sh
     with pytest.raises(ConfigError, match=r"workers receive whole tensors \(a mode that sends slices, with "
                                           r"--update-weight-slices auto, sends each worker its share\)"):
         resolve_engine_memory(model, "bfloat16", staging="full", bucket_bytes=512 << 20, total_bytes=80 * 10**9)
+
+
+def test_pieces_from_several_trainer_ranks_count_the_assembled_tensors_too(tmp_path):
+    """Where the trainer's ranks each send their rows (``transfer.pieces``), a worker holds the pieces it received
+    and the tensors it assembled from them: full staging counts its share twice, bucket staging a third bucket."""
+    from rlplacement.engines.engine_settings import staging_per_option, worker_tensor_bytes
+
+    model = _headers_only_model(tmp_path / "m", hidden=8192, layers=80, vocab=128256)
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 24576,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 16, "head_dim": 128,
+        "vocab_size": 128256, "tie_word_embeddings": False, "dtype": "bfloat16"}))
+    sizes = worker_tensor_bytes(model, "bfloat16", 8)
+    share = sum(sizes.values())
+    plain, pieces = staging_per_option(sizes, 512 << 20), staging_per_option(sizes, 512 << 20, pieces=True)
+    assert pieces["full"] == 2 * plain["full"] == 2 * share
+    assert pieces["bucket"] == 3 * plain["bucket"] // 2
+    memory = resolve_engine_memory(model, "bfloat16", staging="full", bucket_bytes=512 << 20, utilization=0.9,
+                                   total_bytes=80 * 10**9, sliced_width=8, pieces=True)
+    assert memory.staging_bytes == 2 * share and memory.vllm_utilization == pytest.approx(0.9 - 2 * share / 80e9,
+                                                                                          abs=1e-4)
+    assert staging_per_option({"w": 10}, 512 << 20, pieces=True) == {"full": 20, "bucket": 20}  # never over all twice
+
+
+def test_the_job_tells_engines_when_its_trainer_sends_pieces(tmp_path):
+    """One rule (``trainer_sends_pieces``) for what the engines' memory is sized for: an FSDP trainer of several
+    ranks in a split layout of a mode where every rank sends; not one rank, megatron, LoRA, colocated or experts.
+    The job reads it from its flags and the model's config."""
+    from rlplacement.args import build_parser, config_from_args
+    from rlplacement.job_start import _trainer_sends_pieces
+    from rlplacement.transfer.pieces import trainer_sends_pieces
+    from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
+
+    def job_flags(*argv, model=tmp_path):
+        return _trainer_sends_pieces(config_from_args(build_parser().parse_args(list(argv))), str(model))
+
+    split = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "fsdp"]
+    assert job_flags(*split)
+    assert job_flags(*split, "--update-weight-transfer-mode", "p2p")
+    assert not job_flags(*split, model=tmp_path / "moe")
+    assert not job_flags(*split, "--lora-rank", "8")
+    assert not job_flags("--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "megatron")
+    assert not job_flags("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--train-backend", "fsdp")
+
+    assert trainer_sends_pieces("fsdp", 2, SHARES, lora=False, moe=False)
+    for backend, world, who, lora, moe in (("fsdp", 1, SHARES, False, False), ("megatron", 2, SHARES, False, False),
+                                           ("torchtitan", 2, SHARES, False, False), ("fsdp", 2, SHARES, True, False),
+                                           ("fsdp", 2, SHARES, False, True), ("fsdp", 2, OWN_GPU, False, False),
+                                           ("fsdp", 2, RANK0, False, False)):
+        assert not trainer_sends_pieces(backend, world, who, lora=lora, moe=moe), (backend, world, who, lora, moe)

@@ -246,10 +246,12 @@ class FSDPBackend(TrainerBackend):
 
     @property
     def _sends_pieces(self) -> bool:
-        """Every rank sends its own rows of each tensor (``transfer.pieces``) instead of gathering it onto one
-        owner: several ranks, no LoRA (a merged weight is computed from gathered factors) and no fused experts
-        (their checkpoint names are per-expert views of a gathered tensor)."""
-        return dist.get_world_size() > 1 and self.lora is None and not self.family.moe
+        """Where every rank sends, each sends its own rows of each tensor (``transfer.pieces``) instead of
+        gathering it onto one owner (``trainer_sends_pieces``)."""
+        from rlplacement.transfer.pieces import trainer_sends_pieces
+
+        return trainer_sends_pieces("fsdp", dist.get_world_size(), SHARES, lora=self.lora is not None,
+                                    moe=self.family.moe)
 
     def _row_pieces(self, param) -> list[tuple[int, tuple]] | None:
         """``(global rank, box)`` of each rank's rows of a dim-0-sharded parameter (FSDP2's ``torch.chunk``

@@ -81,12 +81,18 @@ def largest_bucket_of(tensor_bytes: dict[str, int], bucket_bytes: int) -> int:
     return max([bucket_bytes, *groups.values()])
 
 
-def staging_per_option(tensor_bytes: dict[str, int], bucket_bytes: int) -> dict[str, int]:
+def staging_per_option(tensor_bytes: dict[str, int], bucket_bytes: int, pieces: bool = False) -> dict[str, int]:
     """Bytes an update holds on each engine worker under each ``--update-weight-staging`` option, of tensors
     of these sizes (the whole model's, or a worker's share: :func:`worker_tensor_bytes`): all of them under
-    ``full``; two of the largest buckets under ``bucket`` (never more than all)."""
+    ``full``; two of the largest buckets under ``bucket`` (never more than all). ``pieces``: the trainer's
+    ranks each send their rows of every tensor (``transfer.pieces``) and the worker assembles them: under
+    ``full`` the pieces as received and the assembled tensors, all of them twice; under ``bucket`` a third
+    bucket of tensors whose pieces are still arriving (the senders walk the model in the same order)."""
     whole = sum(tensor_bytes.values())
-    return {"full": whole, "bucket": min(whole, 2 * largest_bucket_of(tensor_bytes, bucket_bytes))}
+    largest = largest_bucket_of(tensor_bytes, bucket_bytes)
+    if pieces:
+        return {"full": 2 * whole, "bucket": min(2 * whole, 3 * largest)}
+    return {"full": whole, "bucket": min(whole, 2 * largest)}
 
 
 AUTO_FULL_SHARE = 0.2
@@ -112,7 +118,7 @@ class EngineMemory:
 
 def resolve_engine_memory(model_dir: str | Path, dtype: str, *, staging: str = "full", bucket_bytes: int,
                           utilization: float | None = None, total_bytes: int | None = None,
-                          sliced_width: int = 1) -> EngineMemory:
+                          sliced_width: int = 1, pieces: bool = False) -> EngineMemory:
     """The staging an engine runs and the fraction vLLM gets: the engine's budget (``utilization``, or
     vLLM's 0.9) less what an update holds on each worker, whoever set the budget, so the first update fits
     beside the KV cache vLLM sized at start. ``staging`` ``auto``: :data:`AUTO_FULL_SHARE`. Refused by
@@ -120,13 +126,14 @@ def resolve_engine_memory(model_dir: str | Path, dtype: str, *, staging: str = "
     (default: this process's first visible GPU, read through vLLM's platform without a CUDA context).
     ``sliced_width``: the engine's tensor-parallel width where its workers receive only their slices (the
     mode sends slices and ``--update-weight-slices auto``): a worker then stages its share
-    (:func:`worker_tensor_bytes`); 1: every worker stages whole tensors."""
+    (:func:`worker_tensor_bytes`); 1: every worker stages whole tensors. ``pieces``: the trainer sends pieces
+    (:func:`staging_per_option`)."""
     if total_bytes is None:
         from vllm.platforms import current_platform
 
         total_bytes = int(current_platform.get_device_total_memory(0))
     budget = VLLM_DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else float(utilization)
-    held_by = staging_per_option(worker_tensor_bytes(model_dir, dtype, sliced_width), bucket_bytes)
+    held_by = staging_per_option(worker_tensor_bytes(model_dir, dtype, sliced_width), bucket_bytes, pieces)
     if staging == "auto":
         staging = "full" if held_by["full"] <= AUTO_FULL_SHARE * total_bytes else "bucket"
     held = held_by[staging]

@@ -63,7 +63,7 @@ class VllmRolloutEngine(RolloutEngine):
                  engine_core_in_own_process: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  update_weight_staging: str = "full", update_weight_buffer_size: int = DEFAULT_BUFFER_SIZE,
                  update_weight_slices: str = "auto", update_weight_mode: str | None = None,
-                 live_lora: dict | None = None,
+                 update_weight_pieces: bool = False, live_lora: dict | None = None,
                  pause_generation_mode: str | None = None, **llm_kwargs: Any):
         """``dtype``: ``auto`` is the dtype the model's config declares (``engine_settings.declared_dtype``),
         given to vLLM by name so the engine and the trainer's stream agree on it; ``max_model_len``: None is
@@ -77,7 +77,9 @@ class VllmRolloutEngine(RolloutEngine):
         ``update_weight_slices`` (``--update-weight-slices``): ``auto``, each worker receives only its slices
         where the mode and model allow; ``off``, whole tensors. ``update_weight_mode``: the transfer mode the
         job connects with, for the memory estimate (a mode that sends slices stages each worker's share; None:
-        whole tensors are counted). ``live_lora`` (``rank``, ``alpha``,
+        whole tensors are counted). ``update_weight_pieces``: the trainer's ranks each send their own rows
+        of every tensor (``transfer.pieces.trainer_sends_pieces``), which each worker assembles: the memory
+        estimate counts the assembled tensors too. ``live_lora`` (``rank``, ``alpha``,
         ``target_modules``): every update is a LoRA adapter served live on the checkpoint's base
         (:mod:`.live_lora`); requests use it from the first update on. ``pause_generation_mode``
         (``--pause-generation-mode``, under ``--fully-async``): what an update does to requests in flight
@@ -145,7 +147,8 @@ class VllmRolloutEngine(RolloutEngine):
                                            bucket_bytes=update_weight_buffer_size,
                                            utilization=llm_kwargs.get("gpu_memory_utilization"),
                                            sliced_width=_sliced_width(tensor_parallel_size, update_weight_slices,
-                                                                      update_weight_mode, self.live_lora, llm_kwargs))
+                                                                      update_weight_mode, self.live_lora, llm_kwargs),
+                                           pieces=update_weight_pieces)
             llm_kwargs["gpu_memory_utilization"] = memory.vllm_utilization
             update_weight_staging = memory.staging
         from vllm import LLM

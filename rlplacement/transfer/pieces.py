@@ -30,6 +30,17 @@ if TYPE_CHECKING:
 PIECE = "#piece"
 
 
+def trainer_sends_pieces(backend: str, world: int, who: str, *, lora: bool, moe: bool) -> bool:
+    """The trainer's ranks each send their own rows of every tensor: an ``fsdp`` trainer of several ranks where
+    every rank sends (``who`` is ``transfer.spec.SHARES``), without LoRA (a merged weight is computed from the
+    gathered factors) and without fused experts (their checkpoint names are per-expert views of a gathered
+    tensor). What the backend streams (``FSDPBackend``), what the simulator prices as running and what an
+    engine's staging is sized for all ask this."""
+    from rlplacement.transfer.spec import SHARES
+
+    return backend == "fsdp" and world > 1 and who == SHARES and not lora and not moe
+
+
 def piece_name(name: str, box: Box, shape: tuple[int, ...]) -> str:
     """The name piece ``box`` of tensor ``name`` (whole ``shape``) travels under."""
     return f"{name}{PIECE}{describe(box)}of[{', '.join(str(n) for n in shape)}]"

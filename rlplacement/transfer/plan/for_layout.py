@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlplacement.transfer.pieces import trainer_sends_pieces
 from rlplacement.transfer.plan.boxes import intersect, volume
 from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, build_plan
 from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_model_needs
@@ -59,12 +60,6 @@ def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1,
                              f"--pipeline-model-parallel-size {pp}")
         return megatron_holdings(model, tp, pp, world // (tp * pp), ep)
     return fsdp_holdings(model, world)
-
-
-def sends_pieces(model: ModelTensors, backend: str) -> bool:
-    """Every trainer rank sends its own rows of each tensor (``FSDPBackend._sends_pieces``: the fsdp backend,
-    without experts; the simulator has no LoRA) rather than a share of whole tensors it gathered."""
-    return backend == "fsdp" and not any(expert_of(t.name) is not None for t in model.tensors)
 
 
 def _missing_bytes(model: ModelTensors, held: dict, wanted: dict) -> int:
@@ -125,7 +120,8 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     gather0 = {0: _missing_bytes(model, holdings[0], gathered0[0])}
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     spread = spread_sim = None
-    if who == SHARES and sends_pieces(model, backend):
+    if trainer_sends_pieces(backend, world, who, lora=False, moe=any(expert_of(t.name) is not None
+                                                                  for t in model.tensors)):
         # every FSDP rank sends its own rows of every tensor (transfer.pieces): nothing is gathered
         spread = sharded if run_needs is needs else build_plan(model, holdings, run_needs, fanout)
         gather_spread = {rank: 0 for rank in range(world)}
