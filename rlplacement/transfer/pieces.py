@@ -88,6 +88,21 @@ def piece_boxes(key: str, part: Box | None) -> tuple[str, Box, tuple[int, ...]]:
     return name, box, shape
 
 
+def _copy(dst: "torch.Tensor", src: "torch.Tensor") -> None:
+    """``dst.copy_(src)``; in host memory one numpy copy of the raw bytes (torch's ``copy_`` starts an OpenMP
+    team per call, which dominates a few hundred small pieces on a few cores: ``bucket.pack_into`` does the
+    same)."""
+    from rlplacement.transfer.bucket import raw_kinds
+
+    kind = raw_kinds(src.element_size()) if dst.device.type == src.device.type == "cpu" else None
+    if kind is None or dst.dtype != src.dtype:
+        dst.copy_(src)
+        return
+    import numpy as np
+
+    np.copyto(dst.view(kind[0]).numpy(), src.view(kind[0]).numpy())
+
+
 class PieceAssembler:
     """One engine worker's assembly of an update's pieces, fed bucket by bucket from every sender's channel.
 
@@ -150,7 +165,7 @@ class PieceAssembler:
         view = self._buffer(name, kept, data)
         for d, ((a, b), (k, _)) in enumerate(zip(box, kept)):
             view = view.narrow(d, a - k, b - a)
-        view.copy_(data.reshape(view.shape))
+        _copy(view, data.reshape(view.shape))
         pending[0] -= volume(box)
         if pending[0] > 0:
             return None
