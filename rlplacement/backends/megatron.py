@@ -467,7 +467,25 @@ class MegatronBackend(TrainerBackend):
             return iter(self._resident_views()[0])
         if self.lora is not None and self.lora.adapter_updates:
             return self._iter_adapters(share)
+        if share == SHARES and self._sends_pieces:
+            return self._iter_pieces()
         return self._iter_stream(share)
+
+    @property
+    def _sends_pieces(self) -> bool:
+        """Where every rank sends, each sends the parts of the HF tensors its own shards are
+        (``transfer.pieces.trainer_sends_pieces``) instead of whole tensors its TP group gathered."""
+        from rlplacement.transfer.pieces import trainer_sends_pieces
+
+        return trainer_sends_pieces("megatron", dist.get_world_size(), SHARES, lora=self.lora is not None,
+                                    moe=self.family.moe)
+
+    def _iter_pieces(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's pieces (:func:`megatron_model.iter_own_pieces_megatron`), cast to the stream's dtype."""
+        skip = frozenset({"output_layer.weight"}) if self.shape.tied else frozenset()
+        for name, tensor in mm.iter_own_pieces_megatron(self.model, self.shape, self.family, skip):
+            yield name, tensor if self.stream_dtype is None else tensor.to(self.stream_dtype)
+        self.last_stream_collectives = 0
 
     def _iter_adapters(self, share: str) -> Iterator[tuple[str, torch.Tensor]]:
         """The adapters alone under their PEFT names (gathered everywhere: they are small): every one on global

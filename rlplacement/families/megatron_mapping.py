@@ -192,6 +192,44 @@ def hf_views(mname: str, full: "torch.Tensor", shape: ModelShape,
     return [(src, full, None)]
 
 
+def hf_pieces(mname: str, local: "torch.Tensor", shape: ModelShape, family: DenseFamily, tp: int,
+              rank: int) -> list[tuple[str, "torch.Tensor", tuple, tuple[int, ...]]]:
+    """What TP rank ``rank``'s shard ``local`` of Megatron parameter ``mname`` is of the HF tensors:
+    ``(HF name, its part in C order, box in the HF tensor, HF shape)`` each, copying only q/k/v of several
+    query groups (their rows are not contiguous in the fused tensor). A TP rank holds whole query groups
+    (q, k and v each a block of rows), its rows of gate and of up, its columns of a row-parallel weight and its
+    vocabulary rows (none where its rows are all padding); a replicated parameter, or any at TP=1, is whole.
+    [] for a tied output layer."""
+    import dataclasses as dc
+
+    pdim = tp_partition_dim(mname)
+    if pdim is None or tp == 1:
+        return [(name, t, tuple((0, n) for n in t.shape), tuple(t.shape)) for name, t in
+                ((n, v if s is None else v.reshape(s)) for n, v, s in hf_views(mname, local, shape, family))]
+    if mname in VOCAB_MEGATRON_NAMES:
+        if mname == "output_layer.weight" and shape.tied:
+            return []
+        rows = local.shape[0]
+        start, stop = rank * rows, min((rank + 1) * rows, shape.vocab_size)
+        if stop <= start:
+            return []
+        rest = tuple(local.shape[1:])
+        return [(hf_sources(mname, family), local[:stop - start], ((start, stop),) + tuple((0, n) for n in rest),
+                 (shape.vocab_size, *rest))]
+    if pdim == 1:
+        cols = local.shape[1]
+        ((name, view, _),) = hf_views(mname, local, shape, family)
+        return [(name, view, ((0, local.shape[0]), (rank * cols, (rank + 1) * cols)) +
+                 tuple((0, n) for n in local.shape[2:]), (local.shape[0], cols * tp, *local.shape[2:]))]
+    local_shape = dc.replace(shape, num_heads=shape.num_heads // tp, num_query_groups=shape.num_query_groups // tp)
+    out = []
+    for name, view, hf_shape in hf_views(mname, local, local_shape, family):
+        t = view if hf_shape is None else view.reshape(hf_shape)
+        rows, rest = t.shape[0], tuple(t.shape[1:])
+        out.append((name, t, ((rank * rows, (rank + 1) * rows),) + tuple((0, n) for n in rest), (rows * tp, *rest)))
+    return out
+
+
 # by suffix, so an expert's linear layers (``mlp.experts.local_experts.{e}.linear_fc1.weight``) match too
 _COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight", ".linear_fc1.bias")
 _ROW_PARALLEL = (".linear_proj.weight", ".linear_fc2.weight")

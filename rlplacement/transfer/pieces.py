@@ -31,14 +31,16 @@ PIECE = "#piece"
 
 
 def trainer_sends_pieces(backend: str, world: int, who: str, *, lora: bool, moe: bool) -> bool:
-    """The trainer's ranks each send their own rows of every tensor: an ``fsdp`` trainer of several ranks where
-    every rank sends (``who`` is ``transfer.spec.SHARES``), without LoRA (a merged weight is computed from the
-    gathered factors) and without fused experts (their checkpoint names are per-expert views of a gathered
-    tensor). What the backend streams (``FSDPBackend``), what the simulator prices as running and what an
-    engine's staging is sized for all ask this."""
+    """The trainer's ranks each send the parts of the HF tensors they hold (an FSDP rank its rows, a Megatron rank
+    its TP shards as HF boxes): an ``fsdp`` or ``megatron`` trainer of several ranks where every rank sends
+    (``who`` is ``transfer.spec.SHARES``), without LoRA (a merged weight is computed from the gathered factors)
+    and without experts (FSDP's checkpoint names them as per-expert views of a gathered tensor; Megatron's
+    expert parallelism is not cut into pieces). torchtitan makes its HF names on the way from gathered
+    parameters. What the backends stream, what the simulator prices as running and what an engine's staging
+    is sized for all ask this."""
     from rlplacement.transfer.spec import SHARES
 
-    return backend == "fsdp" and world > 1 and who == SHARES and not lora and not moe
+    return backend in ("fsdp", "megatron") and world > 1 and who == SHARES and not lora and not moe
 
 
 def piece_name(name: str, box: Box, shape: tuple[int, ...]) -> str:
@@ -111,7 +113,7 @@ class PieceAssembler:
     other into a whole buffer. ``keep_buffers``: buffers stay for the next update (full staging: the staged
     update is these buffers until it is committed); else each is let go once handed on (bucket staging: a
     worker holds only the tensors whose pieces are still arriving, which the senders' common order bounds
-    by about one bucket per sender). ``checksums``: a dict that gets the checksum of every piece that
+    by about one bucket per sender). ``checksums``: a dict that gets the checksum of every tensor and piece that
     arrived whole (a worker keeping slices has its channels check what arrives)."""
 
     def __init__(self, keeps: dict | None, *, keep_buffers: bool, checksums: dict | None = None):
@@ -135,15 +137,15 @@ class PieceAssembler:
 
         out = []
         for key, t in pairs:
+            where = box_of(t)
+            if where is None and self.checksums is not None:  # as it arrived: the senders' report sums the same
+                from rlplacement.transfer.base import tensor_checksum
+
+                self.checksums[key] = tensor_checksum(t)
             if not is_piece(key):
                 out.append((key, t))
                 continue
             self.seen = True
-            where = box_of(t)
-            if where is None and self.checksums is not None:
-                from rlplacement.transfer.base import tensor_checksum
-
-                self.checksums[key] = tensor_checksum(t)
             name, box, shape = piece_boxes(key, where[0] if where is not None else None)
             done = self._place(name, box, shape, slice_of(t))
             if done is not None:

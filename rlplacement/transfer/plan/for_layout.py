@@ -18,8 +18,8 @@ from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_mod
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
 from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, expert_of, fsdp_holdings,
-                                                      megatron_holdings, megatron_share_holdings, rank0_holdings,
-                                                      share_holdings)
+                                                      megatron_holdings, megatron_piece_holdings,
+                                                      megatron_share_holdings, rank0_holdings, share_holdings)
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 
@@ -122,8 +122,12 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     spread = spread_sim = None
     if trainer_sends_pieces(backend, world, who, lora=False, moe=any(expert_of(t.name) is not None
                                                                   for t in model.tensors)):
-        # every FSDP rank sends its own rows of every tensor (transfer.pieces): nothing is gathered
-        spread = sharded if run_needs is needs else build_plan(model, holdings, run_needs, fanout)
+        # every rank sends the parts of the HF tensors it holds (transfer.pieces): nothing is gathered; an FSDP
+        # rank its rows, a megatron rank its TP boxes, one data-parallel replica each (the runtime's rule)
+        if backend == "fsdp":
+            spread = sharded if run_needs is needs else build_plan(model, holdings, run_needs, fanout)
+        else:
+            spread = build_plan(model, megatron_piece_holdings(model, tp, pp, world // (tp * pp)), run_needs, fanout)
         gather_spread = {rank: 0 for rank in range(world)}
     elif who == SHARES:
         # each rank sends the share the runtime assigns it: the same rule on the same sizes
