@@ -62,8 +62,16 @@ def test_every_split_mode_is_bit_exact_on_four_workers(job, mode):
               for need in vllm_worker_needs(model, 4)]
     if mode == "disk-delta":
         # its channels hold the parts of both ranks' pieces they decoded (the next delta's base), and the worker
-        # the slices assembled from them for the load: its share twice
-        assert [w["staging_bytes"] for w in workers] == [2 * b for b in shares]
+        # the slices it assembled from two ranks' rows for the load (a slice inside one rank's rows is loaded
+        # from the piece as it is)
+        from rlplacement.transfer.plan.boxes import intersect
+        from rlplacement.transfer.plan.trainer_shards import fsdp_holdings
+
+        rows = fsdp_holdings(model, 2)
+        assembled = [sum(volume(box) * itemsize[n] for n, box in need.items() if n in itemsize and not any(
+            intersect(box, held[n]) == box for held in rows if n in held)) for need in vllm_worker_needs(model, 4)]
+        assert [w["staging_bytes"] for w in workers] == [b + a for b, a in zip(shares, assembled)]
+        assert all(0 < a < b for a, b in zip(assembled, shares))
     else:
         assert [w["received_bytes"] for w in workers] == shares
 

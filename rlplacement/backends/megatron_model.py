@@ -581,28 +581,28 @@ def iter_own_pieces_megatron(model, shape: mapping.ModelShape, family: DenseFami
     each under its piece name (``transfer.pieces``; a whole tensor under its HF name): no collective at all,
     nothing gathered, nothing crossing a stage. A TP-split piece is held alike by every data-parallel
     replica of its TP rank and goes from one of them; a replicated tensor (norms) is held by every rank of
-    the stage and goes from one of its ``DP x TP`` ranks; both shared out by bytes, largest first
-    (:func:`~rlplacement.transfer.plan.senders.spread_owners`, the same answer on every rank from the same
-    shapes; ``trainer_shards.megatron_piece_holdings`` is this rule for the simulator). Without expert
-    parallelism (the experts' own layout is not modelled here). ``skip`` as in :func:`iter_full_megatron`."""
+    the stage and goes from all of its ``DP x TP`` ranks. The holders of a piece split it by rows
+    (``transfer.pieces.row_part``: ``torch.chunk``'s split, as FSDP2 shards), so every rank sends its share of
+    every tensor it holds and a tensor's writes spread over all its holders, as the sharded plan's do;
+    ``trainer_shards.megatron_piece_holdings`` is this rule for the simulator. Without expert parallelism
+    (the experts' own layout is not modelled here). ``skip`` as in :func:`iter_full_megatron`."""
     from megatron.core import parallel_state as ps
 
-    from rlplacement.transfer.pieces import piece_name
-    from rlplacement.transfer.plan.senders import spread_owners
+    from rlplacement.transfer.pieces import piece_name, row_part
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    split, replicated = [], []
     for mname, param in global_named_parameters(model):
         if mname in skip:
             continue
-        pieces = mapping.hf_pieces(mname, param.detach(), shape, family, tp, tp_rank)
-        (replicated if mapping.tp_partition_dim(mname) is None else split).extend(pieces)
-    for pieces, slots, mine in ((split, dp, dp_rank), (replicated, dp * tp, dp_rank * tp + tp_rank)):
-        owners = spread_owners([t.numel() * t.element_size() for _, t, _, _ in pieces], slots)
-        for (name, t, box, whole), owner in zip(pieces, owners):
-            if owner == mine:
-                yield (name if box == tuple((0, n) for n in whole) else piece_name(name, box, whole)), t
+        parts, mine = (dp * tp, dp_rank * tp + tp_rank) if mapping.tp_partition_dim(mname) is None else (dp, dp_rank)
+        for name, t, box, whole in mapping.hf_pieces(mname, param.detach(), shape, family, tp, tp_rank):
+            rows = row_part(box, parts, mine)
+            if rows is None:
+                continue
+            sub = ((box[0][0] + rows[0], box[0][0] + rows[1]),) + box[1:]
+            part = t[rows[0]:rows[1]]
+            yield (name if sub == tuple((0, n) for n in whole) else piece_name(name, sub, whole)), part
 
 
 def iter_everywhere_megatron(model, bucket_bytes: int | None = None,

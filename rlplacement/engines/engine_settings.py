@@ -86,8 +86,9 @@ def staging_per_option(tensor_bytes: dict[str, int], bucket_bytes: int, pieces: 
     of these sizes (the whole model's, or a worker's share: :func:`worker_tensor_bytes`): all of them under
     ``full``; two of the largest buckets under ``bucket`` (never more than all). ``pieces``: the trainer's
     ranks each send their rows of every tensor (``transfer.pieces``) and the worker assembles them: under
-    ``full`` the pieces as received and the assembled tensors, all of them twice; under ``bucket`` a third
-    bucket of tensors whose pieces are still arriving (the senders walk the model in the same order)."""
+    ``full`` the pieces as received and the tensors assembled from them, at most all of them twice (a piece
+    that is all a worker keeps of a tensor is loaded as it arrived); under ``bucket`` a third bucket of
+    tensors whose pieces are still arriving (the senders walk the model in the same order)."""
     whole = sum(tensor_bytes.values())
     largest = largest_bucket_of(tensor_bytes, bucket_bytes)
     if pieces:

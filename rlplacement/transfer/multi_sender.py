@@ -19,11 +19,12 @@ safe to enter twice). The update is one update: it is whole only when every chan
 and a failure on any channel fails it, raised once every channel is off the wire, so no sender stalls.
 Under bucket staging the first failed bucket stops the loading on every channel.
 
-Senders may send *pieces* (:mod:`rlplacement.transfer.pieces`: each FSDP rank its rows of every tensor): the
-buckets pass through a :class:`~rlplacement.transfer.pieces.PieceAssembler` before the loader, which sees
-each tensor, or this worker's slice of it, once every sender's piece of it arrived. Under full staging the
-assembled tensors are the staged update (the channels' buffers hold the pieces besides: a worker's share
-twice); under bucket staging a tensor's buffer is let go once it is loaded.
+Senders may send *pieces* (:mod:`rlplacement.transfer.pieces`: each FSDP rank its rows of every tensor, each
+Megatron rank what its TP shards are of them): the buckets pass through a
+:class:`~rlplacement.transfer.pieces.PieceAssembler` before the loader, which sees each tensor, or this
+worker's slice of it, once every sender's piece of it arrived. Under full staging the assembled tensors are
+the staged update (the channels' buffers hold the pieces besides: at most a worker's share twice); under
+bucket staging a tensor's buffer is let go once it is loaded.
 """
 
 from __future__ import annotations

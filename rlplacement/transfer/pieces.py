@@ -43,6 +43,16 @@ def trainer_sends_pieces(backend: str, world: int, who: str, *, lora: bool, moe:
     return backend in ("fsdp", "megatron") and world > 1 and who == SHARES and not lora and not moe
 
 
+def row_part(box: Box, parts: int, index: int) -> tuple[int, int] | None:
+    """Rows ``[start, stop)``, relative to ``box``'s first row, of holder ``index`` of ``parts`` that hold ``box``
+    alike (data-parallel replicas) and split its sending: ``torch.chunk``'s split of its rows, as FSDP2 shards;
+    None for a holder past the last row."""
+    rows = box[0][1] - box[0][0]
+    step = -(-rows // parts)
+    start = index * step
+    return (start, min(rows, start + step)) if start < rows else None
+
+
 def piece_name(name: str, box: Box, shape: tuple[int, ...]) -> str:
     """The name piece ``box`` of tensor ``name`` (whole ``shape``) travels under."""
     return f"{name}{PIECE}{describe(box)}of[{', '.join(str(n) for n in shape)}]"

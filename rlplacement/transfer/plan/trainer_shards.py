@@ -152,23 +152,29 @@ def megatron_share_holdings(model: ModelTensors, tp: int, pp: int, dp: int, ep: 
 def megatron_piece_holdings(model: ModelTensors, tp: int, pp: int, dp: int) -> Holdings:
     """What each rank of a Megatron trainer sends when it sends pieces (``megatron_model.iter_own_pieces_megatron``):
     of every TP-split tensor of its stage its TP rank's box (``tp_box``: a vocabulary shard of padding only
-    holds nothing), each box from one of the data-parallel replicas holding it; each replicated tensor whole
-    from one of the stage's ``DP x TP`` ranks; both shared out by bytes, largest first. The same rule on the
-    same sizes as the runtime, so the bytes per rank are the run's."""
-    from rlplacement.transfer.plan.senders import spread_owners
+    holds nothing), split by rows over the data-parallel replicas holding it; of each replicated tensor its
+    rows among the stage's ``DP x TP`` ranks (``transfer.pieces.row_part`` both). The runtime's rule, so the
+    bytes per rank are the run's."""
+    from rlplacement.transfer.pieces import row_part
 
     check_megatron(model, tp, pp)
     padded = megatron_padded_vocab(model.vocab_size, tp)
     out: Holdings = [{} for _ in range(tp * pp * dp)]
+
+    def give(rank: int, name: str, box: Box, parts: int, index: int) -> None:
+        rows = row_part(box, parts, index)
+        if rows is not None:
+            out[rank][name] = ((box[0][0] + rows[0], box[0][0] + rows[1]),) + box[1:]
+
     for stage in range(pp):
-        tensors = [t for t in model.tensors if model.stage_of(t, pp) == stage]
         first = stage * dp * tp
-        for r in range(tp):
-            boxes = [(t, model.tp_box(t, r, tp, padded)) for t in tensors if t.kind != "replicated"]
-            boxes = [(t, box) for t, box in boxes if volume(box)]
-            for (t, box), d in zip(boxes, spread_owners([volume(box) * model.itemsize for _, box in boxes], dp)):
-                out[first + d * tp + r][t.name] = box
-        replicated = [t for t in tensors if t.kind == "replicated"]
-        for t, slot in zip(replicated, spread_owners([t.bytes(model.itemsize) for t in replicated], dp * tp)):
-            out[first + slot][t.name] = whole(t.shape)
+        for t in (t for t in model.tensors if model.stage_of(t, pp) == stage):
+            for d in range(dp):
+                for r in range(tp):
+                    if t.kind == "replicated":
+                        give(first + d * tp + r, t.name, whole(t.shape), dp * tp, d * tp + r)
+                    else:
+                        box = model.tp_box(t, r, tp, padded)
+                        if volume(box):
+                            give(first + d * tp + r, t.name, box, dp, d)
     return out
