@@ -76,11 +76,13 @@ def _row(name: str, model: ModelTensors, layout, mode: str, tp: int, pp: int, tr
             "engines": f"{len(layout.engines)} x TP{width}", "mode": mode, "model_bytes": model.total_bytes,
             "colocate": layout.colocate, "who_sends": pair.who,
             "rank0_s": pair.rank0_sim.total_s, "sharded_s": pair.sharded_sim.total_s,
-            "spread_s": pair.spread_sim.total_s, "runs": pair.runs,
+            "spread_s": pair.spread_sim.total_s if pair.spread_sim else None, "runs": pair.runs,
+            "spread_not_built": pair.spread_not_built,
             "rank0_max_sender_bytes": max(pair.rank0.bytes_per_sender().values()),
-            "spread_max_sender_bytes": max(pair.spread.bytes_per_sender().values()),
+            "spread_max_sender_bytes": max(pair.spread.bytes_per_sender().values()) if pair.spread else None,
             "sharded_max_sender_bytes": max(pair.sharded.bytes_per_sender().values()),
-            "rank0_busiest_link": pair.rank0_sim.busiest, "spread_busiest_link": pair.spread_sim.busiest,
+            "rank0_busiest_link": pair.rank0_sim.busiest,
+            "spread_busiest_link": pair.spread_sim.busiest if pair.spread_sim else None,
             "sharded_busiest_link": pair.sharded_sim.busiest,
             "plan_build_s": time.perf_counter() - started}
 
@@ -164,9 +166,12 @@ def markdown(table: list[dict], *, colocate: bool = False) -> str:
     for r in table:
         if r["colocate"] != colocate:
             continue
+        built = r["spread_s"] is not None
+        runs_s = f"{r['spread_s']:.2f} s" if built else "not built"
+        runs_bytes = f"{r['spread_max_sender_bytes'] / 1e9:,.1f} GB" if built else "-"
         lines.append(f"| {r['model']} | {r['gpus']} | {r['trainer']} | {r['engines']} | {r['mode']} | "
-                     f"{r['rank0_s']:.2f} s | {r['spread_s']:.2f} s | {r['sharded_s']:.2f} s | "
-                     f"{r['rank0_max_sender_bytes'] / 1e9:,.0f} GB / {r['spread_max_sender_bytes'] / 1e9:,.1f} GB / "
+                     f"{r['rank0_s']:.2f} s | {runs_s} | {r['sharded_s']:.2f} s | "
+                     f"{r['rank0_max_sender_bytes'] / 1e9:,.0f} GB / {runs_bytes} / "
                      f"{r['sharded_max_sender_bytes'] / 1e9:,.1f} GB |")
     return "\n".join(lines)
 

@@ -103,14 +103,21 @@ def render_memory(memory: dict) -> str:
 
 def engine_staging(config, model) -> dict:
     """What an update holds on each engine worker under each ``--update-weight-staging`` option (of the
-    worker's share: :func:`worker_share`), and the options this run's mode offers."""
+    worker's share: :func:`worker_share`; with what it assembles where the trainer sends pieces, as the engine
+    counts it), and the options this run's mode offers."""
     from rlplacement.engines.engine_settings import staging_per_option
     from rlplacement.transfer import registry
+    from rlplacement.transfer.pieces import trainer_sends_pieces
+    from rlplacement.transfer.plan.trainer_shards import expert_of
 
-    per_option = staging_per_option(worker_share(config, model), config.transfer.buffer_size)
+    who = registry.spec(config.transfer.mode).who_sends(colocate=config.placement.colocate)
+    pieces = trainer_sends_pieces(config.backend.name, config.placement.trainer_num_gpus, who,
+                                  lora=config.backend.lora.enabled,
+                                  moe=any(expert_of(t.name) is not None for t in model.tensors))
+    per_option = staging_per_option(worker_share(config, model), config.transfer.buffer_size, pieces)
     offered = ("full", "bucket") if registry.spec(config.transfer.mode).bucket_staging else ("full",)
     return {"bytes": {k: v for k, v in per_option.items() if k in offered}, "requested": config.transfer.staging,
-            "bucket_size": config.transfer.buffer_size}
+            "bucket_size": config.transfer.buffer_size, "pieces": pieces}
 
 
 def worker_share(config, model) -> dict[str, int]:
@@ -138,6 +145,9 @@ def render(result: dict) -> str:
             continue
         r = result[key]
         title += " *" if key == runs else ""
+        if "not_built" in r:
+            lines.append(f"{title:<24}not built: {r['not_built']}")
+            continue
         lines.append(f"{title:<24}{r['routes']:>8}{r['max_sender_bytes'] / gb:>12.2f} GB{r['max_receiver_bytes'] / gb:>14.2f}"
                      f" GB{r['gather_seconds']:>10.3f}{r['wire_seconds']:>9.3f}{r['predicted_seconds']:>9.3f}  "
                      f"{r['busiest_link']} ({r['busiest_link_bytes'] / gb:.2f} GB)")
@@ -145,7 +155,8 @@ def render(result: dict) -> str:
     held = ", ".join(f"{option} {nbytes / gb:.2f} GB" for option, nbytes in staging["bytes"].items())
     lines.append(f"engine worker memory for an update (--update-weight-staging {staging['requested']}): {held} "
                  f"(bucket: two of the largest buckets at --update-weight-buffer-size {staging['bucket_size'] / gb:.2f}"
-                 f" GB), counted inside --vllm-gpu-memory-utilization")
+                 f" GB{', and one of tensors whose pieces are arriving; full: the pieces and the tensors assembled' if staging['pieces'] else ''}), "
+                 f"counted inside --vllm-gpu-memory-utilization")
     lines.append("* the plan this layout and mode run")
     lines.append(f"modelled: the busiest link at the datasheet rate x the mode's efficiency, the busiest worker's "
                  f"commit, {result['sharded']['rpc_seconds'] * 1e3:.0f} ms of calls (docs/transfer/README.md#simulator)")

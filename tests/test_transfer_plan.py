@@ -239,8 +239,8 @@ def test_plan_simulate_transfer_prints_the_plans_and_marks_the_one_that_runs(tmp
     assert out["transfer"]["rank0"]["max_sender_bytes"] == 8 * 16381470720
     assert out["transfer"]["sharded"]["max_sender_bytes"] < 1.01 * 16381470720
     assert out["transfer"]["sharded"]["predicted_seconds"] < out["transfer"]["rank0"]["predicted_seconds"]
-    # what runs: all 8 ranks write their share of whole tensors, each of the 8 workers only its slices of them:
-    # every engine receives the model once (its two workers a half each, norms on both)
+    # what runs: all 8 ranks write the parts of the HF tensors they hold (pieces), each of the 8 workers only its
+    # slices of them: every engine receives the model once (its two workers a half each, norms on both)
     spread = out["transfer"]["spread"]
     assert out["transfer"]["runs"] == "spread"
     assert len([b for b in spread["bytes_per_sender"].values() if b]) == 8
@@ -249,18 +249,26 @@ def test_plan_simulate_transfer_prints_the_plans_and_marks_the_one_that_runs(tmp
     assert 0.5 * 16381470720 < spread["max_receiver_bytes"] < 0.501 * 16381470720
     assert out["transfer"]["sharded"]["predicted_seconds"] <= spread["predicted_seconds"] < \
         out["transfer"]["rank0"]["predicted_seconds"]
+    assert spread["max_sender_bytes"] == pytest.approx(out["transfer"]["sharded"]["max_sender_bytes"], rel=1e-3)
     staging = out["transfer"]["engine_staging"]
-    assert staging["bytes"]["full"] == spread["max_receiver_bytes"]  # a worker stages its slices
-    # two of the largest buckets: the embedding's and the head's halves, 0.62 GB each
-    assert staging["bytes"]["bucket"] == 2 * 151936 * 4096 * 2 // 2
+    # a worker stages its slices as they arrive, and assembles the tensors from the ranks' pieces: twice at most
+    assert staging["pieces"] and staging["bytes"]["full"] == 2 * spread["max_receiver_bytes"]
+    # three of the largest buckets: the embedding's and the head's halves, 0.62 GB each
+    assert staging["bytes"]["bucket"] == 3 * 151936 * 4096 * 2 // 2
     assert cli_main(argv) == 0
     text = capsys.readouterr().out
     assert "sharded (planned)" in text and "every rank sends *" in text and "rank 0 sends" in text
-    assert ("engine worker memory for an update (--update-weight-staging auto): full 8.19 GB, bucket 1.24 GB"
+    assert ("engine worker memory for an update (--update-weight-staging auto): full 16.38 GB, bucket 1.87 GB"
             in text), text
     assert cli_main(argv + ["--update-weight-slices", "off", "--json"]) == 0  # every worker takes whole tensors
     whole = json.loads(capsys.readouterr().out)["transfer"]
-    assert whole["spread"]["max_receiver_bytes"] == whole["engine_staging"]["bytes"]["full"] == 16381470720
+    assert whole["spread"]["max_receiver_bytes"] == whole["engine_staging"]["bytes"]["full"] // 2 == 16381470720
+    # torchtitan's ranks send whole tensors they gathered: a worker stages what it receives, once
+    assert cli_main([*argv[:argv.index("--train-backend")], "--train-backend", "torchtitan",
+                     *argv[argv.index("--update-weight-transfer-mode"):], "--json"]) == 0
+    titan = json.loads(capsys.readouterr().out)["transfer"]
+    assert not titan["engine_staging"]["pieces"]
+    assert titan["engine_staging"]["bytes"]["full"] == titan["spread"]["max_receiver_bytes"]
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -336,3 +344,22 @@ def test_plan_memory_counts_a_ranks_experts_by_expert_parallelism(tmp_path, caps
     layer = attention + experts * h + experts * 3 * inter * h
     assert (rank["weights"], rank["gradients"], rank["optimizer"], rank["gathered"]) == (
         4 * share, 4 * share, 8 * share, 2 * layer)
+
+
+def test_a_running_plan_too_large_to_build_is_reported_not_built(tmp_path, capsys, monkeypatch):
+    """Megatron's replicas each write their rows of every tensor to every p2p worker: at hundreds of GPUs more
+    routes than the builder makes. The plan still says what runs, and why it is not priced."""
+    from rlplacement.transfer.plan import for_layout
+
+    monkeypatch.setattr(for_layout, "MAX_ROUTES", 1000)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN3_8B))
+    argv = ["plan", "--actor-num-gpus-per-node", "8", "--rollout-num-gpus", "8", "--train-backend", "megatron",
+            "--update-weight-transfer-mode", "p2p", "--simulate-transfer", "--hf-config", str(config)]
+    assert cli_main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["transfer"]
+    assert out["runs"] == "spread" and out["spread"]["not_built"].startswith("up to ")
+    assert "over the 1,000 this builder makes" in out["spread"]["not_built"]
+    assert cli_main(argv) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("every rank sends *"))
+    assert line.split("*", 1)[1].strip().startswith("not built: up to ")

@@ -39,16 +39,31 @@ class PlanPair:
     spread_sim: Simulation | None = None
     who: str = RANK0
     """Who sends in the plan that runs (``ModeSpec.who_sends``; :data:`RANK0` for a one-rank trainer)."""
+    spread_not_built: str = ""
+    """Why the spread plan, which runs, was not built (too many routes for this pure-Python builder); "" if it was."""
 
     @property
     def runs(self) -> str:
-        return "spread" if self.spread is not None else "rank0"
+        return "rank0" if self.who == RANK0 else "spread"
 
     def to_json(self) -> dict:
         plans = [("sharded", self.sharded, self.sharded_sim), ("rank0", self.rank0, self.rank0_sim)]
         if self.spread is not None:
             plans.append(("spread", self.spread, self.spread_sim))
-        return {"runs": self.runs, "who_sends": self.who, **{name: {**plan.summary(), **sim.to_json()} for name, plan, sim in plans}}
+        out = {"runs": self.runs, "who_sends": self.who,
+               **{name: {**plan.summary(), **sim.to_json()} for name, plan, sim in plans}}
+        if self.spread_not_built:
+            out["spread"] = {"not_built": self.spread_not_built}
+        return out
+
+
+MAX_ROUTES = 1_000_000
+"""The most routes :func:`plans_for` builds a plan of: beyond it this pure-Python builder takes minutes."""
+
+
+def _routes_bound(holdings: list[dict], receiver_groups: int) -> int:
+    """An upper bound of a plan's routes: every holder's box of a tensor to every group of receivers."""
+    return sum(len(boxes) for boxes in holdings) * receiver_groups
 
 
 def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1):
@@ -120,6 +135,7 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     gather0 = {0: _missing_bytes(model, holdings[0], gathered0[0])}
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     spread = spread_sim = None
+    not_built = ""
     if trainer_sends_pieces(backend, world, who, lora=False, moe=any(expert_of(t.name) is not None
                                                                   for t in model.tensors)):
         # every rank sends the parts of the HF tensors it holds (transfer.pieces): nothing is gathered; an FSDP
@@ -127,7 +143,13 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
         if backend == "fsdp":
             spread = sharded if run_needs is needs else build_plan(model, holdings, run_needs, fanout)
         else:
-            spread = build_plan(model, megatron_piece_holdings(model, tp, pp, world // (tp * pp)), run_needs, fanout)
+            pieces = megatron_piece_holdings(model, tp, pp, world // (tp * pp))
+            bound = _routes_bound(pieces, len(receivers) if fanout == WRITE else width)
+            if bound > MAX_ROUTES:  # every replica's rows of a tensor to every worker: p2p at hundreds of GPUs
+                not_built = (f"up to {bound:,} routes (each data-parallel replica's rows of every tensor to every "
+                             f"worker), over the {MAX_ROUTES:,} this builder makes")
+            else:
+                spread = build_plan(model, pieces, run_needs, fanout)
         gather_spread = {rank: 0 for rank in range(world)}
     elif who == SHARES:
         # each rank sends the share the runtime assigns it: the same rule on the same sizes
@@ -148,4 +170,4 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     return PlanPair(sharded, simulate(sharded, layout.trainer_gpus, layout.engines, rates, disk=disk,
                                       gather_bytes=gather, rpc_s=rpc),
                     rank0, simulate(rank0, layout.trainer_gpus, layout.engines, rates, disk=disk, gather_bytes=gather0,
-                                    rpc_s=rpc), spread, spread_sim, who)
+                                    rpc_s=rpc), spread, spread_sim, who, not_built)
