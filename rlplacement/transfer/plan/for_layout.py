@@ -61,9 +61,9 @@ MAX_ROUTES = 1_000_000
 """The most routes :func:`plans_for` builds a plan of: beyond it this pure-Python builder takes minutes."""
 
 
-def _routes_bound(holdings: list[dict], receiver_groups: int) -> int:
-    """An upper bound of a plan's routes: every holder's box of a tensor to every group of receivers."""
-    return sum(len(boxes) for boxes in holdings) * receiver_groups
+def _routes_bound(holdings: list[dict], receivers: int) -> int:
+    """An upper bound of a p2p plan's routes: every holder's box of a tensor written to every receiver."""
+    return sum(len(boxes) for boxes in holdings) * receivers
 
 
 def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1):
@@ -144,7 +144,8 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
             spread = sharded if run_needs is needs else build_plan(model, holdings, run_needs, fanout)
         else:
             pieces = megatron_piece_holdings(model, tp, pp, world // (tp * pp))
-            bound = _routes_bound(pieces, len(receivers) if fanout == WRITE else width)
+            bound = _routes_bound(pieces, len(receivers)) if fanout == WRITE else 0  # a broadcast: a route per
+            # holder's box and engine position it meets
             if bound > MAX_ROUTES:  # every replica's rows of a tensor to every worker: p2p at hundreds of GPUs
                 not_built = (f"up to {bound:,} routes (each data-parallel replica's rows of every tensor to every "
                              f"worker), over the {MAX_ROUTES:,} this builder makes")
