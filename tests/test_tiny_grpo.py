@@ -48,6 +48,24 @@ def test_megatron_tp2_two_engines_packed(tmp_path):
 
 
 @pytest.mark.slow
+def test_megatron_tp2_pieces_reach_a_two_worker_engine_as_its_slices(tmp_path):
+    """Megatron TP=2 on two ranks into one engine of two workers under p2p: each rank writes what its TP shards are
+    of the HF tensors (pieces), each worker gets only its slices of them, every update checked bit for bit."""
+    proc = run_loop(tmp_path, "--steps", "2", "--train-backend", "megatron", "--tensor-model-parallel-size", "2",
+                    "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+                    "--update-weight-transfer-mode", "p2p", "--check-weight-update-equal",
+                    "--telemetry", str(tmp_path / "steps.jsonl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["perf/update_weights_checked"] == 1 for r in rows)
+    assert [r["perf/update_collectives"] for r in rows] == [0, 0]
+    assert [r["perf/update_weights_senders"] for r in rows] == [2, 2]
+    # the two TP ranks send about halves of the model: rows or columns of every split tensor, norms by rows;
+    # rank 0 holds more of the vocabulary's real rows (Megatron pads 300 to 512: rank 1 holds 44 real ones)
+    assert all(r["perf/update_weights_max_sender_bytes"] < 0.65 * r["perf/update_weights_bytes"] for r in rows)
+
+
+@pytest.mark.slow
 def test_megatron_colocated_updates_from_its_parameters_bit_exact(tmp_path):
     """One Megatron rank under --colocate updates from views of its parameters (q/k/v as its fused QKV's
     row groups; on a GPU read in place, here packed in their HF shapes), checked bit for bit; no

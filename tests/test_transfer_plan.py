@@ -358,8 +358,8 @@ def test_a_running_plan_too_large_to_build_is_reported_not_built(tmp_path, capsy
             "--update-weight-transfer-mode", "p2p", "--simulate-transfer", "--hf-config", str(config)]
     assert cli_main(argv + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)["transfer"]
-    assert out["runs"] == "spread" and out["spread"]["not_built"].startswith("up to ")
-    assert "over the 1,000 this builder makes" in out["spread"]["not_built"]
+    assert out["runs"] == "spread" and out["spread"]["not_built"].endswith("over the 1,000 this builder makes")
+    assert int(out["spread"]["not_built"].split(" routes")[0].replace(",", "")) > 1000
     assert cli_main(argv) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("every rank sends *"))
-    assert line.split("*", 1)[1].strip().startswith("not built: up to ")
+    assert line.split("*", 1)[1].strip().startswith("not built: ")

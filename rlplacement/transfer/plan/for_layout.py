@@ -58,12 +58,14 @@ class PlanPair:
 
 
 MAX_ROUTES = 1_000_000
-"""The most routes :func:`plans_for` builds a plan of: beyond it this pure-Python builder takes minutes."""
+"""The most routes :func:`plans_for` builds a running p2p plan of: beyond it this pure-Python builder takes minutes."""
 
 
-def _routes_bound(holdings: list[dict], receivers: int) -> int:
-    """An upper bound of a p2p plan's routes: every holder's box of a tensor written to every receiver."""
-    return sum(len(boxes) for boxes in holdings) * receivers
+def _write_routes(holdings: list[dict], worker_needs: list[dict], engines: int) -> int:
+    """The routes of a p2p plan where every box has one holder: each holder's box to every worker of every
+    engine whose slice it meets."""
+    return engines * sum(1 for boxes in holdings for name, box in boxes.items()
+                         for need in worker_needs if name in need and intersect(box, need[name]) is not None)
 
 
 def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1):
@@ -144,11 +146,12 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
             spread = sharded if run_needs is needs else build_plan(model, holdings, run_needs, fanout)
         else:
             pieces = megatron_piece_holdings(model, tp, pp, world // (tp * pp))
-            bound = _routes_bound(pieces, len(receivers)) if fanout == WRITE else 0  # a broadcast: a route per
-            # holder's box and engine position it meets
-            if bound > MAX_ROUTES:  # every replica's rows of a tensor to every worker: p2p at hundreds of GPUs
-                not_built = (f"up to {bound:,} routes (each data-parallel replica's rows of every tensor to every "
-                             f"worker), over the {MAX_ROUTES:,} this builder makes")
+            # a broadcast has a route per holder's box and engine position it meets; p2p one per worker too
+            count = _write_routes(pieces, worker_needs if sliced else whole,
+                                  len(layout.engines)) if fanout == WRITE else 0
+            if count > MAX_ROUTES:  # every replica's rows of a tensor to every worker: p2p at hundreds of GPUs
+                not_built = (f"{count:,} routes (each data-parallel replica's rows of every tensor to every "
+                             f"worker keeping some of them), over the {MAX_ROUTES:,} this builder makes")
             else:
                 spread = build_plan(model, pieces, run_needs, fanout)
         gather_spread = {rank: 0 for rank in range(world)}
