@@ -153,10 +153,11 @@ def render(result: dict) -> str:
                      f"{r['busiest_link']} ({r['busiest_link_bytes'] / gb:.2f} GB)")
     staging = result["engine_staging"]
     held = ", ".join(f"{option} {nbytes / gb:.2f} GB" for option, nbytes in staging["bytes"].items())
+    pieces = ", and one of tensors whose pieces are arriving; full: the pieces and the tensors assembled" \
+        if staging["pieces"] else ""
     lines.append(f"engine worker memory for an update (--update-weight-staging {staging['requested']}): {held} "
                  f"(bucket: two of the largest buckets at --update-weight-buffer-size {staging['bucket_size'] / gb:.2f}"
-                 f" GB{', and one of tensors whose pieces are arriving; full: the pieces and the tensors assembled' if staging['pieces'] else ''}), "
-                 f"counted inside --vllm-gpu-memory-utilization")
+                 f" GB{pieces}), counted inside --vllm-gpu-memory-utilization")
     lines.append("* the plan this layout and mode run")
     lines.append(f"modelled: the busiest link at the datasheet rate x the mode's efficiency, the busiest worker's "
                  f"commit, {result['sharded']['rpc_seconds'] * 1e3:.0f} ms of calls (docs/transfer/README.md#simulator)")

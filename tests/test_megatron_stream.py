@@ -129,8 +129,8 @@ def test_every_rank_sends_its_share_of_its_own_stage_and_the_union_is_the_model(
     of the HF tensors its own shards are (pieces), which together are every HF tensor, each element once, bit
     for bit as the folder holds it; each rank sends only tensors of its own stage, with no collective at all
     (nothing gathered, no byte crosses a pipeline stage); the 4 ranks of a stage share its bytes to within one
-    parameter of their mean, and the simulator's plan sends what ran, rank by rank. ``iter_update_tensors(OWN_GPU)`` (colocated: each rank hands the worker on
-    its GPU the whole model): every rank yields every tensor, bit for bit, with one all-gather per bucket of
+    parameter of their mean, and the simulator's plan sends what ran, rank by rank.
+    ``iter_update_tensors(OWN_GPU)`` (colocated: each rank hands the worker on its GPU the whole model): every rank yields every tensor, bit for bit, with one all-gather per bucket of
     its own stage and one broadcast per bucket (and name table) of every stage in its pipeline group."""
     from safetensors.torch import load_file
 

@@ -1,19 +1,21 @@
-"""Pieces: a trainer rank sends the part of a tensor it holds (an FSDP rank's dim-0 rows) instead of the
-whole, and each engine worker assembles the tensor, or its slice of it, from every sender's pieces.
+"""Pieces: a trainer rank sends the part of a tensor it holds (an FSDP rank its dim-0 rows, a Megatron rank what
+its TP shard is of the HF tensor, split by rows over the data-parallel replicas) instead of a whole tensor
+gathered for it, and each engine worker assembles the tensor, or its slice of it, from every sender's pieces.
 
 A piece travels as an ordinary tensor of the bucket under a *piece name* that says what it is part of:
 ``{name}#piece[0:64, 0:128]of[128, 128]`` (:func:`piece_name`: the HF name, the piece's box in the whole
 tensor, the whole shape). Everything between sender and receiver (buckets, manifests, checksums, regions)
 handles it as a tensor of that name, so every wire mode carries pieces unchanged. A worker that keeps a
-slice of the tensor receives the piece's part of its slice (:func:`kept_part`, which ``shards.region_manifest``
-applies), possibly nothing.
+slice of the tensor receives the piece's part of its slice (:func:`kept_part`, which
+``shards.region_manifest`` applies), possibly nothing.
 
 :class:`PieceAssembler` is the receiving end: it copies each arriving piece into a buffer of the worker's box
 of the tensor (its slice, else the whole) and hands the tensor on, under its HF name, once its box is
 covered; a piece that is by itself all the worker keeps of a tensor is handed on as it arrived, uncopied (a
-column-parallel slice when the trainer's ranks and the engine's workers cut rows alike). Coverage is counted in elements: the senders' pieces are disjoint by construction (FSDP's shards
-are), and the transfer plan's coverage check (``transfer.plan.build``) is what proves a layout's pieces tile
-every tensor; an update that ends with a tensor short of its box fails by name.
+column-parallel slice when the trainer's ranks and the engine's workers cut rows alike). Coverage is
+counted in elements: the senders' pieces are disjoint by construction (FSDP's shards and Megatron's TP
+boxes and row parts are), and the transfer plan's coverage check (``transfer.plan.build``) is what proves a
+layout's pieces tile every tensor; an update that ends with a tensor short of its box fails by name.
 """
 
 from __future__ import annotations
