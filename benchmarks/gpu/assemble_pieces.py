@@ -7,7 +7,7 @@ updates) and bucket staging (each let go once handed on). Wall time per update a
 synchronize, median.
 
     python3 benchmarks/gpu/assemble_pieces.py --out $OUT --commit $(git rev-parse --short HEAD)
-                                                             # -> assemble_pieces_h200.json
+    # -> assemble_pieces_h100.json or _h200.json, by the card it ran on
 """
 
 from __future__ import annotations
@@ -115,12 +115,12 @@ def main() -> int:
             del pieces
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    out = Path(args.out) / "assemble_pieces_h200.json"
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    card = next((c for c in ("h100", "h200") if c in device.lower()), "cpu" if device == "cpu" else "gpu")
+    out = Path(args.out) / f"assemble_pieces_{card}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"what": __doc__.split("\n\n")[0], "command": "python3 " + " ".join(sys.argv),
-                               "commit": args.commit,
-                               "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-                               "rows": rows}, indent=1))
+                               "commit": args.commit, "device": device, "rows": rows}, indent=1))
     return 0
 
 
