@@ -102,19 +102,18 @@ def piece_boxes(key: str, part: Box | None) -> tuple[str, Box, tuple[int, ...]]:
     return name, box, shape
 
 
-def _copy(dst: "torch.Tensor", src: "torch.Tensor") -> None:
-    """``dst.copy_(src)``; in host memory one numpy copy of the raw bytes (torch's ``copy_`` starts an OpenMP
-    team per call, which dominates a few hundred small pieces on a few cores: ``bucket.pack_into`` does the
-    same)."""
+def _host_copy(dst: "torch.Tensor", src: "torch.Tensor") -> bool:
+    """In host memory, one numpy copy of the raw bytes (torch's ``copy_`` starts an OpenMP team per call, which
+    dominates a few hundred small pieces on a few cores: ``bucket.pack_into`` does the same); False elsewhere."""
     from rlplacement.transfer.bucket import raw_kinds
 
     kind = raw_kinds(src.element_size()) if dst.device.type == src.device.type == "cpu" else None
     if kind is None or dst.dtype != src.dtype:
-        dst.copy_(src)
-        return
+        return False
     import numpy as np
 
     np.copyto(dst.view(kind[0]).numpy(), src.view(kind[0]).numpy())
+    return True
 
 
 class PieceAssembler:
@@ -134,11 +133,13 @@ class PieceAssembler:
         self.checksums = checksums
         self._buffers: dict[str, "torch.Tensor"] = {}
         self._pending: dict[str, list] = {}  # name -> [elements still missing, box, whole shape]
+        self._copies: tuple[list, list] = ([], [])  # device copies of this feed, made at its end in one call
         self.seen = False
 
     def begin(self, checksums: dict | None) -> None:
         """A new update: nothing pending (a failed update's partial tensors are dropped)."""
         self._pending = {}
+        self._copies = ([], [])
         self.checksums = checksums
         self.seen = False
 
@@ -162,6 +163,12 @@ class PieceAssembler:
             done = self._place(name, box, shape, slice_of(t))
             if done is not None:
                 out.append(done)
+        dsts, srcs = self._copies
+        if dsts:  # a GPU's copies of the bucket in a few multi-tensor kernels, not a launch per piece
+            import torch
+
+            torch._foreach_copy_(dsts, srcs)
+            self._copies = ([], [])
         return out
 
     def _place(self, name: str, box: Box, shape: tuple[int, ...], data: "torch.Tensor") -> NamedTensor | None:
@@ -179,7 +186,10 @@ class PieceAssembler:
         view = self._buffer(name, kept, data)
         for d, ((a, b), (k, _)) in enumerate(zip(box, kept)):
             view = view.narrow(d, a - k, b - a)
-        _copy(view, data.reshape(view.shape))
+        src = data.reshape(view.shape)
+        if not _host_copy(view, src):
+            self._copies[0].append(view)
+            self._copies[1].append(src)
         pending[0] -= volume(box)
         if pending[0] > 0:
             return None
