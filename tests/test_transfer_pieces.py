@@ -170,3 +170,34 @@ def test_disk_delta_workers_decode_only_their_part_of_each_piece_and_deltas_chai
             assert set(session.receivers[0].sliced) == set(KEEPS[0])
     finally:
         session.close()
+
+
+def test_the_device_path_batches_a_buckets_copies_and_stays_bit_exact(monkeypatch):
+    """A GPU's copies go in one ``_foreach_copy_`` at the end of each feed; run here on host tensors by turning the
+    host path off (this machine has no GPU): whole tensors and column slices (strided destinations) bit-exact."""
+    from rlplacement.transfer import pieces
+
+    from rlplacement.transfer.slice_tensor import box_of, slice_of
+
+    monkeypatch.setattr(pieces, "_host_copy", lambda dst, src: False)
+    named = _model(5)
+    for keeps in (None, KEEPS[1]):
+        assembler = PieceAssembler(keeps, keep_buffers=False)
+        assembler.begin(None)
+        got = []
+        for share in row_pieces(named, 3):  # one sender's bucket per feed
+            arrived = []
+            for key, t in share:
+                name, box, _ = parse_piece(key)
+                kept = keeps.get(name) if keeps else None
+                if kept is None:
+                    arrived.append((key, t))
+                    continue
+                from rlplacement.transfer.shards import cut
+                from rlplacement.transfer.slice_tensor import as_whole
+
+                part = kept_part(box, kept)
+                arrived.append((key, as_whole(cut(t, part).contiguous(), part, tuple(t.shape), key)))
+            got += [(n, t if box_of(t) is None else (*box_of(t), slice_of(t))) for n, t in assembler.feed(arrived)]
+        assembler.finish()
+        _assert_assembled(got, named, keeps)
