@@ -40,15 +40,12 @@ def whole_shares(named, num_senders: int):
 
 def row_pieces(named, num_senders: int):
     """Each sender's ``torch.chunk`` rows of every tensor (FSDP2's ``Shard(0)``), under piece names."""
-    from rlplacement.transfer.pieces import piece_name
+    from rlplacement.transfer.pieces import row_pieces as rows_of
 
     shares = [[] for _ in range(num_senders)]
     for name, t in named:
-        step, start = -(-t.shape[0] // num_senders), 0
-        for s, rows in enumerate(t.split(step)):
-            box = ((start, start + rows.shape[0]),) + tuple((0, n) for n in t.shape[1:])
-            shares[s].append((piece_name(name, box, tuple(t.shape)), rows))
-            start += rows.shape[0]
+        for s, key, rows in rows_of(name, t, num_senders):
+            shares[s].append((key, rows))
     return shares
 
 

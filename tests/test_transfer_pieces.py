@@ -7,6 +7,7 @@ over real Mooncake on loopback TCP.
 import pytest
 import torch
 
+from rlplacement.transfer import pieces
 from rlplacement.transfer.base import TransferError
 from rlplacement.transfer.multi_sender import merge_sender_reports
 from rlplacement.transfer.pieces import PieceAssembler, kept_part, parse_piece, piece_name, split_piece_key
@@ -45,11 +46,8 @@ def row_pieces(named, num_senders, whole=()):
         if name in whole:
             shares[-1].append((name, t))
             continue
-        step, start = -(-t.shape[0] // num_senders), 0
-        for s, rows in enumerate(t.split(step)):
-            box = ((start, start + rows.shape[0]),) + tuple((0, n) for n in t.shape[1:])
-            shares[s].append((piece_name(name, box, tuple(t.shape)), rows))
-            start += rows.shape[0]
+        for s, key, rows in pieces.row_pieces(name, t, num_senders):
+            shares[s].append((key, rows))
     return shares
 
 
@@ -175,8 +173,6 @@ def test_disk_delta_workers_decode_only_their_part_of_each_piece_and_deltas_chai
 def test_the_device_path_batches_a_buckets_copies_and_stays_bit_exact(monkeypatch):
     """A GPU's copies go in one ``_foreach_copy_`` at the end of each feed; run here on host tensors by turning the
     host path off (this machine has no GPU): whole tensors and column slices (strided destinations) bit-exact."""
-    from rlplacement.transfer import pieces
-
     from rlplacement.transfer.slice_tensor import box_of, slice_of
 
     monkeypatch.setattr(pieces, "_host_copy", lambda dst, src: False)

@@ -28,18 +28,14 @@ def arrived(named, ranks: int, keeps: dict | None):
     """What a worker's channels hand over from ``ranks`` senders' rows: each piece, or its part of the worker's
     slice (a tensor of the whole piece's shape over the part's bytes)."""
     from rlplacement.transfer import shards
-    from rlplacement.transfer.pieces import kept_part, piece_name
+    from rlplacement.transfer.pieces import kept_part, parse_piece, row_pieces
     from rlplacement.transfer.slice_tensor import as_whole
 
     out = []
     for name, t in named:
-        step, start = -(-t.shape[0] // ranks), 0
-        for rows in t.split(step):
-            box = ((start, start + rows.shape[0]),) + tuple((0, n) for n in t.shape[1:])
-            key = piece_name(name, box, tuple(t.shape))
-            start += rows.shape[0]
+        for _, key, rows in row_pieces(name, t, ranks):
             if keeps and name in keeps:
-                part = kept_part(box, keeps[name])
+                part = kept_part(parse_piece(key)[1], keeps[name])
                 out.append((key, as_whole(shards.cut(rows, part).contiguous(), part, tuple(rows.shape), key)))
             else:
                 out.append((key, rows))

@@ -258,12 +258,12 @@ class FSDPBackend(TrainerBackend):
         split; a rank past the last row holds none and is left out); None for a parameter held otherwise."""
         if not hasattr(param, "full_tensor") or param.device_mesh.size() == 1 or not _dim0_sharded(param):
             return None
+        from rlplacement.transfer.pieces import row_part
+
         group = param.device_mesh.get_group()
-        ranks, rows = dist.get_world_size(group), param.shape[0]
-        step = -(-rows // ranks)
-        rest = tuple((0, n) for n in param.shape[1:])
-        return [(dist.get_global_rank(group, r), ((r * step, min(rows, (r + 1) * step)),) + rest)
-                for r in range(ranks) if r * step < rows]
+        box = tuple((0, n) for n in param.shape)
+        parts = [(r, row_part(box, dist.get_world_size(group), r)) for r in range(dist.get_world_size(group))]
+        return [(dist.get_global_rank(group, r), (rows,) + box[1:]) for r, rows in parts if rows is not None]
 
     def _iter_pieces(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's rows of every dim-0-sharded parameter, each under its piece name

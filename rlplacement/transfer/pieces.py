@@ -55,6 +55,18 @@ def row_part(box: Box, parts: int, index: int) -> tuple[int, int] | None:
     return (start, min(rows, start + step)) if start < rows else None
 
 
+def row_pieces(name: str, tensor: "torch.Tensor", parts: int) -> list[tuple[int, str, "torch.Tensor"]]:
+    """``(holder index, piece name, rows)`` of each of ``parts`` holders' rows of the whole ``tensor``
+    (:func:`row_part`: an FSDP2 ``Shard(0)`` layout); holders past the last row get none."""
+    shape, out = tuple(tensor.shape), []
+    for index in range(parts):
+        rows = row_part(whole(shape), parts, index)
+        if rows is not None:
+            box = ((rows[0], rows[1]),) + whole(shape)[1:]
+            out.append((index, piece_name(name, box, shape), tensor[rows[0]:rows[1]]))
+    return out
+
+
 def piece_name(name: str, box: Box, shape: tuple[int, ...]) -> str:
     """The name piece ``box`` of tensor ``name`` (whole ``shape``) travels under."""
     return f"{name}{PIECE}{describe(box)}of[{', '.join(str(n) for n in shape)}]"

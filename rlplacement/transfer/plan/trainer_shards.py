@@ -74,12 +74,14 @@ def megatron_holdings(model: ModelTensors, tp: int, pp: int, dp: int, ep: int = 
 def fsdp_holdings(model: ModelTensors, world: int) -> Holdings:
     """FSDP2's ``Shard(0)``: rank ``r`` holds rows ``[r*c, (r+1)*c)`` of every tensor, ``c = ceil(rows /
     world)`` (``torch.chunk``'s split; trailing ranks of a short tensor hold nothing)."""
+    from rlplacement.transfer.pieces import row_part
+
     out: Holdings = [{} for _ in range(world)]
     for t in model.tensors:
-        c = -(-t.shape[0] // world)
         for r in range(world):
-            if r * c < t.shape[0]:
-                out[r][t.name] = along(t.shape, 0, r * c, (r + 1) * c)
+            rows = row_part(whole(t.shape), world, r)
+            if rows is not None:
+                out[r][t.name] = along(t.shape, 0, *rows)
     return out
 
 
