@@ -458,9 +458,9 @@ class MegatronBackend(TrainerBackend):
     def iter_update_tensors(self, share: str = RANK0) -> Iterator[tuple[str, torch.Tensor]]:
         """With resident tensors, views of the parameters (:func:`megatron_mapping.hf_views`): q, k and v
         as the fused QKV's row groups (:attr:`update_hf_shapes`), the rest in their HF shapes; else
-        :meth:`iter_hf_tensors`, or, by ``share``, every rank's share of its own stage
-        (:func:`megatron_model.iter_own_stage_megatron`: megatron parameters whole, so q/k/v and gate/up
-        of one fused parameter go from one rank) or every tensor on every rank
+        :meth:`iter_hf_tensors`, or, by ``share``, every rank's share of its own stage (its pieces,
+        :meth:`_iter_pieces`; under LoRA :func:`megatron_model.iter_own_stage_megatron`: megatron parameters
+        whole, so q/k/v and gate/up of one fused parameter go from one rank) or every tensor on every rank
         (:func:`megatron_model.iter_everywhere_megatron`)."""
         if self.yields_resident_tensors:
             self.last_stream_collectives = 0

@@ -17,7 +17,7 @@ from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, buil
 from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_model_needs
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
-from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, expert_of, fsdp_holdings,
+from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, fsdp_holdings, has_experts,
                                                       megatron_holdings, megatron_piece_holdings,
                                                       megatron_share_holdings, rank0_holdings, share_holdings)
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
@@ -138,10 +138,9 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     spread = spread_sim = None
     not_built = ""
-    if trainer_sends_pieces(backend, world, who, lora=False, moe=any(expert_of(t.name) is not None
-                                                                  for t in model.tensors)):
+    if trainer_sends_pieces(backend, world, who, lora=False, moe=has_experts(model)):
         # every rank sends the parts of the HF tensors it holds (transfer.pieces): nothing is gathered; an FSDP
-        # rank its rows, a megatron rank its TP boxes, one data-parallel replica each (the runtime's rule)
+        # rank its rows, a megatron rank its rows of its TP boxes, split over the data-parallel replicas
         if backend == "fsdp":
             spread = sharded if run_needs is needs else build_plan(model, holdings, run_needs, fanout)
         else:

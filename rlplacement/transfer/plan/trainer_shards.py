@@ -38,6 +38,11 @@ def expert_of(name: str) -> int | None:
     return int(name.split(".mlp.experts.")[1].split(".")[0])
 
 
+def has_experts(model: ModelTensors) -> bool:
+    """Whether the model has mixture-of-experts tensors (``transfer.pieces.trainer_sends_pieces``' ``moe``)."""
+    return any(expert_of(t.name) is not None for t in model.tensors)
+
+
 def experts_per_rank(model: ModelTensors, ep: int) -> int:
     """Experts each of ``ep`` expert-parallel ranks holds (raises naming the flag where ``ep`` does not divide
     them)."""
