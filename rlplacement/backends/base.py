@@ -159,7 +159,8 @@ class TrainerBackend(abc.ABC):
 
         ``share`` (who sends, :data:`~rlplacement.transfer.spec.RANK0` and its kin): every tensor on global rank
         0; :data:`~rlplacement.transfer.spec.SHARES`, each whole tensor on exactly one rank, chosen by
-        :meth:`update_owners` (a backend whose ranks send pieces, ``transfer.pieces``, yields those instead); :data:`~rlplacement.transfer.spec.OWN_GPU`, every tensor on every rank.
+        :meth:`update_owners` (a backend whose ranks send pieces, ``transfer.pieces``, yields those instead);
+        :data:`~rlplacement.transfer.spec.OWN_GPU`, every tensor on every rank.
         Collective in every case: every rank calls it and consumes it to the end."""
         import torch.distributed as dist
 
