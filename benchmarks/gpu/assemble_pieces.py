@@ -3,8 +3,9 @@ Qwen3-8B shape's tensors in bf16, cut into the dim-0 rows of 2 and 8 trainer ran
 to the assembler of a worker taking every tensor whole (a 1-wide engine) and of worker 0 of a 2-wide engine
 (its slices: each piece's part of them, as its channels hand them over); against the ceiling measured in the
 same run, one device-to-device copy of the same bytes. Full staging (the assembled buffers kept between
-updates) and bucket staging (each let go once handed on). Wall time per update after a warm-up, with a
-synchronize, median.
+updates) and bucket staging (each let go once handed on). The pieces are fed as a worker's channels hand them
+over, one sender's bucket at a time (``--update-weight-buffer-size`` shared among the senders,
+``multi_sender.sender_bucket_size``). Wall time per update after a warm-up, with a synchronize, median.
 
     python3 benchmarks/gpu/assemble_pieces.py --out $OUT --commit $(git rev-parse --short HEAD)
     # -> assemble_pieces_h100.json or _h200.json, by the card it ran on
@@ -42,6 +43,21 @@ def arrived(named, ranks: int, keeps: dict | None):
     return out
 
 
+def buckets_of(pieces, nbytes: int) -> list[list]:
+    """``pieces`` cut into feeds of at most ``nbytes`` each (a larger piece alone)."""
+    from rlplacement.transfer.slice_tensor import slice_of
+
+    out, size = [[]], 0
+    for pair in pieces:
+        n = slice_of(pair[1]).numel() * pair[1].element_size()
+        if out[-1] and size + n > nbytes:
+            out.append([])
+            size = 0
+        out[-1].append(pair)
+        size += n
+    return out
+
+
 def timed(fn, repeats: int) -> float:
     import torch
 
@@ -62,6 +78,7 @@ def main() -> int:
     parser.add_argument("--size", default="8B")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--buffer-size", type=int, default=512 << 20, help="--update-weight-buffer-size")
     parser.add_argument("--out", default="benchmarks/gpu/results")
     parser.add_argument("--commit", default=os.environ.get("COMMIT", ""))
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
@@ -70,6 +87,7 @@ def main() -> int:
     import torch
 
     from rlplacement.transfer import shards
+    from rlplacement.transfer.multi_sender import sender_bucket_size
     from rlplacement.transfer.pieces import PieceAssembler
     from rlplacement.transfer.plan.tensors import ModelTensors
     from rlplacement.transfer.slice_tensor import slice_of
@@ -89,12 +107,13 @@ def main() -> int:
         del flat_src, flat_dst
         for ranks in args.ranks:
             pieces = arrived(named, ranks, keeps)
+            feeds = buckets_of(pieces, sender_bucket_size(args.buffer_size, ranks))
             for staging, keep in (("full", True), ("bucket", False)):
                 assembler = PieceAssembler(keeps, keep_buffers=keep)
 
                 def update():
                     assembler.begin(None)
-                    assembled = assembler.feed(pieces)
+                    assembled = [pair for feed in feeds for pair in assembler.feed(feed)]
                     assembler.finish()
                     return assembled
 
@@ -103,12 +122,12 @@ def main() -> int:
                 exact = all(torch.equal(shards.cut(t, keeps.get(n) if keeps else None), slice_of(got[n]))
                             for n, t in named)
                 rows.append({"engine_width": width, "trainer_ranks": ranks, "staging": staging,
-                             "share_bytes": share, "pieces": len(pieces), "seconds": round(seconds, 5),
+                             "share_bytes": share, "pieces": len(pieces), "feeds": len(feeds), "seconds": round(seconds, 5),
                              "ceiling_seconds": round(ceiling, 5), "ratio_to_ceiling": round(seconds / ceiling, 2),
                              "gb_per_s": round(share / seconds / 1e9, 1), "bit_exact": exact})
                 print(json.dumps(rows[-1]), flush=True)
                 del assembler, got
-            del pieces
+            del pieces, feeds
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
@@ -116,7 +135,8 @@ def main() -> int:
     out = Path(args.out) / f"assemble_pieces_{card}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"what": __doc__.split("\n\n")[0], "command": "python3 " + " ".join(sys.argv),
-                               "commit": args.commit, "device": device, "rows": rows}, indent=1))
+                               "commit": args.commit, "device": device, "buffer_size": args.buffer_size,
+                               "rows": rows}, indent=1))
     return 0
 
 
