@@ -3,7 +3,8 @@ Qwen3-8B shape's tensors in bf16, cut into the dim-0 rows of 2 and 8 trainer ran
 to the assembler of a worker taking every tensor whole (a 1-wide engine) and of worker 0 of a 2-wide engine
 (its slices: each piece's part of them, as its channels hand them over); against the ceiling measured in the
 same run, one device-to-device copy of the same bytes. Full staging (the assembled buffers kept between
-updates) and bucket staging (each let go once handed on). The pieces are fed as a worker's channels hand them
+updates) and bucket staging (each let go once handed on); each with its device copies batched per feed and, the
+baseline, one copy per piece. The pieces are fed as a worker's channels hand them
 over, one sender's bucket at a time (``--update-weight-buffer-size`` shared among the senders,
 ``multi_sender.sender_bucket_size``). Wall time per update after a warm-up, with a synchronize, median.
 
@@ -108,8 +109,9 @@ def main() -> int:
         for ranks in args.ranks:
             pieces = arrived(named, ranks, keeps)
             feeds = buckets_of(pieces, sender_bucket_size(args.buffer_size, ranks))
-            for staging, keep in (("full", True), ("bucket", False)):
-                assembler = PieceAssembler(keeps, keep_buffers=keep)
+            for staging, keep, batch in (("full", True, True), ("bucket", False, True), ("full", True, False),
+                                         ("bucket", False, False)):
+                assembler = PieceAssembler(keeps, keep_buffers=keep, batch_copies=batch)
 
                 def update():
                     assembler.begin(None)
@@ -122,6 +124,7 @@ def main() -> int:
                 exact = all(torch.equal(shards.cut(t, keeps.get(n) if keeps else None), slice_of(got[n]))
                             for n, t in named)
                 rows.append({"engine_width": width, "trainer_ranks": ranks, "staging": staging,
+                             "device_copies": "one _foreach_copy_ per feed" if batch else "one copy_ per piece",
                              "share_bytes": share, "pieces": len(pieces), "feeds": len(feeds), "seconds": round(seconds, 5),
                              "ceiling_seconds": round(ceiling, 5), "ratio_to_ceiling": round(seconds / ceiling, 2),
                              "gb_per_s": round(share / seconds / 1e9, 1), "bit_exact": exact})

@@ -20,8 +20,9 @@ layout's pieces tile every tensor; an update that ends with a tensor short of it
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from rlplacement.transfer.base import NamedTensor, TransferError
 from rlplacement.transfer.plan.boxes import Box, describe, intersect, volume, whole
@@ -72,8 +73,10 @@ def piece_name(name: str, box: Box, shape: tuple[int, ...]) -> str:
     return f"{name}{PIECE}{describe(box)}of[{', '.join(str(n) for n in shape)}]"
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def parse_piece(key: str) -> tuple[str, Box, tuple[int, ...]] | None:
-    """``(name, box, whole shape)`` of a :func:`piece_name`; None for any other name."""
+    """``(name, box, whole shape)`` of a :func:`piece_name`; None for any other name (cached: an update's
+    names are the last update's)."""
     name, sep, rest = key.partition(PIECE)
     if not sep:
         return None
@@ -128,6 +131,17 @@ def _host_copy(dst: "torch.Tensor", src: "torch.Tensor") -> bool:
     return True
 
 
+class _Placement(NamedTuple):
+    name: str
+    box: Box
+    shape: tuple[int, ...]
+    elements: int
+    kept: Box
+    kept_elements: int
+    is_all_kept: bool
+    narrows: tuple[tuple[int, int, int], ...]  # (dim, start, length) of the piece's region in the kept buffer
+
+
 class PieceAssembler:
     """One engine worker's assembly of an update's pieces, fed bucket by bucket from every sender's channel.
 
@@ -137,15 +151,22 @@ class PieceAssembler:
     update is these buffers until it is committed); else each is let go once handed on (bucket staging: a
     worker holds only the tensors whose pieces are still arriving, which the senders' common order bounds
     by about one bucket per sender). ``checksums``: a dict that gets the checksum of every tensor and piece that
-    arrived whole (a worker keeping slices has its channels check what arrives)."""
+    arrived whole (a worker keeping slices has its channels check what arrives). ``batch_copies``: a feed's
+    device copies go in one ``_foreach_copy_`` at its end, else one ``copy_`` each as its piece is placed (the
+    benchmark's baseline, ``benchmarks/gpu/assemble_pieces.py``)."""
 
-    def __init__(self, keeps: dict | None, *, keep_buffers: bool, checksums: dict | None = None):
+    def __init__(self, keeps: dict | None, *, keep_buffers: bool, checksums: dict | None = None,
+                 batch_copies: bool = True):
         self.keeps = keeps or {}
+        self.batch_copies = batch_copies
         self.keep_buffers = keep_buffers
         self.checksums = checksums
         self._buffers: dict[str, "torch.Tensor"] = {}
         self._pending: dict[str, list] = {}  # name -> [elements still missing, box, whole shape]
         self._copies: tuple[list, list] = ([], [])  # device copies of this feed, made at its end in one call
+        self._placements: dict = {}  # (key, part) -> _Placement, for the keeps they were worked out for
+        self._placements_for: dict | None = None
+        self._views: dict = {}  # id of a _Placement -> (buffer, the piece's region of it), where buffers are kept
         self.seen = False
 
     def begin(self, checksums: dict | None) -> None:
@@ -171,8 +192,7 @@ class PieceAssembler:
                 out.append((key, t))
                 continue
             self.seen = True
-            name, box, shape = piece_boxes(key, where[0] if where is not None else None)
-            done = self._place(name, box, shape, slice_of(t))
+            done = self._place(self._placement(key, where[0] if where is not None else None), slice_of(t))
             if done is not None:
                 out.append(done)
         dsts, srcs = self._copies
@@ -183,26 +203,49 @@ class PieceAssembler:
             self._copies = ([], [])
         return out
 
-    def _place(self, name: str, box: Box, shape: tuple[int, ...], data: "torch.Tensor") -> NamedTensor | None:
-        if not volume(box):  # a piece outside this worker's slice: its part of it is empty
+    def _placement(self, key: str, part: Box | None) -> "_Placement":
+        """Where the piece (or ``part`` of it) arriving under ``key`` goes, worked out once per key and keeps:
+        an update's pieces are the last update's, and this arithmetic is most of a piece's cost on a GPU."""
+        if self._placements_for is not self.keeps:
+            self._placements, self._placements_for, self._views = {}, self.keeps, {}
+        found = self._placements.get((key, part))
+        if found is None:
+            name, box, shape = piece_boxes(key, part)
+            kept = self.keeps.get(name, whole(shape))
+            if volume(box) and intersect(box, kept) != box:
+                raise TransferError(f"a piece {describe(box)} of {name!r} arrived where this worker keeps "
+                                    f"{describe(kept)} of it")
+            narrows = tuple((d, a - k, b - a) for d, ((a, b), (k, c)) in enumerate(zip(box, kept)) if (a, b) != (k, c))
+            found = self._placements[(key, part)] = _Placement(name, box, shape, volume(box), kept, volume(kept),
+                                                               box == kept, narrows)
+        return found
+
+    def _place(self, at: "_Placement", data: "torch.Tensor") -> NamedTensor | None:
+        if not at.elements:  # a piece outside this worker's slice: its part of it is empty
             return None
-        kept = self.keeps.get(name, whole(shape))
+        name, kept = at.name, at.kept
         pending = self._pending.get(name)
-        if pending is None and box == kept:  # one piece is all this worker keeps of it: handed on, not copied
-            return self._handed_on(name, data.reshape(tuple(b - a for a, b in kept)), kept, shape)
+        if pending is None and at.is_all_kept:  # one piece is all this worker keeps of it: handed on, not copied
+            return self._handed_on(name, data.reshape(tuple(b - a for a, b in kept)), kept, at.shape)
         if pending is None:
-            pending = self._pending[name] = [volume(kept), kept, shape]
-        if intersect(box, kept) != box:
-            raise TransferError(f"a piece {describe(box)} of {name!r} arrived where this worker keeps "
-                                f"{describe(kept)} of it")
-        view = self._buffer(name, kept, data)
-        for d, ((a, b), (k, _)) in enumerate(zip(box, kept)):
-            view = view.narrow(d, a - k, b - a)
+            pending = self._pending[name] = [at.kept_elements, kept, at.shape]
+        buffer = self._buffer(name, kept, data)
+        view = self._views.get(id(at)) if self.keep_buffers else None
+        if view is None or view[0] is not buffer:
+            region = buffer
+            for d, start, length in at.narrows:
+                region = region.narrow(d, start, length)
+            view = (buffer, region)
+            if self.keep_buffers:
+                self._views[id(at)] = view
+        view = view[1]
         src = data.reshape(view.shape)
-        if not _host_copy(view, src):
+        if not self.batch_copies:
+            view.copy_(src)
+        elif not _host_copy(view, src):
             self._copies[0].append(view)
             self._copies[1].append(src)
-        pending[0] -= volume(box)
+        pending[0] -= at.elements
         if pending[0] > 0:
             return None
         if pending[0] < 0:
@@ -210,7 +253,7 @@ class PieceAssembler:
                                 f"{describe(kept)} holds)")
         del self._pending[name]
         return self._handed_on(name, self._buffers[name] if self.keep_buffers else self._buffers.pop(name), kept,
-                               shape)
+                               at.shape)
 
     @staticmethod
     def _handed_on(name: str, data: "torch.Tensor", kept: Box, shape: tuple[int, ...]) -> NamedTensor:
@@ -242,5 +285,5 @@ class PieceAssembler:
 
     def release(self) -> int:
         n = self.nbytes
-        self._buffers = {}
+        self._buffers, self._views = {}, {}
         return n
