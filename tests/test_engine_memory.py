@@ -93,7 +93,8 @@ def test_a_wide_engine_whose_workers_receive_their_slices_stages_each_workers_sh
 
 def test_pieces_from_several_trainer_ranks_count_the_assembled_tensors_too(tmp_path):
     """Where the trainer's ranks each send their rows (``transfer.pieces``), a worker holds the pieces it received
-    and the tensors it assembled from them: full staging counts its share twice, bucket staging a third bucket."""
+    and the tensors it assembled from them: full staging counts its share twice; bucket staging stays two buckets
+    (each sender's bucket is halved for the tensors assembling)."""
     from rlplacement.engines.engine_settings import staging_per_option, worker_tensor_bytes
 
     model = _headers_only_model(tmp_path / "m", hidden=8192, layers=80, vocab=128256)
@@ -105,7 +106,7 @@ def test_pieces_from_several_trainer_ranks_count_the_assembled_tensors_too(tmp_p
     share = sum(sizes.values())
     plain, pieces = staging_per_option(sizes, 512 << 20), staging_per_option(sizes, 512 << 20, pieces=True)
     assert pieces["full"] == 2 * plain["full"] == 2 * share
-    assert pieces["bucket"] == 3 * plain["bucket"] // 2
+    assert pieces["bucket"] == plain["bucket"]
     memory = resolve_engine_memory(model, "bfloat16", staging="full", bucket_bytes=512 << 20, utilization=0.9,
                                    total_bytes=80 * 10**9, sliced_width=8, pieces=True)
     assert memory.staging_bytes == 2 * share and memory.vllm_utilization == pytest.approx(0.9 - 2 * share / 80e9,
@@ -113,12 +114,12 @@ def test_pieces_from_several_trainer_ranks_count_the_assembled_tensors_too(tmp_p
     assert staging_per_option({"w": 10}, 512 << 20, pieces=True) == {"full": 20, "bucket": 20}  # never over all twice
 
 
-def test_the_job_tells_engines_when_its_trainer_sends_pieces(tmp_path):
+def test_the_job_tells_engines_when_itstrainer_sends_pieces_for(tmp_path):
     """One rule (``trainer_sends_pieces``) for what the engines' memory is sized for: an FSDP or Megatron trainer
     of several ranks in a split layout of a mode where every rank sends; not one rank, torchtitan, LoRA,
     colocated or experts. The job reads it from its flags and the model's config."""
     from rlplacement.args import build_parser, config_from_args
-    from rlplacement.job_start import _trainer_sends_pieces
+    from rlplacement.job_start import trainer_sends_pieces_for
     from rlplacement.transfer.pieces import trainer_sends_pieces
     from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
@@ -127,7 +128,7 @@ def test_the_job_tells_engines_when_its_trainer_sends_pieces(tmp_path):
     (tmp_path / "moe" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
 
     def job_flags(*argv, model=tmp_path):
-        return _trainer_sends_pieces(config_from_args(build_parser().parse_args(list(argv))), str(model))
+        return trainer_sends_pieces_for(config_from_args(build_parser().parse_args(list(argv))), str(model))
 
     split = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "fsdp"]
     assert job_flags(*split)

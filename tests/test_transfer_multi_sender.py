@@ -233,6 +233,9 @@ def test_senders_divide_the_bucket_size_so_a_worker_holds_the_same_in_flight():
     assert sender_bucket_size(512 * mib, 1) == 512 * mib
     assert sender_bucket_size(512 * mib, 8) == 64 * mib  # 8 channels x 2 slots x 64 MiB = 2 x 512 MiB
     assert sender_bucket_size(4 * mib, 16) == mib  # never below 1 MiB
+    # pieces: half of that, for the tensors the worker assembles beside its channels' buffers
+    assert sender_bucket_size(512 * mib, 8, pieces=True) == 32 * mib
+    assert sender_bucket_size(512 * mib, 1, pieces=True) == 512 * mib
 
 
 def test_merge_keeps_one_sender_report_as_it_is():

@@ -197,3 +197,36 @@ def test_the_device_path_batches_a_buckets_copies_and_stays_bit_exact(monkeypatc
             got += [(n, t if box_of(t) is None else (*box_of(t), slice_of(t))) for n, t in assembler.feed(arrived)]
         assembler.finish()
         _assert_assembled(got, named, keeps)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sender_ahead_of_the_others_waits_so_a_worker_assembles_about_a_bucket_not_the_model(mode):
+    """Bucket staging: sender 1 streams at once, sender 0 slowly. The worker holds sender 1's bucket until the
+    tensors it brought pieces of are whole, so sender 1 waits, and the tensors assembling at once stay within
+    the buckets held (without the hold sender 1 runs to its end and every tensor is started: the model)."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    named = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(32, 64, generator=g)) for i in range(24)]
+    model_bytes = sum(t.numel() * t.element_size() for _, t in named)
+    piece_bytes = model_bytes // len(named) // 2
+    bucket = 2 * piece_bytes  # each sender's bucket: its pieces of two tensors
+    session = Senders(mode, num_senders=2, buffer_size=bucket)
+    try:
+        shares = row_pieces(named, 2)
+
+        def slowly(share):
+            for pair in share:
+                time.sleep(0.02)
+                yield pair
+
+        _, errors, applied = session.run(1, [slowly(shares[0]), shares[1]], bucketwise=True)
+        assert errors == [None] * 4
+        for got in applied:
+            _assert_assembled(got, named, None)
+        peaks = [r.assembly_peak_bytes for r in session.receivers]
+        # the tensors of the buckets held: each tensor twice a piece, so a bucket's pieces start two buckets of
+        # tensors, which the other sender's bucket completes (16 KiB here), with room for one sender a bucket on
+        assert max(peaks) <= 2 * 2 * bucket < model_bytes / 4, (peaks, bucket, model_bytes)
+    finally:
+        session.close()

@@ -87,12 +87,13 @@ def staging_per_option(tensor_bytes: dict[str, int], bucket_bytes: int, pieces: 
     ``full``; two of the largest buckets under ``bucket`` (never more than all). ``pieces``: the trainer's
     ranks each send their rows of every tensor (``transfer.pieces``) and the worker assembles them: under
     ``full`` the pieces as received and the tensors assembled from them, at most all of them twice (a piece
-    that is all a worker keeps of a tensor is loaded as it arrived); under ``bucket`` a third bucket of
-    tensors whose pieces are still arriving (the senders walk the model in the same order)."""
+    that is all a worker keeps of a tensor is loaded as it arrived); under ``bucket`` still two buckets: each
+    sender's bucket is halved, and the tensors assembling take the other half
+    (``transfer.multi_sender.sender_bucket_size``)."""
     whole = sum(tensor_bytes.values())
     largest = largest_bucket_of(tensor_bytes, bucket_bytes)
     if pieces:
-        return {"full": 2 * whole, "bucket": min(2 * whole, 3 * largest)}
+        return {"full": 2 * whole, "bucket": min(2 * whole, 2 * largest)}
     return {"full": whole, "bucket": min(whole, 2 * largest)}
 
 

@@ -24,7 +24,18 @@ Megatron rank what its TP shards are of them): the buckets pass through a
 :class:`~rlplacement.transfer.pieces.PieceAssembler` before the loader, which sees each tensor, or this
 worker's slice of it, once every sender's piece of it arrived. Under full staging the assembled tensors are
 the staged update (the channels' buffers hold the pieces besides: at most a worker's share twice); under
-bucket staging a tensor's buffer is let go once it is loaded.
+bucket staging a tensor's buffer is let go once it is loaded, and a channel's bucket is held (its channel
+waits) until every tensor it brought pieces of is whole, so a sender that runs ahead of the others waits for
+them instead of filling the worker with tensors it started. Each sender's bucket is then half its share of
+``--update-weight-buffer-size`` (:func:`sender_bucket_size`): the channels' two buffers each hold one bucket
+of that size, and the tensors assembling from the buckets held, while the senders keep pace, the other.
+
+Why held buckets cannot deadlock: every sender sends its pieces in one order common to all senders (the
+model's), and every worker receives each sender's buckets in the order sent. A held bucket waits only for
+pieces later in another sender's order than what that sender has brought, so of all held buckets on all
+workers, the one whose last tensor comes first in the model's order waits for nothing held: it is released.
+Should every running channel of a worker be held (senders of another order, an update short of pieces),
+all are released, and the update's end names any tensor left short.
 """
 
 from __future__ import annotations
@@ -82,12 +93,18 @@ def receiver_for(mode_class: type, endpoint: TransferEndpoint, device, *, versio
 MIN_SENDER_BUCKET = 1 << 20
 
 
-def sender_bucket_size(buffer_size: int, num_senders: int) -> int:
+def sender_bucket_size(buffer_size: int, num_senders: int, *, pieces: bool = False) -> int:
     """Each sender's bucket when ``num_senders`` share an update: ``--update-weight-buffer-size`` divided
     among them (at least 1 MiB), so an engine worker under bucket staging, which holds two buckets per
-    sender in flight, holds two of ``buffer_size`` whatever the number of senders. A tensor larger than a
-    bucket still goes alone, as with one sender."""
-    return max(MIN_SENDER_BUCKET, buffer_size // num_senders) if num_senders > 1 else buffer_size
+    sender in flight, holds two of ``buffer_size`` whatever the number of senders. ``pieces``: the senders
+    send pieces (``transfer.pieces``), which the worker assembles into tensors beside the channels' buffers
+    (a tensor is up to ``num_senders`` times one sender's piece of it, while the buckets bringing its pieces
+    are held): half that share, so the channels' buffers take one of the two buckets and, while the senders
+    keep pace (a sender ahead of the others waits for them), the tensors assembling the other. A tensor
+    larger than a bucket still goes alone, as with one sender."""
+    if num_senders <= 1:
+        return buffer_size
+    return max(MIN_SENDER_BUCKET, buffer_size // (num_senders * (2 if pieces else 1)))
 
 
 def merge_sender_reports(reports: Sequence[UpdateReport], *, whole_each: bool = False) -> UpdateReport:
@@ -208,12 +225,13 @@ class MultiSenderReceiver(StagingReceiver):
     def _stream(self, apply_bucket: ApplyFn) -> tuple[int, int, int]:
         assembler = self._assembler = self._begin_pieces(PieceAssembler(self.keeps, keep_buffers=False))
 
-        def apply_assembled(tensors: list[NamedTensor]) -> None:
+        def apply_assembled(tensors: list[NamedTensor]) -> set[str]:
             ready = assembler.feed(tensors)
             if ready:
                 apply_bucket(ready)
+            return assembler.waiting_on(tensors)
 
-        results = self._run_all(lambda channel, relay: channel._stream(relay), apply_assembled)
+        results = self._run_all(lambda channel, relay: channel._stream(relay), apply_assembled, assembler)
         assembler.finish()
         return tuple(sum(r[i] for r in results) for i in range(3))
 
@@ -225,10 +243,13 @@ class MultiSenderReceiver(StagingReceiver):
         assembler.begin(self._piece_sums)
         return assembler
 
-    def _run_all(self, job: Callable[[StagingReceiver, ApplyFn], tuple], apply_bucket: ApplyFn | None = None) -> list:
+    def _run_all(self, job: Callable[[StagingReceiver, ApplyFn], tuple], apply_bucket: Callable | None = None,
+                 assembler: PieceAssembler | None = None) -> list:
         """``job(channel, relay)`` for every channel at once, where ``relay`` queues a bucket here and waits
-        until this thread handed it to ``apply_bucket``. Returns the results in channel order, or, once every
-        channel finished, raises the first bucket the loader refused, else the first channel's failure."""
+        until this thread handed it to ``apply_bucket``, and, where that returns the names of tensors the bucket
+        brought pieces of that are not whole yet, until ``assembler`` has them whole (the module's docstring
+        says why this cannot deadlock). Returns the results in channel order, or, once every channel finished,
+        raises the first bucket the loader refused, else the first channel's failure."""
         requests: queue.Queue = queue.Queue()
         stopped: list[BaseException] = []  # the first failed apply: later buckets are received, not applied
 
@@ -243,25 +264,43 @@ class MultiSenderReceiver(StagingReceiver):
         for future in futures:
             future.add_done_callback(lambda _: requests.put(None))
         running = len(futures)
+        held: list[tuple[set[str], threading.Event]] = []  # buckets waiting for their tensors to be whole
         while running:
             request = requests.get()  # each channel's own group bounds how long it can take
             if request is None:
                 running -= 1
-                continue
-            tensors, done, outcome = request
-            try:
-                if stopped:
-                    raise TransferError(f"not loaded: an earlier bucket of this update failed ({stopped[0]})")
-                apply_bucket(tensors)
-            except BaseException as exc:  # noqa: BLE001 - raised in the channel, which defers it to its END
-                if not stopped:
-                    stopped.append(exc)
-                outcome.append(exc)
-            done.set()
+            else:
+                tensors, done, outcome = request
+                waiting = None
+                try:
+                    if stopped:
+                        raise TransferError(f"not loaded: an earlier bucket of this update failed ({stopped[0]})")
+                    waiting = apply_bucket(tensors)
+                except BaseException as exc:  # noqa: BLE001 - raised in the channel, which defers it to its END
+                    if not stopped:
+                        stopped.append(exc)
+                    outcome.append(exc)
+                if waiting:
+                    held.append((waiting, done))
+                else:
+                    done.set()
+            if held:
+                still = [h for h in held if any(map(assembler.is_pending, h[0]))]
+                if stopped or len(still) >= running:  # nothing left to make them whole: let every one go
+                    still = []
+                for names, done in held:
+                    if not any(done is d for _, d in still):
+                        done.set()
+                held = still
         failures = [f.exception() for f in futures if f.exception() is not None]
         if failures:  # the refused bucket itself, not the "not loaded" of the buckets after it
             raise stopped[0] if stopped else failures[0]
         return [f.result() for f in futures]
+
+    @property
+    def assembly_peak_bytes(self) -> int:
+        """The most the tensors assembling from pieces held at once in the last update."""
+        return self._assembler.peak_bytes
 
     @property
     def staging_bytes(self) -> int:

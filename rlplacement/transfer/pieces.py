@@ -168,10 +168,19 @@ class PieceAssembler:
         self._placements_for: dict | None = None
         self._views: dict = {}  # id of a _Placement -> (buffer, the piece's region of it), where buffers are kept
         self.seen = False
+        self.peak_bytes = 0  # the most the buffers held at once in this update
+
+    def waiting_on(self, pairs: list[NamedTensor]) -> set[str]:
+        """The tensors of which ``pairs`` (a bucket fed already) brought pieces and which still miss others'."""
+        return {name for name in {parse_piece(key)[0] for key, _ in pairs if is_piece(key)} if name in self._pending}
+
+    def is_pending(self, name: str) -> bool:
+        return name in self._pending
 
     def begin(self, checksums: dict | None) -> None:
         """A new update: nothing pending (a failed update's partial tensors are dropped)."""
         self._pending = {}
+        self.peak_bytes = self.nbytes
         self._copies = ([], [])
         self.checksums = checksums
         self.seen = False
@@ -270,6 +279,7 @@ class PieceAssembler:
             import torch
 
             buf = self._buffers[name] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)
         return buf
 
     def finish(self) -> None:
