@@ -145,9 +145,6 @@ def render(result: dict) -> str:
             continue
         r = result[key]
         title += " *" if key == runs else ""
-        if "not_built" in r:
-            lines.append(f"{title:<24}not built: {r['not_built']}")
-            continue
         lines.append(f"{title:<24}{r['routes']:>8}{r['max_sender_bytes'] / gb:>12.2f} GB{r['max_receiver_bytes'] / gb:>14.2f}"
                      f" GB{r['gather_seconds']:>10.3f}{r['wire_seconds']:>9.3f}{r['predicted_seconds']:>9.3f}  "
                      f"{r['busiest_link']} ({r['busiest_link_bytes'] / gb:.2f} GB)")

@@ -346,20 +346,47 @@ def test_plan_memory_counts_a_ranks_experts_by_expert_parallelism(tmp_path, caps
         4 * share, 4 * share, 8 * share, 2 * layer)
 
 
-def test_a_running_plan_too_large_to_build_is_reported_not_built(tmp_path, capsys, monkeypatch):
-    """Megatron's replicas each write their rows of every tensor to every p2p worker: at hundreds of GPUs more
-    routes than the builder makes. The plan still says what runs, and why it is not priced."""
-    from rlplacement.transfer.plan import for_layout
+def test_a_p2p_plan_of_alike_engines_is_built_once_and_prices_every_engines_writes():
+    """Where every box has one holder (FSDP's rows, pieces), p2p's routes to every engine are engine 0's from
+    the same senders: built and checked once (``build_write_plan``), with the same bytes per sender and per
+    receiver and the same simulation as the plan of every engine built whole. Replicas (several holders of a
+    box) are balanced per engine, so that plan is built whole."""
+    from rlplacement.transfer.plan.build import build_write_plan
 
-    monkeypatch.setattr(for_layout, "MAX_ROUTES", 1000)
+    model = ModelTensors.from_hf_config(SMALL_QWEN2)
+    holdings, per_worker = fsdp_holdings(model, 4), vllm_worker_needs(model, 2)
+    once = build_write_plan(model, holdings, per_worker, 3)
+    every = build_plan(model, holdings, _needs(model, 2, 3), WRITE)
+    assert once.engine_copies == 3 and 3 * len(once.routes) == once.num_routes == len(every.routes)
+    assert once.bytes_per_sender() == every.bytes_per_sender()
+    assert once.bytes_per_receiver() == every.bytes_per_receiver()
+    assert once.summary() == every.summary()
+    trainer = tuple((0, g) for g in range(4))
+    engines = (((0, 4), (0, 5)), ((0, 6), (1, 0)), ((1, 1), (1, 2)))  # an engine across two nodes, too
+    rates = LinkRates(ipc_gbps=1000.0, nvlink_gbps=2000.0, network_gbps=400.0, disk_gbps=10.0)
+    assert simulate(once, trainer, engines, rates) == simulate(every, trainer, engines, rates)
+    assert build_write_plan(model, megatron_holdings(model, 1, 1, 2), per_worker, 3).engine_copies == 1
+    short = [dict(h) for h in holdings]
+    del short[1]["model.norm.weight"]
+    with pytest.raises(PlanCoverageError, match=r"model\.norm\.weight.* of engine 0 worker 0: .* are sent by no "
+                                                r"trainer rank"):
+        build_write_plan(model, short, per_worker, 3)
+
+
+def test_the_running_p2p_plan_is_priced_at_hundreds_of_gpus(tmp_path, capsys):
+    """Megatron's replicas each write their rows of every tensor to every p2p worker: 8B on 256 GPUs is 128
+    engines' writes of 128 ranks' pieces (6.5 million routes), priced from one engine's routes."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(QWEN3_8B))
-    argv = ["plan", "--actor-num-gpus-per-node", "8", "--rollout-num-gpus", "8", "--train-backend", "megatron",
-            "--update-weight-transfer-mode", "p2p", "--simulate-transfer", "--hf-config", str(config)]
-    assert cli_main(argv + ["--json"]) == 0
-    out = json.loads(capsys.readouterr().out)["transfer"]
-    assert out["runs"] == "spread" and out["spread"]["not_built"].endswith("over the 1,000 this builder makes")
-    assert int(out["spread"]["not_built"].split(" routes")[0].replace(",", "")) > 1000
+    argv = ["plan", "--actor-num-nodes", "16", "--actor-num-gpus-per-node", "8", "--rollout-num-gpus", "128",
+            "--train-backend", "megatron", "--update-weight-transfer-mode", "p2p", "--simulate-transfer",
+            "--hf-config", str(config), "--json"]
     assert cli_main(argv) == 0
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("every rank sends *"))
-    assert line.split("*", 1)[1].strip().startswith("not built: ")
+    out = json.loads(capsys.readouterr().out)["transfer"]
+    model_bytes = out["model_bytes"]
+    spread = out["spread"]
+    assert out["runs"] == "spread" and spread["routes"] > 1_000_000
+    # every rank writes 1/128 of every tensor to each of 128 engines: the model once, spread over the ranks
+    assert model_bytes <= spread["max_sender_bytes"] < 1.1 * model_bytes
+    assert spread["max_receiver_bytes"] == model_bytes
+    assert spread["predicted_seconds"] < out["rank0"]["predicted_seconds"] / 100

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 
 from rlplacement.transfer.plan.boxes import Box, describe, intersect, volume
 from rlplacement.transfer.plan.tensors import ModelTensors
@@ -51,17 +52,25 @@ def sent_bytes(nbytes: int, num_receivers: int, fanout: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class TransferPlan:
     """Every route of one update. ``fanout``: ``broadcast`` (a route's bytes leave its sender once, the
-    collective reaches every receiver) or ``write`` (p2p: once per receiver)."""
+    collective reaches every receiver) or ``write`` (p2p: once per receiver). ``engine_copies``: the routes
+    are engine 0's, and each of that many engines gets the same routes from the same senders
+    (:func:`build_write_plan`: writes of boxes with one holder each, where every engine's routes are engine
+    0's, so they are built once)."""
 
     routes: tuple[Route, ...]
     num_senders: int
     receivers: tuple[Receiver, ...]
     fanout: str
+    engine_copies: int = 1
+
+    @property
+    def num_routes(self) -> int:
+        return len(self.routes) * self.engine_copies
 
     def bytes_per_sender(self) -> dict[int, int]:
         out = {r: 0 for r in range(self.num_senders)}
         for route in self.routes:
-            out[route.sender] += sent_bytes(route.nbytes, len(route.receivers), self.fanout)
+            out[route.sender] += sent_bytes(route.nbytes, len(route.receivers), self.fanout) * self.engine_copies
         return out
 
     def bytes_per_receiver(self) -> dict[Receiver, int]:
@@ -69,6 +78,8 @@ class TransferPlan:
         for route in self.routes:
             for r in route.receivers:
                 out[r] += route.nbytes
+        if self.engine_copies > 1:
+            out = {(e, w): n for e in range(self.engine_copies) for (first, w), n in out.items() if first == 0}
         return out
 
     def summary(self) -> dict:
@@ -76,7 +87,7 @@ class TransferPlan:
         senders = self.bytes_per_sender()
         receivers = self.bytes_per_receiver()
         sending = [b for b in senders.values() if b]
-        return {"fanout": self.fanout, "routes": len(self.routes),
+        return {"fanout": self.fanout, "routes": self.num_routes,
                 "bytes_per_sender": senders,
                 "bytes_per_receiver": {f"engine {e} worker {w}": b for (e, w), b in receivers.items()},
                 "max_sender_bytes": max(senders.values(), default=0),
@@ -107,11 +118,12 @@ def build_plan(model: ModelTensors, holdings: list[dict[str, Box]], needs: dict[
             if part is not None:
                 pieces.append((name, part, (mine,) if mine in ranks else tuple(ranks), tuple(receivers)))
     load = [0] * len(holdings)
+    least_loaded = _least_loaded(load)
     item = model.itemsize
     routes = []
     for name, part, ranks, receivers in sorted(pieces, key=lambda p: (-volume(p[1]) * len(p[3]), p[0], p[1])):
         nbytes = volume(part) * item
-        sender = min(ranks, key=lambda r: (load[r], r))
+        sender = least_loaded(ranks)
         load[sender] += sent_bytes(nbytes, len(receivers), fanout)
         routes.append(Route(name, part, sender, receivers, nbytes))
     plan = TransferPlan(tuple(routes), len(holdings), tuple(sorted(needs)), fanout)
@@ -119,10 +131,50 @@ def build_plan(model: ModelTensors, holdings: list[dict[str, Box]], needs: dict[
     return plan
 
 
+def _least_loaded(load: list[int]):
+    """``choose(ranks)``: the rank of ``ranks`` with the least ``load`` so far, the lowest on a tie; a heap per
+    set of holders (a box's data-parallel replicas: hundreds at 1,024 GPUs), its entries brought up to date
+    as they surface (``load`` only grows)."""
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+
+    def choose(ranks: tuple[int, ...]) -> int:
+        if len(ranks) == 1:
+            return ranks[0]
+        heap = heaps.get(ranks)
+        if heap is None:
+            heap = heaps[ranks] = [(load[r], r) for r in ranks]
+            heapq.heapify(heap)
+        while True:
+            held, rank = heap[0]
+            if held == load[rank]:
+                return rank
+            heapq.heapreplace(heap, (load[rank], rank))
+
+    return choose
+
+
+def build_write_plan(model: ModelTensors, holdings: list[dict[str, Box]], worker_needs: list[dict[str, Box]],
+                     engines: int) -> TransferPlan:
+    """The ``write`` plan (p2p) of ``engines`` alike engines whose worker ``w`` keeps ``worker_needs[w]``:
+    where every box has one holder (FSDP's rows, pieces, rank 0 holding everything) no choice of sender
+    depends on the engine, so engine 0's routes are every engine's (``engine_copies``), built and checked
+    once: a route per rank's box and worker, not also per engine (a hundred million at 1,024 GPUs).
+    Otherwise the plan of every engine, from :func:`build_plan`."""
+    needs = {(e, w): need for e in range(engines) for w, need in enumerate(worker_needs)}
+    holders: dict[tuple[str, Box], int] = collections.Counter(
+        (name, box) for boxes in holdings for name, box in boxes.items())
+    if engines == 1 or any(n > 1 for n in holders.values()):
+        return build_plan(model, holdings, needs, WRITE)
+    plan = build_plan(model, holdings, {(0, w): need for w, need in enumerate(worker_needs)}, WRITE)
+    return dataclasses.replace(plan, receivers=tuple(sorted(needs)), engine_copies=engines)
+
+
 def check_coverage(plan: TransferPlan, holdings: list[dict[str, Box]],
                    needs: dict[Receiver, dict[str, Box]]) -> None:
     """Raise :class:`PlanCoverageError` unless every route sends only what its sender holds and every
     receiver gets each box it keeps exactly once."""
+    if plan.engine_copies > 1:  # engine 0's routes are every engine's: its receivers are checked
+        needs = {r: boxes for r, boxes in needs.items() if r[0] == 0}
     arriving: dict[Receiver, dict[str, list[Route]]] = {r: collections.defaultdict(list) for r in needs}
     for route in plan.routes:
         hbox = holdings[route.sender].get(route.tensor) if route.sender < len(holdings) else None

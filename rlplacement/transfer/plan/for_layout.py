@@ -13,7 +13,7 @@ import dataclasses
 
 from rlplacement.transfer.pieces import trainer_sends_pieces
 from rlplacement.transfer.plan.boxes import intersect, volume
-from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, build_plan
+from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, build_plan, build_write_plan
 from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_model_needs
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
@@ -39,8 +39,6 @@ class PlanPair:
     spread_sim: Simulation | None = None
     who: str = RANK0
     """Who sends in the plan that runs (``ModeSpec.who_sends``; :data:`RANK0` for a one-rank trainer)."""
-    spread_not_built: str = ""
-    """Why the spread plan, which runs, was not built (too many routes for this pure-Python builder); "" if it was."""
 
     @property
     def runs(self) -> str:
@@ -50,22 +48,19 @@ class PlanPair:
         plans = [("sharded", self.sharded, self.sharded_sim), ("rank0", self.rank0, self.rank0_sim)]
         if self.spread is not None:
             plans.append(("spread", self.spread, self.spread_sim))
-        out = {"runs": self.runs, "who_sends": self.who,
-               **{name: {**plan.summary(), **sim.to_json()} for name, plan, sim in plans}}
-        if self.spread_not_built:
-            out["spread"] = {"not_built": self.spread_not_built}
-        return out
+        return {"runs": self.runs, "who_sends": self.who,
+                **{name: {**plan.summary(), **sim.to_json()} for name, plan, sim in plans}}
 
 
-MAX_ROUTES = 1_000_000
-"""The most routes :func:`plans_for` builds a running p2p plan of: beyond it this pure-Python builder takes minutes."""
-
-
-def _write_routes(holdings: list[dict], worker_needs: list[dict], engines: int) -> int:
-    """The routes of a p2p plan where every box has one holder: each holder's box to every worker of every
-    engine whose slice it meets."""
-    return engines * sum(1 for boxes in holdings for name, box in boxes.items()
-                         for need in worker_needs if name in need and intersect(box, need[name]) is not None)
+def _split_plan(model: ModelTensors, holdings: list[dict], worker_needs: list[dict], engines: int,
+                fanout: str) -> TransferPlan:
+    """The plan of a split layout of ``engines`` alike engines (worker ``w`` keeping ``worker_needs[w]``):
+    p2p's writes through :func:`build_write_plan` (built once for every engine where no sender choice
+    depends on the engine)."""
+    if fanout == WRITE:
+        return build_write_plan(model, holdings, worker_needs, engines)
+    return build_plan(model, holdings, {(e, w): need for e in range(engines) for w, need in enumerate(worker_needs)},
+                      fanout)
 
 
 def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1):
@@ -126,39 +121,35 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
         sharded = build_plan(model, gathered, needs, fanout, local=local)
     else:
         gather = None
-        sharded = build_plan(model, holdings, needs, fanout)
+        sharded = _split_plan(model, holdings, worker_needs, len(layout.engines), fanout)
     whole = whole_model_needs(model, width)
     whole_needs = {r: whole[r[1]] for r in receivers}
     sliced = not layout.colocate and registry.workers_take_slices(mode, width, slices)
-    run_needs = needs if sliced else whole_needs  # what each worker is sent in the plan that runs
+    run_worker_needs = worker_needs if sliced else whole  # what each worker is sent in the plan that runs
     gathered0 = rank0_holdings(model, world)
     who = spec.who_sends(colocate=layout.colocate) if world > 1 else RANK0
-    rank0 = build_plan(model, gathered0, run_needs if who == RANK0 else whole_needs, fanout)
+    if layout.colocate:
+        rank0 = build_plan(model, gathered0, whole_needs, fanout)
+    else:
+        rank0 = _split_plan(model, gathered0, run_worker_needs if who == RANK0 else whole, len(layout.engines),
+                            fanout)
     gather0 = {0: _missing_bytes(model, holdings[0], gathered0[0])}
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     spread = spread_sim = None
-    not_built = ""
     if trainer_sends_pieces(backend, world, who, lora=False, moe=has_experts(model)):
         # every rank sends the parts of the HF tensors it holds (transfer.pieces): nothing is gathered; an FSDP
         # rank its rows, a megatron rank its rows of its TP boxes, split over the data-parallel replicas
-        if backend == "fsdp":
-            spread = sharded if run_needs is needs else build_plan(model, holdings, run_needs, fanout)
+        if backend == "fsdp" and sliced:
+            spread = sharded
         else:
-            pieces = megatron_piece_holdings(model, tp, pp, world // (tp * pp))
-            # a broadcast has a route per holder's box and engine position it meets; p2p one per worker too
-            count = _write_routes(pieces, worker_needs if sliced else whole,
-                                  len(layout.engines)) if fanout == WRITE else 0
-            if count > MAX_ROUTES:  # every replica's rows of a tensor to every worker: p2p at hundreds of GPUs
-                not_built = (f"{count:,} routes (each data-parallel replica's rows of every tensor to every "
-                             f"worker keeping some of them), over the {MAX_ROUTES:,} this builder makes")
-            else:
-                spread = build_plan(model, pieces, run_needs, fanout)
+            pieces = holdings if backend == "fsdp" else megatron_piece_holdings(model, tp, pp, world // (tp * pp))
+            spread = _split_plan(model, pieces, run_worker_needs, len(layout.engines), fanout)
         gather_spread = {rank: 0 for rank in range(world)}
     elif who == SHARES:
         # each rank sends the share the runtime assigns it: the same rule on the same sizes
         shares = megatron_share_holdings(model, tp, pp, world // (tp * pp), ep) if backend == "megatron" \
             else share_holdings(model, world)
-        spread = build_plan(model, shares, run_needs, fanout)
+        spread = _split_plan(model, shares, run_worker_needs, len(layout.engines), fanout)
         # a rank gathers what it sends: torchtitan from every rank's dim-0 shard, megatron from its TP peers
         gathered = shares
         gather_spread = {rank: _missing_bytes(model, holdings[rank], gathered[rank]) for rank in range(world)}
@@ -173,4 +164,4 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     return PlanPair(sharded, simulate(sharded, layout.trainer_gpus, layout.engines, rates, disk=disk,
                                       gather_bytes=gather, rpc_s=rpc),
                     rank0, simulate(rank0, layout.trainer_gpus, layout.engines, rates, disk=disk, gather_bytes=gather0,
-                                    rpc_s=rpc), spread, spread_sim, who, not_built)
+                                    rpc_s=rpc), spread, spread_sim, who)

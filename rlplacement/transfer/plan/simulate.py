@@ -102,7 +102,20 @@ def simulate(plan: TransferPlan, trainer_gpus: tuple[Gpu, ...], engines: tuple[t
     def add(gpu: Gpu, direction: str, kind: str, nbytes: int) -> None:
         link[f"node {gpu[0]} gpu {gpu[1]} {direction} {kind}"] += nbytes
 
-    for route in plan.routes:
+    if plan.engine_copies > 1:  # writes (build.build_write_plan): each engine's flows are engine 0's
+        flows: dict[tuple[int, int], int] = collections.defaultdict(int)
+        for route in plan.routes:
+            for _, w in route.receivers:
+                flows[(route.sender, w)] += route.nbytes
+        for e in range(plan.engine_copies):
+            for (sender, w), nbytes in flows.items():
+                src, dst = trainer_gpus[sender], engines[e][w]
+                kind = "disk" if disk else link_between(src, dst)
+                add(dst, "in", kind, nbytes)
+                if kind != "ipc":
+                    committed[dst] += nbytes
+                    add(src, "out", kind, nbytes)
+    for route in plan.routes if plan.engine_copies == 1 else ():
         src = trainer_gpus[route.sender]
         kinds = set()
         for e, w in route.receivers:
