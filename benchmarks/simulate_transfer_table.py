@@ -77,7 +77,6 @@ def _row(name: str, model: ModelTensors, layout, mode: str, tp: int, pp: int, tr
             "colocate": layout.colocate, "who_sends": pair.who,
             "rank0_s": pair.rank0_sim.total_s, "sharded_s": pair.sharded_sim.total_s,
             "spread_s": pair.spread_sim.total_s if pair.spread_sim else None, "runs": pair.runs,
-            "spread_not_built": pair.spread_not_built,
             "rank0_max_sender_bytes": max(pair.rank0.bytes_per_sender().values()),
             "spread_max_sender_bytes": max(pair.spread.bytes_per_sender().values()) if pair.spread else None,
             "sharded_max_sender_bytes": max(pair.sharded.bytes_per_sender().values()),
@@ -108,11 +107,6 @@ def ep_rows() -> list[dict]:
     return out
 
 
-# p2p's sharded plan has a route per (rank's rows, worker, tensor): 6.5M at 8B on 256 GPUs, which this pure-Python
-# plan did not build within several minutes here (2 cores); its rows stop at 64 GPUs
-FSDP_P2P_MAX_GPUS = 64
-
-
 def fsdp_rows(only: list[str] | None = None) -> list[dict]:
     """The dense split rows with an FSDP trainer on the same GPUs: every rank sends its own rows of every
     tensor (``transfer.pieces``), so the plan that runs is the sharded plan's routes."""
@@ -128,8 +122,6 @@ def fsdp_rows(only: list[str] | None = None) -> list[dict]:
             placement = PlacementConfig(actor_num_nodes=nodes, actor_num_gpus_per_node=half // nodes,
                                         rollout_num_gpus=half, rollout_num_gpus_per_engine=width)
             for mode in MODES:
-                if total > FSDP_P2P_MAX_GPUS and mode == "p2p":
-                    continue
                 out.append(_row(name, model, compute_layout(placement), mode, 1, 1, half, backend="fsdp"))
                 print(f"{name} {total} {mode} fsdp: {out[-1]['spread_s']:.2f} s", file=sys.stderr, flush=True)
     return out
@@ -166,9 +158,8 @@ def markdown(table: list[dict], *, colocate: bool = False) -> str:
     for r in table:
         if r["colocate"] != colocate:
             continue
-        built = r["spread_s"] is not None
-        runs_s = f"{r['spread_s']:.2f} s" if built else "not built"
-        runs_bytes = f"{r['spread_max_sender_bytes'] / 1e9:,.1f} GB" if built else "-"
+        runs_s = f"{r['spread_s']:.2f} s" if r["spread_s"] is not None else "-"
+        runs_bytes = f"{r['spread_max_sender_bytes'] / 1e9:,.1f} GB" if r["spread_s"] is not None else "-"
         lines.append(f"| {r['model']} | {r['gpus']} | {r['trainer']} | {r['engines']} | {r['mode']} | "
                      f"{r['rank0_s']:.2f} s | {runs_s} | {r['sharded_s']:.2f} s | "
                      f"{r['rank0_max_sender_bytes'] / 1e9:,.0f} GB / {runs_bytes} / "

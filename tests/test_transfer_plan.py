@@ -263,12 +263,15 @@ def test_plan_simulate_transfer_prints_the_plans_and_marks_the_one_that_runs(tmp
     assert cli_main(argv + ["--update-weight-slices", "off", "--json"]) == 0  # every worker takes whole tensors
     whole = json.loads(capsys.readouterr().out)["transfer"]
     assert whole["spread"]["max_receiver_bytes"] == whole["engine_staging"]["bytes"]["full"] // 2 == 16381470720
-    # torchtitan's ranks send whole tensors they gathered: a worker stages what it receives, once
+    # torchtitan's ranks send their rows as FSDP's do (FSDP2 shards both): the same plan, nothing gathered
     assert cli_main([*argv[:argv.index("--train-backend")], "--train-backend", "torchtitan",
                      *argv[argv.index("--update-weight-transfer-mode"):], "--json"]) == 0
     titan = json.loads(capsys.readouterr().out)["transfer"]
-    assert not titan["engine_staging"]["pieces"]
-    assert titan["engine_staging"]["bytes"]["full"] == titan["spread"]["max_receiver_bytes"]
+    assert cli_main([*argv[:argv.index("--train-backend")], "--train-backend", "fsdp",
+                     *argv[argv.index("--update-weight-transfer-mode"):], "--json"]) == 0
+    fsdp = json.loads(capsys.readouterr().out)["transfer"]
+    assert titan["engine_staging"] == fsdp["engine_staging"] and titan["engine_staging"]["pieces"]
+    assert titan["spread"] == fsdp["spread"] and titan["spread"]["gather_seconds"] == 0
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -210,6 +210,15 @@ class FSDPBackend(TrainerBackend):
     def _adapter_updates(self) -> bool:
         return self.lora is not None and self.lora.adapter_updates
 
+    def _to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (parameter ``name`` whole, or rows of it that :meth:`_rows_convert` allows) in the HF
+        layout: the parameters here are HF's."""
+        return tensor
+
+    def _rows_convert(self, name: str, box: tuple) -> bool:
+        """Whether rows ``box`` of parameter ``name`` can be put in the HF layout on their own."""
+        return True
+
     def _stream_entries(self, adapters: bool = False, base: bool = False) -> list[tuple[str, torch.nn.Parameter,
                                                                                          tuple | None]]:
         """``(name, parameter, adapter)`` of every tensor a stream yields, in stream order: each parameter
@@ -250,12 +259,13 @@ class FSDPBackend(TrainerBackend):
         gathering it onto one owner (``trainer_sends_pieces``)."""
         from rlplacement.transfer.pieces import trainer_sends_pieces
 
-        return trainer_sends_pieces("fsdp", dist.get_world_size(), SHARES, lora=self.lora is not None,
+        return trainer_sends_pieces(self.name, dist.get_world_size(), SHARES, lora=self.lora is not None,
                                     moe=self.family.moe)
 
-    def _row_pieces(self, param) -> list[tuple[int, tuple]] | None:
+    def _row_pieces(self, name: str, param) -> list[tuple[int, tuple]] | None:
         """``(global rank, box)`` of each rank's rows of a dim-0-sharded parameter (FSDP2's ``torch.chunk``
-        split; a rank past the last row holds none and is left out); None for a parameter held otherwise."""
+        split; a rank past the last row holds none and is left out); None for a parameter held otherwise, or
+        whose rows some rank cannot put in the HF layout alone (:meth:`_rows_convert`)."""
         if not hasattr(param, "full_tensor") or param.device_mesh.size() == 1 or not _dim0_sharded(param):
             return None
         from rlplacement.transfer.pieces import row_part
@@ -263,7 +273,8 @@ class FSDPBackend(TrainerBackend):
         group = param.device_mesh.get_group()
         box = tuple((0, n) for n in param.shape)
         parts = [(r, row_part(box, dist.get_world_size(group), r)) for r in range(dist.get_world_size(group))]
-        return [(dist.get_global_rank(group, r), (rows,) + box[1:]) for r, rows in parts if rows is not None]
+        out = [(dist.get_global_rank(group, r), (rows,) + box[1:]) for r, rows in parts if rows is not None]
+        return out if all(self._rows_convert(name, b) for _, b in out) else None
 
     def _iter_pieces(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's rows of every dim-0-sharded parameter, each under its piece name
@@ -277,11 +288,12 @@ class FSDPBackend(TrainerBackend):
         owners = self.update_owners()
         self.last_stream_gathered_bytes = 0
         for name, param, _ in self._stream_entries():
-            pieces = self._row_pieces(param)
+            pieces = self._row_pieces(name, param)
             if pieces is None:
                 full = self._whole_on(param, owners[name], everywhere=False)
                 if owners[name] == rank:
-                    yield name, full.detach() if self.stream_dtype is None else full.detach().to(self.stream_dtype)
+                    full = self._to_hf(name, full.detach())
+                    yield name, full if self.stream_dtype is None else full.to(self.stream_dtype)
                 continue
             box = dict(pieces).get(rank)
             if box is None:
@@ -290,6 +302,7 @@ class FSDPBackend(TrainerBackend):
             if local.shape[0] != box[0][1] - box[0][0]:
                 raise RuntimeError(f"{name}: this rank holds {local.shape[0]} rows, FSDP2's chunking gives "
                                    f"{box[0][1] - box[0][0]} ({box[0]})")
+            local = self._to_hf(name, local)
             yield piece_name(name, box, tuple(param.shape)), local if self.stream_dtype is None else \
                 local.to(self.stream_dtype)
 
@@ -303,7 +316,7 @@ class FSDPBackend(TrainerBackend):
         out, owners = [], self.update_owners()
         itemsizes = {name: (self.stream_dtype or p.dtype).itemsize for name, p, _ in self._stream_entries()}
         for name, param, _ in self._stream_entries():
-            pieces = self._row_pieces(param)
+            pieces = self._row_pieces(name, param)
             if pieces is None:
                 out.append((name, param.numel() * itemsizes[name], owners[name]))
                 continue
@@ -364,7 +377,8 @@ class FSDPBackend(TrainerBackend):
                 a, b = (self._whole_on(t, owner, everywhere) for t in adapter)
                 full = merged(full, a, b, self.lora.scaling) if full is not None else None
             if owner == rank:
-                yield name, full.detach() if self.stream_dtype is None else full.detach().to(self.stream_dtype)
+                full = self._to_hf(name, full.detach())
+                yield name, full if self.stream_dtype is None else full.to(self.stream_dtype)
 
     def _whole_on(self, param, owner: int, everywhere: bool) -> torch.Tensor | None:
         """``param`` whole on ``owner`` (on every rank where ``everywhere``), None on the others (collective)."""

@@ -32,6 +32,8 @@ from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
 from rlplacement.backends.base import TrainerBackend
 from rlplacement.backends.fsdp import FSDPBackend, resolve_bf16, served_dtype
+from rlplacement.families import family_for
+from rlplacement.families import torchtitan_mapping as names
 
 def torchtitan_import_error() -> str | None:
     """Why torchtitan's models cannot be imported here, or None if they can."""
@@ -57,7 +59,9 @@ class TorchtitanBackend(FSDPBackend):
         TrainerBackend.__init__(self, optim, train)
         self.root, self.model, self.reference = root, root.lm, reference
         self.hf_config, self.stream_dtype = hf_config, stream_dtype
+        self.family = family_for(hf_config)
         self._whole_cache = self._served = None
+        self._torchtitan_names = {names.torchtitan_to_hf_name(n): n for n, _ in self.model.named_parameters()}
 
     @classmethod
     def from_config(cls, cfg: BackendConfig, optim: OptimConfig = OptimConfig(), train: TrainConfig | None = None,
@@ -108,6 +112,26 @@ class TorchtitanBackend(FSDPBackend):
 
         return [(name, math.prod(shape) * (self.stream_dtype or dtype).itemsize)
                 for name, shape, dtype in ttm.hf_tensor_shapes(self.model)]
+
+    def _stream_entries(self, adapters: bool = False, base: bool = False) -> list[tuple[str, torch.nn.Parameter,
+                                                                                         None]]:
+        """Every parameter under its HF name (torchtitan trains no adapters here): what the streams shared
+        with :class:`FSDPBackend` (each rank's rows, gathered tensors) walk; :meth:`_to_hf` puts them in
+        HF's layout."""
+        if adapters:
+            raise ValueError("--train-backend torchtitan trains no LoRA adapters")
+        return [(names.torchtitan_to_hf_name(n), p, None) for n, p in self.model.named_parameters()]
+
+    def _to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A Llama q/k weight's rows permuted back per head (``torchtitan_mapping.torchtitan_rows_to_hf``);
+        every other parameter is HF's layout already."""
+        return names.torchtitan_rows_to_hf(self._torchtitan_names[name], tensor, self.hf_config)
+
+    def _rows_convert(self, name: str, box: tuple) -> bool:
+        """Rows of a permuted weight convert alone where they are whole heads (FSDP2's rows at several ranks
+        may split a head: that weight is then gathered onto one rank)."""
+        per_head = names.rope_head_rows(self._torchtitan_names[name], self.hf_config)
+        return per_head is None or (box[0][0] % per_head == 0 and box[0][1] % per_head == 0)
 
     def iter_hf_tensors(self, owners: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         import torch.distributed as dist

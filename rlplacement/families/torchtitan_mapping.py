@@ -83,6 +83,21 @@ def _rope_heads(tt_name: str, hf_config: Any) -> int | None:
     return None
 
 
+def rope_head_rows(tt_name: str, hf_config: Any) -> int | None:
+    """Rows of one head of a torchtitan weight whose rows are permuted per head against HF's (a Llama q/k
+    weight: interleaved rotary pairs); None for any other weight, which is HF's layout as it is."""
+    if _rope_heads(tt_name, hf_config) is None:
+        return None
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def torchtitan_rows_to_hf(tt_name: str, rows: "torch.Tensor", hf_config: Any) -> "torch.Tensor":
+    """Rows of a torchtitan weight in HF's layout: whole heads (:func:`rope_head_rows`), or any rows of a
+    weight laid out alike; the same rows of the HF tensor."""
+    per_head = rope_head_rows(tt_name, hf_config)
+    return rows if per_head is None else unpermute_from_interleaved_rope(rows, rows.shape[0] // per_head)
+
+
 def hf_to_torchtitan_tensor(tt_name: str, hf_tensor: "torch.Tensor", hf_config: Any) -> "torch.Tensor":
     heads = _rope_heads(tt_name, hf_config)
     return permute_for_interleaved_rope(hf_tensor, heads) if heads else hf_tensor

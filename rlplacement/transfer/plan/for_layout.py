@@ -137,12 +137,13 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     spread = spread_sim = None
     if trainer_sends_pieces(backend, world, who, lora=False, moe=has_experts(model)):
-        # every rank sends the parts of the HF tensors it holds (transfer.pieces): nothing is gathered; an FSDP
-        # rank its rows, a megatron rank its rows of its TP boxes, split over the data-parallel replicas
-        if backend == "fsdp" and sliced:
+        # every rank sends the parts of the HF tensors it holds (transfer.pieces): nothing is gathered; an FSDP or
+        # torchtitan rank its rows (a torchtitan Llama q/k weight whose rows split a head is gathered, which this
+        # leaves out), a megatron rank its rows of its TP boxes, split over the data-parallel replicas
+        if backend != "megatron" and sliced:
             spread = sharded
         else:
-            pieces = holdings if backend == "fsdp" else megatron_piece_holdings(model, tp, pp, world // (tp * pp))
+            pieces = holdings if backend != "megatron" else megatron_piece_holdings(model, tp, pp, world // (tp * pp))
             spread = _split_plan(model, pieces, run_worker_needs, len(layout.engines), fanout)
         gather_spread = {rank: 0 for rank in range(world)}
     elif who == SHARES:
