@@ -33,8 +33,10 @@ def run_loop(tmp_path, *flags, timeout=900):
 
 @pytest.mark.slow
 def test_megatron_tp2_two_engines_packed(tmp_path):
+    """Bucket staging: each engine's worker assembles the two ranks' pieces as their buckets arrive, and checks
+    every piece as it arrives (the engine hashes nothing twice)."""
     proc = run_loop(tmp_path, "--steps", "2", "--train-backend", "megatron", "--tensor-model-parallel-size", "2",
-                    "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2",
+                    "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--update-weight-staging", "bucket",
                     "--update-weight-transfer-mode", "broadcast_packed", "--check-weight-update-equal",
                     "--telemetry", str(tmp_path / "steps.jsonl"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -45,6 +47,7 @@ def test_megatron_tp2_two_engines_packed(tmp_path):
     assert [r["perf/update_collectives"] for r in rows] == [0, 0]
     assert [r["perf/update_weights_senders"] for r in rows] == [2, 2]
     assert all(r["perf/update_weights_max_sender_bytes"] < r["perf/update_weights_bytes"] for r in rows)
+    assert all(r["perf/update_weights_checked"] == 1 for r in rows)
 
 
 @pytest.mark.slow

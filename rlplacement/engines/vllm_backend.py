@@ -193,8 +193,8 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         checksums: dict[str, str] | None = {} if self.check_equal else None
 
         def apply(bucket: list) -> None:
-            if checksums is not None and not self.receiver.keeps:  # of the bytes as they go into the model, before
-                # the buffer is reused (a worker keeping slices hashes those as they arrive)
+            if checksums is not None and not self.receiver.hashes_arrivals:  # of the bytes as they go into the
+                # model, before the buffer is reused (a receiver that hashes what arrives needs none)
                 checksums.update((name, tensor_checksum(t)) for name, t in bucket)
             if not load.touched:
                 self.weights_lost = (f"version {version} was being loaded bucket by bucket "

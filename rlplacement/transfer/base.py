@@ -334,6 +334,13 @@ class WeightReceiver(abc.ABC):
     the update is released); None: the engine hashes what was staged. Also the ``checksums`` of
     :meth:`receive`'s report."""
 
+    @property
+    def hashes_arrivals(self) -> bool:
+        """Whether, with checks on, :attr:`verified_checksums` will hold what this update delivers as it
+        arrived, so an engine loading it bucket by bucket need not hash the buckets it is handed: a worker
+        keeping slices checks those."""
+        return bool(self.keeps)
+
     accepts_slices: ClassVar[bool] = False
     """Can take only the slice of each tensor this worker keeps (:meth:`keep_slices`): the sender writes each
     worker its own bytes. Modes whose bytes reach every worker of a group at once (a broadcast) cannot."""

@@ -189,11 +189,16 @@ class MultiSenderReceiver(StagingReceiver):
         return out
 
     @property
+    def hashes_arrivals(self) -> bool:
+        """With checks on, a worker keeping no slices sums every tensor and piece as it arrives (below)."""
+        return bool(self.keeps) or self._check_equal
+
+    @property
     def verified_checksums(self) -> dict[str, str] | None:
-        """Every channel's own checksums where each has them (channels that keep slices do); where pieces
-        arrived at a worker keeping no slices, the checksum of every tensor and piece as it arrived (what the
-        senders' reports hold: no sender had a whole tensor to sum)."""
-        if self._assembler.seen and self._piece_sums is not None:
+        """Every channel's own checksums where each has them (channels that keep slices do); at a worker
+        keeping no slices, with checks on, the checksum of every tensor and piece as it arrived (what the
+        senders' reports hold: where pieces came, no sender had a whole tensor to sum)."""
+        if self._piece_sums is not None:
             return dict(self._piece_sums)
         sums = [channel.verified_checksums for channel in self.channels]
         return None if any(s is None for s in sums) else {k: v for s in sums for k, v in s.items()}
