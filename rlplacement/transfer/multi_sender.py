@@ -291,7 +291,8 @@ class MultiSenderReceiver(StagingReceiver):
                     done.set()
             if held:
                 still = [h for h in held if any(map(assembler.is_pending, h[0]))]
-                if stopped or len(still) >= running:  # nothing left to make them whole: let every one go
+                failed = any(f.done() and f.exception() is not None for f in futures)
+                if stopped or failed or len(still) >= running:  # nothing left to make them whole: let all go
                     still = []
                 for names, done in held:
                     if not any(done is d for _, d in still):
