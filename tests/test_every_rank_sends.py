@@ -53,8 +53,8 @@ def test_both_ranks_send_their_share_and_the_engine_serves_the_trainers_weights(
         received = ray.get(job.engines[0].received_checksums.remote(), timeout=60)  # pieces' parts, "piece[box]"
         assert {parse_region_key(key)[0] for key in received} <= {n for n, _, _ in shares[0]}
         assert any(parse_region_key(key)[1] is not None for key in received)  # a 2-wide engine: slices of pieces
-        # each sender packs buckets of half the flag's size (at least 1 MiB): the tiny model's shares fit one
-        # bucket each, and a worker keeps one buffer per sender of at most that
+        # each sender of pieces packs buckets of a quarter of the flag's size, at least 1 MiB: the tiny model's
+        # shares fit one bucket each, and a worker keeps one buffer per sender of at most that
         paths = ray.get(job.engines[0].call_workers.remote("rlplacement_load_path"), timeout=60)
         assert [p["staging"] for p in paths] == ["bucket", "bucket"]
         assert all(0 < p["staging_bytes"] <= sum(per_sender) + 2 * 64 * len(shares[0]) for p in paths), paths
