@@ -117,7 +117,7 @@ def test_pieces_from_several_trainer_ranks_count_the_assembled_tensors_too(tmp_p
 def test_the_job_tells_engines_when_its_trainer_sends_pieces(tmp_path):
     """One rule (``trainer_sends_pieces``) for what the engines' memory is sized for: an FSDP, torchtitan or
     Megatron trainer of several ranks in a split layout of a mode where every rank sends; not one rank, LoRA,
-    colocated or experts. The job reads it from its flags and the model's config."""
+    colocated, or Megatron's experts. The job reads it from its flags and the model's config."""
     from rlplacement.args import build_parser, config_from_args
     from rlplacement.job_start import trainer_sends_pieces_for
     from rlplacement.transfer.pieces import trainer_sends_pieces
@@ -133,7 +133,9 @@ def test_the_job_tells_engines_when_its_trainer_sends_pieces(tmp_path):
     split = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "fsdp"]
     assert job_flags(*split)
     assert job_flags(*split, "--update-weight-transfer-mode", "p2p")
-    assert not job_flags(*split, model=tmp_path / "moe")
+    assert job_flags(*split, model=tmp_path / "moe")  # an FSDP rank sends its own experts whole
+    assert not job_flags("--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "megatron",
+                         model=tmp_path / "moe")
     assert not job_flags(*split, "--lora-rank", "8")
     assert job_flags("--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "megatron")
     assert job_flags("--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "torchtitan")
@@ -141,10 +143,11 @@ def test_the_job_tells_engines_when_its_trainer_sends_pieces(tmp_path):
     assert not job_flags("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--train-backend", "fsdp")
 
     assert trainer_sends_pieces("fsdp", 2, SHARES, lora=False, moe=False)
+    assert trainer_sends_pieces("fsdp", 2, SHARES, lora=False, moe=True)
     assert trainer_sends_pieces("megatron", 2, SHARES, lora=False, moe=False)
     assert trainer_sends_pieces("torchtitan", 2, SHARES, lora=False, moe=False)
     for backend, world, who, lora, moe in (("fsdp", 1, SHARES, False, False), ("megatron", 2, SHARES, True, False),
                                            ("torchtitan", 1, SHARES, False, False), ("fsdp", 2, SHARES, True, False),
-                                           ("fsdp", 2, SHARES, False, True), ("fsdp", 2, OWN_GPU, False, False),
+                                           ("megatron", 2, SHARES, False, True), ("fsdp", 2, OWN_GPU, False, False),
                                            ("fsdp", 2, RANK0, False, False)):
         assert not trainer_sends_pieces(backend, world, who, lora=lora, moe=moe), (backend, world, who, lora, moe)

@@ -1,6 +1,7 @@
 """A mixture-of-experts model (Qwen3-MoE) through ``RLJob``: an FSDP trainer of two ranks (gloo), a real vLLM
 CPU engine of two workers (TP=2, vLLM's fused-MoE layer sharding each expert), every split transfer mode,
-each worker sent only its half of every expert, every update checked slice by slice against the trainer's
+each rank sending its own experts whole and its rows of every other tensor, each worker sent only its half
+of every expert, every update checked slice by slice against the trainer's
 checksums, and the engine's log-probs of what it samples equal to the trainer's (experts reach the engine in
 the right order and layout).
 
@@ -39,6 +40,12 @@ def test_moe_updates_are_bit_exact_and_the_engine_samples_with_the_trainers_expe
         job.train(two_sample_batch(seed))
         result = job.update_weights()  # checked: every tensor equal to the trainer's, on both workers
         assert result.checked and job.served_versions() == [job.version]
+    # each rank sent the experts FSDP2 gave it, whole, and its rows of every other tensor: as planned
+    shares = ray.get([t.update_shares.remote() for t in job.trainers], timeout=60)
+    assert shares[0] == shares[1]
+    assert result.trainer.bytes_per_sender == tuple(sum(b for _, b, o in shares[0] if o == s) for s in range(2))
+    assert {(n.split(".mlp.experts.")[1].split(".")[0], o) for n, _, o in shares[0] if ".mlp.experts." in n} == {
+        ("0", 0), ("1", 0), ("2", 1), ("3", 1)}
     received = ray.get(job.engines[0].received_checksums.remote(), timeout=60)
     experts = {k for k in received if ".mlp.experts." in k}
     # each worker of the TP=2 engine took its half of every expert: gate/up rows, down columns

@@ -279,8 +279,10 @@ class FSDPBackend(TrainerBackend):
     def _iter_pieces(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's rows of every dim-0-sharded parameter, each under its piece name
         (``transfer.pieces.piece_name``), cast to the stream's dtype: no gather, so no rank receives another's
-        shard; any other parameter gathered whole onto its owner (:meth:`update_owners`), a collective every
-        rank runs in the same order."""
+        shard. A sparse layer's fused experts are sharded by expert, so a rank's rows of them are whole
+        experts: those go as the checkpoint's per-expert tensors, whole (``family.checkpoint_views``). Any
+        other parameter is gathered whole onto its owner (:meth:`update_owners`), a collective every rank
+        runs in the same order."""
         from rlplacement.transfer.pieces import piece_name
 
         self.root.reshard()
@@ -293,7 +295,8 @@ class FSDPBackend(TrainerBackend):
                 full = self._whole_on(param, owners[name], everywhere=False)
                 if owners[name] == rank:
                     full = self._to_hf(name, full.detach())
-                    yield name, full if self.stream_dtype is None else full.to(self.stream_dtype)
+                    yield from self.family.checkpoint_views(
+                        name, full if self.stream_dtype is None else full.to(self.stream_dtype))
                 continue
             box = dict(pieces).get(rank)
             if box is None:
@@ -303,26 +306,40 @@ class FSDPBackend(TrainerBackend):
                 raise RuntimeError(f"{name}: this rank holds {local.shape[0]} rows, FSDP2's chunking gives "
                                    f"{box[0][1] - box[0][0]} ({box[0]})")
             local = self._to_hf(name, local)
-            yield piece_name(name, box, tuple(param.shape)), local if self.stream_dtype is None else \
-                local.to(self.stream_dtype)
+            local = local if self.stream_dtype is None else local.to(self.stream_dtype)
+            if self.family.holds_experts(name):
+                yield from self.family.checkpoint_views(name, local, first_expert=box[0][0])
+            else:
+                yield piece_name(name, box, tuple(param.shape)), local
 
     def update_shares(self) -> list[tuple[str, int, int]]:
         """Where every rank sends its own rows (:attr:`_sends_pieces`): ``(piece name, bytes, rank)`` of every
-        rank's piece of every tensor; else whole tensors by :meth:`update_owners`."""
+        rank's piece of every tensor (a rank's experts under their own names, whole); else whole tensors by
+        :meth:`update_owners`."""
         if not self._sends_pieces:
             return super().update_shares()
         from rlplacement.transfer.pieces import piece_name
 
         out, owners = [], self.update_owners()
         itemsizes = {name: (self.stream_dtype or p.dtype).itemsize for name, p, _ in self._stream_entries()}
+
+        def views(name: str, shape: tuple, first_expert: int = 0) -> list[tuple[str, int]]:
+            meta = torch.empty(shape, device="meta")
+            return [(n, v.numel() * itemsizes[name])
+                    for n, v in self.family.checkpoint_views(name, meta, first_expert=first_expert)]
+
         for name, param, _ in self._stream_entries():
             pieces = self._row_pieces(name, param)
             if pieces is None:
-                out.append((name, param.numel() * itemsizes[name], owners[name]))
-                continue
-            per_row = math.prod(param.shape[1:]) * itemsizes[name]
-            out.extend((piece_name(name, box, tuple(param.shape)), (box[0][1] - box[0][0]) * per_row, r)
-                       for r, box in pieces)
+                out.extend((n, nbytes, owners[name]) for n, nbytes in views(name, tuple(param.shape)))
+            elif self.family.holds_experts(name):
+                for r, box in pieces:
+                    rows = (box[0][1] - box[0][0],) + tuple(param.shape[1:])
+                    out.extend((n, nbytes, r) for n, nbytes in views(name, rows, box[0][0]))
+            else:
+                per_row = math.prod(param.shape[1:]) * itemsizes[name]
+                out.extend((piece_name(name, box, tuple(param.shape)), (box[0][1] - box[0][0]) * per_row, r)
+                           for r, box in pieces)
         return out
 
     def iter_hf_tensors(self, owners: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:

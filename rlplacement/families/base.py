@@ -87,6 +87,11 @@ class DenseFamily:
         """A parameter of transformers' model as the checkpoint's tensors: a dense model's are the same."""
         return [(name, tensor)]
 
+    @staticmethod
+    def holds_experts(name: str) -> bool:
+        """Whether a parameter is a sparse layer's fused experts: a dense model has none."""
+        return False
+
     def check(self, hf_config: Any, source: str = "config.json") -> None:
         """Refuse features the converters do not implement, naming the config field."""
         if getattr(hf_config, "mlp_bias", False):

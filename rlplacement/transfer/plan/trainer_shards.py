@@ -78,11 +78,23 @@ def megatron_holdings(model: ModelTensors, tp: int, pp: int, dp: int, ep: int = 
 
 def fsdp_holdings(model: ModelTensors, world: int) -> Holdings:
     """FSDP2's ``Shard(0)``: rank ``r`` holds rows ``[r*c, (r+1)*c)`` of every tensor, ``c = ceil(rows /
-    world)`` (``torch.chunk``'s split; trailing ranks of a short tensor hold nothing)."""
+    world)`` (``torch.chunk``'s split; trailing ranks of a short tensor hold nothing); a sparse layer's experts,
+    which transformers fuses into one parameter of an expert per row, by expert: each expert's tensors whole on
+    the rank holding its row."""
     from rlplacement.transfer.pieces import row_part
 
     out: Holdings = [{} for _ in range(world)]
+    experts = 1 + max((expert_of(t.name) or 0) for t in model.tensors) if has_experts(model) else 0
+    holder = {}  # a sparse layer's fused experts are sharded by expert: each expert's tensors whole on one rank
+    for r in range(world):
+        part = row_part(((0, experts),), world, r) if experts else None
+        if part is not None:
+            holder.update((e, r) for e in range(*part))
     for t in model.tensors:
+        e = expert_of(t.name)
+        if e is not None:
+            out[holder[e]][t.name] = whole(t.shape)
+            continue
         for r in range(world):
             rows = row_part(whole(t.shape), world, r)
             if rows is not None:
