@@ -150,8 +150,9 @@ def render(result: dict) -> str:
                      f"{r['busiest_link']} ({r['busiest_link_bytes'] / gb:.2f} GB)")
     staging = result["engine_staging"]
     held = ", ".join(f"{option} {nbytes / gb:.2f} GB" for option, nbytes in staging["bytes"].items())
-    pieces = ("; with pieces each sender's bucket is half its share of it, the tensors assembling the other half; "
-              "full: the pieces and the tensors assembled") if staging["pieces"] else ""
+    pieces = ("; with pieces, two buckets, or three times a fused group larger than half a bucket: its pieces in "
+              "the channels' buffers beside it assembling; full: the pieces and the tensors assembled") \
+        if staging["pieces"] else ""
     lines.append(f"engine worker memory for an update (--update-weight-staging {staging['requested']}): {held} "
                  f"(bucket: two of the largest buckets at --update-weight-buffer-size {staging['bucket_size'] / gb:.2f}"
                  f" GB{pieces}), counted inside --vllm-gpu-memory-utilization")

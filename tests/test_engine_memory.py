@@ -93,8 +93,8 @@ def test_a_wide_engine_whose_workers_receive_their_slices_stages_each_workers_sh
 
 def test_pieces_from_several_trainer_ranks_count_the_assembled_tensors_too(tmp_path):
     """Where the trainer's ranks each send their rows (``transfer.pieces``), a worker holds the pieces it received
-    and the tensors it assembled from them: full staging counts its share twice; bucket staging stays two buckets
-    (each sender's bucket is halved for the tensors assembling)."""
+    and the tensors it assembled from them: full staging counts its share twice; bucket staging two buckets (each
+    sender's bucket is halved for the tensors assembling), or three times a fused group larger than half a bucket."""
     from rlplacement.engines.engine_settings import staging_per_option, worker_tensor_bytes
 
     model = _headers_only_model(tmp_path / "m", hidden=8192, layers=80, vocab=128256)
@@ -106,7 +106,12 @@ def test_pieces_from_several_trainer_ranks_count_the_assembled_tensors_too(tmp_p
     share = sum(sizes.values())
     plain, pieces = staging_per_option(sizes, 512 << 20), staging_per_option(sizes, 512 << 20, pieces=True)
     assert pieces["full"] == 2 * plain["full"] == 2 * share
-    assert pieces["bucket"] == plain["bucket"]
+    # bucket: every fused group of a worker's share (the largest, the embedding's eighth: 263 MB) is at most half a
+    # 512 MiB bucket, so two buckets, as with whole tensors; at 256 MiB buckets, three of that group
+    group = 128256 * 8192 * 2 // 8
+    assert pieces["bucket"] == plain["bucket"] == 2 * (512 << 20)
+    assert staging_per_option(sizes, 256 << 20, pieces=True)["bucket"] == 3 * group > 2 * (256 << 20)
+    assert staging_per_option(sizes, 256 << 20)["bucket"] == 2 * (256 << 20)
     memory = resolve_engine_memory(model, "bfloat16", staging="full", bucket_bytes=512 << 20, utilization=0.9,
                                    total_bytes=80 * 10**9, sliced_width=8, pieces=True)
     assert memory.staging_bytes == 2 * share and memory.vllm_utilization == pytest.approx(0.9 - 2 * share / 80e9,

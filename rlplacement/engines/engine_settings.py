@@ -87,13 +87,15 @@ def staging_per_option(tensor_bytes: dict[str, int], bucket_bytes: int, pieces: 
     ``full``; two of the largest buckets under ``bucket`` (never more than all). ``pieces``: the trainer's
     ranks each send their rows of every tensor (``transfer.pieces``) and the worker assembles them: under
     ``full`` the pieces as received and the tensors assembled from them, at most all of them twice (a piece
-    that is all a worker keeps of a tensor is loaded as it arrived); under ``bucket`` still two buckets: each
-    sender's bucket is halved, and the tensors assembling take the other half
-    (``transfer.multi_sender.sender_bucket_size``)."""
+    that is all a worker keeps of a tensor is loaded as it arrived); under ``bucket`` still two buckets
+    (each sender's bucket is halved for the tensors assembling: ``transfer.multi_sender.sender_bucket_size``)
+    where every fused group is at most half a bucket, else three times the largest group: its pieces, each
+    alone in a sender's bucket, in the channels' two buffers, beside the group assembling."""
     whole = sum(tensor_bytes.values())
     largest = largest_bucket_of(tensor_bytes, bucket_bytes)
     if pieces:
-        return {"full": 2 * whole, "bucket": min(2 * whole, 2 * largest)}
+        group = largest_bucket_of(tensor_bytes, 0)
+        return {"full": 2 * whole, "bucket": min(2 * whole, max(2 * bucket_bytes, 3 * group))}
     return {"full": whole, "bucket": min(whole, 2 * largest)}
 
 

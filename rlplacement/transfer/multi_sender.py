@@ -28,7 +28,9 @@ bucket staging a tensor's buffer is let go once it is loaded, and a channel's bu
 waits) until every tensor it brought pieces of is whole, so a sender that runs ahead of the others waits for
 them instead of filling the worker with tensors it started. Each sender's bucket is then half its share of
 ``--update-weight-buffer-size`` (:func:`sender_bucket_size`): the channels' two buffers each hold one bucket
-of that size, and the tensors assembling from the buckets held, while the senders keep pace, the other.
+of that size, and the tensors assembling from the buckets held, while the senders keep pace, the other. A
+fused group larger than half a bucket goes alone in each sender's bucket: a worker then holds up to three
+times it (its pieces in the channels' two buffers, and the group assembling).
 
 Why held buckets cannot deadlock: every sender sends its pieces in one order common to all senders (the
 model's), and every worker receives each sender's buckets in the order sent. A held bucket waits only for
