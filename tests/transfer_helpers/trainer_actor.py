@@ -70,3 +70,22 @@ class StandInHFTrainer(TrainerTransferMixin):
             if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
                 shutil.copy(f, out / f.name)
         return str(out)
+
+
+@one_call_at_a_time
+class StandInRowsTrainer(StandInHFTrainer):
+    """A stand-in for rank ``rank`` of a ``world``-rank FSDP trainer where every rank sends (``transfer.pieces``):
+    it holds the whole model (the same weights as every other stand-in rank given the same ``perturb``) and
+    sends only its rows of every tensor (FSDP2's ``Shard(0)`` split), as pieces."""
+
+    def __init__(self, model_dir: str, rank: int, world: int):
+        super().__init__(model_dir)
+        self.rank, self.world = rank, world
+
+    def hf_named_tensors(self):
+        from rlplacement.transfer.pieces import row_pieces
+
+        for name, p in self.model.named_parameters():
+            for index, key, rows in row_pieces(name, p.detach(), self.world):
+                if index == self.rank:
+                    yield key, rows
