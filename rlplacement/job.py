@@ -442,7 +442,7 @@ class RLJob:
 
             from rlplacement.job_start import trainer_sends_pieces_for
 
-            pieces = trainer_sends_pieces_for(self.config, self.hf_dir, share)
+            pieces = trainer_sends_pieces_for(self.config, share)
             t = dataclasses.replace(t, buffer_size=sender_bucket_size(t.buffer_size, len(ranks), pieces=pieces))
         refs = {f"trainer rank {r}": self.trainers[r].transfer_setup_from_config.remote(
                     t, timeout_s=self.timeout_s, base_dir=self.hf_dir, mode=mode, check_equal=check_equal,

@@ -71,7 +71,7 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     engine_args.setdefault("update_weight_staging", config.transfer.staging)
     engine_args.setdefault("update_weight_slices", config.transfer.slices)
     engine_args.setdefault("update_weight_mode", config.transfer.mode)
-    engine_args.setdefault("update_weight_pieces", trainer_sends_pieces_for(config, hf_dir))
+    engine_args.setdefault("update_weight_pieces", trainer_sends_pieces_for(config))
     engine_args.setdefault("update_weight_buffer_size", config.transfer.buffer_size)
     engine_args.setdefault("verbose", verbose)
     if config.backend.moe.rollout_routing_replay:
@@ -154,22 +154,16 @@ def release(updates: "UpdateDispatch | None", trainers: list, engines: list, pla
     placement.remove()
 
 
-def trainer_sends_pieces_for(config: "Config", hf_dir: str, who: str | None = None) -> bool:
-    """``transfer.pieces.trainer_sends_pieces`` for the job's flags and model; ``who``: who sends the mode
-    that runs (default: ``--update-weight-transfer-mode``'s)."""
-    import json
-    import types
-    from pathlib import Path
-
-    from rlplacement.families import num_experts
+def trainer_sends_pieces_for(config: "Config", who: str | None = None) -> bool:
+    """``transfer.pieces.trainer_sends_pieces`` for the job's flags; ``who``: who sends the mode that runs
+    (default: ``--update-weight-transfer-mode``'s)."""
     from rlplacement.transfer import registry
     from rlplacement.transfer.pieces import trainer_sends_pieces
 
-    hf_config = types.SimpleNamespace(**json.loads((Path(hf_dir) / "config.json").read_text()))
     if who is None:
         who = registry.spec(config.transfer.mode).who_sends(colocate=config.placement.colocate)
     return trainer_sends_pieces(config.backend.name, config.placement.trainer_num_gpus, who,
-                                lora=config.backend.lora.enabled, moe=bool(num_experts(hf_config)))
+                                lora=config.backend.lora.enabled)
 
 
 def start_engine(config: "Config", hf_dir: str, placement, index: int, *, engine_kind: str,

@@ -108,12 +108,10 @@ def engine_staging(config, model) -> dict:
     from rlplacement.engines.engine_settings import staging_per_option
     from rlplacement.transfer import registry
     from rlplacement.transfer.pieces import trainer_sends_pieces
-    from rlplacement.transfer.plan.trainer_shards import has_experts
 
     who = registry.spec(config.transfer.mode).who_sends(colocate=config.placement.colocate)
     pieces = trainer_sends_pieces(config.backend.name, config.placement.trainer_num_gpus, who,
-                                  lora=config.backend.lora.enabled,
-                                  moe=has_experts(model))
+                                  lora=config.backend.lora.enabled)
     per_option = staging_per_option(worker_share(config, model), config.transfer.buffer_size, pieces)
     offered = ("full", "bucket") if registry.spec(config.transfer.mode).bucket_staging else ("full",)
     return {"bytes": {k: v for k, v in per_option.items() if k in offered}, "requested": config.transfer.staging,

@@ -121,8 +121,8 @@ def test_pieces_from_several_trainer_ranks_count_the_assembled_tensors_too(tmp_p
 
 def test_the_job_tells_engines_when_its_trainer_sends_pieces(tmp_path):
     """One rule (``trainer_sends_pieces``) for what the engines' memory is sized for: an FSDP, torchtitan or
-    Megatron trainer of several ranks in a split layout of a mode where every rank sends; not one rank, LoRA,
-    colocated, or Megatron's experts. The job reads it from its flags and the model's config."""
+    Megatron trainer of several ranks in a split layout of a mode where every rank sends (experts too); not one
+    rank, LoRA or colocated. The job reads it from its flags and the model's config."""
     from rlplacement.args import build_parser, config_from_args
     from rlplacement.job_start import trainer_sends_pieces_for
     from rlplacement.transfer.pieces import trainer_sends_pieces
@@ -133,26 +133,24 @@ def test_the_job_tells_engines_when_its_trainer_sends_pieces(tmp_path):
     (tmp_path / "moe" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
 
     def job_flags(*argv, model=tmp_path):
-        return trainer_sends_pieces_for(config_from_args(build_parser().parse_args(list(argv))), str(model))
+        return trainer_sends_pieces_for(config_from_args(build_parser().parse_args(list(argv))))
 
     split = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "fsdp"]
     assert job_flags(*split)
     assert job_flags(*split, "--update-weight-transfer-mode", "p2p")
-    assert job_flags(*split, model=tmp_path / "moe")  # an FSDP rank sends its own experts whole
-    assert not job_flags("--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "megatron",
-                         model=tmp_path / "moe")
+    assert job_flags(*split, model=tmp_path / "moe")  # a rank sends its own experts
+    assert job_flags("--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "megatron",
+                     model=tmp_path / "moe")
     assert not job_flags(*split, "--lora-rank", "8")
     assert job_flags("--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "megatron")
     assert job_flags("--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--train-backend", "torchtitan")
     assert not job_flags(*split, "--colocate")
     assert not job_flags("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--train-backend", "fsdp")
 
-    assert trainer_sends_pieces("fsdp", 2, SHARES, lora=False, moe=False)
-    assert trainer_sends_pieces("fsdp", 2, SHARES, lora=False, moe=True)
-    assert trainer_sends_pieces("megatron", 2, SHARES, lora=False, moe=False)
-    assert trainer_sends_pieces("torchtitan", 2, SHARES, lora=False, moe=False)
-    for backend, world, who, lora, moe in (("fsdp", 1, SHARES, False, False), ("megatron", 2, SHARES, True, False),
-                                           ("torchtitan", 1, SHARES, False, False), ("fsdp", 2, SHARES, True, False),
-                                           ("megatron", 2, SHARES, False, True), ("fsdp", 2, OWN_GPU, False, False),
-                                           ("fsdp", 2, RANK0, False, False)):
-        assert not trainer_sends_pieces(backend, world, who, lora=lora, moe=moe), (backend, world, who, lora, moe)
+    assert trainer_sends_pieces("fsdp", 2, SHARES, lora=False)
+    assert trainer_sends_pieces("megatron", 2, SHARES, lora=False)
+    assert trainer_sends_pieces("torchtitan", 2, SHARES, lora=False)
+    for backend, world, who, lora in (("fsdp", 1, SHARES, False), ("megatron", 2, SHARES, True),
+                                      ("torchtitan", 1, SHARES, False), ("fsdp", 2, SHARES, True),
+                                      ("fsdp", 2, OWN_GPU, False), ("fsdp", 2, RANK0, False)):
+        assert not trainer_sends_pieces(backend, world, who, lora=lora), (backend, world, who, lora)

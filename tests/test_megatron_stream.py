@@ -84,6 +84,7 @@ def _spread_worker(rank, world, hf, tp, pp):
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf,
                                                         tensor_model_parallel_size=tp,
                                                         pipeline_model_parallel_size=pp))
+    planned = backend.update_shares()  # before any byte moves
     sent = {n: t.clone() for n, t in backend.iter_update_tensors(SHARES)}
     shares_collectives = backend.last_stream_collectives
     # colocated: every rank yields the whole model, for the engine worker on its GPU
@@ -97,7 +98,8 @@ def _spread_worker(rank, world, hf, tp, pp):
     held = [(n, tuple(p.shape), p.dtype, mm.mapping.tp_partition_dim(n)) for n, p in
             mm.global_named_parameters(backend.model)]
     full = [mm._nbytes(mm._full_shape(row, tp), row[2]) for row in held]
-    out = {"sent": sent, "stage": ps.get_pipeline_model_parallel_rank(), "collectives": shares_collectives,
+    out = {"sent": sent, "planned": planned, "stage": ps.get_pipeline_model_parallel_rank(),
+           "collectives": shares_collectives,
            "stage_bytes": sum(full), "largest": max(full), "held": [row[0] for row in held],
            "everywhere_ok": everywhere_ok, "everywhere_collectives": backend.last_stream_collectives,
            "buckets": [len(mm._buckets(rows, BUCKET)) for rows in _stage_rows(
@@ -163,6 +165,9 @@ def test_every_rank_sends_its_share_of_its_own_stage_and_the_union_is_the_model(
     assert [n for n in want if not torch.equal(rebuilt[n], want[n])] == []
     assert sum(t.numel() * t.element_size() for r in results for t in r["sent"].values()) == \
         sum(t.numel() * t.element_size() for t in want.values())
+    # what every rank computed before any byte moved (update_shares) is what each rank sent, rank by rank
+    streamed = {(key, t.numel() * t.element_size(), rank) for rank, r in enumerate(results) for key, t in r["sent"].items()}
+    assert all(set(r["planned"]) == streamed for r in results)
     # TP and the data-parallel replicas split tensors into pieces: every rank of a stage sends about its share
     for r in results:
         assert all(parse_piece(k) for k in r["sent"]), [k for k in r["sent"] if not parse_piece(k)]

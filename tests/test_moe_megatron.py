@@ -37,7 +37,11 @@ def _step_and_streams(rank, world, hf, streamed_path, dispatcher, ep, pp=1):
     batch = random_batch(SPEC.vocab_size, seed=10 + rank % (world // pp))  # one batch per pipeline
     logp = backend.log_probs(batch)
     metrics = backend.train_step(batch)
-    streams = {share: {n: t.clone() for n, t in backend.iter_update_tensors(share)} for share in (RANK0, SHARES, OWN_GPU)}
+    planned = backend.update_shares()
+    streams, collectives = {}, {}
+    for share in (RANK0, SHARES, OWN_GPU):
+        streams[share] = {n: t.clone() for n, t in backend.iter_update_tensors(share)}
+        collectives[share] = backend.last_stream_collectives
     if rank == 0:
         torch.save(streams[RANK0], streamed_path)
     torch.distributed.barrier()
@@ -48,7 +52,7 @@ def _step_and_streams(rank, world, hf, streamed_path, dispatcher, ep, pp=1):
                   if not torch.equal(mapping.hf_to_megatron(m, whole.__getitem__, backend.shape, backend.family), held)]
     backend.close()
     return {"logp": logp, "metrics": metrics, "mismatched": mismatched, "experts_allreduce": experts_marked,
-            "own_gpu_equal": own_gpu_equal,
+            "own_gpu_equal": own_gpu_equal, "shares": streams[SHARES], "collectives": collectives[SHARES], "planned": planned,
             "names": {share: sorted(s) for share, s in streams.items()}}
 
 
@@ -77,21 +81,40 @@ def test_megatron_moe_step_matches_the_reference_with_megatrons_router_loss(tmp_
     assert_streamed_match_reference(streamed, ref)
     every = set(results[0]["names"][RANK0])
     assert all(r["names"][RANK0] == [] for r in results[1:])
-    shares = [set(r["names"][SHARES]) for r in results]
-    assert all(shares) and sum(len(s) for s in shares) == len(every) and set().union(*shares) == every
-    # every rank yields every tensor for the colocated worker on its GPU, under EP the other ranks' experts too
-    assert all(r["names"][OWN_GPU] == sorted(every) for r in results)
+    # every rank sends the parts of the HF tensors its shards are (pieces), experts too: together every tensor,
+    # each element once, bit for bit as rank 0's whole stream
+    from rlplacement.transfer.pieces import parse_piece
+
+    whole = torch.load(streamed)
+    rebuilt = {n: torch.zeros_like(t) for n, t in whole.items()}
+    covered = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in whole.items()}
+    sent_boxes = [set() for _ in results]
+    for r, result in enumerate(results):
+        for key, t in result["shares"].items():
+            name, box, _ = parse_piece(key) or (key, tuple((0, n) for n in whole[key].shape), None)
+            where = tuple(slice(a, b) for a, b in box)
+            rebuilt[name][where] = t
+            covered[name][where] += 1
+            sent_boxes[r].add((name, box))
+    assert all(bool((c == 1).all()) for c in covered.values()), [n for n, c in covered.items() if not (c == 1).all()]
+    assert [n for n in whole if not torch.equal(rebuilt[n], whole[n])] == []
+    assert all(r["collectives"] == 0 for r in results)  # nothing gathered, experts included
+    shares = [{name for name, _ in boxes} for boxes in sent_boxes]
+    # the OWN_GPU stream (every rank everything, colocated) is the whole model under EP too
     assert all(r["own_gpu_equal"] for r in results)
     if ep > 1:  # each expert-parallel rank sends its own experts: EP rank q (rank % 2) holds experts 2q, 2q + 1
         for r, share in enumerate(shares):
             sent = {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in share if ".experts." in n}
-            assert sent == {2 * r, 2 * r + 1} if world == 2 else sent <= {2 * (r % 2), 2 * (r % 2) + 1}
-    # the simulator's spread plan (plan --simulate-transfer) gives each rank the share it sent
+            assert sent == {2 * (r % 2), 2 * (r % 2) + 1} if world // pp == 2 else sent <= {2 * (r % 2), 2 * (r % 2) + 1}
+    # the simulator's running plan (plan --simulate-transfer) gives each rank the boxes it sent
     from rlplacement.transfer.plan.tensors import ModelTensors
-    from rlplacement.transfer.plan.trainer_shards import megatron_share_holdings
+    from rlplacement.transfer.plan.trainer_shards import megatron_piece_holdings
 
-    planned = megatron_share_holdings(ModelTensors.from_hf_config(str(hf / "config.json")), 1, pp, world // pp, ep)
-    assert [set(p) for p in planned] == shares
+    planned = megatron_piece_holdings(ModelTensors.from_hf_config(str(hf / "config.json")), 1, pp, world // pp, ep)
+    assert [set(p.items()) for p in planned] == sent_boxes
+    # and every rank knew its share before any byte moved (update_shares), name, bytes and rank
+    streamed = {(key, t.numel() * t.element_size(), r) for r, res in enumerate(results) for key, t in res["shares"].items()}
+    assert all(set(res["planned"]) == streamed for res in results)
     sparse = (0, 2)
     assert {n for n in every if ".experts." in n} == {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
                                                       for i in sparse for e in range(4) for p in ("gate", "up", "down")}
@@ -150,7 +173,9 @@ def _bf16_step(rank, world, hf):
 def test_megatron_moe_trains_in_bf16_under_expert_parallelism(tmp_path):
     """``--bf16`` (fp32 main weights in megatron's optimizer, bf16 compute) at EP=2: log-probs within bf16's
     reach of the fp32 HF model's, the step's gradient norm within 2% of the fp32 reference step's, bf16
-    streamed, and each rank's share equal to what every rank hands its own GPU's worker."""
+    streamed, and each rank's share (its pieces, its own experts) equal to that part of what every rank hands
+    its own GPU's worker."""
+    from rlplacement.transfer.pieces import parse_piece
     from rlplacement.transfer.spec import OWN_GPU, SHARES
 
     hf = make_tiny_model(tmp_path / "hf", SPEC)
@@ -160,7 +185,11 @@ def test_megatron_moe_trains_in_bf16_under_expert_parallelism(tmp_path):
     for r, res in enumerate(results):
         assert (res["logp"] - hf_log_probs(ref, batches[r].input_ids)).abs().max().item() <= 2e-2
         assert {t.dtype for t in res[OWN_GPU].values()} == {torch.bfloat16}
-        assert all(torch.equal(t, results[0][OWN_GPU][n]) for n, t in res[SHARES].items())
+        for key, t in res[SHARES].items():
+            name, box, _ = parse_piece(key) or (key, None, None)
+            whole = results[0][OWN_GPU][name]
+            assert t.dtype == torch.bfloat16 and torch.equal(
+                t, whole if box is None else whole[tuple(slice(a, b) for a, b in box)]), key
     assert all(torch.equal(t, results[1][OWN_GPU][n]) for n, t in results[0][OWN_GPU].items())
     expected = hf_reference_step(ref, batches, SGD)["grad_norm"]
     assert results[0]["metrics"]["grad_norm"] == pytest.approx(expected, rel=2e-2)

@@ -259,8 +259,7 @@ class FSDPBackend(TrainerBackend):
         gathering it onto one owner (``trainer_sends_pieces``)."""
         from rlplacement.transfer.pieces import trainer_sends_pieces
 
-        return trainer_sends_pieces(self.name, dist.get_world_size(), SHARES, lora=self.lora is not None,
-                                    moe=self.family.moe)
+        return trainer_sends_pieces(self.name, dist.get_world_size(), SHARES, lora=self.lora is not None)
 
     def _row_pieces(self, name: str, param) -> list[tuple[int, tuple]] | None:
         """``(global rank, box)`` of each rank's rows of a dim-0-sharded parameter (FSDP2's ``torch.chunk``

@@ -477,8 +477,34 @@ class MegatronBackend(TrainerBackend):
         (``transfer.pieces.trainer_sends_pieces``) instead of whole tensors its TP group gathered."""
         from rlplacement.transfer.pieces import trainer_sends_pieces
 
-        return trainer_sends_pieces("megatron", dist.get_world_size(), SHARES, lora=self.lora is not None,
-                                    moe=self.family.moe)
+        return trainer_sends_pieces("megatron", dist.get_world_size(), SHARES, lora=self.lora is not None)
+
+    def update_shares(self) -> list[tuple[str, int, int]]:
+        """Where every rank sends pieces (:attr:`_sends_pieces`): ``(piece name, or the HF name of a box that is
+        the whole tensor, bytes as streamed, rank)`` of every rank's pieces, from the transfer plan's rule
+        (``trainer_shards.megatron_piece_holdings``, which :func:`megatron_model.iter_own_pieces_megatron`
+        follows) on this model's config, before any byte moves; else the base's."""
+        if not self._sends_pieces:
+            return super().update_shares()
+        import os
+
+        from megatron.core import parallel_state as ps
+
+        from rlplacement.transfer.pieces import piece_name
+        from rlplacement.transfer.plan.boxes import volume, whole
+        from rlplacement.transfer.plan.tensors import ModelTensors
+        from rlplacement.transfer.plan.trainer_shards import megatron_piece_holdings
+
+        model = ModelTensors.from_hf_config(os.path.join(self.source_hf_dir, "config.json"))
+        tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        dp = dist.get_world_size() // (tp * pp)
+        ep = ps.get_expert_model_parallel_world_size() if self.family.moe else 1
+        itemsize = (self.stream_dtype or self._dtype).itemsize
+        shapes = {t.name: t.shape for t in model.tensors}
+        return [(name if box == whole(shapes[name]) else piece_name(name, box, shapes[name]),
+                 volume(box) * itemsize, rank)
+                for rank, boxes in enumerate(megatron_piece_holdings(model, tp, pp, dp, ep))
+                for name, box in boxes.items()]
 
     def _iter_pieces(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's pieces (:func:`megatron_model.iter_own_pieces_megatron`), cast to the stream's dtype."""

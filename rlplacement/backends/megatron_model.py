@@ -583,19 +583,28 @@ def iter_own_pieces_megatron(model, shape: mapping.ModelShape, family: DenseFami
     replica of its TP rank and goes from one of them; a replicated tensor (norms) is held by every rank of
     the stage and goes from all of its ``DP x TP`` ranks. The holders of a piece split it by rows
     (``transfer.pieces.row_part``: ``torch.chunk``'s split, as FSDP2 shards), so every rank sends its share of
-    every tensor it holds and a tensor's writes spread over all its holders, as the sharded plan's do;
-    ``trainer_shards.megatron_piece_holdings`` is this rule for the simulator. Without expert parallelism
-    (the experts' own layout is not modelled here). ``skip`` as in :func:`iter_full_megatron`."""
+    every tensor it holds and a tensor's writes spread over all its holders, as the sharded plan's do. An
+    expert's weights (under expert parallelism the rank's own experts, by their global index) are held alike
+    by the expert-data-parallel replicas of its TP rank and split among them the same way.
+    ``trainer_shards.megatron_piece_holdings`` is this rule for the simulator. ``skip`` as in
+    :func:`iter_full_megatron`."""
     from megatron.core import parallel_state as ps
 
     from rlplacement.transfer.pieces import piece_name, row_part
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if getattr(model.config, "num_moe_experts", None):
+        edp, edp_rank = ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank()
     for mname, param in global_named_parameters(model):
         if mname in skip:
             continue
-        parts, mine = (dp * tp, dp_rank * tp + tp_rank) if mapping.tp_partition_dim(mname) is None else (dp, dp_rank)
+        if is_expert(mname):
+            parts, mine = edp, edp_rank
+        elif mapping.tp_partition_dim(mname) is None:
+            parts, mine = dp * tp, dp_rank * tp + tp_rank
+        else:
+            parts, mine = dp, dp_rank
         for name, t, box, whole in mapping.hf_pieces(mname, param.detach(), shape, family, tp, tp_rank):
             rows = row_part(box, parts, mine)
             if rows is None:

@@ -33,19 +33,17 @@ if TYPE_CHECKING:
 PIECE = "#piece"
 
 
-def trainer_sends_pieces(backend: str, world: int, who: str, *, lora: bool, moe: bool) -> bool:
+def trainer_sends_pieces(backend: str, world: int, who: str, *, lora: bool) -> bool:
     """The trainer's ranks each send the parts of the HF tensors they hold (an FSDP or torchtitan rank its rows,
     in HF's layout, and its own experts whole, FSDP2 sharding a fused experts parameter by expert; a Megatron
-    rank its TP shards as HF boxes): such a trainer of several ranks where every rank sends (``who`` is
-    ``transfer.spec.SHARES``), without LoRA (a merged weight is computed from the gathered factors), and for
-    Megatron without experts (its expert parallelism is not cut into pieces). A torchtitan Llama q/k weight
-    whose rows at some rank split a head (its rows are permuted per head) is still gathered onto one rank.
-    What the backends stream, what the simulator prices as running and what an engine's staging is sized for
-    all ask this."""
+    rank its TP shards as HF boxes, its own experts' too): such a trainer of several ranks where every rank
+    sends (``who`` is ``transfer.spec.SHARES``), without LoRA (a merged weight is computed from the gathered
+    factors). A torchtitan Llama q/k weight whose rows at some rank split a head (its rows are permuted per
+    head) is still gathered onto one rank. What the backends stream, what the simulator prices as running and
+    what an engine's staging is sized for all ask this."""
     from rlplacement.transfer.spec import SHARES
 
-    return (backend in ("fsdp", "megatron", "torchtitan") and world > 1 and who == SHARES and not lora
-            and not (moe and backend == "megatron"))
+    return backend in ("fsdp", "megatron", "torchtitan") and world > 1 and who == SHARES and not lora
 
 
 def row_part(box: Box, parts: int, index: int) -> tuple[int, int] | None:

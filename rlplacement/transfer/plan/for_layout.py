@@ -17,7 +17,7 @@ from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, buil
 from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_model_needs
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
-from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, fsdp_holdings, has_experts,
+from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, fsdp_holdings,
                                                       megatron_holdings, megatron_piece_holdings,
                                                       megatron_share_holdings, rank0_holdings, share_holdings)
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
@@ -136,14 +136,15 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     gather0 = {0: _missing_bytes(model, holdings[0], gathered0[0])}
     rpc = RPC_S_COLOCATED if layout.colocate else RPC_S
     spread = spread_sim = None
-    if trainer_sends_pieces(backend, world, who, lora=False, moe=has_experts(model)):
+    if trainer_sends_pieces(backend, world, who, lora=False):
         # every rank sends the parts of the HF tensors it holds (transfer.pieces): nothing is gathered; an FSDP or
         # torchtitan rank its rows (a torchtitan Llama q/k weight whose rows split a head is gathered, which this
         # leaves out), a megatron rank its rows of its TP boxes, split over the data-parallel replicas
         if backend != "megatron" and sliced:
             spread = sharded
         else:
-            pieces = holdings if backend != "megatron" else megatron_piece_holdings(model, tp, pp, world // (tp * pp))
+            pieces = holdings if backend != "megatron" else megatron_piece_holdings(model, tp, pp, world // (tp * pp),
+                                                                                    ep)
             spread = _split_plan(model, pieces, run_worker_needs, len(layout.engines), fanout)
         gather_spread = {rank: 0 for rank in range(world)}
     elif who == SHARES:

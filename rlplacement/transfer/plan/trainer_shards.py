@@ -168,32 +168,24 @@ def megatron_share_holdings(model: ModelTensors, tp: int, pp: int, dp: int, ep: 
     return out
 
 
-def megatron_piece_holdings(model: ModelTensors, tp: int, pp: int, dp: int) -> Holdings:
+def megatron_piece_holdings(model: ModelTensors, tp: int, pp: int, dp: int, ep: int = 1) -> Holdings:
     """What each rank of a Megatron trainer sends when it sends pieces (``megatron_model.iter_own_pieces_megatron``):
-    of every TP-split tensor of its stage its TP rank's box (``tp_box``: a vocabulary shard of padding only
-    holds nothing), split by rows over the data-parallel replicas holding it; of each replicated tensor its
-    rows among the stage's ``DP x TP`` ranks (``transfer.pieces.row_part`` both). The runtime's rule, so the
-    bytes per rank are the run's."""
+    every box a rank holds (:func:`megatron_holdings`: its TP rank's box of each TP-split tensor of its stage, a
+    replicated tensor whole, under expert parallelism its own experts), split by rows among the ranks that hold
+    that same box, in rank order (``transfer.pieces.row_part``): a TP-split tensor among its data-parallel
+    replicas, a replicated one among the stage's ``DP x TP`` ranks, an expert's among its expert-data-parallel
+    replicas. The runtime's rule, so the bytes per rank are the run's."""
     from rlplacement.transfer.pieces import row_part
 
-    check_megatron(model, tp, pp)
-    padded = megatron_padded_vocab(model.vocab_size, tp)
-    out: Holdings = [{} for _ in range(tp * pp * dp)]
-
-    def give(rank: int, name: str, box: Box, parts: int, index: int) -> None:
-        rows = row_part(box, parts, index)
-        if rows is not None:
-            out[rank][name] = ((box[0][0] + rows[0], box[0][0] + rows[1]),) + box[1:]
-
-    for stage in range(pp):
-        first = stage * dp * tp
-        for t in (t for t in model.tensors if model.stage_of(t, pp) == stage):
-            for d in range(dp):
-                for r in range(tp):
-                    if t.kind == "replicated":
-                        give(first + d * tp + r, t.name, whole(t.shape), dp * tp, d * tp + r)
-                    else:
-                        box = model.tp_box(t, r, tp, padded)
-                        if volume(box):
-                            give(first + d * tp + r, t.name, box, dp, d)
+    held = megatron_holdings(model, tp, pp, dp, ep)
+    holders: dict[tuple[str, Box], list[int]] = {}
+    for rank, boxes in enumerate(held):
+        for name, box in boxes.items():
+            holders.setdefault((name, box), []).append(rank)
+    out: Holdings = [{} for _ in held]
+    for (name, box), ranks in holders.items():
+        for index, rank in enumerate(ranks):
+            rows = row_part(box, len(ranks), index)
+            if rows is not None:
+                out[rank][name] = ((box[0][0] + rows[0], box[0][0] + rows[1]),) + box[1:]
     return out
