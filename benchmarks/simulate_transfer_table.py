@@ -1,8 +1,8 @@
 """The transfer docs' modelled tables: dense 8B, 32B and 70B shapes on 8 to 1,024 GPUs (and mixture-of-experts
 shapes: Qwen3-30B-A3B, Qwen3-235B-A22B, Kimi-K2's sizes as a Qwen3-MoE, their trainers without expert
-parallelism, which the plan does not model), rank 0 sending
-everything, every rank sending its share of whole tensors (what these split layouts run) and the sharded
-plan, predicted by the transfer simulator (nothing here ran on a cluster); and the same shapes colocated
+parallelism, and with it: ``--moe-ep``), rank 0 sending everything, every rank sending the parts of the
+tensors it holds (pieces: what these split layouts run) and the sharded plan, predicted by the transfer
+simulator (nothing here ran on a cluster); and the same shapes colocated
 (``cuda_ipc``), where the plan that runs has each trainer rank hand the worker on its GPU the whole model.
 
 Split: half the GPUs train (Megatron, the TP x PP below, the rest data-parallel), half serve engines of
