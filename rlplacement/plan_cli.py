@@ -106,12 +106,10 @@ def engine_staging(config, model) -> dict:
     worker's share: :func:`worker_share`; with what it assembles where the trainer sends pieces, as the engine
     counts it), and the options this run's mode offers."""
     from rlplacement.engines.engine_settings import staging_per_option
+    from rlplacement.job_start import trainer_sends_pieces_for
     from rlplacement.transfer import registry
-    from rlplacement.transfer.pieces import trainer_sends_pieces
 
-    who = registry.spec(config.transfer.mode).who_sends(colocate=config.placement.colocate)
-    pieces = trainer_sends_pieces(config.backend.name, config.placement.trainer_num_gpus, who,
-                                  lora=config.backend.lora.enabled)
+    pieces = trainer_sends_pieces_for(config)
     per_option = staging_per_option(worker_share(config, model), config.transfer.buffer_size, pieces)
     offered = ("full", "bucket") if registry.spec(config.transfer.mode).bucket_staging else ("full",)
     return {"bytes": {k: v for k, v in per_option.items() if k in offered}, "requested": config.transfer.staging,

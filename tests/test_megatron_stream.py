@@ -144,24 +144,19 @@ def test_every_rank_sends_its_share_of_its_own_stage_and_the_union_is_the_model(
     # every rank sends the parts of the HF tensors its shards are (pieces; a replicated tensor whole): together
     # they are every tensor, each element once, bit for bit
     from rlplacement.transfer.pieces import parse_piece
+    from tests.transfer_helpers.pieces_check import each_element_once, tiled
 
-    rebuilt = {n: torch.zeros_like(t) for n, t in want.items()}
-    covered = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in want.items()}
+    rebuilt, covered, sent_boxes = tiled([r["sent"] for r in results], want)
     for rank, r in enumerate(results):
-        for key, t in r["sent"].items():
-            name, box, _ = parse_piece(key) or (key, tuple((0, n) for n in want[key].shape), None)
-            where = tuple(slice(a, b) for a, b in box)
-            rebuilt[name][where] = t
-            covered[name][where] += 1
-            base = name
-            if base.startswith("model.layers."):  # a rank's tensors are its stage's parameters, in HF names
+        for name, box in sent_boxes[rank]:
+            if name.startswith("model.layers."):  # a rank's tensors are its stage's parameters, in HF names
                 own_layers = {n.split(".")[2] for n in r["held"] if n.startswith("decoder.layers.")}
-                assert base.split(".")[2] in own_layers, (rank, key)
-            elif base == "model.embed_tokens.weight":
-                assert r["stage"] == 0, (rank, key)
+                assert name.split(".")[2] in own_layers, (rank, name, box)
+            elif name == "model.embed_tokens.weight":
+                assert r["stage"] == 0, (rank, name, box)
             else:
-                assert r["stage"] == pp - 1, (rank, key)
-    assert all(bool((c == 1).all()) for c in covered.values()), [n for n, c in covered.items() if not (c == 1).all()]
+                assert r["stage"] == pp - 1, (rank, name, box)
+    assert each_element_once(covered) == []
     assert [n for n in want if not torch.equal(rebuilt[n], want[n])] == []
     assert sum(t.numel() * t.element_size() for r in results for t in r["sent"].values()) == \
         sum(t.numel() * t.element_size() for t in want.values())

@@ -83,20 +83,11 @@ def test_megatron_moe_step_matches_the_reference_with_megatrons_router_loss(tmp_
     assert all(r["names"][RANK0] == [] for r in results[1:])
     # every rank sends the parts of the HF tensors its shards are (pieces), experts too: together every tensor,
     # each element once, bit for bit as rank 0's whole stream
-    from rlplacement.transfer.pieces import parse_piece
+    from tests.transfer_helpers.pieces_check import each_element_once, tiled
 
     whole = torch.load(streamed)
-    rebuilt = {n: torch.zeros_like(t) for n, t in whole.items()}
-    covered = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in whole.items()}
-    sent_boxes = [set() for _ in results]
-    for r, result in enumerate(results):
-        for key, t in result["shares"].items():
-            name, box, _ = parse_piece(key) or (key, tuple((0, n) for n in whole[key].shape), None)
-            where = tuple(slice(a, b) for a, b in box)
-            rebuilt[name][where] = t
-            covered[name][where] += 1
-            sent_boxes[r].add((name, box))
-    assert all(bool((c == 1).all()) for c in covered.values()), [n for n, c in covered.items() if not (c == 1).all()]
+    rebuilt, covered, sent_boxes = tiled([result["shares"] for result in results], whole)
+    assert each_element_once(covered) == []
     assert [n for n in whole if not torch.equal(rebuilt[n], whole[n])] == []
     assert all(r["collectives"] == 0 for r in results)  # nothing gathered, experts included
     shares = [{name for name, _ in boxes} for boxes in sent_boxes]

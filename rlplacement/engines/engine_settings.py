@@ -92,11 +92,10 @@ def staging_per_option(tensor_bytes: dict[str, int], bucket_bytes: int, pieces: 
     where every fused group is at most half a bucket, else three times the largest group: its pieces, each
     alone in a sender's bucket, in the channels' two buffers, beside the group assembling."""
     whole = sum(tensor_bytes.values())
-    largest = largest_bucket_of(tensor_bytes, bucket_bytes)
     if pieces:
         group = largest_bucket_of(tensor_bytes, 0)
         return {"full": 2 * whole, "bucket": min(2 * whole, max(2 * bucket_bytes, 3 * group))}
-    return {"full": whole, "bucket": min(whole, 2 * largest)}
+    return {"full": whole, "bucket": min(whole, 2 * largest_bucket_of(tensor_bytes, bucket_bytes))}
 
 
 AUTO_FULL_SHARE = 0.2
