@@ -86,7 +86,7 @@ setup(
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": ["rlplacement=rlplacement.cli:main"],
-        "vllm.general_plugins": ["rlplacement=rlplacement.engines.vllm_plugin:register"],
+        "vllm.general_plugins": ["rlplacement=rlplacement.engines.vllm.vllm_plugin:register"],
         # every `import verl` registers our checkpoint-engine backends
         "verl.plugins": ["rlplacement=rlplacement.integrations.verl"],
     },

@@ -4,7 +4,7 @@
 source on a thread of its own, and hands the trainer completed groups as they are ready
 (:meth:`FullyAsyncRollout.next_groups`). Weight updates (:meth:`FullyAsyncRollout.update_weights`) land
 between engine steps without draining the engines: each engine applies ``--pause-generation-mode`` to its
-requests in flight (``engines.vllm_engine``), and every sample records the version that sampled each token.
+requests in flight (``engines.vllm.vllm_engine``), and every sample records the version that sampled each token.
 
 Versions are the job's update numbers (``RLJob.version``, the one scheme recovery uses too). A group's
 staleness is the engines' current version minus the oldest version that sampled any of its tokens (as Miles

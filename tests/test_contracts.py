@@ -16,11 +16,11 @@ ROOT = Path(__file__).resolve().parents[1] / "rlplacement"
 # third-party objects' attributes read by name whose spelling one of our layers also uses, each with
 # whose object it is
 THIRD_PARTY = {
-    ("rlplacement/engines/vllm_backend.py", "world_size"): "vLLM's ParallelConfig (0.26 and 0.32 differ)",
-    ("rlplacement/engines/vllm_backend.py", "rank"): "vLLM's ParallelConfig",
+    ("rlplacement/engines/vllm/vllm_backend.py", "world_size"): "vLLM's ParallelConfig (0.26 and 0.32 differ)",
+    ("rlplacement/engines/vllm/vllm_backend.py", "rank"): "vLLM's ParallelConfig",
     ("rlplacement/engines/copy_plan.py", "_parameters"): "torch.nn.Module's own parameter dict",
     ("rlplacement/engines/copy_plan.py", "_buffers"): "torch.nn.Module's own buffer dict",
-    ("rlplacement/engines/request_stepper.py", "metrics"): "vLLM's RequestOutput",
+    ("rlplacement/engines/vllm/request_stepper.py", "metrics"): "vLLM's RequestOutput",
     ("rlplacement/integrations/miles.py", "colocate"): "Miles' args namespace",
     ("rlplacement/integrations/miles.py", "init_transfer"): "a Miles engine handle, refused by name unless ours",
     ("rlplacement/backends/megatron_model.py", "dtype"): "a Hugging Face config",

@@ -122,7 +122,7 @@ class FakeStuckEngine:
 def _stepper(step_blocks: bool, timeout_s: float = 0.5):
     from vllm import SamplingParams
 
-    from rlplacement.engines.request_stepper import RequestStepper
+    from rlplacement.engines.vllm.request_stepper import RequestStepper
 
     fake = FakeStuckEngine(step_blocks)
     stepper = RequestStepper(fake, name="engine 3", timeout_s=timeout_s)
@@ -156,7 +156,7 @@ def test_a_step_that_never_returns_fails_poll_and_calls_by_name():
 
 
 def test_a_call_that_never_returns_is_bounded_and_the_engine_refuses_by_name_until_it_returns():
-    from rlplacement.engines.request_stepper import RequestStepper
+    from rlplacement.engines.vllm.request_stepper import RequestStepper
 
     stepper = RequestStepper(FakeStuckEngine(), name="engine 4", timeout_s=0.5)
     assert stepper.call(lambda: 42, "a quick call") == 42

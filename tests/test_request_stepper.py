@@ -1,4 +1,4 @@
-"""The stepper's stall bound (``engines.request_stepper``), driven through a stand-in for vLLM's engine (its
+"""The stepper's stall bound (``engines.vllm.request_stepper``), driven through a stand-in for vLLM's engine (its
 step can be held at will, which a real engine's cannot): a generation step that does not end within the
 bound is named; a control call that holds the engine longer than the bound is not charged to generation."""
 
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from rlplacement.engines.request_stepper import RequestStepper  # noqa: E402
+from rlplacement.engines.vllm.request_stepper import RequestStepper  # noqa: E402
 from rlplacement.errors import EngineStuckError  # noqa: E402
 
 

@@ -197,7 +197,7 @@ def _echo_engines(n: int) -> list:
 
 
 def test_the_vllm_kind_implements_the_protocol_with_its_control_calls_beside_the_turn():
-    from rlplacement.engines.vllm_engine import VllmRolloutEngine  # vllm itself is imported only on start
+    from rlplacement.engines.vllm.vllm_engine import VllmRolloutEngine  # vllm itself is imported only on start
 
     assert registry.engine_class("vllm") is VllmRolloutEngine
     assert issubclass(VllmRolloutEngine, RolloutEngine) and not VllmRolloutEngine.__abstractmethods__

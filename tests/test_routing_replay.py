@@ -142,7 +142,7 @@ def test_routes_travel_with_their_rows_and_padding_routes_distinct_experts():
 
 
 def test_routed_experts_of_stacks_samples_and_names_one_without_routes():
-    from rlplacement.engines.request_stepper import _every_position
+    from rlplacement.engines.vllm.request_stepper import _every_position
     from rlplacement.rollout import RolloutSample
 
     def sample(n, routed):
@@ -163,7 +163,7 @@ def test_routed_experts_of_stacks_samples_and_names_one_without_routes():
 def test_routing_replay_is_refused_where_it_cannot_run(tmp_path):
     from rlplacement.args import build_parser, config_from_args
     from rlplacement.backends.preflight import preflight
-    from rlplacement.engines.vllm_engine import VllmRolloutEngine
+    from rlplacement.engines.vllm.vllm_engine import VllmRolloutEngine
 
     dense = str(make_tiny_model(tmp_path / "dense", TinySpec()))
     with pytest.raises(ConfigError, match=r"--use-rollout-routing-replay replays a mixture-of-experts model's "

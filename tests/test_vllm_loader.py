@@ -1,9 +1,9 @@
-"""What an engine accepts as an update before anything touches its model (rlplacement.engines.vllm_loader)."""
+"""What an engine accepts as an update before anything touches its model (rlplacement.engines.vllm.vllm_loader)."""
 
 import pytest
 import torch
 
-from rlplacement.engines.vllm_loader import validate
+from rlplacement.engines.vllm.vllm_loader import validate
 from rlplacement.transfer.base import TransferError
 
 EXPECTED = {"model.embed_tokens.weight": (10, 4), "model.norm.weight": (4,), "lm_head.weight": (10, 4)}
@@ -37,7 +37,7 @@ def test_the_engine_validates_again_unless_it_is_handed_the_very_pairs_that_pass
     """The backend skips validation only for the same (name, tensor) objects as last time (receivers
     hand over the same views while nothing moved); any other list is checked whole."""
     pytest.importorskip("vllm")
-    from rlplacement.engines.vllm_backend import RlplacementWeightTransferEngine
+    from rlplacement.engines.vllm.vllm_backend import RlplacementWeightTransferEngine
 
     engine = RlplacementWeightTransferEngine.__new__(RlplacementWeightTransferEngine)  # only what _validate reads
     engine._expected, engine._tied, engine._validated, engine.receiver = EXPECTED, False, [], None

@@ -11,9 +11,9 @@ def test_register_is_idempotent_and_lazy():
 
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from rlplacement.engines import vllm_plugin
+    from rlplacement.engines.vllm import vllm_plugin
 
-    assert any(ep.value == "rlplacement.engines.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins"))
+    assert any(ep.value == "rlplacement.engines.vllm.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins"))
     assert vllm_plugin.register() and vllm_plugin.register()
     assert "rlplacement" in WeightTransferEngineFactory._registry
     cls = WeightTransferEngineFactory._registry["rlplacement"]()
@@ -21,7 +21,7 @@ def test_register_is_idempotent_and_lazy():
 
 
 def test_init_info_rejects_unknown_fields_and_modes():
-    from rlplacement.engines.vllm_backend import RlplacementInitInfo
+    from rlplacement.engines.vllm.vllm_backend import RlplacementInitInfo
     from rlplacement.transfer import registry
 
     with pytest.raises(TypeError):
@@ -48,7 +48,7 @@ def test_colocate_config_sets_up_the_ipc_sender():
 
 
 def test_workers_disagreeing_name_the_tensor():
-    from rlplacement.engines.vllm_engine import workers_disagree
+    from rlplacement.engines.vllm.vllm_engine import workers_disagree
 
     first = {"a": "01", "b": "02"}
     assert workers_disagree(first, dict(first)) == ""

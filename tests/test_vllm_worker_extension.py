@@ -119,10 +119,10 @@ def test_call_workers_refuses_a_function_naming_what_to_do_instead(cluster):
 
 
 def test_a_worker_extension_that_is_not_ours_is_refused_before_vllm_starts(cluster):
-    from rlplacement.engines.vllm_engine import VllmRolloutEngine
+    from rlplacement.engines.vllm.vllm_engine import VllmRolloutEngine
 
     with pytest.raises(ConfigError, match=r"worker_extension_cls 'collections.OrderedDict' is not a subclass of "
-                                          r"rlplacement.engines.vllm_worker.RlplacementWorkerExtension"):
+                                          r"rlplacement.engines.vllm.vllm_worker.RlplacementWorkerExtension"):
         VllmRolloutEngine(cluster["model_dir"], worker_extension_cls="collections.OrderedDict")
     with pytest.raises(ConfigError, match=r"worker_extension_cls 'no_such_module.Extension' cannot be imported"):
         VllmRolloutEngine(cluster["model_dir"], worker_extension_cls="no_such_module.Extension")

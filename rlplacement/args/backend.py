@@ -196,7 +196,7 @@ def _lora_from_args(args: argparse.Namespace, backend: str) -> LoRAConfig:
                           "(it is small, and swapped in as one); use --update-weight-staging full or auto, or add "
                           "--lora-merge-for-rollout")
     if not merge:
-        from rlplacement.engines.live_lora import engine_args
+        from rlplacement.engines.vllm.live_lora import engine_args
 
         engine_args(rank)  # a rank vLLM cannot serve is refused here, naming the flag
     return LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, merge_for_rollout=merge, target_modules=lora_targets,

@@ -1,8 +1,6 @@
 """Rollout engines. What the job asks of one: ``base.RolloutEngine``; the kinds by name: ``registry``;
-their Ray actors: ``ray_engines``.
+their Ray actors: ``ray_engines``. Engine-neutral parts an engine kind may use: the recorded copy plan
+that commits an update with plain copies (``copy_plan``, ``copy_kernel``), the engine settings a model
+folder resolves (``engine_settings``), the shared-memory segments a killed engine leaves (``shm_segments``).
 
-The vLLM kind: the rollout engine that wraps ``vllm.LLM`` (``vllm_engine``), the worker extension vLLM
-mixes into each of its workers, which the engine calls by name (``vllm_worker``), the native
-weight-transfer backend hosting rlplacement's receivers (``vllm_backend``) registered by the
-``vllm.general_plugins`` entry point (``vllm_plugin``), and the loader that puts staged tensors into
-the model (``vllm_loader``)."""
+Each kind is a package of its own: the vLLM kind is ``engines.vllm``."""

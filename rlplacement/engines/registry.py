@@ -7,7 +7,7 @@ import importlib
 
 from rlplacement.errors import ConfigError
 
-ENGINE_KINDS = {"vllm": ("rlplacement.engines.vllm_engine", "VllmRolloutEngine")}
+ENGINE_KINDS = {"vllm": ("rlplacement.engines.vllm.vllm_engine", "VllmRolloutEngine")}
 """kind -> (module, class); the module is imported only when its kind is used."""
 
 DEFAULT_ENGINE_KIND = "vllm"

@@ -69,7 +69,7 @@ def workers_take_slices(mode: str, engine_width: int, slices: str = "auto") -> b
     """Each worker of an ``engine_width``-wide engine receives only its slices under ``mode``: the mode's
     receivers take slices (``WeightReceiver.accepts_slices``), the engine is wider than one GPU and
     ``--update-weight-slices`` is ``auto``. An engine's own settings may still give whole tensors (pipeline or
-    expert parallelism, a model the rules do not know: ``engines.vllm_backend``)."""
+    expert parallelism, a model the rules do not know: ``engines.vllm.vllm_backend``)."""
     return slices == "auto" and engine_width > 1 and receiver_class(mode).accepts_slices
 
 

@@ -101,7 +101,7 @@ def fail_bucketwise_load_after_buckets(worker, n_buckets: int, rank: int | None 
     ``n_buckets`` buckets were loaded into it (once); with ``rank``, on that worker of its engine only."""
     if rank is not None and getattr(worker, "rank", 0) != rank:
         return
-    from rlplacement.engines import vllm_loader
+    from rlplacement.engines.vllm import vllm_loader
 
     cls = vllm_loader.BucketwiseLoad
     original = cls.apply

@@ -15,7 +15,7 @@ def main(hf_dir: str) -> dict:
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
 
-    from rlplacement.engines.vllm_loader import BucketwiseLoad, load_into_model
+    from rlplacement.engines.vllm.vllm_loader import BucketwiseLoad, load_into_model
     from rlplacement.hf_folder import safetensors_shapes
 
     llm = LLM(hf_dir, dtype="float32", enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.1)

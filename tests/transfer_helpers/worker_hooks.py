@@ -5,7 +5,7 @@ pickled into vLLM's engine core. Engines start with it through
 
 import os
 
-from rlplacement.engines.vllm_worker import RlplacementWorkerExtension
+from rlplacement.engines.vllm.vllm_worker import RlplacementWorkerExtension
 from tests.transfer_helpers import faults, ipc_probes
 
 HOOKED_WORKER_EXTENSION = f"{__name__}.HookedWorkerExtension"

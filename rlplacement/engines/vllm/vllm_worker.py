@@ -19,7 +19,7 @@ that add their own hooks subclass this one.
 
 from __future__ import annotations
 
-from rlplacement.engines.vllm_backend import RlplacementUpdateInfo, RlplacementWeightTransferEngine
+from rlplacement.engines.vllm.vllm_backend import RlplacementUpdateInfo, RlplacementWeightTransferEngine
 from rlplacement.transfer.base import TransferError, tensor_checksum
 
 WORKER_EXTENSION = f"{__name__}.RlplacementWorkerExtension"
@@ -94,7 +94,7 @@ class RlplacementWorkerExtension:
         engine = self._rlplacement_backend()
         if engine is None:
             raise TransferError(NOT_OUR_BACKEND)
-        engine.model_runner = self.model_runner  # where a live LoRA adapter is installed (engines.live_lora)
+        engine.model_runner = self.model_runner  # where a live LoRA adapter is installed (engines.vllm.live_lora)
         return engine
 
     def rlplacement_serving_state(self) -> dict:

