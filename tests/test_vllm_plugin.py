@@ -48,7 +48,7 @@ def test_colocate_config_sets_up_the_ipc_sender():
 
 
 def test_workers_disagreeing_name_the_tensor():
-    from rlplacement.engines.vllm.vllm_engine import workers_disagree
+    from rlplacement.engines.vllm.vllm_updates import workers_disagree
 
     first = {"a": "01", "b": "02"}
     assert workers_disagree(first, dict(first)) == ""
