@@ -512,7 +512,7 @@ FT_COMPONENTS = ("rollout", "train")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FaultToleranceConfig:
-    """What the job repairs by itself (``--use-fault-tolerance``, Miles' flags; ``rlplacement.fault_tolerance``):
+    """What the job repairs by itself (``--use-fault-tolerance``, Miles' flags; ``rlplacement.job.fault_tolerance``):
     ``rollout``: engines health-checked between steps, a dead or hung one killed, restarted in its own
     placement bundle and brought to the trainer's version before it serves; ``train``: a dead trainer rank
     takes the trainer down and the job restarts it from the last ``--save``, keeping the engines."""

@@ -78,7 +78,7 @@ def test_mask_offpolicy_keeps_only_the_current_versions_tokens_in_the_loss():
 
     import numpy as np
 
-    from rlplacement.rollout import RolloutSample
+    from rlplacement.job.rollout import RolloutSample
     from tests.test_tiny_grpo import ROOT
 
     spec = importlib.util.spec_from_file_location("tiny_grpo", ROOT / "examples" / "tiny_grpo.py")

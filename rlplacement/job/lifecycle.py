@@ -22,13 +22,13 @@ import dataclasses
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from rlplacement import rollout
+from rlplacement.job import rollout
 from rlplacement.config import Config, OptimConfig
 from rlplacement.engines.registry import DEFAULT_ENGINE_KIND, engine_class
 from rlplacement.errors import ConfigError
 from rlplacement.job_start import make_handoff, raise_with_offload_hint, release, setup_trainers, start_actors
 from rlplacement.placement.layout import colocated_sender_ranks
-from rlplacement.rollout import PendingRollout, RolloutSample
+from rlplacement.job.rollout import PendingRollout, RolloutSample
 from rlplacement.runtime.waits import get_all
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
@@ -113,7 +113,7 @@ class RLJob:
         self.ft = None
         """The job's repairs (``fault_tolerance.FaultTolerance``) under ``--use-fault-tolerance``, else None."""
         if config.fault_tolerance.enabled:
-            from rlplacement.fault_tolerance import FaultTolerance
+            from rlplacement.job.fault_tolerance import FaultTolerance
 
             self.ft = FaultTolerance(self, config.fault_tolerance)
 
@@ -287,17 +287,17 @@ class RLJob:
     def fully_async(self, prompts, **options):
         """Continuous generation for a ``--fully-async`` job: ``prompts(n)`` gives the next ``n`` prompts;
         ``next_groups`` hands out completed groups, ``update_weights`` updates while the engines generate
-        (returns a :class:`~rlplacement.fully_async.FullyAsyncRollout`, which ``options`` go to; the import runs
+        (returns a :class:`~rlplacement.job.fully_async.FullyAsyncRollout`, which ``options`` go to; the import runs
         here, one way: fully_async builds on the job)."""
-        from rlplacement.fully_async import FullyAsyncRollout
+        from rlplacement.job.fully_async import FullyAsyncRollout
 
         return FullyAsyncRollout(self, prompts, **options)
 
     def one_step_off(self, prompts, prompts_per_step: int, **options):
         """Rollout for a ``--one-step-off`` job: ``next_samples()`` returns a step's samples after starting the
         next step's batch, which generates while the caller trains (returns a
-        :class:`~rlplacement.one_step_off.OneStepOffRollout`, which ``options`` go to)."""
-        from rlplacement.one_step_off import OneStepOffRollout
+        :class:`~rlplacement.job.one_step_off.OneStepOffRollout`, which ``options`` go to)."""
+        from rlplacement.job.one_step_off import OneStepOffRollout
 
         return OneStepOffRollout(self, prompts, prompts_per_step, **options)
 

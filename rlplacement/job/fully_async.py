@@ -32,7 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rlplacement.errors import ConfigError
-from rlplacement.rollout import PendingRollout, RolloutSample, poll_ready
+from rlplacement.job.rollout import PendingRollout, RolloutSample, poll_ready
 
 if TYPE_CHECKING:  # the job is not imported even here: it builds this (RLJob.fully_async), one way
     from rlplacement.transfer.base import UpdateResult
