@@ -79,11 +79,14 @@ class AsyncRolloutConfig:
     partial_rollout: bool = False
     """A sample cut short by an update (``abort``) is continued in a later request instead of thrown away."""
     mask_offpolicy_in_partial_rollout: bool = False
-    """Train only on the tokens sampled by the engines' current version (others masked out of the loss)."""
+    """Train only on the tokens sampled by the engines' current version (others masked out of the loss):
+    ``RLJob.train`` masks with ``Batch.token_versions``, refusing a batch without them."""
     max_weight_staleness: int | None = None
     """A group whose oldest token is more than this many versions behind is recycled, never trained on."""
     update_weights_interval: int = 1
-    """Update the engines every this many optimizer steps."""
+    """Update the engines every this many train calls: ``RLJob.update_weights`` (and
+    ``FullyAsyncRollout.update_weights``) send when ``RLJob.train_calls`` is a multiple of it and return None
+    otherwise."""
     over_sampling_batch_size: int | None = None
     """Prompts submitted at a time when the source is topped up (None: one step's prompts)."""
     async_max_concurrent_samples: int | None = None

@@ -174,10 +174,10 @@ class RLJob(RolloutCalls, TrainCalls, WeightUpdates):
             console.stage(f"weight transfer ready: {config.transfer.mode}"
                           + (", every update checked bit for bit" if config.transfer.check_equal else ""))
             if resumed is not None:  # the engines serve the checkpoint's weights, as the version it recorded
-                job.update_weights()
+                job.update_weights(force=True)
                 console.stage(f"engines serve the checkpoint's weights (version {job.version})")
             elif config.backend.lora.adapter_path:  # the engines start from the base alone: the adapters go now
-                job.update_weights()
+                job.update_weights(force=True)
                 console.stage(f"engines serve the adapters of --lora-adapter-path (version {job.version})")
             console.done("ready")
         except BaseException as exc:

@@ -8,6 +8,7 @@ not split is refused by name before any rank starts.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from rlplacement.errors import ConfigError
@@ -25,7 +26,9 @@ class TrainCalls:
     def _shards(self, batch: "Batch") -> list["Batch"]:
         """Each trainer rank's share: ranks of one tensor/pipeline-parallel group get the same one. With
         ``--global-batch-size`` G, optimizer step j trains on samples ``j*G .. (j+1)*G - 1`` of ``batch``
-        whatever the number of ranks: a rank's share is its slice of each step's samples, in step order."""
+        whatever the number of ranks: a rank's share is its slice of each step's samples, in step order.
+        ``Batch.token_versions`` stays on the driver (the job masks with it before this)."""
+        batch = dataclasses.replace(batch, token_versions=None) if batch.token_versions is not None else batch
         cfg = self.config.train
         n, dp = len(batch), self.data_parallel_size
         per_step = cfg.global_batch_size or n
@@ -70,11 +73,16 @@ class TrainCalls:
 
     def train(self, batch: "Batch") -> list["TrainStepReport"]:
         """Optimizer steps on ``batch`` (one, or one per ``--global-batch-size`` samples); each trainer rank's
-        report, in rank order. Every ``--save-interval`` calls the training state is saved (``--save``)."""
+        report, in rank order. Every ``--save-interval`` calls the training state is saved (``--save``). Under
+        ``--mask-offpolicy-in-partial-rollout`` only the tokens the engines' current version (:attr:`version`)
+        sampled count in the loss: ``batch`` must carry ``token_versions``
+        (:func:`~rlplacement.train_io.token_versions_of`)."""
         if self.config.train.use_tis and (batch.rollout_logprobs is None or batch.old_logprobs is None):
             raise ConfigError("--use-tis weighs each token by the trainer's log-prob over the engine's: give the batch "
                               "rollout_logprobs (the samples' engine log-probs) and old_logprobs (job.log_probs(batch) "
                               "before the step), or drop --use-tis")
+        if self.config.async_rollout.mask_offpolicy_in_partial_rollout:  # only the engines' current version
+            batch = batch.only_version(self.version)
         shards = self._shards(batch)  # bad sizes refused before any rank starts
         self._hand_off("to_train")
         if self.handoff is not None:

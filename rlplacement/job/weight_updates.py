@@ -86,8 +86,12 @@ class WeightUpdates:
         driver.connect(self.senders, self.engines, timeout_s=self.timeout_s,
                        per_worker=self.update_share == OWN_GPU)
 
-    def update_weights(self) -> "UpdateResult":
+    def update_weights(self, *, force: bool = False) -> "UpdateResult | None":
         """Send the trainer's current weights to every engine as a fresh version number (:attr:`issued` + 1).
+
+        ``--update-weights-interval K``: an update goes only when the train calls so far are a multiple of
+        K (:meth:`update_due`); otherwise nothing is sent and this returns None, the engines serving the
+        version they have. ``force``: send whatever the interval says.
 
         All or nothing per engine (``docs/transfer``'s failure rule). A failed update raises
         :class:`~rlplacement.errors.WeightUpdateError` naming who failed; its number is burned and the job
@@ -96,6 +100,8 @@ class WeightUpdates:
         ``--use-fault-tolerance`` the job first restarts what died or hangs (engines; the trainer with
         ``--ft-components train``) and tries once more itself, under a fresh number; a second failure raises.
         """
+        if not (force or self.update_due()):
+            return None
         self._hand_off("before_update")
         if self.ft is not None:
             self.ft.check_engines()
@@ -106,6 +112,17 @@ class WeightUpdates:
                 raise
             self._repair(exc)
             return self._update_once()
+
+    def update_due(self) -> bool:
+        """Whether :meth:`update_weights` sends now: every call under ``--update-weights-interval 1``; under K,
+        once every K train calls (:attr:`train_calls`, restored by a resume, is a multiple of K), as
+        Miles counts its rollouts. Also whenever the engines hold no weights (a colocated sleep that
+        discarded them): they would wake to nothing."""
+        interval = self.config.async_rollout.update_weights_interval
+        if interval == 1 or self.train_calls % interval == 0:
+            return True
+        handoff = self.handoff
+        return handoff is not None and handoff.engines_hold == "nothing" and not handoff.keep_engine_weights
 
     def _update_once(self) -> "UpdateResult":
         if self.stale is not None:
