@@ -104,12 +104,12 @@ class PromptSampler:
 
 
 def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, behaviour: bool = False,
-               routes: bool = False, only_version: int | None = None) -> rlplacement.Batch:
+               routes: bool = False, versions: bool = False) -> rlplacement.Batch:
     """Right-padded input_ids, a loss mask on response tokens, group-normalised advantages and each
     sample's length; with ``behaviour`` also the engine's log-probs at the sampled tokens' positions
     (``old_logprobs``), which the loss uses for stale samples' importance ratio; with ``routes`` the experts
-    the engine routed every token to (``--use-rollout-routing-replay``); with ``only_version`` the loss mask keeps
-    only the tokens that version sampled (``--mask-offpolicy-in-partial-rollout``)."""
+    the engine routed every token to (``--use-rollout-routing-replay``); with ``versions`` the version that sampled
+    each token (the job masks with them under ``--mask-offpolicy-in-partial-rollout``)."""
     import torch
 
     advantages = []
@@ -126,12 +126,12 @@ def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, beha
         input_ids[i, :p] = torch.tensor(s.prompt_ids)
         input_ids[i, p:lengths[i]] = torch.tensor(s.token_ids)
         loss_mask[i, p:lengths[i]] = 1.0
-        if only_version is not None:
-            loss_mask[i, p:lengths[i]] = torch.from_numpy(s.versions == only_version).float()
         old_logprobs[i, p:lengths[i]] = torch.tensor(s.logprobs)
+    width = input_ids.shape[1]
     return rlplacement.Batch(input_ids, loss_mask, torch.tensor(advantages, dtype=torch.float32),
                              old_logprobs if behaviour else None, torch.tensor(lengths),
-                             rlplacement.routed_experts_of(samples, input_ids.shape[1]) if routes else None)
+                             rlplacement.routed_experts_of(samples, width) if routes else None,
+                             token_versions=rlplacement.token_versions_of(samples, width) if versions else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,7 +172,6 @@ def run(args: argparse.Namespace) -> int:
             max_response_len=max_len, group_size=group_size,
             prompt_len=round(statistics.fmean(len(p) for p in prompts)), **job.engine_capacity()), trackers=trackers)
         one_step_off = config.placement.one_step_off
-        interval = config.async_rollout.update_weights_interval
         # where a --load resumes: the step after the checkpoint's and its sampler position ({} when fresh)
         first_step = job.resumed_extra_state.get("step", 0)
         last_step = first_step + args.steps
@@ -230,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
                 tel.record_interval("train", rank_report.start, rank_report.end)
             job.prepare_update()
             t_sync = time.time()
-            report = job.update_weights() if (step + 1) % interval == 0 else None  # --update-weights-interval
+            report = job.update_weights()  # None between the updates of --update-weights-interval
             tel.record_interval("sync", t_sync, time.time())  # engines apply it after their current batch
             if not one_step_off and step + 1 < last_step:
                 t0, pending, drawn = start_rollout(step + 1)
@@ -274,7 +273,6 @@ def run_fully_async(args, config, job, tel, sampler, targets, pad_id: int, first
         drawn["n"] += 1
         return long_tail_lengths(n, max_len, config.rollout.seed + 7919 * drawn["n"])
 
-    cfg = config.async_rollout
     with job.fully_async(sampler.draw, max_tokens=lengths if args.long_tail else None,
                          exact_lengths=args.long_tail) as rollout:
         for step in range(first_step, last_step):
@@ -287,7 +285,7 @@ def run_fully_async(args, config, job, tel, sampler, targets, pad_id: int, first
             rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
             batch = make_batch(samples, rewards, group_size, pad_id, behaviour=True,
                                routes=config.backend.moe.rollout_routing_replay,
-                               only_version=job.version if cfg.mask_offpolicy_in_partial_rollout else None)
+                               versions=True)
             with tel.phase("train", role="trainer"):
                 trainer_lp = job.log_probs(batch)
             tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)]
@@ -299,7 +297,7 @@ def run_fully_async(args, config, job, tel, sampler, targets, pad_id: int, first
             for rank_report in reports:
                 tel.record_interval("train", rank_report.start, rank_report.end)
             t_sync = time.time()
-            report = rollout.update_weights() if (step + 1) % cfg.update_weights_interval == 0 else None
+            report = rollout.update_weights()
             tel.record_interval("sync", t_sync, time.time())
             metrics = dict(report.trainer.metrics) if report else {}
             metrics.update(stats.metrics())

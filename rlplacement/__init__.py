@@ -3,7 +3,7 @@
 What a loop uses, from the package root: flags (:func:`add_arguments`, :func:`config_from_args`), the
 configs they validate into, :class:`RLJob` and what goes in and out of it, and every error the library
 raises on purpose. Heavy optional parts (ray, vllm, megatron, mooncake) are imported only where used;
-``Batch``, ``TrainStepReport`` and ``routed_experts_of`` (torch) load on first access.
+``Batch``, ``TrainStepReport``, ``routed_experts_of`` and ``token_versions_of`` (torch) load on first access.
 """
 
 from rlplacement.args import add_arguments, config_from_args
@@ -13,7 +13,7 @@ from rlplacement.errors import (ConfigError, ContextLengthError, GpuMemoryError,
 from rlplacement.job import PendingRollout, RLJob, RolloutSample
 from rlplacement.transfer.base import EngineUpdateReport, UpdateReport, UpdateResult
 
-_TORCH_TYPES = ("Batch", "TrainStepReport", "routed_experts_of")
+_TORCH_TYPES = ("Batch", "TrainStepReport", "routed_experts_of", "token_versions_of")
 
 __all__ = ["BackendConfig", "Config", "ConfigError", "ContextLengthError", "EngineUpdateReport", "GpuMemoryError",
            "OptimConfig", "PeerError", "PendingRollout", "PlacementConfig", "RLJob", "RolloutConfig", "RolloutSample",

@@ -39,6 +39,11 @@ class Batch:
     version that sampled it), for ``--use-tis``: ``old_logprobs`` are then the trainer's own at the step's
     start (the proximal policy PPO clips against), and each token's term is weighted by the truncated
     ``exp(old - rollout)``."""
+    token_versions: torch.Tensor | None = None
+    """``[B, T]`` integer: the weight version that sampled the token at each response position
+    (:func:`token_versions_of`; prompt and padding positions hold -1). The job reads it under
+    ``--mask-offpolicy-in-partial-rollout``: a token not sampled by the engines' current version leaves the
+    loss (``RLJob.train``); the trainer ranks never receive it."""
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2 or self.input_ids.dtype != torch.int64:
@@ -50,7 +55,7 @@ class Batch:
         if tuple(self.advantages.shape) != (self.input_ids.shape[0],):
             raise ValueError(f"Batch.advantages must be [B] = [{self.input_ids.shape[0]}], got "
                              f"{tuple(self.advantages.shape)}")
-        for name in ("old_logprobs", "rollout_logprobs"):
+        for name in ("old_logprobs", "rollout_logprobs", "token_versions"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != tuple(self.input_ids.shape):
                 raise ValueError(f"Batch.{name} shape {tuple(t.shape)} must equal input_ids "
@@ -99,21 +104,35 @@ class Batch:
                 return None if t is None else t[:, :width]
 
             return Batch(cut(self.input_ids), cut(self.loss_mask), self.advantages, cut(self.old_logprobs),
-                         self.lengths, cut(self.routed_experts), cut(self.rollout_logprobs))
+                         self.lengths, cut(self.routed_experts), cut(self.rollout_logprobs),
+                         cut(self.token_versions))
 
         def pad(t):
             return None if t is None else torch.nn.functional.pad(t, (0, width - have))
 
         return Batch(pad(self.input_ids), pad(self.loss_mask), self.advantages, pad(self.old_logprobs), self.lengths,
                      None if self.routed_experts is None else _pad_routes(self.routed_experts, width),
-                     pad(self.rollout_logprobs))
+                     pad(self.rollout_logprobs),
+                     None if self.token_versions is None else torch.nn.functional.pad(
+                         self.token_versions, (0, width - have), value=-1))
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(*(None if t is None else t.to(device) for t in self._fields()))
 
     def _fields(self) -> tuple:
         return (self.input_ids, self.loss_mask, self.advantages, self.old_logprobs, self.lengths, self.routed_experts,
-                self.rollout_logprobs)
+                self.rollout_logprobs, self.token_versions)
+
+    def only_version(self, version: int) -> "Batch":
+        """The same batch with every loss-mask token not sampled by ``version`` taken out of the loss
+        (``--mask-offpolicy-in-partial-rollout``); raises where :attr:`token_versions` is missing."""
+        if self.token_versions is None:
+            from rlplacement.errors import ConfigError
+
+            raise ConfigError("the job masks off-policy tokens (--mask-offpolicy-in-partial-rollout) and the batch has "
+                              "no token_versions: build it with rlplacement.token_versions_of(samples)")
+        keep = (self.token_versions == version).to(self.loss_mask.dtype)
+        return dataclasses.replace(self, loss_mask=self.loss_mask * keep)
 
 
 def refuse_unreplayed_routes(batch: Batch, replays: bool) -> None:
@@ -150,6 +169,20 @@ def routed_experts_of(samples, width: int | None = None) -> torch.Tensor:
             raise ValueError(f"a sample's {n} routed positions exceed the batch width {width}")
         rows.append(_pad_routes(torch.as_tensor(s.routed_experts, dtype=torch.int32)[None], width))
     return torch.cat(rows)
+
+
+def token_versions_of(samples, width: int | None = None) -> torch.Tensor:
+    """``[B, T]`` int64 :attr:`Batch.token_versions` of rollout samples laid out as a batch is (prompt, then
+    response, right-padded to ``width``, default the longest sample): each response token's version
+    (``RolloutSample.versions``), -1 on prompt and padding positions."""
+    lengths = [len(s.prompt_ids) + len(s.token_ids) for s in samples]
+    width = max(lengths, default=0) if width is None else width
+    out = torch.full((len(samples), width), -1, dtype=torch.int64)
+    for i, (s, n) in enumerate(zip(samples, lengths)):
+        if n > width:
+            raise ValueError(f"sample {i}'s {n} tokens exceed the batch width {width}")
+        out[i, len(s.prompt_ids):n] = torch.as_tensor(s.versions, dtype=torch.int64)
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ import pytest
 from rlplacement.args import build_parser, config_from_args
 from rlplacement.config import FaultToleranceConfig
 from rlplacement.errors import ConfigError
-from rlplacement.fault_tolerance import FaultTolerance, FaultToleranceExhausted
+from rlplacement.job.fault_tolerance import FaultTolerance, FaultToleranceExhausted
 
 SPLIT = ("--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "1")
 

@@ -72,13 +72,14 @@ def test_fully_async_leaves_the_trainer_less_idle_than_sync_under_a_long_tail(tm
 
 
 def test_mask_offpolicy_keeps_only_the_current_versions_tokens_in_the_loss():
-    """--mask-offpolicy-in-partial-rollout: the example loop's batch counts a response token only where the
+    """--mask-offpolicy-in-partial-rollout: the example loop's batch, masked as the job masks it
+    (``Batch.only_version``, what ``RLJob.train`` applies under the flag), counts a response token only where the
     engines' current version sampled it (a sample continued across an update: old tokens masked)."""
     import importlib.util
 
     import numpy as np
 
-    from rlplacement.rollout import RolloutSample
+    from rlplacement.job.rollout import RolloutSample
     from tests.test_tiny_grpo import ROOT
 
     spec = importlib.util.spec_from_file_location("tiny_grpo", ROOT / "examples" / "tiny_grpo.py")
@@ -87,7 +88,7 @@ def test_mask_offpolicy_keeps_only_the_current_versions_tokens_in_the_loss():
     mixed = RolloutSample([5, 6], np.array([7, 8, 9]), np.zeros(3, np.float32), "length", 3, 0, 0.0,
                           token_versions=np.array([3, 4, 4], np.int32))
     whole = RolloutSample([5], np.array([7, 8]), np.zeros(2, np.float32), "length", 4, 0, 0.0)
-    batch = example.make_batch([mixed, whole], [1.0, 0.0], 2, 0, behaviour=True, only_version=4)
+    batch = example.make_batch([mixed, whole], [1.0, 0.0], 2, 0, behaviour=True, versions=True).only_version(4)
     assert batch.loss_mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 0, 0]]
     assert example.make_batch([mixed, whole], [1.0, 0.0], 2, 0).loss_mask.tolist() == [[0, 0, 1, 1, 1],
                                                                                        [0, 1, 1, 0, 0]]

@@ -3,7 +3,7 @@ sampling key the engines do not take is refused naming the nearest one, before a
 
 import pytest
 
-from rlplacement import rollout
+from rlplacement.job import rollout
 from rlplacement.engines.registry import engine_class
 from rlplacement.errors import ConfigError
 from rlplacement.models.tiny import make_tiny_model

@@ -281,7 +281,7 @@ def test_the_health_check_answers_beside_a_long_update_and_names_dead_and_stuck_
     import types
 
     from rlplacement.config import FaultToleranceConfig
-    from rlplacement.fault_tolerance import FaultTolerance
+    from rlplacement.job.fault_tolerance import FaultTolerance
     from rlplacement.engines.ray_engines import create_engine_actor
 
     ray = ray_with_echo_kind

@@ -143,7 +143,7 @@ def test_routes_travel_with_their_rows_and_padding_routes_distinct_experts():
 
 def test_routed_experts_of_stacks_samples_and_names_one_without_routes():
     from rlplacement.engines.vllm.request_stepper import _every_position
-    from rlplacement.rollout import RolloutSample
+    from rlplacement.job.rollout import RolloutSample
 
     def sample(n, routed):
         return RolloutSample([1] * 2, np.zeros(n - 2, dtype=np.int64), np.zeros(n - 2, dtype=np.float32), "stop", 0,

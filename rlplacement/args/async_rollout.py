@@ -27,7 +27,8 @@ FLAGS = (
          help="--fully-async: recycle (never train on) a group whose oldest token is more than N versions "
               "behind the engines'."),
     flag("--update-weights-interval", type=int, default=default_of(AsyncRolloutConfig, "update_weights_interval"),
-         help="Update the engines every K optimizer steps."),
+         help="Update the engines every K train calls (RLJob.update_weights sends on every K-th, else "
+              "returns None)."),
     flag("--over-sampling-batch-size", type=int, default=default_of(AsyncRolloutConfig, "over_sampling_batch_size"),
          help="--fully-async: prompts submitted at a time when generation is topped up."),
     flag("--async-max-concurrent-samples", type=int,

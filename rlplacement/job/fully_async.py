@@ -32,7 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rlplacement.errors import ConfigError
-from rlplacement.rollout import PendingRollout, RolloutSample, poll_ready
+from rlplacement.job.rollout import PendingRollout, RolloutSample, poll_ready
 
 if TYPE_CHECKING:  # the job is not imported even here: it builds this (RLJob.fully_async), one way
     from rlplacement.transfer.base import UpdateResult
@@ -165,11 +165,14 @@ class FullyAsyncRollout:
             self._cut = {"continued": 0, "regenerated": 0}
         return out, stats
 
-    def update_weights(self) -> "UpdateResult":
+    def update_weights(self, *, force: bool = False) -> "UpdateResult | None":
         """``RLJob.update_weights`` while the engines generate: each applies ``--pause-generation-mode`` to its
-        requests in flight. Submissions wait for it (one lock); finished samples are still collected."""
+        requests in flight. Submissions wait for it (one lock); finished samples are still collected. Under
+        ``--update-weights-interval K`` it sends once every K train calls (None between), as the job does."""
+        if not (force or self.job.update_due()):
+            return None  # the engines keep generating, untouched: no lock taken
         with self._lock:
-            return self.job.update_weights()
+            return self.job.update_weights(force=True)
 
     def pop_busy_intervals(self) -> list[tuple[float, float]]:
         """Wall-clock intervals (``time.time()``) the engines had samples in flight since the last call, the

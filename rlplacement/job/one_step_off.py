@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from rlplacement.errors import ConfigError
-from rlplacement.rollout import PendingRollout, RolloutSample
+from rlplacement.job.rollout import PendingRollout, RolloutSample
 
 
 class OneStepOffRollout:
