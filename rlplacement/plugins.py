@@ -71,10 +71,11 @@ class SpecRegistry(Generic[S]):
     ``what`` names a spec in messages ("trainer backend"); ``builtin_modules`` are imported on the first
     lookup, and :meth:`specs` lists theirs first, in this order; ``unknown`` builds the refusal of an
     unknown name from it and the known names (its message names the flag); ``check`` refuses a spec
-    that cannot be (raising ``ValueError``) before it is added."""
+    that cannot be (raising ``ValueError``) before it is added; ``module_of`` says which module a spec's
+    parts live in, to order the built-in ones (None: registration order)."""
 
     def __init__(self, what: str, builtin_modules: Iterable[str], *, unknown: Callable[[str, list[str]], str],
-                 module_of: Callable[[S], str], check: Callable[[S], None] | None = None):
+                 module_of: Callable[[S], str] | None = None, check: Callable[[S], None] | None = None):
         self.what = what
         self.builtin_modules = tuple(builtin_modules)
         self._unknown = unknown
@@ -111,6 +112,8 @@ class SpecRegistry(Generic[S]):
         self._load()
 
         def rank(spec: S) -> int:
+            if self._module_of is None:
+                return 0
             module = self._module_of(spec)
             for i, builtin in enumerate(self.builtin_modules):
                 if module == builtin or module.startswith(builtin + "."):

@@ -128,12 +128,12 @@ def engine_worker_weight_bytes(model, tp: int) -> int:
 
 def layout_memory(model, *, backend: str, trainer_gpus: int, tp: int, pp: int, ep: int, bf16: bool,
                   distributed_optimizer: bool, engine_tp: int, lora=None) -> dict:
-    """The busiest trainer rank and an engine worker, as JSON (``rlplacement plan --memory``)."""
-    if backend == "megatron":
-        rank = megatron_rank_memory(model, tp=tp, pp=pp, ep=ep, dp=trainer_gpus // (tp * pp), bf16=bf16,
-                                    distributed_optimizer=distributed_optimizer, lora=lora)
-    else:
-        rank = fsdp_rank_memory(model, world=trainer_gpus, bf16=bf16, lora=lora)
+    """The busiest trainer rank (``backend``'s memory model: ``BackendSpec.memory``) and an engine worker, as
+    JSON (``rlplacement plan --memory``)."""
+    from rlplacement.backends.registry import backend_spec
+
+    rank = backend_spec(backend).call("memory", model, world=trainer_gpus, tp=tp, pp=pp, ep=ep, bf16=bf16,
+                                      distributed_optimizer=distributed_optimizer, lora=lora)
     expert_elements = sum(math.prod(t.shape) for t in model.tensors if expert_of(t.name) is not None)
     return {"backend": backend, "bf16": bf16, "distributed_optimizer": distributed_optimizer,
             "parameters": sum(math.prod(t.shape) for t in model.tensors), "expert_parameters": expert_elements,

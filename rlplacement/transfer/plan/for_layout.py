@@ -17,9 +17,7 @@ from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, buil
 from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_model_needs
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
-from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, fsdp_holdings,
-                                                      megatron_holdings, megatron_piece_holdings,
-                                                      megatron_share_holdings, rank0_holdings, share_holdings)
+from rlplacement.transfer.plan.trainer_shards import everywhere_holdings, rank0_holdings
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 
@@ -64,14 +62,11 @@ def _split_plan(model: ModelTensors, holdings: list[dict], worker_needs: list[di
 
 
 def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1):
-    """What each trainer rank holds: Megatron's TP x PP x DP (under EP each rank its experts), else FSDP2's
-    dim-0 shards (fsdp and torchtitan, which shard with FSDP2)."""
-    if backend == "megatron":
-        if world % (tp * pp):
-            raise ValueError(f"the trainer's {world} GPUs are not a multiple of --tensor-model-parallel-size {tp} x "
-                             f"--pipeline-model-parallel-size {pp}")
-        return megatron_holdings(model, tp, pp, world // (tp * pp), ep)
-    return fsdp_holdings(model, world)
+    """What each trainer rank holds, as ``backend``'s spec says (``BackendSpec.holdings``: Megatron's
+    TP x PP x DP, under EP each rank its experts; FSDP2's dim-0 shards for fsdp and torchtitan)."""
+    from rlplacement.backends.registry import backend_spec
+
+    return backend_spec(backend).call("holdings", model, world=world, tp=tp, pp=pp, ep=ep)
 
 
 def _missing_bytes(model: ModelTensors, held: dict, wanted: dict) -> int:
@@ -101,7 +96,11 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     """
     from rlplacement.transfer import registry
 
+    from rlplacement.backends.registry import backend_spec
+
     spec = registry.spec(mode)
+    trainer = backend_spec(backend)
+    layout_args = {"world": len(layout.trainer_gpus), "tp": tp, "pp": pp, "ep": ep}
     width = layout.gpus_per_engine
     world = len(layout.trainer_gpus)
     fanout = BROADCAST if mode in ("broadcast", "broadcast_packed", "disk-delta") and not layout.colocate else WRITE
@@ -140,17 +139,17 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
         # every rank sends the parts of the HF tensors it holds (transfer.pieces): nothing is gathered; an FSDP or
         # torchtitan rank its rows (a torchtitan Llama q/k weight whose rows split a head is gathered, which this
         # leaves out), a megatron rank its rows of its TP boxes, split over the data-parallel replicas
-        if backend != "megatron" and sliced:
+        # (BackendSpec.piece_holdings; None: the pieces are what a rank holds, so the sharded plan runs where
+        # workers take slices)
+        if trainer.piece_holdings is None and sliced:
             spread = sharded
         else:
-            pieces = holdings if backend != "megatron" else megatron_piece_holdings(model, tp, pp, world // (tp * pp),
-                                                                                    ep)
+            pieces = holdings if trainer.piece_holdings is None else trainer.call("piece_holdings", model, **layout_args)
             spread = _split_plan(model, pieces, run_worker_needs, len(layout.engines), fanout)
         gather_spread = {rank: 0 for rank in range(world)}
     elif who == SHARES:
         # each rank sends the share the runtime assigns it: the same rule on the same sizes
-        shares = megatron_share_holdings(model, tp, pp, world // (tp * pp), ep) if backend == "megatron" \
-            else share_holdings(model, world)
+        shares = trainer.call("share_holdings", model, **layout_args)
         spread = _split_plan(model, shares, run_worker_needs, len(layout.engines), fanout)
         # a rank gathers what it sends: torchtitan from every rank's dim-0 shard, megatron from its TP peers
         gathered = shares
