@@ -86,7 +86,7 @@ def memory_of(config, layout, path: str) -> dict:
 
 
 def render_memory(memory: dict) -> str:
-    from rlplacement.backends.registry import backend_spec
+    from rlplacement.specs.backend import backend_spec
 
     gb = 1e9
     sharded_optimizer = memory["distributed_optimizer"] and backend_spec(memory["backend"]).distributed_optimizer

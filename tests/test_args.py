@@ -190,7 +190,7 @@ def test_choice_flags_follow_their_registries(monkeypatch, capsys):
     from rlplacement.backends import registry as backends
     from rlplacement.transfer import registry as modes
 
-    from rlplacement.backends.spec import BackendSpec
+    from rlplacement.specs.backend import BackendSpec
 
     backends.known_backends()  # the built-in backends registered
     monkeypatch.setitem(backends.REGISTRY._specs, "my_backend",

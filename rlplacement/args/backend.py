@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rlplacement.args.common import TRAIN_BACKENDS, flag, get, require_choice, require_positive
-from rlplacement.backends.registry import backend_spec, backends_with, spoken
+from rlplacement.specs.backend import backend_spec, backends_with, spoken
 from rlplacement.config import (LORA_MEGATRON_NAMES, LORA_MODULES, MOE_DISPATCHERS, MOE_FLAGS, MOE_ROUTER_DTYPES,
                                 BackendConfig, LoRAConfig, MoEConfig, PlacementConfig, default_of)
 from rlplacement.errors import ConfigError

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from rlplacement.args.common import flag, get, require_choice, require_positive
-from rlplacement.backends.registry import backend_spec, backends_with, known_backends, spoken
-from rlplacement.backends.spec import GRADIENT_CHECKPOINTING, LAYERS
+from rlplacement.specs.backend import backend_spec, backends_with, known_backends, spoken
+from rlplacement.specs.backend import GRADIENT_CHECKPOINTING, LAYERS
 from rlplacement.config import KL_LOSS_TYPES, BackendConfig, PlacementConfig, TrainConfig, default_of
 from rlplacement.errors import ConfigError
 

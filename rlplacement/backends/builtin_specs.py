@@ -1,14 +1,13 @@
 """The built-in trainer backends' specs (megatron, fsdp, torchtitan), registered on import
-(:mod:`rlplacement.backends.registry` imports this module on its first lookup), and the calls their
-``"module:function"`` fields name for the transfer plan and the advisor.
+(:mod:`rlplacement.specs.backend` imports this module on its first lookup), and the calls their
+``"module:function"`` fields name for the transfer plan.
 
 Torch-free: each call imports what it uses when called.
 """
 
 from __future__ import annotations
 
-from rlplacement.backends.registry import register_backend
-from rlplacement.backends.spec import GRADIENT_CHECKPOINTING, LAYERS, BackendSpec
+from rlplacement.specs.backend import GRADIENT_CHECKPOINTING, LAYERS, BackendSpec, register_backend
 
 _HERE = __name__
 
@@ -55,21 +54,6 @@ def fsdp2_share_holdings(model, *, world: int, tp: int = 1, pp: int = 1, ep: int
     return trainer_shards.share_holdings(model, world)
 
 
-def megatron_memory(model, *, world: int, tp: int, pp: int, ep: int, bf16: bool, distributed_optimizer: bool,
-                    lora=None):
-    from rlplacement.advisor.memory import megatron_rank_memory
-
-    return megatron_rank_memory(model, tp=tp, pp=pp, ep=ep, dp=world // (tp * pp), bf16=bf16,
-                                distributed_optimizer=distributed_optimizer, lora=lora)
-
-
-def fsdp2_memory(model, *, world: int, tp: int = 1, pp: int = 1, ep: int = 1, bf16: bool,
-                 distributed_optimizer: bool = False, lora=None):
-    from rlplacement.advisor.memory import fsdp_rank_memory
-
-    return fsdp_rank_memory(model, world=world, bf16=bf16, lora=lora)
-
-
 MEGATRON = register_backend(BackendSpec(
     name="megatron", backend="rlplacement.backends.megatron:MegatronBackend",
     summary="megatron-core: tensor, pipeline and expert parallelism, its distributed optimizer",
@@ -77,7 +61,7 @@ MEGATRON = register_backend(BackendSpec(
     fp32_switches=True, recompute=LAYERS, trains_moe=True, moe_layer_flags=True,
     lora=True, lora_check="rlplacement.backends.megatron_lora:check_supported",
     sends_pieces=True, holdings=f"{_HERE}:megatron_holdings", piece_holdings=f"{_HERE}:megatron_piece_holdings",
-    share_holdings=f"{_HERE}:megatron_share_holdings", memory=f"{_HERE}:megatron_memory",
+    share_holdings=f"{_HERE}:megatron_share_holdings", memory="rlplacement.advisor.memory:megatron_rank_memory",
     load_config="rlplacement.backends.megatron_preflight:check_load",
     load_hint=" or --load (a folder from `rlplacement convert`)",
     preflight="rlplacement.backends.megatron_preflight:preflight"))
@@ -87,11 +71,11 @@ FSDP = register_backend(BackendSpec(
     summary="the HF model under torch's FSDP2, every parameter sharded over every rank",
     recompute=GRADIENT_CHECKPOINTING, trains_moe=True, lora=True,
     sends_pieces=True, holdings=f"{_HERE}:fsdp2_holdings", share_holdings=f"{_HERE}:fsdp2_share_holdings",
-    memory=f"{_HERE}:fsdp2_memory"))
+    memory="rlplacement.advisor.memory:fsdp_rank_memory"))
 
 TORCHTITAN = register_backend(BackendSpec(
     name="torchtitan", backend="rlplacement.backends.torchtitan:TorchtitanBackend",
     summary="torchtitan's model definitions under FSDP2 (CUDA only)",
     recompute=GRADIENT_CHECKPOINTING,
     sends_pieces=True, holdings=f"{_HERE}:fsdp2_holdings", share_holdings=f"{_HERE}:fsdp2_share_holdings",
-    memory=f"{_HERE}:fsdp2_memory", preflight="rlplacement.backends.torchtitan_preflight:preflight"))
+    memory="rlplacement.advisor.memory:fsdp_rank_memory", preflight="rlplacement.backends.torchtitan_preflight:preflight"))

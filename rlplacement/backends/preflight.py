@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlplacement.backends import train_checkpoint
-from rlplacement.backends.registry import backend_spec, backends_with, spoken
+from rlplacement.specs.backend import backend_spec, backends_with, spoken
 from rlplacement.config import BackendConfig
 from rlplacement.errors import ConfigError
 from rlplacement.hf_folder import check_safetensors

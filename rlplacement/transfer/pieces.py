@@ -42,7 +42,7 @@ def trainer_sends_pieces(backend: str, world: int, who: str, *, lora: bool) -> b
     head) is still gathered onto one rank. ``backend`` is a registered backend's name; it sends pieces where its
     spec says so (``BackendSpec.sends_pieces``). What the backends stream, what the simulator prices as running
     and what an engine's staging is sized for all ask this."""
-    from rlplacement.backends.registry import backend_spec
+    from rlplacement.specs.backend import backend_spec
     from rlplacement.transfer.spec import SHARES
 
     return world > 1 and who == SHARES and not lora and backend_spec(backend).sends_pieces

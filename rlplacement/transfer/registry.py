@@ -1,7 +1,7 @@
 """Mode name -> :class:`~rlplacement.transfer.spec.ModeSpec`. A mode's package registers its spec when
 imported (:func:`register_mode`); the built-in packages are imported on the first lookup, in the
 order ``--update-weight-transfer-mode`` offers them, then the modes of installed packages (the
-``rlplacement.plugins`` entry points, :mod:`rlplacement.plugins`). Unknown names raise ``ConfigError``,
+``rlplacement.plugins`` entry points, :mod:`rlplacement.specs`). Unknown names raise ``ConfigError``,
 listing the known ones: there is no default mode here (the flag's default lives in the config).
 
 Torch-free: a mode package's ``__init__`` defines its spec and options and imports its sender and
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rlplacement.plugins import SpecRegistry
+from rlplacement.specs import SpecRegistry
 from rlplacement.transfer.spec import COLOCATE, SPLIT, ModeSpec
 
 BUILTIN_PACKAGES = ("rlplacement.transfer.broadcast", "rlplacement.transfer.broadcast_packed",
@@ -29,7 +29,7 @@ REGISTRY: SpecRegistry[ModeSpec] = SpecRegistry(
     "transfer mode", BUILTIN_PACKAGES, check=_check_layouts, module_of=lambda s: s.sender.partition(":")[0],
     unknown=lambda name, known: (f"transfer mode {name!r} is unknown: use one of {', '.join(known)} "
                                  f"(--update-weight-transfer-mode)"))
-"""The modes: :mod:`rlplacement.plugins`' rules (built-ins imported on the first lookup, then the
+"""The modes: :mod:`rlplacement.specs`' rules (built-ins imported on the first lookup, then the
 ``rlplacement.plugins`` entry points; a taken name refused)."""
 _SPECS = REGISTRY._specs  # the registered modes by name, as registered (tests remove one to see it refused)
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlplacement.specs.engine import DEFAULT_ENGINE_KIND
 from rlplacement.transfer.pieces import trainer_sends_pieces
 from rlplacement.transfer.plan.boxes import intersect, volume
 from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, build_plan, build_write_plan
-from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_model_needs
+from rlplacement.transfer.plan.engine_shards import whole_model_needs
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
 from rlplacement.transfer.plan.trainer_shards import everywhere_holdings, rank0_holdings
@@ -64,7 +65,7 @@ def _split_plan(model: ModelTensors, holdings: list[dict], worker_needs: list[di
 def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1):
     """What each trainer rank holds, as ``backend``'s spec says (``BackendSpec.holdings``: Megatron's
     TP x PP x DP, under EP each rank its experts; FSDP2's dim-0 shards for fsdp and torchtitan)."""
-    from rlplacement.backends.registry import backend_spec
+    from rlplacement.specs.backend import backend_spec
 
     return backend_spec(backend).call("holdings", model, world=world, tp=tp, pp=pp, ep=ep)
 
@@ -80,7 +81,7 @@ def _missing_bytes(model: ModelTensors, held: dict, wanted: dict) -> int:
 
 
 def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mode: str,
-              assumptions, ep: int = 1, slices: str = "auto") -> PlanPair:
+              assumptions, ep: int = 1, slices: str = "auto", engine_kind: str = DEFAULT_ENGINE_KIND) -> PlanPair:
     """Both plans of ``layout`` (a :class:`~rlplacement.placement.layout.Layout`) for ``mode`` (a
     transfer mode's name; ``cuda_ipc`` colocated), simulated at ``assumptions``' rates (the advisor's
     :class:`~rlplacement.advisor.thresholds.ModelAssumptions`) times the mode's measured or estimated share
@@ -96,7 +97,8 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     """
     from rlplacement.transfer import registry
 
-    from rlplacement.backends.registry import backend_spec
+    from rlplacement.specs.backend import backend_spec
+    from rlplacement.specs.engine import engine_spec
 
     spec = registry.spec(mode)
     trainer = backend_spec(backend)
@@ -107,7 +109,7 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     disk = mode == "disk-delta" and not layout.colocate
     rates = LinkRates.for_mode(assumptions, spec)
     holdings = trainer_holdings(model, backend, world, tp, pp, ep)
-    worker_needs = vllm_worker_needs(model, width)
+    worker_needs = engine_spec(engine_kind).call("worker_needs", model, width)  # what each worker keeps
     receivers = [(e, w) for e in range(len(layout.engines)) for w in range(width)]
     needs = {r: worker_needs[r[1]] for r in receivers}
     if layout.colocate:

@@ -1,6 +1,8 @@
 """One way to register what a job may be built from, shared by its three axes: trainer backends
-(:mod:`rlplacement.backends.registry`), rollout engine kinds (:mod:`rlplacement.engines.registry`) and
-transfer modes (:mod:`rlplacement.transfer.registry`).
+(:mod:`rlplacement.specs.backend`), rollout engine kinds (:mod:`rlplacement.specs.engine`) and transfer
+modes (:mod:`rlplacement.transfer.registry`). The backend and engine registries live here, below the
+layers that read them (the transfer plan, the advisor), and name the backends' and engines' modules only
+as strings; a transfer mode's lives in the transfer layer, which is all that reads it from below.
 
 Each axis keeps one :class:`SpecRegistry` of frozen specs keyed by name. Its rules:
 

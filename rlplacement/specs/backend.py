@@ -1,13 +1,16 @@
 """What a trainer backend is, for every layer that must know: one frozen :class:`BackendSpec` per backend,
-registered where the backend is defined (:mod:`rlplacement.backends.registry`).
+registered where the backend is defined (:func:`register_backend`), and the registry of them by name.
 
 The flags (``rlplacement.args``), the preflight, the transfer plan (``transfer.plan.for_layout``), the
 pieces rule (``transfer.pieces``), the advisor's memory model and ``rlplacement plan`` read the spec and
 never branch on a backend's name, so a new backend is one package that registers one spec (from outside
-``rlplacement`` too, through the ``rlplacement.plugins`` entry points: :mod:`rlplacement.plugins`).
+``rlplacement`` too, through the ``rlplacement.plugins`` entry points: :mod:`rlplacement.specs`).
 
-Every ``"module:name"`` field is imported only when used: the spec itself is torch-free, so the flags
-and ``rlplacement plan`` read it without torch.
+The built-in specs (``rlplacement.backends.builtin_specs``) are imported on the first lookup, then those
+of installed packages. The registry sits below every layer that reads it (the transfer plan and the
+advisor too), so it names the backends' modules only as strings. Every ``"module:name"`` field is
+imported only when used: the spec itself is torch-free, so the flags and ``rlplacement plan`` read it
+without torch.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rlplacement.plugins import load_object
+from rlplacement.specs import SpecRegistry, load_object
 
 LAYERS, GRADIENT_CHECKPOINTING = "layers", "gradient checkpointing"
 """How a backend recomputes activations (:attr:`BackendSpec.recompute`): Megatron's per-layer flags
@@ -100,3 +103,46 @@ class BackendSpec:
         """Call the ``"module:function"`` of ``field`` (None where the spec has none)."""
         path = getattr(self, field)
         return load_object(path)(*args, **kwargs) if path else None
+
+
+BUILTIN_MODULES = ("rlplacement.backends.builtin_specs",)
+
+REGISTRY: SpecRegistry[BackendSpec] = SpecRegistry(
+    "trainer backend", BUILTIN_MODULES,
+    unknown=lambda name, known: f"--train-backend {name!r} is unknown: use one of {', '.join(known)}")
+
+
+def register_backend(spec: BackendSpec) -> BackendSpec:
+    """Add ``spec`` (its package calls this where the spec is defined); a name taken already raises."""
+    return REGISTRY.register(spec)
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a backend (a plug-in's going away; a test's dummy backend after the test)."""
+    REGISTRY.unregister(name)
+
+
+def known_backends() -> list[str]:
+    """The registered backends' names, sorted."""
+    return sorted(REGISTRY.specs())
+
+
+def backend_spec(name: str) -> BackendSpec:
+    """The spec registered as ``name``; an unknown name raises ``ConfigError`` naming ``--train-backend``."""
+    return REGISTRY.get(name)
+
+
+def backends_with(feature: str) -> list[str]:
+    """The registered backends whose spec has ``feature`` (a boolean field of :class:`BackendSpec`), sorted:
+    what a refusal of that feature offers instead."""
+    return sorted(name for name, s in REGISTRY.specs().items() if getattr(s, feature))
+
+
+def spoken(names: list[str], word: str = "or") -> str:
+    """``a``, ``a or b``, ``a, b or c``: names as a message offers them."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {word} {names[-1]}"
+
+
+def backend_class(name: str):
+    """The backend class registered as ``name`` (imports its module)."""
+    return backend_spec(name).backend_class()
