@@ -30,15 +30,15 @@ def dummy():
     dummy_backend.unregister()
 
 
-def installed(tmp_path: Path) -> dict[str, str]:
-    """The environment of a process that has the dummy backend installed as a package would be: a
-    ``*.dist-info`` folder with its ``rlplacement.plugins`` entry point on ``PYTHONPATH`` (which Ray's workers
+def installed(tmp_path: Path, entry: str = "dummy_backend = tests.dummy_backend") -> dict[str, str]:
+    """The environment of a process that has a dummy package installed as a package would be: a ``*.dist-info``
+    folder with its ``rlplacement.plugins`` entry point (``entry``) on ``PYTHONPATH`` (which Ray's workers
     inherit), and nothing else that registers it."""
     site = tmp_path / "site"
-    info = site / "rlplacement_dummy_backend-0.1.dist-info"
+    info = site / "rlplacement_dummy-0.1.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rlplacement-dummy-backend\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[rlplacement.plugins]\ndummy_backend = tests.dummy_backend\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rlplacement-dummy\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[rlplacement.plugins]\n{entry}\n")
     path = [str(site), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 
