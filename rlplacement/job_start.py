@@ -45,7 +45,8 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
                  engine_kwargs: dict[str, Any] | None, console: "StartLog",
                  timeout_s: float | None = None) -> StartedActors:
     """Check the flags, place the job and start every trainer rank and engine (returning at once: Ray
-    starts them in the background). ``engine_kwargs``: over ``config.rollout.engine_kwargs()``;
+    starts them in the background). ``engine_kwargs``: over the keywords the rollout settings make for the
+    engine kind (``EngineSpec.engine_kwargs``);
     ``console``: where each stage says it is done; ``timeout_s``: the job's bound, given to every engine
     as the bound of its own waits (None: the engine's default)."""
     import ray
@@ -53,20 +54,22 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     from rlplacement.args import require_available
     from rlplacement.backends import preflight
     from rlplacement.engines.engine_settings import resolve_dtype
-    from rlplacement.engines.registry import engine_class
+    from rlplacement.engines.registry import engine_class, engine_spec
     from rlplacement.placement import ray_groups
     from rlplacement.runtime.trainer_worker import TrainerWorker
 
     require_available(config)  # before any process starts
     backend_cfg = dataclasses.replace(config.backend, hf_checkpoint=config.backend.hf_checkpoint or hf_dir)
-    preflight(backend_cfg)
+    # without --hf-checkpoint the trainer starts from hf_dir, named as the caller passed it (not as a flag)
+    preflight(config.backend, hf_dir, hf_dir_label="hf_dir (RLJob.start's argument)")
     if config.backend.load:  # its files whole and of this model, named if not, before any process starts
         from rlplacement.backends.checkpoint_files import check_load
 
         check_load(config.backend.load, backend_cfg.hf_checkpoint)
     engine_class(engine_kind)  # an unknown kind is refused before any process starts
     verbose = config.rollout.verbose
-    engine_args = {**config.rollout.engine_kwargs(), **(engine_kwargs or {})}
+    # the rollout settings as the kind's own keywords (EngineSpec.engine_kwargs), the caller's over them
+    engine_args = {**engine_spec(engine_kind).call("engine_kwargs", config.rollout), **(engine_kwargs or {})}
     engine_args["dtype"] = resolve_dtype(hf_dir, engine_args.get("dtype", "auto"))
     engine_args.setdefault("update_weight_staging", config.transfer.staging)
     engine_args.setdefault("update_weight_slices", config.transfer.slices)

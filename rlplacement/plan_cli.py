@@ -86,7 +86,10 @@ def memory_of(config, layout, path: str) -> dict:
 
 
 def render_memory(memory: dict) -> str:
+    from rlplacement.specs.backend import backend_spec
+
     gb = 1e9
+    sharded_optimizer = memory["distributed_optimizer"] and backend_spec(memory["backend"]).distributed_optimizer
     r = memory["trainer_rank"]
     gathered = f" + a layer gathered {r['gathered'] / gb:.2f}" if r["gathered"] else ""
     experts = (f", {memory['expert_parameters'] / 1e9:.2f} B of them experts" if memory["expert_parameters"] else "")
@@ -94,7 +97,7 @@ def render_memory(memory: dict) -> str:
         experts += f", {memory['adapter_parameters'] / 1e6:.1f} M LoRA parameters trained"
     return (f"model state in GPU memory ({memory['parameters'] / 1e9:.2f} B parameters{experts}; "
             f"{'--bf16' if memory['bf16'] else 'fp32'}, {memory['backend']}"
-            f"{', distributed optimizer' if memory['distributed_optimizer'] and memory['backend'] == 'megatron' else ''}):\n"
+            f"{', distributed optimizer' if sharded_optimizer else ''}):\n"
             f"  busiest trainer rank: {r['total'] / gb:.2f} GB = weights {r['weights'] / gb:.2f} + gradients "
             f"{r['gradients'] / gb:.2f} + optimizer {r['optimizer'] / gb:.2f}{gathered} (activations not modelled)\n"
             f"  engine worker weights: {memory['engine_worker_weights'] / gb:.2f} GB (the KV cache takes what "

@@ -190,7 +190,11 @@ def test_choice_flags_follow_their_registries(monkeypatch, capsys):
     from rlplacement.backends import registry as backends
     from rlplacement.transfer import registry as modes
 
-    monkeypatch.setitem(backends._REGISTRY, "my_backend", ("my_pkg.backend", "MyBackend"))
+    from rlplacement.specs.backend import BackendSpec
+
+    backends.known_backends()  # the built-in backends registered
+    monkeypatch.setitem(backends.REGISTRY._specs, "my_backend",
+                        BackendSpec(name="my_backend", backend="my_pkg.backend:MyBackend", summary="registered late"))
     cfg = config_from_args(parse("--rollout-num-gpus", "8", "--train-backend", "my_backend"))
     assert cfg.backend.name == "my_backend"
     assert "my_backend" in build_parser().format_help()

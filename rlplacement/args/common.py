@@ -13,8 +13,8 @@ import difflib
 import re
 from typing import Any, Callable, Iterable
 
-from rlplacement.backends import registry as backend_registry
 from rlplacement.errors import ConfigError
+from rlplacement.specs import backend as backend_registry
 from rlplacement.transfer import registry as transfer_registry
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from rlplacement.args.common import flag, get, require_choice, require_positive
+from rlplacement.specs.backend import backend_spec, backends_with, known_backends, spoken
+from rlplacement.specs.backend import GRADIENT_CHECKPOINTING, LAYERS
 from rlplacement.config import KL_LOSS_TYPES, BackendConfig, PlacementConfig, TrainConfig, default_of
 from rlplacement.errors import ConfigError
 
@@ -129,14 +131,17 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
                               f"use {name} 0.")
     fp32_flags = {d: bool(get(args, d)) for d in ("accumulate_allreduce_grads_in_fp32", "attention_softmax_in_fp32")}
     turned_off = [f"--no-{d.replace('_', '-')}" for d, on in fp32_flags.items() if not on]
-    if turned_off and backend.name != "megatron":
-        raise ConfigError(f"{' and '.join(turned_off)} configure megatron; the {backend.name} backend reduces gradients "
+    spec = backend_spec(backend.name)
+    if turned_off and not spec.fp32_switches:
+        others = spoken(backends_with("fp32_switches"))
+        raise ConfigError(f"{' and '.join(turned_off)} configure {others}; the {backend.name} backend reduces gradients "
                           f"in fp32 (FSDP2's mixed precision) and leaves the softmax to its attention kernel: drop "
-                          f"{' and '.join(turned_off)}, or use --train-backend megatron.")
+                          f"{' and '.join(turned_off)}, or use --train-backend {others}.")
     distributed_optimizer = bool(get(args, "use_distributed_optimizer"))
-    if distributed_optimizer and backend.name != "megatron":
-        raise ConfigError(f"--use-distributed-optimizer is megatron's DistributedOptimizer; the {backend.name} backend "
-                          f"shards its optimizer state its own way: drop the flag, or use --train-backend megatron.")
+    if distributed_optimizer and not spec.distributed_optimizer:
+        others = spoken(backends_with("distributed_optimizer"))
+        raise ConfigError(f"--use-distributed-optimizer is {others}'s DistributedOptimizer; the {backend.name} backend "
+                          f"shards its optimizer state its own way: drop the flag, or use --train-backend {others}.")
     if save:
         from rlplacement.atomic_files import check_writable
 
@@ -157,13 +162,15 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
 
 
 def _recompute_from_args(args: argparse.Namespace, backend) -> dict:
-    """Activation recompute, each backend's own way: megatron's three flags, or FSDP's and torchtitan's
-    --gradient-checkpointing; the other backend's flag is refused, naming this backend's."""
+    """Activation recompute, each backend's own way (``BackendSpec.recompute``): megatron's three flags, or
+    FSDP's and torchtitan's --gradient-checkpointing; the other way's flags are refused, naming this
+    backend's."""
     granularity, method, layers = (get(args, d) for d in ("recompute_granularity", "recompute_method",
                                                             "recompute_num_layers"))
-    if backend.name == "megatron":
+    if backend_spec(backend.name).recompute == LAYERS:
         if get(args, "gradient_checkpointing"):
-            raise ConfigError("--gradient-checkpointing is the fsdp and torchtitan backends' recompute; megatron "
+            others = spoken([n for n in known_backends() if backend_spec(n).recompute == GRADIENT_CHECKPOINTING], "and")
+            raise ConfigError(f"--gradient-checkpointing is the {others} backends' recompute; {backend.name} "
                               "recomputes through its own flags: use --recompute-granularity full --recompute-method "
                               "uniform --recompute-num-layers 1 (every layer), or --recompute-granularity selective.")
         if granularity == "full" and (method is None or layers is None):
@@ -184,7 +191,8 @@ def _recompute_from_args(args: argparse.Namespace, backend) -> dict:
                               f"micro-batches' forwards before a backward; use --recompute-granularity selective, or "
                               f"drop --use-rollout-routing-replay.")
     elif granularity is not None or method is not None or layers is not None:
-        raise ConfigError(f"--recompute-granularity, --recompute-method and --recompute-num-layers are megatron's; "
+        others = spoken([n for n in known_backends() if backend_spec(n).recompute == LAYERS], "and")
+        raise ConfigError(f"--recompute-granularity, --recompute-method and --recompute-num-layers are {others}'s; "
                           f"the {backend.name} backend recomputes with --gradient-checkpointing: use that instead.")
     return {"recompute_granularity": granularity, "recompute_method": method, "recompute_num_layers": layers}
 

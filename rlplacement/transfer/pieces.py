@@ -39,11 +39,13 @@ def trainer_sends_pieces(backend: str, world: int, who: str, *, lora: bool) -> b
     rank its TP shards as HF boxes, its own experts' too): such a trainer of several ranks where every rank
     sends (``who`` is ``transfer.spec.SHARES``), without LoRA (a merged weight is computed from the gathered
     factors). A torchtitan Llama q/k weight whose rows at some rank split a head (its rows are permuted per
-    head) is still gathered onto one rank. What the backends stream, what the simulator prices as running and
-    what an engine's staging is sized for all ask this."""
+    head) is still gathered onto one rank. ``backend`` is a registered backend's name; it sends pieces where its
+    spec says so (``BackendSpec.sends_pieces``). What the backends stream, what the simulator prices as running
+    and what an engine's staging is sized for all ask this."""
+    from rlplacement.specs.backend import backend_spec
     from rlplacement.transfer.spec import SHARES
 
-    return backend in ("fsdp", "megatron", "torchtitan") and world > 1 and who == SHARES and not lora
+    return world > 1 and who == SHARES and not lora and backend_spec(backend).sends_pieces
 
 
 def row_part(box: Box, parts: int, index: int) -> tuple[int, int] | None:

@@ -1,7 +1,8 @@
 """Mode name -> :class:`~rlplacement.transfer.spec.ModeSpec`. A mode's package registers its spec when
 imported (:func:`register_mode`); the built-in packages are imported on the first lookup, in the
-order ``--update-weight-transfer-mode`` offers them. Unknown names raise, listing the known ones:
-there is no default mode here (the flag's default lives in the config).
+order ``--update-weight-transfer-mode`` offers them, then the modes of installed packages (the
+``rlplacement.plugins`` entry points, :mod:`rlplacement.specs`). Unknown names raise ``ConfigError``,
+listing the known ones: there is no default mode here (the flag's default lives in the config).
 
 Torch-free: a mode package's ``__init__`` defines its spec and options and imports its sender and
 receiver only when they are asked for.
@@ -10,59 +11,47 @@ receiver only when they are asked for.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
+from rlplacement.specs import SpecRegistry
 from rlplacement.transfer.spec import COLOCATE, SPLIT, ModeSpec
 
 BUILTIN_PACKAGES = ("rlplacement.transfer.broadcast", "rlplacement.transfer.broadcast_packed",
                     "rlplacement.transfer.p2p", "rlplacement.transfer.disk_delta", "rlplacement.transfer.cuda_ipc")
-_SPECS: dict[str, ModeSpec] = {}
-_builtins_loaded = False
+
+
+def _check_layouts(spec: ModeSpec) -> None:
+    if not spec.layouts or not spec.layouts <= {SPLIT, COLOCATE}:
+        raise ValueError(f"transfer mode {spec.name!r}: layouts must be a non-empty subset of {{{SPLIT!r}, {COLOCATE!r}}}")
+
+
+REGISTRY: SpecRegistry[ModeSpec] = SpecRegistry(
+    "transfer mode", BUILTIN_PACKAGES, check=_check_layouts, module_of=lambda s: s.sender.partition(":")[0],
+    unknown=lambda name, known: (f"transfer mode {name!r} is unknown: use one of {', '.join(known)} "
+                                 f"(--update-weight-transfer-mode)"))
+"""The modes: :mod:`rlplacement.specs`' rules (built-ins imported on the first lookup, then the
+``rlplacement.plugins`` entry points; a taken name refused)."""
+_SPECS = REGISTRY._specs  # the registered modes by name, as registered (tests remove one to see it refused)
 
 
 def register_mode(spec: ModeSpec) -> ModeSpec:
     """Add ``spec`` (its package calls this where the spec is defined); a name taken already raises."""
-    if spec.name in _SPECS:
-        raise ValueError(f"transfer mode {spec.name!r} is already registered (known: {', '.join(sorted(_SPECS))})")
-    if not spec.layouts or not spec.layouts <= {SPLIT, COLOCATE}:
-        raise ValueError(f"transfer mode {spec.name!r}: layouts must be a non-empty subset of {{{SPLIT!r}, {COLOCATE!r}}}")
-    _SPECS[spec.name] = spec
-    return spec
+    return REGISTRY.register(spec)
 
 
 def unregister_mode(name: str) -> None:
     """Remove a mode (a plug-in's going away; a test's dummy mode after the test)."""
-    _load_builtins()
-    _SPECS.pop(name, None)
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for package in BUILTIN_PACKAGES:
-            importlib.import_module(package)
+    REGISTRY.unregister(name)
 
 
 def specs() -> dict[str, ModeSpec]:
     """Every registered mode: the built-in ones in :data:`BUILTIN_PACKAGES` order (whichever package was
     imported first), then the others in the order they registered."""
-    _load_builtins()
-
-    def rank(spec: ModeSpec) -> int:
-        package = spec.sender.partition(":")[0].rpartition(".")[0]
-        return BUILTIN_PACKAGES.index(package) if package in BUILTIN_PACKAGES else len(BUILTIN_PACKAGES)
-
-    return {s.name: s for s in sorted(_SPECS.values(), key=rank)}  # sorted() keeps registration order in a tie
+    return REGISTRY.specs()
 
 
 def spec(mode: str) -> ModeSpec:
-    known = specs()
-    if mode not in known:
-        raise ValueError(f"transfer mode {mode!r} is unknown: use one of {', '.join(sorted(known))} "
-                         f"(--update-weight-transfer-mode)")
-    return known[mode]
+    return REGISTRY.get(mode)
 
 
 def workers_take_slices(mode: str, engine_width: int, slices: str = "auto") -> bool:

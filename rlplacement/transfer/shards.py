@@ -2,8 +2,8 @@
 bucket is laid out for one (a *region*), and how a slice reaches vLLM's loader, which expects the whole
 HF tensor.
 
-* A worker's keeps are the boxes of ``transfer.plan.engine_shards.vllm_worker_needs``: the slice vLLM's
-  loader takes for it. A tensor kept whole (norms, KV heads a wider engine replicates, every tensor at
+* A worker's keeps are the boxes its engine kind's spec gives (``EngineSpec.worker_needs``; vLLM's:
+  ``transfer.plan.engine_shards.vllm_worker_needs``): the slice its loader takes for it. A tensor kept whole (norms, KV heads a wider engine replicates, every tensor at
   TP=1) is not in the map; neither is one whose slice is empty (a vocabulary shard of padding only: the
   tensor is sent whole, so the loader's zero fill sees the shape it expects).
 * A region is a bucket's manifest for one set of keeps: each tensor's slice in C order, aligned as in a
@@ -51,11 +51,12 @@ def keeps_for_worker(hf_config: dict, rank: int, tp: int) -> Keeps:
     return keeps_of(ModelTensors.from_hf_config(hf_config, dtype="float32"), rank, tp)  # boxes count elements
 
 
-def keeps_of(model: "ModelTensors", rank: int, tp: int) -> Keeps:
-    """:func:`keeps_for_worker` of a model already read (``transfer.plan.tensors.ModelTensors``)."""
-    from rlplacement.transfer.plan.engine_shards import vllm_worker_needs
+def keeps_of(model: "ModelTensors", rank: int, tp: int, engine_kind: str = "vllm") -> Keeps:
+    """:func:`keeps_for_worker` of a model already read (``transfer.plan.tensors.ModelTensors``), for a worker
+    of an ``engine_kind`` engine (its spec's ``EngineSpec.worker_needs``)."""
+    from rlplacement.specs.engine import engine_spec
 
-    needs = vllm_worker_needs(model, tp)[rank]
+    needs = engine_spec(engine_kind).call("worker_needs", model, tp)[rank]
     shapes = {t.name: t.shape for t in model.tensors}
     return {name: box for name, box in needs.items() if box != whole(shapes[name]) and volume(box)}
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlplacement.specs.engine import DEFAULT_ENGINE_KIND
 from rlplacement.transfer.pieces import trainer_sends_pieces
 from rlplacement.transfer.plan.boxes import intersect, volume
 from rlplacement.transfer.plan.build import BROADCAST, WRITE, TransferPlan, build_plan, build_write_plan
-from rlplacement.transfer.plan.engine_shards import vllm_worker_needs, whole_model_needs
+from rlplacement.transfer.plan.engine_shards import whole_model_needs
 from rlplacement.transfer.plan.simulate import RPC_S, RPC_S_COLOCATED, LinkRates, Simulation, simulate
 from rlplacement.transfer.plan.tensors import ModelTensors
-from rlplacement.transfer.plan.trainer_shards import (everywhere_holdings, fsdp_holdings,
-                                                      megatron_holdings, megatron_piece_holdings,
-                                                      megatron_share_holdings, rank0_holdings, share_holdings)
+from rlplacement.transfer.plan.trainer_shards import everywhere_holdings, rank0_holdings
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
 
@@ -64,14 +63,11 @@ def _split_plan(model: ModelTensors, holdings: list[dict], worker_needs: list[di
 
 
 def trainer_holdings(model: ModelTensors, backend: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1):
-    """What each trainer rank holds: Megatron's TP x PP x DP (under EP each rank its experts), else FSDP2's
-    dim-0 shards (fsdp and torchtitan, which shard with FSDP2)."""
-    if backend == "megatron":
-        if world % (tp * pp):
-            raise ValueError(f"the trainer's {world} GPUs are not a multiple of --tensor-model-parallel-size {tp} x "
-                             f"--pipeline-model-parallel-size {pp}")
-        return megatron_holdings(model, tp, pp, world // (tp * pp), ep)
-    return fsdp_holdings(model, world)
+    """What each trainer rank holds, as ``backend``'s spec says (``BackendSpec.holdings``: Megatron's
+    TP x PP x DP, under EP each rank its experts; FSDP2's dim-0 shards for fsdp and torchtitan)."""
+    from rlplacement.specs.backend import backend_spec
+
+    return backend_spec(backend).call("holdings", model, world=world, tp=tp, pp=pp, ep=ep)
 
 
 def _missing_bytes(model: ModelTensors, held: dict, wanted: dict) -> int:
@@ -85,7 +81,7 @@ def _missing_bytes(model: ModelTensors, held: dict, wanted: dict) -> int:
 
 
 def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mode: str,
-              assumptions, ep: int = 1, slices: str = "auto") -> PlanPair:
+              assumptions, ep: int = 1, slices: str = "auto", engine_kind: str = DEFAULT_ENGINE_KIND) -> PlanPair:
     """Both plans of ``layout`` (a :class:`~rlplacement.placement.layout.Layout`) for ``mode`` (a
     transfer mode's name; ``cuda_ipc`` colocated), simulated at ``assumptions``' rates (the advisor's
     :class:`~rlplacement.advisor.thresholds.ModelAssumptions`) times the mode's measured or estimated share
@@ -101,14 +97,19 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
     """
     from rlplacement.transfer import registry
 
+    from rlplacement.specs.backend import backend_spec
+    from rlplacement.specs.engine import engine_spec
+
     spec = registry.spec(mode)
+    trainer = backend_spec(backend)
+    layout_args = {"world": len(layout.trainer_gpus), "tp": tp, "pp": pp, "ep": ep}
     width = layout.gpus_per_engine
     world = len(layout.trainer_gpus)
     fanout = BROADCAST if mode in ("broadcast", "broadcast_packed", "disk-delta") and not layout.colocate else WRITE
     disk = mode == "disk-delta" and not layout.colocate
     rates = LinkRates.for_mode(assumptions, spec)
     holdings = trainer_holdings(model, backend, world, tp, pp, ep)
-    worker_needs = vllm_worker_needs(model, width)
+    worker_needs = engine_spec(engine_kind).call("worker_needs", model, width)  # what each worker keeps
     receivers = [(e, w) for e in range(len(layout.engines)) for w in range(width)]
     needs = {r: worker_needs[r[1]] for r in receivers}
     if layout.colocate:
@@ -140,17 +141,17 @@ def plans_for(model: ModelTensors, layout, *, backend: str, tp: int, pp: int, mo
         # every rank sends the parts of the HF tensors it holds (transfer.pieces): nothing is gathered; an FSDP or
         # torchtitan rank its rows (a torchtitan Llama q/k weight whose rows split a head is gathered, which this
         # leaves out), a megatron rank its rows of its TP boxes, split over the data-parallel replicas
-        if backend != "megatron" and sliced:
+        # (BackendSpec.piece_holdings; None: the pieces are what a rank holds, so the sharded plan runs where
+        # workers take slices)
+        if trainer.piece_holdings is None and sliced:
             spread = sharded
         else:
-            pieces = holdings if backend != "megatron" else megatron_piece_holdings(model, tp, pp, world // (tp * pp),
-                                                                                    ep)
+            pieces = holdings if trainer.piece_holdings is None else trainer.call("piece_holdings", model, **layout_args)
             spread = _split_plan(model, pieces, run_worker_needs, len(layout.engines), fanout)
         gather_spread = {rank: 0 for rank in range(world)}
     elif who == SHARES:
         # each rank sends the share the runtime assigns it: the same rule on the same sizes
-        shares = megatron_share_holdings(model, tp, pp, world // (tp * pp), ep) if backend == "megatron" \
-            else share_holdings(model, world)
+        shares = trainer.call("share_holdings", model, **layout_args)
         spread = _split_plan(model, shares, run_worker_needs, len(layout.engines), fanout)
         # a rank gathers what it sends: torchtitan from every rank's dim-0 shard, megatron from its TP peers
         gathered = shares
