@@ -130,12 +130,15 @@ def test_an_installed_backend_is_planned_like_the_one_it_wraps(tmp_path):
 
 @pytest.mark.slow
 def test_an_installed_backend_trains_the_example_loop_in_its_ray_workers(tmp_path):
-    """The example loop with ``--train-backend dummy`` in a process where only the entry point registers it:
-    each trainer rank (a Ray actor) finds the backend on its own lookup and builds it, every rank sends its
-    pieces, and every update is checked bit for bit."""
-    env = {**installed(tmp_path), "DUMMY_BACKEND_MARKS": str(tmp_path / "marks")}
+    """The example loop with ``--train-backend dummy --rollout-name dummy`` in a process where only the entry
+    points register them (a backend and an engine kind from a package outside ``rlplacement``, chosen by flags
+    alone): each trainer rank (a Ray actor) finds the backend on its own lookup and builds it, the engine's
+    actor builds the dummy kind, every rank sends its pieces, and every update is checked bit for bit."""
+    env = {**installed(tmp_path, entry="dummy_backend = tests.dummy_backend\ndummy_engine = tests.dummy_engine"),
+           "DUMMY_BACKEND_MARKS": str(tmp_path / "marks"), "DUMMY_ENGINE_MARKS": str(tmp_path / "engine_marks")}
     proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "tiny_grpo.py"), "--work-dir", str(tmp_path / "run"),
-                             "--train-backend", "dummy", "--steps", "2", "--check-weight-update-equal",
+                             "--train-backend", "dummy", "--rollout-name", "dummy", "--steps", "2",
+                             "--check-weight-update-equal",
                              "--actor-num-gpus-per-node", "2", "--telemetry", str(tmp_path / "steps.jsonl")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
@@ -149,3 +152,5 @@ def test_an_installed_backend_trains_the_example_loop_in_its_ray_workers(tmp_pat
     marks = sorted((tmp_path / "marks").iterdir())
     assert len(marks) == 2 and all(m.read_text() == "dummy" for m in marks)
     assert str(proc.pid) not in [m.name for m in marks]  # built in the trainer ranks' processes, not the driver
+    engine_marks = list((tmp_path / "engine_marks").iterdir())
+    assert len(engine_marks) == 1 and engine_marks[0].name != str(proc.pid)  # the engine's actor built the dummy kind

@@ -23,8 +23,8 @@ from rlplacement.models.tiny import TinySpec, make_tiny_model
 hf = str(make_tiny_model(sys.argv[1], TinySpec()))
 config = config_from_args(build_parser().parse_args(
     ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--num-gpus-per-node", "2",
-     "--train-backend", "fsdp", "--check-weight-update-equal"]))
-with rlplacement.RLJob.start(config, hf, engine_kind="dummy") as job:
+     "--train-backend", "fsdp", "--check-weight-update-equal", "--rollout-name", "dummy"]))
+with rlplacement.RLJob.start(config, hf) as job:
     samples = job.generate([[5, 6, 7]], max_tokens=4, exact_lengths=True)
     job.prepare_update()
     landed = job.update_weights().version
@@ -43,10 +43,12 @@ def dummy():
 
 
 def test_the_vllm_kind_maps_the_rollout_settings_to_its_keywords_as_the_config_did():
-    for argv in ([], ["--vllm-dtype", "bfloat16", "--vllm-max-model-len", "4096", "--vllm-enforce-eager",
-                      "--vllm-gpu-memory-utilization", "0.5"]):
+    expected = ({"dtype": "auto", "max_model_len": None, "enforce_eager": False},
+                {"dtype": "bfloat16", "max_model_len": 4096, "enforce_eager": True, "gpu_memory_utilization": 0.5})
+    for argv, kwargs in zip(([], ["--vllm-dtype", "bfloat16", "--vllm-max-model-len", "4096", "--vllm-enforce-eager",
+                                  "--vllm-gpu-memory-utilization", "0.5"]), expected):
         rollout = config_from_args(build_parser().parse_args(["--rollout-num-gpus", "1", *argv])).rollout
-        assert registry.engine_spec("vllm").call("engine_kwargs", rollout) == rollout.engine_kwargs()
+        assert registry.engine_spec("vllm").call("engine_kwargs", rollout) == kwargs
 
 
 def test_the_plan_and_the_advisor_read_the_kind_from_its_spec(dummy, tmp_path):
@@ -83,7 +85,7 @@ def test_the_registry_refuses_a_taken_kind_and_an_unknown_one():
 
 @pytest.mark.slow
 def test_an_installed_engine_kind_serves_a_job_started_with_it(tmp_path):
-    """A job started with ``engine_kind="dummy"`` in a process where only the entry point registers it: the engine
+    """A job started with ``--rollout-name dummy`` in a process where only the entry point registers it: the engine
     actor is the dummy's class, built with the keywords its spec made, generates and takes a checked update."""
     env = {**installed(tmp_path, entry="dummy_engine = tests.dummy_engine"), "DUMMY_ENGINE_MARKS": str(tmp_path / "marks")}
     proc = subprocess.Popen([sys.executable, "-c", LOOP, str(tmp_path / "hf")], stdout=subprocess.PIPE,

@@ -8,9 +8,13 @@ from rlplacement.args.common import flag, get, require_choice, require_positive
 from rlplacement.console import VERBOSITY
 from rlplacement.config import ENGINE_DTYPES, RolloutConfig, TrainConfig, default_of
 from rlplacement.errors import ConfigError
+from rlplacement.specs.engine import known_engines
 
 TITLE = "rlplacement: rollout"
 FLAGS = (
+    flag("--rollout-name", type=str, default=default_of(RolloutConfig, "engine_kind"),
+          help="The rollout engine kind (verl's rollout.name): vllm, or one a package registers "
+               "(docs/extending.md)."),
     flag("--rollout-temperature", type=float, default=default_of(TrainConfig, "rollout_temperature"),
           help="Sampling temperature; the trainer's logits are divided by it too."),
     flag("--rollout-top-p", type=float, default=default_of(RolloutConfig, "top_p")),
@@ -59,7 +63,11 @@ def rollout_from_args(args: argparse.Namespace) -> RolloutConfig:
         raise ConfigError(f"--rollout-max-response-len {response} leaves no room for a prompt in the engines' "
                           f"context of --vllm-max-model-len {context}: lower --rollout-max-response-len or raise "
                           f"--vllm-max-model-len.")
-    return RolloutConfig(top_p=top_p, top_k=top_k, max_response_len=response,
+    engine_kind = str(get(args, "rollout_name"))
+    if engine_kind not in known_engines():
+        raise ConfigError(f"--rollout-name {engine_kind!r} is unknown: use one of {', '.join(known_engines())} "
+                          f"(a package registers more: docs/extending.md).")
+    return RolloutConfig(engine_kind=engine_kind, top_p=top_p, top_k=top_k, max_response_len=response,
                          stop=tuple(get(args, "rollout_stop") or ()),
                          stop_token_ids=tuple(int(t) for t in get(args, "rollout_stop_token_ids") or ()),
                          n_samples_per_prompt=int(get(args, "n_samples_per_prompt")),

@@ -16,6 +16,9 @@ class RolloutConfig:
     overrides them) and the vLLM engine arguments that are not the model's to say. The temperature is
     ``TrainConfig.rollout_temperature``: the trainer divides its logits by it too."""
 
+    engine_kind: str = "vllm"
+    """The rollout engine kind (``--rollout-name``, verl's ``rollout.name``): a registered
+    :class:`~rlplacement.specs.engine.EngineSpec`'s name."""
     top_p: float = 1.0
     """Nucleus sampling: the smallest set of tokens whose probability reaches this (1: all)."""
     top_k: int = -1
@@ -53,14 +56,6 @@ class RolloutConfig:
     def verbose(self) -> bool:
         """vLLM and Ray at INFO, the libraries' notices to their developers shown."""
         return self.verbosity == "info"
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """The engine arguments these settings make (the ``vllm`` engine kind's keywords)."""
-        kwargs: dict[str, Any] = {"dtype": self.dtype, "max_model_len": self.max_model_len,
-                                  "enforce_eager": self.enforce_eager}
-        if self.gpu_memory_utilization is not None:
-            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
-        return kwargs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -117,18 +117,19 @@ class RLJob(RolloutCalls, TrainCalls, WeightUpdates):
     def start(cls, config: Config, hf_dir: str, *, optim: OptimConfig | None = None,
               engine_kwargs: dict[str, Any] | None = None, backend_options: dict[str, Any] | None = None,
               timeout_s: float = DEFAULT_TIMEOUT_S, compiled_update: bool | None = None,
-              engine_kind: str = DEFAULT_ENGINE_KIND, start_timeout_s: float | None = None) -> "RLJob":
+              engine_kind: str | None = None, start_timeout_s: float | None = None) -> "RLJob":
         """Start every process of the job and return it ready for the first step.
 
         ``optim``: the trainer's optimizer (default ``config.optim``, from the flags); ``engine_kwargs``: engine
-        arguments over ``config.rollout.engine_kwargs()`` (the model's dtype and context, CUDA graphs, and
-        the engine kind's own, e.g. vLLM's prefix caching); ``backend_options``: keyword arguments of the
+        arguments over those the rollout settings make for the engine kind (``EngineSpec.engine_kwargs``: the
+        model's dtype and context, CUDA graphs, and the kind's own, e.g. vLLM's prefix caching); ``backend_options``: keyword arguments of the
         backend's ``from_config`` (``stream_dtype`` defaults to the engines' dtype, resolved here from the
         model's config: the trainer serves what the engines hold, whatever it trains in); ``timeout_s``:
         bound of every wait on an actor, for the job's life; ``compiled_update``: dispatch each update
         through a Ray Compiled Graph (~0.1 ms instead of ~2 ms of Ray per update,
         ``runtime.update_dispatch``), None: where the trainer is on a GPU, the only place an update is
-        short enough for that to show; ``engine_kind``: the rollout engine (``engines.registry``);
+        short enough for that to show; ``engine_kind``: the rollout engine kind (``specs.engine``), None: ``config.rollout.engine_kind``
+        (``--rollout-name``);
         ``start_timeout_s``: bound of a process's start (a trainer's set-up, an engine loading the model,
         here and at a restart), None: the larger of ``timeout_s`` and :data:`DEFAULT_TIMEOUT_S`, since
         loading a model takes longer than a fast failure of an update should. With
@@ -138,6 +139,7 @@ class RLJob(RolloutCalls, TrainCalls, WeightUpdates):
         from rlplacement.console import StartLog
         from rlplacement.runtime.update_dispatch import UpdateDispatch
 
+        engine_kind = config.rollout.engine_kind if engine_kind is None else engine_kind
         console = StartLog(config.rollout.verbosity)
         started = start_actors(config, hf_dir, engine_kind=engine_kind, engine_kwargs=engine_kwargs, console=console,
                                timeout_s=timeout_s)

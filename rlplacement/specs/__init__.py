@@ -50,7 +50,7 @@ def load_plugins() -> None:
         try:
             importlib.import_module(point.value.partition(":")[0])
         except Exception as exc:
-            dist = getattr(point.dist, "name", None) or "an unknown distribution"
+            dist = point.dist.name if point.dist is not None else "an unknown distribution"
             exc.add_note(f"while loading the {ENTRY_POINT_GROUP} entry point {point.name!r} = {point.value} "
                          f"of {dist}: fix that package, or uninstall it")
             raise
