@@ -46,9 +46,8 @@ class Variant:
     evict_first: bool
 
 
-# measured on the first launch, the fastest kept: on an H200 all four moved a Qwen3 model's weights at
-# 85-90% of one flat copy (1 MiB chunks, ~7,000 of them for a 4B model, did best), and which does best
-# depends on the GPU and the tensors
+# measured on the first launch and the fastest kept: which does best depends on the GPU and the tensors
+# (benchmarks/README.md has the variants' rates)
 VARIANTS = (Variant("chunks-1M-evict-first", 1 << 20, False, True),
             Variant("chunks-1M", 1 << 20, False, False),
             Variant("strided-64K", 64 << 10, True, False),

@@ -100,7 +100,7 @@ def staging_per_option(tensor_bytes: dict[str, int], bucket_bytes: int, pieces: 
 
 AUTO_FULL_SHARE = 0.2
 """``--update-weight-staging auto`` is ``full`` while the whole model takes at most this share of the GPU
-(an 8B model in bf16 on a 141 GB H200: 0.12), else ``bucket``: ``full`` keeps the previous version served
+(an 8B model in bf16 on a 141 GB GPU: 0.12), else ``bucket``: ``full`` keeps the previous version served
 through a failed update and commits through the recorded copy plan; beyond this share its cost in KV
 cache outweighs that."""
 MIN_VLLM_SHARE = 0.1

@@ -1,8 +1,8 @@
 """Weight updates dispatched through a Ray Compiled Graph instead of plain actor calls.
 
-A plain Ray actor call costs ~1 ms to reach the actor and ~0.7 ms to come back (the colocated H200
-update's timeline: 1.1 ms from the driver's call to the trainer's first instant); on a 4B model's
-colocated update that was a sixth of the whole. A compiled graph of the same calls (the trainer's
+A plain Ray actor call costs about a millisecond to reach the actor and most of one to come back, a
+large share of a colocated update of a small model (benchmarks/README.md has the measured timeline). A
+compiled graph of the same calls (the trainer's
 ``transfer_send`` and every engine's ``update_weights``, all given the version) passes arguments and
 results through shared-memory channels set up once, in well under 0.1 ms. Its tasks run on a
 background thread of each actor, which is why both actor classes take turns between their methods

@@ -129,7 +129,7 @@ class VllmRolloutEngine(WeightUpdateCalls, PauseAroundUpdates, MemoryHandOff, Ro
         self.set_pause_generation_mode(pause_generation_mode)
         # whether the prefix cache may hold KV computed with weights older than those served: only
         # generation fills it, and a reset or a sleep (level >= 1 clears it in vLLM's engine core) empties
-        # it. The reset is a round trip into the engine core (~2 ms on an H200), paid only when needed.
+        # it. The reset is a round trip into the engine core, paid only when needed.
         self._prefix_cache_filled = False
         self.device_is_gpu = torch.cuda.is_available()
         self.sleep_mode = bool(sleep_mode and self.device_is_gpu)

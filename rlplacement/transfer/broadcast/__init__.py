@@ -18,10 +18,9 @@ SPEC = register_mode(ModeSpec(
     summary="one broadcast per tensor from each sending trainer rank to every engine worker",
     layouts=frozenset({SPLIT}), named_under_colocate=True, advisor_path=LINK, bucket_staging=True,
     every_rank_sends=True,
-    # verl's NCCL receive ran at ~16% of a NIC (its published Qwen3-30B-A3B figure); on two H200s the
-    # whole update reached 0.49-0.56 of a flat NCCL broadcast at 4B-8B (benchmarks/gpu/results/split_h200.json)
+    # source: verl's published NCCL receive rate as a share of a NIC, rounded up (shared/ANCHORS.md, verl)
     advisor_efficiency=0.2,
-    # 16.4 GB on the wire in 58.3 ms between two H200s (split_h200.json, 8B): 0.62 of NVLink's 3.6 Tb/s
+    # source: benchmarks/gpu/results/split_h200.json, sizes[8B] rlplacement_broadcast wire_seconds over NVLink's rate
     measured_efficiency=(("nvlink", 0.62),),
     bench=BenchSpec(ceiling="broadcast"),
     verl_backend="rlplacement_broadcast", miles_factory="broadcast"))

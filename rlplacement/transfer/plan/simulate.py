@@ -6,7 +6,7 @@ The link model, per GPU and direction (full duplex, so sending and receiving do 
 
 * ``ipc``: a sender and a receiver on the same GPU (colocated): an in-GPU copy, counted once;
 * ``nvlink``: two GPUs of one node;
-* ``network``: two nodes, one NIC per GPU (GPUDirect RDMA, as H100/H200 clusters are built);
+* ``network``: two nodes, one NIC per GPU (GPUDirect RDMA, as GPU clusters are built);
 * ``disk``: disk-delta, written once by each sender and read by each receiver at the disk's rate.
 
 A ``broadcast`` route leaves its sender once per link kind it reaches (NCCL pipelines the ring); a
@@ -14,7 +14,7 @@ A ``broadcast`` route leaves its sender once per link kind it reaches (NCCL pipe
 time is the busiest link's bytes over its rate; the gather (a rank collecting from other trainer ranks
 what it sends: rank 0 of a rank-0 plan, each rank colocated) runs before it, as today's senders do per
 bucket. After the wire comes the commit (each worker copying what it received into its parameters, the busiest worker's bytes at
-:data:`COMMIT_GBPS`) and :data:`RPC_S` for the rest (pause, resume, calls), both measured on an H200.
+:data:`COMMIT_GBPS`) and :data:`RPC_S` for the rest (pause, resume, calls), both measured (sources below).
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ from rlplacement.transfer.plan.build import BROADCAST, TransferPlan
 Gpu = tuple[int, int]
 
 RPC_S = 0.006
-"""A split update's cost beyond moving and committing bytes (pause, resume, the calls): 6 ms, the 8B
-split update on one H200 pair (whole 78.7 ms - wire 58.3 ms - commit 14.3 ms: ``benchmarks/gpu/results/
-split_h200.json``, broadcast; 5.3-7.6 ms at 0.5B-4B)."""
+"""A split update's cost beyond moving and committing bytes (pause, resume, the calls). Source:
+``benchmarks/gpu/results/split_h200.json``, 8B broadcast, whole - wire - load seconds."""
 
 RPC_S_COLOCATED = 0.001
-"""The same for a colocated update, whose handles are exchanged inside one job: 1.1 ms at 8B, 0.8 ms at 4B
-(whole - wire in ``colocate_h200.json``)."""
+"""The same for a colocated update, whose handles are exchanged inside one job. Source:
+``benchmarks/gpu/results/colocate_h200.json``, 8B, whole - wire seconds."""
 
 COMMIT_GBPS = 9160.0
-"""The engine copying received bytes into its parameters (the recorded copy plan replayed on the GPU):
-16.4 GB in 14.3 ms at 8B in the same file. A colocated worker's IPC read is its commit, so it has none."""
+"""The engine copying received bytes into its parameters (the recorded copy plan replayed on the GPU). Source:
+``benchmarks/gpu/results/split_h200.json``, 8B, bytes over load seconds. A colocated worker's IPC read is its
+commit, so it has none."""
 
 
 @dataclasses.dataclass(frozen=True)
