@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 import rlplacement  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
-from rlplacement.runtime.rollout_shares import assign_groups, engine_shares  # noqa: E402
+from rlplacement.runtime.rollout_dealing import assign_groups, samples_by_engine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_groups_are_balanced_by_tokens_not_by_count():
     # one long group and three short ones over two engines: the long one alone on an engine
     assert assign_groups([1000, 10, 10, 10], 2) == [0, 1, 1, 1]
     prompts = [[1] * 100] * 2 + [[2] * 5] * 2 + [[3] * 5] * 2
-    shares = engine_shares(prompts, [10] * 6, 2)
+    shares = samples_by_engine(prompts, [10] * 6, 2)
     assert shares == [[0, 1], [2, 3, 4, 5]]
 
 

@@ -187,16 +187,16 @@ def rollout_request(config: "Config", prompts: Sequence[Sequence[int]], sampling
 
 def submit(engines: Sequence, request: RolloutRequest, timeout_s: float) -> PendingRollout:
     """Start ``request`` on the engines, balanced over them by tokens with each prompt's samples on one
-    engine (``runtime.rollout_shares``), and return at once."""
-    from rlplacement.runtime.rollout_shares import engine_shares
+    engine (``runtime.rollout_dealing``), and return at once."""
+    from rlplacement.runtime.rollout_dealing import samples_by_engine
 
     lengths = [int(s["max_tokens"]) for s in request.specs]
-    shares = engine_shares(request.prompts, lengths, len(engines))
-    used = [i for i, idx in enumerate(shares) if idx]
-    batch_ids = get_all([engines[i].submit.remote([request.prompts[j] for j in shares[i]],
-                                                  [request.specs[j] for j in shares[i]]) for i in used],
+    by_engine = samples_by_engine(request.prompts, lengths, len(engines))
+    used = [i for i, idx in enumerate(by_engine) if idx]
+    batch_ids = get_all([engines[i].submit.remote([request.prompts[j] for j in by_engine[i]],
+                                                  [request.specs[j] for j in by_engine[i]]) for i in used],
                         timeout_s, "starting generation", [f"engine {i}" for i in used])
-    return PendingRollout(request.prompts, {(i, b): shares[i] for i, b in zip(used, batch_ids)},
+    return PendingRollout(request.prompts, {(i, b): by_engine[i] for i, b in zip(used, batch_ids)},
                           [None] * len(request.prompts))
 
 

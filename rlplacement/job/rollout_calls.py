@@ -64,7 +64,7 @@ class RolloutCalls:
         ``--rollout-seed`` plus 1,000,003 per generate call of this job, so steps differ and a rerun
         repeats them); ``exact_lengths``: every sample exactly ``max_tokens`` long. The samples of a prompt
         go to one engine as separate requests (its prefix cache shares their prompt, each stops at its own
-        length); prompts are balanced over engines by tokens (``runtime.rollout_shares``). A request that
+        length); prompts are balanced over engines by tokens (``runtime.rollout_dealing``). A request that
         cannot fit the engines' context is refused first.
 
         An engine applies an ``update_weights`` issued meanwhile only once its requests have finished:

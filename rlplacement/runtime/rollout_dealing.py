@@ -28,11 +28,11 @@ def assign_groups(group_tokens: Sequence[int], num_engines: int) -> list[int]:
     return largest_first(group_tokens, num_engines)
 
 
-def engine_shares(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], num_engines: int) -> list[list[int]]:
+def samples_by_engine(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], num_engines: int) -> list[list[int]]:
     """Sample indices each engine generates (in call order within an engine); every group whole on one."""
     groups = groups_of(prompts)
     tokens = [sum(len(prompts[j]) + max_tokens[j] for j in g) for g in groups]
-    shares: list[list[int]] = [[] for _ in range(num_engines)]
+    by_engine: list[list[int]] = [[] for _ in range(num_engines)]
     for g, e in zip(groups, assign_groups(tokens, num_engines)):
-        shares[e].extend(g)
-    return [sorted(s) for s in shares]
+        by_engine[e].extend(g)
+    return [sorted(s) for s in by_engine]
