@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from rlplacement.backends import torchtitan_compat as compat
+from rlplacement.backends.torchtitan import compat
 
 
 def _module(tmp_path, monkeypatch, name, body):

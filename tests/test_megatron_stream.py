@@ -20,8 +20,8 @@ BUCKET = 40 * 1024  # a few parameters per bucket: the ~120 KB layers make sever
 def _stream_worker(rank, world, hf, tp, pp):
     from megatron.core import parallel_state as ps
 
-    from rlplacement.backends import megatron_model as mm
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron import model_build as mm
+    from rlplacement.backends.megatron.backend import MegatronBackend
 
     mm.GATHER_BUCKET_BYTES = BUCKET  # this process's own copy of the module
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf,
@@ -77,8 +77,8 @@ def test_bucketed_stream_is_bit_exact_and_issues_a_collective_per_bucket_not_per
 def _spread_worker(rank, world, hf, tp, pp):
     from megatron.core import parallel_state as ps
 
-    from rlplacement.backends import megatron_model as mm
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron import model_build as mm
+    from rlplacement.backends.megatron.backend import MegatronBackend
 
     mm.GATHER_BUCKET_BYTES = BUCKET
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf,
@@ -114,7 +114,7 @@ def _stage_rows(model, pp, skip=frozenset()):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from rlplacement.backends import megatron_model as mm
+    from rlplacement.backends.megatron import model_build as mm
 
     mine = [(n, tuple(p.shape), p.dtype, mm.mapping.tp_partition_dim(n)) for n, p in mm.global_named_parameters(model)
             if n not in skip]

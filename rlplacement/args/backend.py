@@ -186,7 +186,7 @@ def _lora_from_args(args: argparse.Namespace, backend: str) -> LoRAConfig:
         raise ConfigError(f"--lora-dropout {dropout}: use 0 <= p < 1")
     lora_targets = lora_modules(get(args, "target_modules"), get(args, "exclude_modules"))
     if backend == "megatron":
-        from rlplacement.backends.megatron_lora import check_supported
+        from rlplacement.backends.megatron.lora import check_supported
 
         check_supported(LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, target_modules=lora_targets),
                         bool(get(args, "sequence_parallel")), moe=False)

@@ -17,7 +17,7 @@ from typing import Any
 
 from rlplacement.backends import train_checkpoint
 from rlplacement.config import BackendConfig
-from rlplacement.backends import megatron_checkpoint
+from rlplacement.backends.megatron import checkpoint_layout as megatron_checkpoint
 from rlplacement.backends.registry import known_backends
 from rlplacement.errors import ConfigError
 from rlplacement.hf_folder import check_safetensors

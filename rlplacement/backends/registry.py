@@ -9,9 +9,9 @@ from rlplacement.errors import ConfigError
 
 # name -> (module, class): imported only when chosen, so each backend's deps stay optional.
 _REGISTRY: dict[str, tuple[str, str]] = {
-    "megatron": ("rlplacement.backends.megatron", "MegatronBackend"),
-    "fsdp": ("rlplacement.backends.fsdp", "FSDPBackend"),
-    "torchtitan": ("rlplacement.backends.torchtitan", "TorchtitanBackend"),
+    "megatron": ("rlplacement.backends.megatron.backend", "MegatronBackend"),
+    "fsdp": ("rlplacement.backends.fsdp.backend", "FSDPBackend"),
+    "torchtitan": ("rlplacement.backends.torchtitan.backend", "TorchtitanBackend"),
 }
 
 

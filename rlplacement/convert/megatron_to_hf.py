@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from rlplacement.families import megatron_mapping as mapping
-from rlplacement.backends import megatron_model as mm
+from rlplacement.backends.megatron import model_build as mm
 from rlplacement.families import family_for
 from rlplacement.hf_folder import copy_side_files
-from rlplacement.backends import megatron_checkpoint as layout
+from rlplacement.backends.megatron import checkpoint_layout as layout
 
 
 def export(load_dir: str | os.PathLike, save_dir: str | os.PathLike, hf_config_dir: str | os.PathLike | None = None,

@@ -48,7 +48,7 @@ def _peft_name(key: str) -> str | None:
     (:func:`~rlplacement.backends.megatron_lora.peft_name_of`), whose ``torch_dist`` format is
     ``torch.distributed.checkpoint``'s too."""
     from rlplacement.backends.lora import peft_name
-    from rlplacement.backends.megatron_lora import peft_name_of
+    from rlplacement.backends.megatron.lora import peft_name_of
 
     if key.startswith("model.") and (".lora_A." in key or ".lora_B." in key):
         return peft_name(key.removeprefix("model.").split(".", 1)[1])

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from rlplacement.errors import ConfigError
 from rlplacement.families import megatron_mapping as mapping
 from rlplacement.families import DenseFamily, family_for, rope_parameters
-from rlplacement.backends.megatron_cpu import apply_cpu_shims, cuda_absent, define_missing_te_names
+from rlplacement.backends.megatron.cpu_shims import apply_cpu_shims, cuda_absent, define_missing_te_names
 from rlplacement.hf_folder import HFTensors
 from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
@@ -261,7 +261,7 @@ def mark_tensor_parallel(model) -> None:
 
 
 def model_meta(hf_config: Any, family: DenseFamily, padded_vocab: int, spec: str) -> dict:
-    """What a checkpoint folder records of the model beside its weights (``megatron_checkpoint.META``)."""
+    """What a checkpoint folder records of the model beside its weights (``checkpoint_layout.META``)."""
     return {"family": family.name, "hf_vocab_size": hf_config.vocab_size, "padded_vocab_size": padded_vocab,
             "layer_spec": spec, "dtype": str(hf_dtype(hf_config)).removeprefix("torch.")}
 
@@ -282,7 +282,7 @@ def global_named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
 
         first_expert = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
     for name, param in model.named_parameters():
-        if ".lora." in name:  # LoRA adapters (backends.megatron_lora): not the model's own parameters
+        if ".lora." in name:  # LoRA adapters (backends.megatron.lora): not the model's own parameters
             continue
         layer, suffix = mapping._split_layer(name)
         if layer is not None:

@@ -25,7 +25,7 @@ from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
 from rlplacement.backends import launch
 from rlplacement.families import megatron_mapping as mapping
-from rlplacement.backends import megatron_model as mm
+from rlplacement.backends.megatron import model_build as mm
 from rlplacement.backends.base import TrainerBackend, resolve_bf16
 from rlplacement.backends.objective import TokenStats
 from rlplacement.families import family_for
@@ -50,8 +50,8 @@ class MegatronBackend(TrainerBackend):
         self._named = list(mm.global_named_parameters(model))
         self.last_stream_collectives: int | None = None
         self._views: tuple[list, dict] | None = None  # see _resident_views
-        from rlplacement.backends.megatron_cpu import cuda_absent
-        from rlplacement.backends.megatron_train import MegatronTraining
+        from rlplacement.backends.megatron.cpu_shims import cuda_absent
+        from rlplacement.backends.megatron.train import MegatronTraining
 
         overlap = not cuda_absent() if overlap_grad_reduce is None else overlap_grad_reduce
         self._training = MegatronTraining(model, optim, use_distributed_optimizer=self.train_config.use_distributed_optimizer,
@@ -69,7 +69,7 @@ class MegatronBackend(TrainerBackend):
         fp32 main parameters, as megatron's training does. ``stream_dtype``: what ``iter_hf_tensors`` yields
         (default: the model's parameters' dtype); ``overlap_grad_reduce``: DDP reduces each gradient bucket
         while backward goes on (None: on a GPU)."""
-        from rlplacement.backends import megatron_checkpoint as layout
+        from rlplacement.backends.megatron import checkpoint_layout as layout
 
         if resolve_bf16(train or TrainConfig()):
             dtype = torch.bfloat16
@@ -111,7 +111,7 @@ class MegatronBackend(TrainerBackend):
 
         model = built(recompute=recompute)
         if cfg.lora.enabled:  # before megatron's DDP and optimizer are built: they take the adapters alone
-            from rlplacement.backends import megatron_lora
+            from rlplacement.backends.megatron import lora as megatron_lora
 
             megatron_lora.check_supported(cfg.lora, cfg.sequence_parallel, family.moe)
             if resume:  # the checkpoint holds the adapters alone: the base comes from the HF folder
@@ -156,7 +156,7 @@ class MegatronBackend(TrainerBackend):
         self.model.train(training)
 
     def _parameters(self) -> list[torch.nn.Parameter]:
-        from rlplacement.backends.megatron_lora import adapters_of
+        from rlplacement.backends.megatron.lora import adapters_of
 
         return [p for _, p in self._named] + [p for a in adapters_of(self.model) for p in a.parameters()]
 
@@ -377,7 +377,7 @@ class MegatronBackend(TrainerBackend):
         root (``megatron_checkpoint.describe``); ``job_state`` as the base class keeps it."""
         from megatron.core import dist_checkpointing
 
-        from rlplacement.backends import megatron_checkpoint as layout
+        from rlplacement.backends.megatron import checkpoint_layout as layout
         from rlplacement.backends import train_checkpoint
 
         def write(tmp: Path) -> None:
@@ -407,7 +407,7 @@ class MegatronBackend(TrainerBackend):
             self._training.ensure_optimizer_state(adam_step=saved["step"])
             loaded = dist_checkpointing.load(self._sharded_state_dict(loading=True), str(folder))
             if self.lora is not None:
-                from rlplacement.backends.megatron_lora import load_state
+                from rlplacement.backends.megatron.lora import load_state
 
                 load_state(self.model, loaded["model"], folder)
             else:
@@ -426,7 +426,7 @@ class MegatronBackend(TrainerBackend):
         model itself at any TP/PP). Under LoRA the model is its adapters alone
         (:func:`megatron_lora.sharded_state_dict`)."""
         if self.lora is not None:  # the adapters alone: the base is the HF folder's, named by the identity
-            from rlplacement.backends.megatron_lora import sharded_state_dict
+            from rlplacement.backends.megatron.lora import sharded_state_dict
 
             model = sharded_state_dict(self.model)
         else:
@@ -517,7 +517,7 @@ class MegatronBackend(TrainerBackend):
         """The adapters alone under their PEFT names (gathered everywhere: they are small): every one on global
         rank 0, on every rank (``OWN_GPU``), or each on the one rank that sends it (``SHARES``, balanced by
         bytes)."""
-        from rlplacement.backends.megatron_lora import full_adapters
+        from rlplacement.backends.megatron.lora import full_adapters
         from rlplacement.transfer.bucket import fused_group_of
         from rlplacement.transfer.plan.senders import spread_owners_by_group
 
@@ -567,7 +567,7 @@ class MegatronBackend(TrainerBackend):
         counter = mm.CollectiveCount()
         merges = {}
         if self.lora is not None and merge:
-            from rlplacement.backends.megatron_lora import full_adapters
+            from rlplacement.backends.megatron.lora import full_adapters
             from rlplacement.lora_format import PEFT_PREFIX
 
             adapters = full_adapters(self.model)
@@ -588,7 +588,7 @@ class MegatronBackend(TrainerBackend):
     def close(self) -> None:
         from megatron.core import parallel_state as ps
 
-        from rlplacement.backends.megatron_cpu import remove_cpu_shims
+        from rlplacement.backends.megatron.cpu_shims import remove_cpu_shims
 
         ps.destroy_model_parallel()
         remove_cpu_shims()
