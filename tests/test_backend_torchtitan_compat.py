@@ -1,4 +1,4 @@
-"""torchtitan_compat: missing torch names are stood in for (and refuse use); other missing imports still fail."""
+"""backends.torchtitan.compat: missing torch names are stood in for (and refuse use); other missing imports still fail."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Megatron trains with megatron-core's own DDP, optimizer and schedules (``backends/megatron_train.py``),
+"""Megatron trains with megatron-core's own DDP, optimizer and schedules (``backends/megatron/train.py``),
 in real gloo processes on the CPU shims: every layout of the same global batch (TP=2, PP=2, DP=2, with
 and without the distributed optimizer, in micro-batches) ends two AdamW steps with the weights and
 losses of one rank taking it in one piece; a step whose gradient is not finite is skipped, nothing applied."""
