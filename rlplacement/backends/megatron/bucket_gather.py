@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from rlplacement.families import megatron_mapping as mapping
 
+
 class CollectiveCount:
     """Collectives this rank issued in its TP and PP groups during one weight stream."""
 

@@ -23,6 +23,7 @@ from rlplacement.families import DenseFamily, family_for, rope_parameters
 from rlplacement.families import megatron_mapping as mapping
 from rlplacement.hf_folder import HFTensors
 
+
 def init_model_parallel(tp: int, pp: int, seed: int = 1234, ep: int = 1) -> None:
     """Set up megatron's parallel groups on an initialised default process group (any backend); ``ep``:
     expert parallelism, carved out of the data-parallel ranks as megatron does (experts keep TP's size)."""
