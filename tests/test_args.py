@@ -304,7 +304,7 @@ def test_a_framework_parser_that_defines_lr_and_bf16_first_keeps_working():
 def test_megatron_recompute_flags_reach_the_model_config_and_its_stage_bound_is_checked():
     import torch
 
-    from rlplacement.backends.megatron_model import transformer_config
+    from rlplacement.backends.megatron.model_config import transformer_config
     from rlplacement.errors import ConfigError as Refused
     from rlplacement.families import family_for
     from rlplacement.models.tiny import TinySpec, build_config
@@ -324,7 +324,7 @@ def test_megatron_recompute_flags_reach_the_model_config_and_its_stage_bound_is_
 
 @pytest.mark.parametrize("spec, te_fusions", [("te", True), ("local", False)])
 def test_megatron_turns_on_its_default_fusions_on_a_gpu_only(spec, te_fusions):
-    from rlplacement.backends.megatron_model import fusions
+    from rlplacement.backends.megatron.model_config import fusions
 
     names = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
              "gradient_accumulation_fusion")
@@ -336,7 +336,7 @@ def test_megatron_turns_on_its_default_fusions_on_a_gpu_only(spec, te_fusions):
 def test_sequence_parallel_needs_transformer_engine_and_says_so_before_building_anything():
     import torch
 
-    from rlplacement.backends.megatron_model import transformer_config
+    from rlplacement.backends.megatron.model_config import transformer_config
     from rlplacement.errors import ConfigError as Refused
     from rlplacement.families import family_for
     from rlplacement.models.tiny import TinySpec, build_config

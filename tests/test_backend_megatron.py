@@ -88,7 +88,7 @@ def test_auto_spec_says_once_when_a_gpu_host_falls_back_to_local(monkeypatch):
     once, with TE's import error."""
     import warnings
 
-    from rlplacement.backends import megatron_model
+    from rlplacement.backends.megatron import model_config as megatron_model
 
     monkeypatch.setattr(megatron_model, "te_import_error", lambda: "ImportError: libcudnn.so.9 missing")
     monkeypatch.setattr(megatron_model, "_WARNED", set())

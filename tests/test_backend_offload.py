@@ -161,7 +161,7 @@ def test_fused_adam_state_to_come_is_counted_in_its_own_dtypes_cpu_stand_in():
             self.exp_avg_dtype, self.exp_avg_sq_dtype, self.master_weights = exp_avg_dtype, exp_avg_sq_dtype, master_weights
 
     # TrainerBackend._state_to_come tells TE's (or apex's) optimizer by ``type(opt).__name__ == "FusedAdam"``
-    # (rlplacement/backends/base.py): the stand-in answers to that name; its __qualname__ still says stand-in
+    # (rlplacement/backends/backend_offload.py): the stand-in answers to that name; its __qualname__ still says stand-in
     StandInTEFusedAdam.__name__ = "FusedAdam"
 
     param = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))

@@ -9,7 +9,7 @@ import pytest
 from rlplacement.config import BackendConfig
 from rlplacement.errors import ConfigError
 from rlplacement.backends import preflight
-from rlplacement.backends import megatron_checkpoint as layout
+from rlplacement.backends.megatron import checkpoint_layout as layout
 from rlplacement.hf_folder import copy_side_files
 from rlplacement.models.tiny import TinySpec, make_tiny_model
 

@@ -11,7 +11,7 @@ import torch
 from rlplacement.config import BackendConfig, OptimConfig
 from rlplacement.errors import ConfigError
 from rlplacement.backends import make_backend
-from rlplacement.backends import torchtitan as tt
+from rlplacement.backends.torchtitan import backend as tt
 from rlplacement.families import torchtitan_mapping as names
 from rlplacement.models.tiny import TinySpec, make_tiny_model
 from tests.reference_checks import check_two_ranks_match_hf_reference
@@ -120,8 +120,8 @@ def _stand_in_torchtitan_llama(hf_config):
 def _torchtitan_streams(rank, world):
     import types
 
-    from rlplacement.backends.fsdp_model import TorchtitanRoot, shard
-    from rlplacement.backends.torchtitan import TorchtitanBackend
+    from rlplacement.backends.fsdp.sharded_model import TorchtitanRoot, shard
+    from rlplacement.backends.torchtitan.backend import TorchtitanBackend
     from rlplacement.config import TrainConfig
     from rlplacement.transfer.spec import OWN_GPU, SHARES
 

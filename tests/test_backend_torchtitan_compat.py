@@ -1,10 +1,10 @@
-"""torchtitan_compat: missing torch names are stood in for (and refuse use); other missing imports still fail."""
+"""backends.torchtitan.compat: missing torch names are stood in for (and refuse use); other missing imports still fail."""
 
 import sys
 
 import pytest
 
-from rlplacement.backends import torchtitan_compat as compat
+from rlplacement.backends.torchtitan import compat
 
 
 def _module(tmp_path, monkeypatch, name, body):

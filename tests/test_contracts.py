@@ -23,7 +23,7 @@ THIRD_PARTY = {
     ("rlplacement/engines/vllm/request_stepper.py", "metrics"): "vLLM's RequestOutput",
     ("rlplacement/integrations/miles.py", "colocate"): "Miles' args namespace",
     ("rlplacement/integrations/miles.py", "init_transfer"): "a Miles engine handle, refused by name unless ours",
-    ("rlplacement/backends/megatron_model.py", "dtype"): "a Hugging Face config",
+    ("rlplacement/backends/megatron/model_build.py", "dtype"): "a Hugging Face config",
     ("rlplacement/transfer/group.py", "shutdown"): "torch's ProcessGroup (the method differs by torch version)",
 }
 

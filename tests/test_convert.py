@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlplacement.cli import main
-from rlplacement.backends import megatron_checkpoint as layout
+from rlplacement.backends.megatron import checkpoint_layout as layout
 from rlplacement.models.tiny import TinySpec, make_tiny_model
 
 SPECS = {

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlplacement.backends import launch
-from rlplacement.backends import megatron_checkpoint as layout
+from rlplacement.backends.megatron import checkpoint_layout as layout
 from rlplacement.cli import main
 from rlplacement.models.tiny import TinySpec, make_tiny_model
 from tests.test_convert import assert_same_tensors
@@ -36,7 +36,7 @@ def _megatron_logits(rank, world, hf, td, layouts):
     mode (megatron refuses MoE with TP > 1 in training without sequence parallelism)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from rlplacement.backends import megatron_model as mm
+    from rlplacement.backends.megatron import model_build as mm
     from rlplacement.families import megatron_mapping as mapping
 
     cfg = mm.load_hf_config(hf)

@@ -1,4 +1,4 @@
-"""LoRA on the megatron backend (``backends.megatron_lora``): adapters on megatron's parallel linear layers
+"""LoRA on the megatron backend (``backends.megatron.lora``): adapters on megatron's parallel linear layers
 against one HF model with the same peft adapters (the same initial ``A``), on gloo: one rank's two SGD steps
 give the reference's gradient norms and adapters; TP=2 and DP=2 give one rank's; the base stays
 bit-identical; the adapter stream has the names and shapes the engines expect, and the merged stream is

@@ -18,7 +18,7 @@ SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
 
 
 def _pp2_worker(rank, world, hf, td, streamed_path):
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron.backend import MegatronBackend
     from rlplacement.convert.hf_to_megatron import convert
 
     assert convert(hf, td, tp=1, pp=2, progress=False) == "converted"

@@ -20,8 +20,8 @@ BUCKET = 40 * 1024  # a few parameters per bucket: the ~120 KB layers make sever
 def _stream_worker(rank, world, hf, tp, pp):
     from megatron.core import parallel_state as ps
 
-    from rlplacement.backends import megatron_model as mm
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron import update_streams as mm
+    from rlplacement.backends.megatron.backend import MegatronBackend
 
     mm.GATHER_BUCKET_BYTES = BUCKET  # this process's own copy of the module
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf,
@@ -43,7 +43,7 @@ def _stream_worker(rank, world, hf, tp, pp):
         torch.equal(streamed[n], again[n]) for n in streamed) and set(streamed) == set(again),
            "collectives": first, "again": backend.last_stream_collectives,
            "counted_right": counted == (split if ps.get_tensor_model_parallel_rank() else counted) and split <= counted,
-           "my_buckets": len(mm._buckets(stage_meta, BUCKET)), "my_params": len(stage_meta),
+           "my_buckets": len(mm.cut_into_buckets(stage_meta, BUCKET)), "my_params": len(stage_meta),
            "stage": ps.get_pipeline_model_parallel_rank(), "device": str(next(backend.model.parameters()).device)}
     backend.close()
     return out
@@ -77,8 +77,8 @@ def test_bucketed_stream_is_bit_exact_and_issues_a_collective_per_bucket_not_per
 def _spread_worker(rank, world, hf, tp, pp):
     from megatron.core import parallel_state as ps
 
-    from rlplacement.backends import megatron_model as mm
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron import update_streams as mm
+    from rlplacement.backends.megatron.backend import MegatronBackend
 
     mm.GATHER_BUCKET_BYTES = BUCKET
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf,
@@ -97,12 +97,12 @@ def _spread_worker(rank, world, hf, tp, pp):
     everywhere_ok = set(everywhere) == set(want) and all(torch.equal(everywhere[n], want[n]) for n in want)
     held = [(n, tuple(p.shape), p.dtype, mm.mapping.tp_partition_dim(n)) for n, p in
             mm.global_named_parameters(backend.model)]
-    full = [mm._nbytes(mm._full_shape(row, tp), row[2]) for row in held]
+    full = [mm.byte_size(mm.full_shape(row, tp), row[2]) for row in held]
     out = {"sent": sent, "planned": planned, "stage": ps.get_pipeline_model_parallel_rank(),
            "collectives": shares_collectives,
            "stage_bytes": sum(full), "largest": max(full), "held": [row[0] for row in held],
            "everywhere_ok": everywhere_ok, "everywhere_collectives": backend.last_stream_collectives,
-           "buckets": [len(mm._buckets(rows, BUCKET)) for rows in _stage_rows(
+           "buckets": [len(mm.cut_into_buckets(rows, BUCKET)) for rows in _stage_rows(
                backend.model, pp, frozenset({"output_layer.weight"}) if backend.shape.tied else frozenset())]}
     backend.close()
     return out
@@ -114,7 +114,7 @@ def _stage_rows(model, pp, skip=frozenset()):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from rlplacement.backends import megatron_model as mm
+    from rlplacement.backends.megatron import update_streams as mm
 
     mine = [(n, tuple(p.shape), p.dtype, mm.mapping.tp_partition_dim(n)) for n, p in mm.global_named_parameters(model)
             if n not in skip]

@@ -18,7 +18,7 @@ SGD = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
 
 
 def _tp2_worker(rank, world, hf, td2, td1, out_from_td1, streamed_path):
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron.backend import MegatronBackend
     from rlplacement.convert.hf_to_megatron import convert
     from rlplacement.convert.megatron_to_hf import export
 

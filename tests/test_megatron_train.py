@@ -1,4 +1,4 @@
-"""Megatron trains with megatron-core's own DDP, optimizer and schedules (``backends/megatron_train.py``),
+"""Megatron trains with megatron-core's own DDP, optimizer and schedules (``backends/megatron/train.py``),
 in real gloo processes on the CPU shims: every layout of the same global batch (TP=2, PP=2, DP=2, with
 and without the distributed optimizer, in micro-batches) ends two AdamW steps with the weights and
 losses of one rank taking it in one piece; a step whose gradient is not finite is skipped, nothing applied."""
@@ -25,7 +25,7 @@ def _batches():
 def _worker(rank, world, hf, tp, pp, train, nan_step, steps, overlap):
     from megatron.core import parallel_state as ps
 
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron.backend import MegatronBackend
 
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf, tensor_model_parallel_size=tp,
                                                         pipeline_model_parallel_size=pp), ADAMW, train,
@@ -104,7 +104,7 @@ def test_a_step_with_a_non_finite_gradient_is_skipped_on_every_rank(tmp_path):
 def _bf16_worker(rank, world, hf, train):
     from megatron.core.transformer.module import Float16Module
 
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron.backend import MegatronBackend
 
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf), ADAMW, train)
     dp, dp_rank = backend.data_parallel_size, backend.data_parallel_rank
@@ -192,7 +192,7 @@ def _four_batches():
 
 
 def _resume_worker(rank, world, hf, root, tp, train, phase, lora=None):
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron.backend import MegatronBackend
     from rlplacement.config import LoRAConfig
 
     cfg = BackendConfig(name="megatron", hf_checkpoint=None if phase == "resume" and lora is None else hf,
@@ -225,7 +225,8 @@ def _resume_worker(rank, world, hf, root, tp, train, phase, lora=None):
     (2, 1, {"use_distributed_optimizer": True, "bf16": True, **KL_ENTROPY}), (2, 2, {})],
     ids=["dp2-distributed-optimizer-bf16-kl", "tp2"])
 def test_a_run_saved_after_two_steps_and_resumed_ends_where_one_that_never_stopped_ends(tmp_path, world, tp, train):
-    from rlplacement.backends import megatron_checkpoint, train_checkpoint
+    from rlplacement.backends import train_checkpoint
+    from rlplacement.backends.megatron import checkpoint_layout as megatron_checkpoint
 
     hf = tmp_path / "hf"
     make_tiny_model(hf, SPEC)
@@ -281,7 +282,7 @@ def test_a_lora_run_saved_and_resumed_ends_where_one_that_never_stopped_ends(tmp
 
 
 def _offload_worker(rank, world, hf, train, offload, lora=None):
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron.backend import MegatronBackend
     from rlplacement.backends.offload import local_tensor
     from rlplacement.config import LoRAConfig
 

@@ -23,7 +23,7 @@ AUX = 0.5
 
 
 def _step_and_streams(rank, world, hf, streamed_path, dispatcher, ep, pp=1):
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron.backend import MegatronBackend
     from rlplacement.families import megatron_mapping as mapping
     from rlplacement.transfer.spec import OWN_GPU, RANK0, SHARES
 
@@ -31,7 +31,7 @@ def _step_and_streams(rank, world, hf, streamed_path, dispatcher, ep, pp=1):
     backend = MegatronBackend.from_config(BackendConfig(name="megatron", hf_checkpoint=hf, moe=moe,
                                                         expert_model_parallel_size=ep,
                                                         pipeline_model_parallel_size=pp), SGD)
-    from rlplacement.backends.megatron_model import global_named_parameters
+    from rlplacement.backends.megatron.model_build import global_named_parameters
 
     experts_marked = {getattr(p, "allreduce", True) for n, p in global_named_parameters(backend.model) if ".experts." in n}
     batch = random_batch(SPEC.vocab_size, seed=10 + rank % (world // pp))  # one batch per pipeline
@@ -145,7 +145,7 @@ def test_moe_flags_are_checked_against_config_json(tmp_path):
 
 
 def _bf16_step(rank, world, hf):
-    from rlplacement.backends.megatron import MegatronBackend
+    from rlplacement.backends.megatron.backend import MegatronBackend
     from rlplacement.config import TrainConfig
     from rlplacement.transfer.spec import OWN_GPU, SHARES
 

@@ -87,7 +87,7 @@ def test_folders_the_run_cannot_write_are_refused_before_it_starts(tmp_path):
 
 
 def test_convert_names_an_unwritable_save_and_a_conversion_it_cannot_reuse(tiny, tmp_path):
-    from rlplacement.backends import megatron_checkpoint as layout
+    from rlplacement.backends.megatron import checkpoint_layout as layout
 
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

@@ -103,7 +103,7 @@ def main() -> int:
     holder: dict = {}
 
     def gather(dtype=torch.float32):
-        from rlplacement.backends.megatron import MegatronBackend
+        from rlplacement.backends.megatron.backend import MegatronBackend
 
         sgd = OptimConfig(name="sgd", lr=0.5, max_grad_norm=None)
         backend = MegatronBackend.from_config(BackendConfig(name="megatron", load=str(out / f"td_tp{tp}"), tensor_model_parallel_size=tp), sgd,

@@ -150,10 +150,10 @@ def main() -> int:
     summary: dict = {"versions": _versions(), "cases": {}}
     t0 = time.perf_counter()
     try:
-        from rlplacement.backends.torchtitan import torchtitan_import_error
+        from rlplacement.backends.torchtitan.backend import torchtitan_import_error
 
         summary["torchtitan_import_error"] = torchtitan_import_error()
-        from rlplacement.backends.torchtitan_compat import PLACEHOLDERS
+        from rlplacement.backends.torchtitan.compat import PLACEHOLDERS
 
         summary["torch_names_stood_in_for"] = list(PLACEHOLDERS)
     except Exception:  # noqa: BLE001

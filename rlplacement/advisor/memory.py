@@ -89,7 +89,7 @@ def adapter_elements(model, lora) -> int:
 
 
 def megatron_adapter_elements(model, lora, tp: int, pp: int) -> list[int]:
-    """Each pipeline stage's adapter elements on one TP rank (``backends.megatron_lora``): a column-parallel
+    """Each pipeline stage's adapter elements on one TP rank (``backends.megatron.lora``): a column-parallel
     layer's ``A`` whole and ``B`` split over TP, a row-parallel layer's ``A`` split and ``B`` whole."""
     stages = [0] * pp
     for t in model.tensors:

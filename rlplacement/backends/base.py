@@ -15,6 +15,10 @@ Contracts every backend keeps:
   sees the padding of a later position), and ``loss_mask`` is 0 on prompt and padding tokens;
 - ``iter_hf_tensors`` yields on global rank 0 only; the tensors are copies of (or views on) the
   trained parameters in HF layout, bit-equal to what the backend holds, valid until the next step.
+
+What a backend saves and resumes from is :class:`~.backend_checkpoints.BackendCheckpoints`' part of the
+interface, its move to host memory and back :class:`~.backend_offload.BackendHostOffload`'s; both are mixed
+into :class:`TrainerBackend`, and a backend overrides their hooks as it does this module's.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-import time
 from typing import Any, ClassVar, Iterator
 
 import torch
 
+from rlplacement.backends.backend_checkpoints import BackendCheckpoints
+from rlplacement.backends.backend_offload import BackendHostOffload
 from rlplacement.backends.batching import fixed_micro_batches, pack_by_tokens, split_steps
 from rlplacement.backends.objective import (LossParts, TokenStats, policy_loss,  # noqa: F401  (backends' API)
                                             token_log_probs)
@@ -45,7 +50,7 @@ def resolve_bf16(train: TrainConfig) -> bool:
     return torch.cuda.is_available() if train.bf16 is None else train.bf16
 
 
-class TrainerBackend(abc.ABC):
+class TrainerBackend(BackendCheckpoints, BackendHostOffload, abc.ABC):
     """Build or load a model, train it on batches, and stream its weights in HF names."""
 
     name: ClassVar[str]
@@ -335,194 +340,10 @@ class TrainerBackend(abc.ABC):
         parts.loss.backward()
         return parts, (stats.logp.detach() * batch.loss_mask).sum()
 
-    def _checkpointed(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """The module and optimizer a training checkpoint holds (``--save``)."""
-        raise ConfigError(f"--save/--load of a training checkpoint: the {self.name} backend does not write one yet")
-
-    def save_checkpoint(self, root: str, weight_version: int, job_state: dict[str, Any] | None = None) -> str:
-        """Collective: the whole training state (model, optimizer, schedule position, step counters, RNG,
-        the weight version these weights will be served as) under ``root``, published atomically with every
-        file's checksum and the model's identity; ``job_state``: the driver's small JSON-able state, given
-        back in ``resumed["job_state"]``."""
-        from rlplacement.backends import train_checkpoint
-
-        module, optimizer = self._checkpointed()
-        state = self._saved_state(weight_version, job_state, **self.lora_checkpoint_state())
-        return str(train_checkpoint.save(root, self.train_calls, module, optimizer, state, self.model_identity(),
-                                         trainable_only=self.checkpoints_trainable_only))
-
     lora = None
     """The :class:`~rlplacement.config.LoRAConfig` where adapters train (``--lora-rank``), else None."""
     reference: torch.nn.Module | None = None
     """The frozen starting model of ``--use-kl-loss``, where the backend keeps one."""
-
-    @property
-    def checkpoints_trainable_only(self) -> bool:
-        """A checkpoint holds the trainable parameters alone: under LoRA its adapters, the frozen base being
-        the model folder's, which the checkpoint's identity names."""
-        return self.lora is not None
-
-    def lora_checkpoint_state(self) -> dict[str, Any]:
-        """What ``trainer_state.json`` records of a LoRA run (nothing otherwise, so a full checkpoint's state is
-        unchanged): that it holds the trainable parameters alone, and the adapters' settings, which
-        ``rlplacement export-hf`` writes as a PEFT config."""
-        if self.lora is None:
-            return {}
-        return {"trainable_only": True, "lora": {**self.lora.live_spec(), "dropout": self.lora.dropout}}
-
-    def _refuse_other_checkpoint_kind(self, saved: dict[str, Any], root: str) -> None:
-        """A LoRA run's checkpoint (the adapters alone) loaded without LoRA, or a full one with it: refused."""
-        holds_adapters = bool(saved.get("trainable_only", False))
-        if holds_adapters != self.checkpoints_trainable_only:
-            raise ConfigError(f"--load {root}: its checkpoint holds "
-                              + ("the trainable parameters alone (a LoRA run's adapters): resume it with the same "
-                                 "--lora-rank flags" if holds_adapters else
-                                 "the whole model, not a LoRA run's adapters: resume it without --lora-rank"))
-
-    def _saved_state(self, weight_version: int, job_state: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
-        """``trainer_state.json``'s content; a ``job_state`` JSON cannot hold is refused before any rank writes."""
-        import json
-
-        job_state = dict(job_state or {})
-        try:
-            json.dumps(job_state)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"save_checkpoint(job_state=...): {exc}; keep it to JSON values (numbers, strings, "
-                              f"lists, dicts)") from None
-        return {"train_calls": self.train_calls, "step": self.step, "skipped_steps": self.skipped_steps,
-                "weight_version": weight_version, **extra, "job_state": job_state}
-
-    def model_identity(self) -> dict[str, Any]:
-        """The model a checkpoint of this run records: the identity of the checkpoint it resumed from, else
-        of :attr:`source_hf_dir` (``checkpoint_manifest.model_identity``), else {}."""
-        if self._identity is None:
-            from rlplacement.backends.checkpoint_manifest import model_identity
-
-            self._identity = model_identity(self.source_hf_dir) if self.source_hf_dir else {}
-        return self._identity
-
-    def load_checkpoint(self, root: str) -> dict[str, Any]:
-        """Collective: resume from the last checkpoint under ``root`` (see :meth:`save_checkpoint`), checked
-        first against its manifest and :attr:`source_hf_dir`'s model (``train_checkpoint.verified``)."""
-        from rlplacement.backends import train_checkpoint
-
-        module, optimizer = self._checkpointed()
-        folder = train_checkpoint.latest(root)
-        self._refuse_other_checkpoint_kind(train_checkpoint.read_state(folder), root)
-        state = train_checkpoint.load(folder, module, optimizer, self.source_hf_dir,
-                                      trainable_only=self.checkpoints_trainable_only)
-        return self._resumed_from(state)
-
-    def _resumed_from(self, state: dict[str, Any]) -> dict[str, Any]:
-        self.train_calls, self.step, self.skipped_steps = state["train_calls"], state["step"], state["skipped_steps"]
-        self._identity = state.pop("model") or None  # the next save records the same model
-        self.resumed = state
-        return state
-
-    def offload_to_host(self) -> dict[str, float]:
-        """Move weights and optimizer state to host memory and drop the gradients (``--offload-train``),
-        so colocated engines can use the GPU; :meth:`reload_from_host` before the next step or gather.
-        Works on any device (on CPU it only proves the round trip); the job calls it on GPUs only."""
-        from rlplacement.backends.offload import HostOffload
-
-        start = time.perf_counter()
-        if getattr(self, "_host_offload", None) is None:
-            self._host_offload = HostOffload()
-        for p in self._parameters():
-            p.grad = None  # the next step starts from None anyway
-        tensors, drop = self._resident_tensors(), self._dropped_tensors()
-        prepared = time.perf_counter() - start
-        return {**self._host_offload.offload(tensors, drop, self._frozen_tensors()), "prepare_seconds": prepared}
-
-    def _frozen_tensors(self) -> list[torch.Tensor]:
-        """Tensors nothing writes during the run: parameters that train nothing (LoRA's base) and the KL
-        reference. Those of them the offload moves (:meth:`_resident_tensors`) go to host once
-        (``HostOffload.offload``'s ``frozen``)."""
-        frozen = [p for p in self._parameters() if not p.requires_grad]
-        return frozen + (list(self.reference.parameters()) if self.reference is not None else [])
-
-    def reserve_host_memory(self) -> dict[str, float]:
-        """Make and pin, now, the host buffer every later :meth:`offload_to_host` uses: sized for the
-        weights and optimizer state as they will be after the first optimizer step
-        (:meth:`host_state_bytes`), so no step pays for pinning. Returns its seconds and bytes."""
-        from rlplacement.backends.offload import HostOffload
-
-        if getattr(self, "_host_offload", None) is None:
-            self._host_offload = HostOffload()
-        return self._host_offload.reserve(self.host_state_bytes(), pin=self.device.type == "cuda")
-
-    def host_state_bytes(self) -> int:
-        """Bytes :meth:`offload_to_host` will move once the optimizer has its state: what is resident now,
-        plus the state torch's AdamW (two moments like each parameter; three with amsgrad; its float32 step
-        counter where it lives on the training device), SGD with momentum (one buffer) or the FusedAdam
-        megatron uses on a GPU (TransformerEngine's: two moments in its ``exp_avg_dtype``s, plus master copies
-        with ``master_weights``; apex's: two like the parameter) makes at its first step for each parameter
-        that has none yet. Another optimizer's state is counted once it exists."""
-        from rlplacement.backends.offload import unique_storages
-
-        total = sum(s.nbytes() for s in unique_storages(self._resident_tensors()).values())
-        for opt in self._torch_optimizers():
-            total += self._state_to_come(opt)
-        return total
-
-    def _torch_optimizers(self) -> list:
-        """The torch optimizers holding this backend's optimizer state (none before it is built)."""
-        return [] if self.optimizer is None else [self.optimizer]
-
-    def _state_to_come(self, opt) -> int:
-        """Bytes of optimizer state ``opt`` will create at its first step (see :meth:`host_state_bytes`)."""
-        from rlplacement.backends.offload import local_tensor
-
-        total = 0
-        for group in opt.param_groups:
-            per_param, counter, fixed_bytes = 0, 0, None  # moments like the parameter, or bytes per element
-            if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-                per_param = 3 if group.get("amsgrad") else 2
-                # the step counter is a CPU scalar unless fused or capturable: on the device where that is
-                on_device = group.get("fused") or group.get("capturable") or self.device.type == "cpu"
-                counter = 4 if on_device else 0
-            elif isinstance(opt, torch.optim.SGD) and group.get("momentum", 0):
-                per_param = 1
-            elif type(opt).__name__ == "FusedAdam":  # megatron's Adam on a GPU: TransformerEngine's (or apex's)
-                if hasattr(opt, "exp_avg_dtype"):  # TE: moments in their own dtypes, fp32 master copies if asked
-                    fixed_bytes = opt.exp_avg_dtype.itemsize + opt.exp_avg_sq_dtype.itemsize + (
-                        getattr(opt, "master_weight_dtype", torch.float32).itemsize if opt.master_weights else 0)
-                else:
-                    per_param = 2
-            for p in group["params"]:
-                local = local_tensor(p)
-                if self._stepped_by(p) and not opt.state.get(p) and local.device == self.device:
-                    element = local.element_size() * per_param if fixed_bytes is None else fixed_bytes
-                    total += element * local.numel() + counter
-        return total
-
-    def _stepped_by(self, param) -> bool:
-        """Whether the optimizer will make state for ``param`` (torch's: one that gets gradients)."""
-        return param.requires_grad
-
-    @property
-    def offloaded_to_host(self) -> bool:
-        host = getattr(self, "_host_offload", None)
-        return host is not None and host.offloaded
-
-    def reload_from_host(self) -> dict[str, float]:
-        host = getattr(self, "_host_offload", None)
-        return host.reload() if host is not None else {"seconds": 0.0, "bytes": 0.0}
-
-    def _dropped_tensors(self) -> list[torch.Tensor]:
-        """Device buffers an offload frees without copying (the next step rewrites them before reading)."""
-        return []
-
-    def _resident_tensors(self) -> list[torch.Tensor]:
-        """Parameters and optimizer state on the training device (the optimizer's CPU step counters stay)."""
-        from rlplacement.backends.offload import local_tensor
-
-        tensors = list(self._parameters())
-        if self.optimizer is not None:
-            tensors += [v for state in self.optimizer.state.values() for v in state.values()
-                        if isinstance(v, torch.Tensor)]
-        device = self.device
-        return [t for t in tensors if local_tensor(t).device == device]
 
     def close(self) -> None:
         """Release framework state (parallel groups); the process group stays the caller's."""

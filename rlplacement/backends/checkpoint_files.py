@@ -59,7 +59,8 @@ def check_whole(folder: str | Path, flag: str = "--load") -> None:
 
 def loaded_folder(load: str | Path) -> Path:
     """The folder a ``--load`` reads: a ``--save`` folder's latest published iteration, or a conversion's."""
-    from rlplacement.backends import megatron_checkpoint, train_checkpoint
+    from rlplacement.backends import train_checkpoint
+    from rlplacement.backends.megatron import checkpoint_layout as megatron_checkpoint
 
     if megatron_checkpoint.is_training_checkpoint(load):
         return train_checkpoint.latest(load)

@@ -79,7 +79,7 @@ def validate(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     os.environ.setdefault(quiet.ENV, "1")  # inherited by the ranks it spawns
-    from rlplacement.backends import megatron_checkpoint as layout
+    from rlplacement.backends.megatron import checkpoint_layout as layout
     from rlplacement.convert.run import run_collective
 
     if layout.state(args.save) == "finished":  # fast path: no torch.distributed, no megatron import

@@ -57,7 +57,7 @@ def _export_rank(rank: int, world: int, load: str, save: str, hf_config: str | N
 
 def main(args: argparse.Namespace) -> int:
     os.environ.setdefault(quiet.ENV, "1")  # inherited by the ranks it spawns
-    from rlplacement.backends import megatron_checkpoint as layout
+    from rlplacement.backends.megatron import checkpoint_layout as layout
     from rlplacement.convert.run import run_collective
 
     load = Path(args.load)

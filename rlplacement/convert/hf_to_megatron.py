@@ -16,9 +16,9 @@ import torch.distributed as dist
 from rlplacement.atomic_files import write_atomic
 from rlplacement.families import megatron_mapping as mapping
 from rlplacement.hf_folder import copy_side_files
-from rlplacement.backends import megatron_model as mm
+from rlplacement.backends.megatron import model_build as mm
 from rlplacement.families import family_for
-from rlplacement.backends import megatron_checkpoint as layout
+from rlplacement.backends.megatron import checkpoint_layout as layout
 
 
 def convert(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tp: int = 1, pp: int = 1,

@@ -1,6 +1,6 @@
 """Megatron torch_dist checkpoint -> HF folder (collective; rank 0 writes).
 
-Tensors stream out of :func:`megatron_model.iter_hf_tensors` one parameter at a time and are written
+Tensors stream out of :func:`~rlplacement.backends.megatron.update_streams.iter_hf_tensors` one parameter at a time and are written
 in safetensors shards of at most ``max_shard_bytes`` (HF's index layout when there is more than one),
 so exporting never holds the whole model on rank 0.
 """
@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from rlplacement.families import megatron_mapping as mapping
-from rlplacement.backends import megatron_model as mm
+from rlplacement.backends.megatron import model_build as mm
+from rlplacement.backends.megatron.update_streams import iter_hf_tensors
 from rlplacement.families import family_for
 from rlplacement.hf_folder import copy_side_files
-from rlplacement.backends import megatron_checkpoint as layout
+from rlplacement.backends.megatron import checkpoint_layout as layout
 
 
 def export(load_dir: str | os.PathLike, save_dir: str | os.PathLike, hf_config_dir: str | os.PathLike | None = None,
@@ -48,7 +49,7 @@ def export(load_dir: str | os.PathLike, save_dir: str | os.PathLike, hf_config_d
     dtype = mm.hf_dtype(hf_config)
     from tqdm import tqdm
 
-    tensors = mm.iter_hf_tensors(model, shape, family)
+    tensors = iter_hf_tensors(model, shape, family)
     for name, tensor in tqdm(tensors, desc="export", unit="tensor", disable=not (progress and writer is not None)):
         if writer is not None:
             writer.add(name, tensor.detach().cpu().to(dtype))

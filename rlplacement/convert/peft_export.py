@@ -45,10 +45,10 @@ def read_adapters(folder: Path) -> dict[str, "torch.Tensor"]:
 def _peft_name(key: str) -> str | None:
     """The PEFT name of a checkpoint key that holds an adapter tensor, else None: fsdp's ``model.`` + the FQN
     under the trained root (``lm.`` + the HF model's names), or megatron's
-    (:func:`~rlplacement.backends.megatron_lora.peft_name_of`), whose ``torch_dist`` format is
+    (:func:`~rlplacement.backends.megatron.lora.peft_name_of`), whose ``torch_dist`` format is
     ``torch.distributed.checkpoint``'s too."""
     from rlplacement.backends.lora import peft_name
-    from rlplacement.backends.megatron_lora import peft_name_of
+    from rlplacement.backends.megatron.lora import peft_name_of
 
     if key.startswith("model.") and (".lora_A." in key or ".lora_B." in key):
         return peft_name(key.removeprefix("model.").split(".", 1)[1])

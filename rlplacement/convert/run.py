@@ -38,7 +38,7 @@ def _teardown() -> None:
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
-        from rlplacement.backends.megatron_cpu import remove_cpu_shims
+        from rlplacement.backends.megatron.cpu_shims import remove_cpu_shims
 
         remove_cpu_shims()
     except ImportError:

@@ -245,6 +245,6 @@ def _remove_shm_segments(job, index: int) -> None:
 
 def _published(save: str | None) -> str | None:
     """``save`` when a checkpoint has been published there, else None (the trainer starts from the model)."""
-    from rlplacement.backends.megatron_checkpoint import is_training_checkpoint
+    from rlplacement.backends.megatron.checkpoint_layout import is_training_checkpoint
 
     return save if save and is_training_checkpoint(save) else None

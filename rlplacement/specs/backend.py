@@ -6,9 +6,10 @@ pieces rule (``transfer.pieces``), the advisor's memory model and ``rlplacement 
 never branch on a backend's name, so a new backend is one package that registers one spec (from outside
 ``rlplacement`` too, through the ``rlplacement.plugins`` entry points: :mod:`rlplacement.specs`).
 
-The built-in specs (``rlplacement.backends.builtin_specs``) are imported on the first lookup, then those
-of installed packages. The registry sits below every layer that reads it (the transfer plan and the
-advisor too), so it names the backends' modules only as strings. Every ``"module:name"`` field is
+The built-in specs (each in its backend's package: ``rlplacement.backends.megatron``, ``.fsdp``,
+``.torchtitan``) are imported on the first lookup, then those of installed packages. The registry sits below
+every layer that reads it (the transfer plan and the advisor too), so it names the backends' modules only as
+strings. Every ``"module:name"`` field is
 imported only when used: the spec itself is torch-free, so the flags and ``rlplacement plan`` read it
 without torch.
 """
@@ -105,7 +106,7 @@ class BackendSpec:
         return load_object(path)(*args, **kwargs) if path else None
 
 
-BUILTIN_MODULES = ("rlplacement.backends.builtin_specs",)
+BUILTIN_MODULES = ("rlplacement.backends.megatron", "rlplacement.backends.fsdp", "rlplacement.backends.torchtitan")
 
 REGISTRY: SpecRegistry[BackendSpec] = SpecRegistry(
     "trainer backend", BUILTIN_MODULES,

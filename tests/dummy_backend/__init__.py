@@ -14,7 +14,7 @@ MARKS_ENV = "DUMMY_BACKEND_MARKS"
 """Where a built dummy backend leaves a file named by its process id (unset: nowhere): a test's proof of
 which processes built it."""
 
-_FSDP = "rlplacement.backends.builtin_specs"
+_FSDP = "rlplacement.backends.fsdp"
 
 SPEC = BackendSpec(
     name="dummy", backend="tests.dummy_backend.backend:DummyBackend",

@@ -133,7 +133,7 @@ def share_holdings(model: ModelTensors, world: int) -> Holdings:
 
 def megatron_share_holdings(model: ModelTensors, tp: int, pp: int, dp: int, ep: int = 1) -> Holdings:
     """What each rank of a Megatron trainer sends when every rank sends its share
-    (``megatron_model.iter_own_stage_megatron``): each stage's parameters (an HF fused group is one megatron
+    (``update_streams.iter_own_stage_megatron``): each stage's parameters (an HF fused group is one megatron
     parameter: q/k/v, gate/up) shared out whole over the stage's ``DP x TP`` ranks by their full bytes,
     vocabulary padded as Megatron pads it, largest first; the rank sends the parameter's HF tensors. Under
     expert parallelism the experts are left out of that and each expert-parallel rank's experts are shared out
@@ -169,7 +169,7 @@ def megatron_share_holdings(model: ModelTensors, tp: int, pp: int, dp: int, ep: 
 
 
 def megatron_piece_holdings(model: ModelTensors, tp: int, pp: int, dp: int, ep: int = 1) -> Holdings:
-    """What each rank of a Megatron trainer sends when it sends pieces (``megatron_model.iter_own_pieces_megatron``):
+    """What each rank of a Megatron trainer sends when it sends pieces (``update_streams.iter_own_pieces_megatron``):
     every box a rank holds (:func:`megatron_holdings`: its TP rank's box of each TP-split tensor of its stage, a
     replicated tensor whole, under expert parallelism its own experts), split by rows among the ranks that hold
     that same box, in rank order (``transfer.pieces.row_part``): a TP-split tensor among its data-parallel

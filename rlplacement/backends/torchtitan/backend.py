@@ -1,6 +1,6 @@
 """torchtitan trainer: torchtitan's model for the architecture under FSDP2, HF weights in and out by name.
 
-Runs where CUDA is (the model, weight loading and streaming: :mod:`rlplacement.backends.torchtitan_model`).
+Runs where CUDA is (the model, weight loading and streaming: :mod:`rlplacement.backends.torchtitan.model`).
 On a CPU host torchtitan 0.3.0 (torch 2.13.0+cpu) has two blockers, both checked here:
 1. ``import torchtitan.models.qwen3`` needs ``triton``: ``models/common/moe.py`` ->
    ``distributed/minimal_async_ep/kernels.py`` imports it at module level even for dense models, and
@@ -11,7 +11,7 @@ On a CPU host torchtitan 0.3.0 (torch 2.13.0+cpu) has two blockers, both checked
    ``ScaledDotProductAttention`` module instead (causal; we never pack documents), which removes
    this blocker but not the first.
 On torch older than torchtitan's (2.11 on the GPU machine) the import goes through
-:mod:`rlplacement.backends.torchtitan_compat`, which stands in for nightly-only torch names.
+:mod:`rlplacement.backends.torchtitan.compat`, which stands in for nightly-only torch names.
 So the backend refuses without CUDA unless ``allow_cpu=True`` is passed explicitly (a CPU smoke run
 with triton importable, e.g. ``benchmarks/gpu/torchtitan_check.py --device cpu``).
 
@@ -31,13 +31,13 @@ import torch
 from rlplacement.config import BackendConfig, OptimConfig, TrainConfig
 from rlplacement.errors import ConfigError
 from rlplacement.backends.base import TrainerBackend
-from rlplacement.backends.fsdp import FSDPBackend, resolve_bf16, served_dtype
+from rlplacement.backends.fsdp.backend import FSDPBackend, resolve_bf16, served_dtype
 from rlplacement.families import family_for
 from rlplacement.families import torchtitan_mapping as names
 
 def torchtitan_import_error() -> str | None:
     """Why torchtitan's models cannot be imported here, or None if they can."""
-    from rlplacement.backends.torchtitan_compat import import_torchtitan_models
+    from rlplacement.backends.torchtitan.compat import import_torchtitan_models
 
     try:
         import_torchtitan_models()  # stands in for nightly-only torch names on an older torch
@@ -48,8 +48,8 @@ def torchtitan_import_error() -> str | None:
 
 class TorchtitanBackend(FSDPBackend):
     """torchtitan's model under FSDP2; the step, clipping, mixed precision, chunked log-probs (torchtitan's
-    ``Decoder`` stops before its output layer: ``fsdp_model.TorchtitanRoot``), the reference model and the
-    stream as :class:`FSDPBackend`. Recompute and compile wrap each block (``fsdp_model.recompute_and_compile``).
+    ``Decoder`` stops before its output layer: ``fsdp.sharded_model.TorchtitanRoot``), the reference model and the
+    stream as :class:`FSDPBackend`. Recompute and compile wrap each block (``fsdp.sharded_model.recompute_and_compile``).
     Every rank builds the whole model before sharding (torchtitan's builder has no meta-device path here)."""
 
     name = "torchtitan"
@@ -71,7 +71,7 @@ class TorchtitanBackend(FSDPBackend):
         import torch.distributed as dist
 
         from rlplacement.backends import launch
-        from rlplacement.backends.megatron_model import load_hf_config
+        from rlplacement.backends.megatron.model_build import load_hf_config
         from rlplacement.backends.preflight import preflight
 
         cuda = torch.cuda.is_available()
@@ -108,7 +108,7 @@ class TorchtitanBackend(FSDPBackend):
             t.dtype == self.stream_dtype for _, t in self._whole_parameters()))
 
     def _update_sizes(self) -> list[tuple[str, int]]:
-        from rlplacement.backends import torchtitan_model as ttm
+        from rlplacement.backends.torchtitan import model as ttm
 
         return [(name, math.prod(shape) * (self.stream_dtype or dtype).itemsize)
                 for name, shape, dtype in ttm.hf_tensor_shapes(self.model)]
@@ -136,7 +136,7 @@ class TorchtitanBackend(FSDPBackend):
     def iter_hf_tensors(self, owners: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         import torch.distributed as dist
 
-        from rlplacement.backends import torchtitan_model as ttm
+        from rlplacement.backends.torchtitan import model as ttm
 
         self.root.reshard()  # stream the sharded parameters, never a stale gathered copy (see FSDPBackend)
         rank = dist.get_rank()
@@ -148,9 +148,9 @@ class TorchtitanBackend(FSDPBackend):
 def _build(hf_dir: str, hf_config: Any, device: torch.device, dtype: torch.dtype, bf16: bool, *,
            recompute: bool = False, compile_layers: bool = False) -> torch.nn.Module:
     """torchtitan's model of ``hf_dir`` filled from its weights, each block recomputed/compiled as asked,
-    sharded under a :class:`fsdp_model.TorchtitanRoot`."""
-    from rlplacement.backends import torchtitan_model as ttm
-    from rlplacement.backends.fsdp_model import TorchtitanRoot, recompute_and_compile, shard
+    sharded under a :class:`~rlplacement.backends.fsdp.sharded_model.TorchtitanRoot`."""
+    from rlplacement.backends.torchtitan import model as ttm
+    from rlplacement.backends.fsdp.sharded_model import TorchtitanRoot, recompute_and_compile, shard
 
     model = ttm.build(hf_config, device, dtype)
     ttm.load_hf_weights(model, hf_dir, hf_config)

@@ -1,5 +1,5 @@
 """FSDP2 trainer: the HF model sharded with ``fully_shard`` on every decoder layer and the root (gloo on
-CPU, NCCL on GPU), built so that no rank holds the whole model (:mod:`.fsdp_model`). Each rank is a
+CPU, NCCL on GPU), built so that no rank holds the whole model (:mod:`.sharded_model`). Each rank is a
 data-parallel replica holding a ``Shard(0)`` slice of every parameter; FSDP averages gradients across
 ranks. Under ``--bf16`` the parameters and AdamW state stay fp32 (the master weights) while FSDP2's
 ``MixedPrecisionPolicy`` computes in bf16 and reduces gradients in fp32. Weights stream out one
@@ -53,8 +53,8 @@ class FSDPBackend(TrainerBackend):
                     compile_layers: bool = False, **_: Any) -> "FSDPBackend":
         """``dtype``: the parameters' (master) dtype; ``stream_dtype``: what the weight stream yields (default:
         bf16 under ``--bf16``, else the parameters' own); ``compile_layers``: ``torch.compile`` each decoder
-        layer (GPU runs: see ``fsdp_model.build_sharded``)."""
-        from rlplacement.backends.fsdp_model import build_sharded
+        layer (GPU runs: see ``sharded_model.build_sharded``)."""
+        from rlplacement.backends.fsdp.sharded_model import build_sharded
 
         train = train or TrainConfig()
         if not cfg.hf_checkpoint:

@@ -10,7 +10,7 @@ builders with two deliberate choices:
   torchtitan's language-model presets use flex or varlen only to mask packed documents, which we
   never pack. SDPA also has a fp32 path (the math kernel), so the GPU check can compare in fp32.
 
-Importing torchtitan's models needs triton (see :mod:`rlplacement.backends.torchtitan`); everything
+Importing torchtitan's models needs triton (see :mod:`rlplacement.backends.torchtitan.backend`); everything
 here imports torchtitan inside functions.
 """
 

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlplacement.backends import megatron_checkpoint, train_checkpoint
+from rlplacement.backends import train_checkpoint
+from rlplacement.backends.megatron import checkpoint_layout as megatron_checkpoint
 from rlplacement.errors import ConfigError
 
 
