@@ -97,3 +97,23 @@ def test_expert_parallel_ranks_with_uneven_shares_match_the_run_without(hf_dir, 
     assert sorted(results[0]["after"]) == sorted(reference[0]["after"])
     worst = {n: (t - reference[0]["after"][n]).abs().max().item() for n, t in results[0]["after"].items()}
     assert max(worst.values()) <= 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.slow
+def test_the_example_loop_trains_a_mixture_of_experts_model_at_ep2_with_the_default_dispatcher(tmp_path):
+    """A new user's run: the example loop, megatron at --expert-model-parallel-size 2 with the default token
+    dispatcher (allgather) and the load-balancing loss, samples of every length. Each step's update checked
+    tensor by tensor, and the engine's log-probs of its samples equal the trainer's (the trainer's are computed
+    on the lined-up micro-batches)."""
+    import json
+
+    from tests.test_tiny_grpo import run_loop
+
+    telemetry = tmp_path / "tel.jsonl"
+    proc = run_loop(tmp_path, "--steps", "2", "--tiny-model-family", "qwen3_moe", "--train-backend", "megatron",
+                    "--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff",
+                    "0.01", "--check-weight-update-equal", "--telemetry", str(telemetry), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in telemetry.read_text().splitlines()]
+    assert len(rows) == 2 and all(row["perf/update_weights_checked"] == 1 for row in rows)
+    assert max(row["rollout/logprob_abs_diff"] for row in rows) < 1e-5
