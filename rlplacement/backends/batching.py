@@ -1,4 +1,4 @@
-"""How one rank's share of a train call becomes optimizer steps and micro-batches (pure functions).
+"""How one rank's share of a train call becomes optimizer steps and micro-batches.
 
 A share of ``N`` samples makes ``N / per_step`` optimizer steps of consecutive samples (``per_step`` is a
 rank's part of ``--global-batch-size``); each step's samples are cut into micro-batches, either
@@ -7,14 +7,20 @@ rank's part of ``--global-batch-size``); each step's samples are cut into micro-
 ``samples x that length``: packing sorts by length so long samples share micro-batches. Every
 data-parallel rank must run the same number of micro-batches (the collectives of a forward/backward pair
 up across ranks, and megatron's schedules need one count): the caller agrees on the count across ranks
-and :func:`pack_by_tokens` splits further until it reaches it.
+and :func:`pack_by_tokens` splits further until it reaches it. Where ranks' micro-batches must also hold
+the same number of tokens (megatron's all-gather token dispatcher under expert parallelism), each is
+padded to the shape the group agreed on (:func:`lined_up`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
+import torch
+
 from rlplacement.errors import ConfigError
+from rlplacement.train_io import Batch
 
 
 def pack_by_tokens(lengths: Sequence[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:
@@ -58,3 +64,50 @@ def split_steps(count: int, per_step: int | None) -> list[range]:
                           f"{per_step} samples per rank (--global-batch-size over the data-parallel ranks): send "
                           f"a multiple of --global-batch-size samples per train call.")
     return [range(start, start + per_step) for start in range(0, count, per_step)]
+
+
+@dataclasses.dataclass
+class LinedUpBatch(Batch):
+    """A micro-batch widened to the shape other ranks' micro-batches of the same index have (megatron's
+    all-gather token dispatcher gathers every rank's tokens as equal blocks), or a stand-in for one this rank
+    lacks (every rank of an expert-parallel group runs the same number: each forward is a collective).
+    The added rows and columns are padding: token 0, outside the loss mask, advantage 0, routed to experts
+    ``0..K-1`` where routes are replayed."""
+
+    padding: torch.Tensor | None = None
+    """``[B, T]`` bool, True on the tokens added to line the ranks up (megatron's ``padding_mask``: its routers
+    leave them out of the load-balancing loss); None: nothing added. The padding past a sample's length inside
+    the micro-batch's own width is not marked: it stays what it is without lining up."""
+    own_rows: int = 0
+    """Samples of the micro-batch before lining up (0: a stand-in, every token added)."""
+    own_width: int = 0
+    """Its width before lining up."""
+
+
+def lined_up(batch: Batch, rows: int, width: int) -> LinedUpBatch:
+    """``batch`` (``rows`` or fewer samples, ``width`` or fewer columns) padded to ``rows x width``; with 0 rows
+    (``batch.rows([])``), a stand-in micro-batch with the fields ``batch`` has."""
+    have_rows, have_width = batch.input_ids.shape
+    have_width *= have_rows > 0  # a stand-in keeps no column of its template
+    if have_rows > rows or have_width > width:
+        raise ValueError(f"a micro-batch of {have_rows} x {have_width} cannot line up to {rows} x {width}")
+
+    def pad(t: torch.Tensor | None, value: float = 0) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if t.dim() == 1:
+            return torch.nn.functional.pad(t, (0, rows - have_rows), value=value)
+        return torch.nn.functional.pad(t[:, :have_width], (0, width - have_width, 0, rows - have_rows), value=value)
+
+    routes = batch.routed_experts
+    if routes is not None:
+        k = routes.shape[-1]
+        filler = torch.arange(k, dtype=routes.dtype, device=routes.device).expand(rows, width, routes.shape[2], k)
+        routes = filler.clone()
+        routes[:have_rows, :have_width] = batch.routed_experts[:, :have_width]
+    padding = torch.ones(rows, width, dtype=torch.bool, device=batch.input_ids.device)
+    padding[:have_rows, :have_width] = False
+    lengths = None if batch.lengths is None else pad(batch.lengths, value=1)
+    return LinedUpBatch(pad(batch.input_ids), pad(batch.loss_mask), pad(batch.advantages), pad(batch.old_logprobs),
+                        lengths, routes, pad(batch.rollout_logprobs), padding=padding if padding.any() else None,
+                        own_rows=have_rows, own_width=have_width)

@@ -217,14 +217,29 @@ class MegatronBackend(MegatronUpdates, MegatronCheckpoints):
         return buf
 
     def log_probs(self, batch):
-        if self._pp == 1:
-            return super().log_probs(batch)
+        """Micro-batch by micro-batch (a pipeline takes the share whole, its last stage broadcasting the
+        log-probs), lined up across an expert-parallel group (``megatron.train.line_up``)."""
+        from megatron.core import parallel_state as ps
+
+        from rlplacement.backends.megatron.train import line_up
+
         self._check_routes(batch)
         self.set_train(False)
         batch = batch.to(self.device)
-        with torch.no_grad(), self._routes(batch):
-            logp = self._stage_log_probs(batch.input_ids)
-        return self._from_last_stage(logp, batch.input_ids)
+        parts = ([(slice(None), batch)] if self._pp > 1 else
+                 [(idx, batch.rows(idx).trimmed()) for idx in self._micro_batches(batch)])
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for i, mb in enumerate(line_up([mb for _, mb in parts], self.model.config)):
+                with self._routes(mb):
+                    logp = self._stage_log_probs(mb.input_ids)
+                if logp is not None and i < len(parts):  # the last stage; not a stand-in
+                    idx, own = parts[i]
+                    rows, width = own.input_ids.shape
+                    out[idx, :width] = logp[:rows, :width]
+        if self._pp == 1:
+            return out
+        return self._from_last_stage(out if ps.is_pipeline_last_stage(ignore_virtual=True) else None, out)
 
     @property
     def replays_routes(self) -> bool:
@@ -259,9 +274,12 @@ class MegatronBackend(MegatronUpdates, MegatronCheckpoints):
         last stage, hidden states elsewhere (the schedule sends and receives them). With routes, its routers
         replay them from here until the step ends (a full recompute in this micro-batch's backward replays
         them too: without pipelining megatron runs each micro-batch's backward right after its forward)."""
+        from rlplacement.backends.megatron.train import padding_mask_of
+
         if batch.routed_experts is not None:
             self._replay(model, batch)
-        return model(batch.input_ids, *self._positions_and_mask(batch.input_ids))
+        return model(batch.input_ids, *self._positions_and_mask(batch.input_ids),
+                     **padding_mask_of(batch, self.model.config))
 
     def _positions_and_mask(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Position ids and, for the local spec, an explicit causal mask (its default one is built on
@@ -284,7 +302,9 @@ class MegatronBackend(MegatronUpdates, MegatronCheckpoints):
 
         cfg = self.train_config
         multiple = self.model.config.tensor_model_parallel_size if self.model.config.sequence_parallel else 1
-        micro = [batch.rows(idx).trimmed(multiple) for idx in self._micro_batches(batch)]
+        from rlplacement.backends.megatron.train import line_up
+
+        micro = line_up([batch.rows(idx).trimmed(multiple) for idx in self._micro_batches(batch)], self.model.config)
         # the reference's log-probs of every micro-batch first (a pipeline runs them stage to stage)
         references = {}
         for mb in micro if cfg.use_kl_loss else ():

@@ -12,6 +12,14 @@ DDP averages over data-parallel ranks, which the normaliser (tokens / DP size) a
 whose gradient is not finite anywhere is skipped and counted, nothing applied; the learning rate is
 the run's schedule (``OptimConfig.lr_at``), set on every parameter group before each step.
 Megatron's own rules apply where they differ: no weight decay on biases and norm weights.
+
+Under expert parallelism every forward is a collective of the expert-parallel group, so its ranks run the
+same number of micro-batches, and under the all-gather token dispatcher (which gathers every rank's tokens
+as equal blocks) micro-batches of the same index hold the same number of tokens: :func:`line_up` pads them to
+the group's shape and gives a rank with fewer micro-batches stand-ins (``batching.lined_up``). The padding
+changes no result: it is outside the loss mask, megatron's routers leave it out of the load-balancing loss
+(its ``padding_mask``), a stand-in trains with the routers' losses off, and the routers' loss keeps the
+weight ``1 / (the rank's own micro-batches)`` it has without stand-ins.
 """
 
 from __future__ import annotations
@@ -22,6 +30,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from rlplacement.backends.batching import LinedUpBatch, lined_up
+from rlplacement.errors import ConfigError
+from rlplacement.train_io import Batch
+
+GATHERING_DISPATCHERS = ("allgather",)
+"""megatron's token dispatchers that gather every expert-parallel rank's tokens as equal blocks."""
 
 
 class MegatronTraining:
@@ -64,17 +79,38 @@ class MegatronTraining:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         n = len(micro_batches)
+        own = sum(not is_stand_in(b) for b in micro_batches)
+        routers = self._routers() if own < n else []
+        if routers and self.config.recompute_granularity == "full" and self.config.pipeline_model_parallel_size > 1:
+            raise ConfigError("--recompute-granularity full with pipeline stages and expert-parallel ranks whose shares "
+                              "make different numbers of micro-batches: send every data-parallel rank the same number "
+                              "of samples, or drop --recompute-granularity")
 
         def step_func(data: Iterator, model):
             batch = next(data)
-            return forward(model, batch), functools.partial(_scaled_loss, loss, batch, n)
+            if is_stand_in(batch):  # from here to the step's end only stand-ins run forwards (they come last)
+                for router in routers:
+                    router.training = False
+            return forward(model, batch), functools.partial(_scaled_loss, loss, batch, own)
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         first = micro_batches[0].input_ids
-        get_forward_backward_func()(forward_step_func=step_func, data_iterator=iter(micro_batches), model=[self.ddp],
-                                    num_microbatches=n, seq_length=first.shape[1], micro_batch_size=first.shape[0],
-                                    forward_only=False)
+        if own < n:  # megatron weighs the routers' losses by 1 / n: scaled back to 1 / own (see _scaled_loss)
+            self.config.grad_scale_func = lambda value: self.optimizer.scale_loss(value) * (n / own)
+        try:
+            get_forward_backward_func()(forward_step_func=step_func, data_iterator=iter(micro_batches),
+                                        model=[self.ddp], num_microbatches=n, seq_length=first.shape[1],
+                                        micro_batch_size=first.shape[0], forward_only=False)
+        finally:
+            self.config.grad_scale_func = self.optimizer.scale_loss
+            for router in routers:
+                router.training = True
+
+    def _routers(self) -> list:
+        from megatron.core.transformer.moe.router import Router
+
+        return [m for m in self.ddp.modules() if isinstance(m, Router)]
 
     def step(self, lr: float) -> tuple[float, bool]:
         """Apply the reduced gradients at ``lr``; returns (gradient norm, applied). Not applied where any
@@ -145,6 +181,61 @@ class MegatronTraining:
 
 def _scaled_loss(loss: Callable, batch: Any, num_microbatches: int, output: torch.Tensor):
     """megatron's schedule divides what this returns by the number of micro-batches; the loss is already
-    normalised for the whole step, so it is handed over multiplied by that number."""
+    normalised for the whole step, so it is handed over multiplied by that number. With stand-ins the schedule
+    divides by all ``n`` micro-batches and the loss scale is raised by ``n / own``
+    (:meth:`MegatronTraining.forward_backward`): ``num_microbatches`` is then this rank's ``own``."""
+
     value = loss(batch, output)
     return value * num_microbatches, {}
+
+
+def is_stand_in(batch: Batch) -> bool:
+    """A micro-batch :func:`line_up` made for a rank that had fewer than its group."""
+    return isinstance(batch, LinedUpBatch) and batch.own_rows == 0
+
+
+def line_up(micro_batches: list[Batch], config) -> list[Batch]:
+    """This rank's micro-batches as its expert-parallel group runs them (collective over the group where expert
+    parallelism is on, else ``micro_batches`` as given): as many as the rank with most, each padded to the
+    largest of its index across the group under a gathering dispatcher (:data:`GATHERING_DISPATCHERS`), then
+    stand-ins (``batching.lined_up``, 1 x the sequence-parallel multiple under other dispatchers). Own
+    micro-batches come first, in order."""
+    from megatron.core import parallel_state as ps
+
+    if not config.num_moe_experts or ps.get_expert_model_parallel_world_size() == 1:
+        return micro_batches
+    if not micro_batches:
+        raise ValueError("a rank's share made no micro-batch: every expert-parallel rank needs samples")
+    group = ps.get_expert_model_parallel_group()
+    device = micro_batches[0].input_ids.device
+    count = torch.tensor([len(micro_batches)], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    shapes = torch.zeros(int(count.item()), 2, dtype=torch.int64, device=device)
+    shapes[:, 1] = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    shapes[:, 0] = 1
+    for i, mb in enumerate(micro_batches):
+        shapes[i] = torch.tensor(mb.input_ids.shape)
+    if config.moe_token_dispatcher_type in GATHERING_DISPATCHERS:
+        dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=group)
+    template = micro_batches[0].rows([])
+    out: list[Batch] = []
+    for i, (rows, width) in enumerate(shapes.tolist()):
+        mb = micro_batches[i] if i < len(micro_batches) else template
+        out.append(mb if tuple(mb.input_ids.shape) == (rows, width) else lined_up(mb, rows, width))
+    return out
+
+
+def padding_mask_of(batch: Batch, config) -> dict[str, torch.Tensor]:
+    """The keyword a model's forward takes for a micro-batch's added tokens (``LinedUpBatch.padding``), none
+    where nothing was added. megatron splits it over the sequence-parallel ranks on the first pipeline stage
+    only: later stages get it split here."""
+    padding = getattr(batch, "padding", None)
+    if padding is None:
+        return {}
+    from megatron.core import parallel_state as ps
+
+    if config.sequence_parallel and not ps.is_pipeline_first_stage(ignore_virtual=True):
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        padding = scatter_to_sequence_parallel_region(padding.transpose(0, 1).contiguous()).transpose(0, 1)
+    return {"padding_mask": padding.contiguous()}
