@@ -63,8 +63,11 @@ def main(args: argparse.Namespace) -> int:
     from rlplacement.backends import megatron_checkpoint as layout
     from rlplacement.convert.run import run_collective
 
+    from rlplacement.atomic_files import check_writable
+
     load = Path(args.load)
     _refuse_save_onto_an_input(args)
+    check_writable(args.save, "--save")
     lora_export = _lora_export(load, args)
     if lora_export is not None:
         return lora_export
