@@ -51,6 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.run_facts import run_facts  # noqa: E402
 from examples import tiny_grpo  # noqa: E402
 
 ALWAYS = ("engine_killed_before_update", "engine_killed_during_update", "engine_killed_after_update",
@@ -423,6 +424,12 @@ def table(faults: list[dict], plan: dict[int, str]) -> list[dict]:
     return out
 
 
+def write_result(path: str, argv: list[str], result: dict) -> None:
+    """The soak's results file, whole: the run's commit, date, machine and command, its arguments, ``result``."""
+    facts = run_facts("python benchmarks/chaos_soak.py", argv, env=("MC_LOG_LEVEL",))
+    Path(path).write_text(json.dumps({**facts, "argv": argv, **result}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -435,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         secs = "-" if r["seconds_to_recover"] is None else f"{r['seconds_to_recover']:.1f}"
         print(f"{r['kind']:32s} {r['injected']:8d} {r['recovered']:9d} {secs:>12s} {r['steps_lost']:10d}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"argv": argv if argv is not None else sys.argv[1:], **result}, indent=1))
+        write_result(args.json, list(argv if argv is not None else sys.argv[1:]), result)
     return 0 if all(r["recovered"] == r["injected"] for r in result["table"]) else 1
 
 

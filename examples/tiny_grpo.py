@@ -11,8 +11,9 @@ layouts) step k+1 generates while step k trains: samples are one version stale a
 step (``rollout/staleness``) and the loss uses the engine's log-probs for the importance ratio (``RLJob.one_step_off``).
 With --fully-async the engines generate groups continuously (``RLJob.fully_async``): each step trains on the first
 --prompts-per-step groups ready within --max-weight-staleness and updates the engines while they generate
-(--pause-generation-mode); --use-tis weighs each token by the truncated trainer-over-engine ratio.
-With --save and --load a run stopped after a checkpoint and resumed goes on as if never stopped: the
+(--pause-generation-mode). --use-tis (in any mode) weighs each token by the truncated trainer-over-engine ratio.
+With --save the loop checkpoints every --save-interval steps, or once after its last step when no interval
+is given. With --save and --load a run stopped after a checkpoint and resumed goes on as if never stopped: the
 checkpoint keeps the prompt sampler's position and the next step's number (``RLJob.save_checkpoint``'s
 ``extra_state``), the job keeps its rollout seeds, so the resumed steps draw the same prompts with the
 same seeds on the same weights. (Under --one-step-off the rollout in flight at the save is not in it:
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = rlplacement.args.ArgumentParser(description=__doc__.splitlines()[0])  # "did you mean" for a typo
     rlplacement.add_arguments(parser)
     parser.set_defaults(**EXAMPLE_DEFAULTS)
-    g = parser.add_argument_group("example loop")
+    g = parser.add_argument_group("example loop", "With --save and no --save-interval the loop saves one "
+                                                  "checkpoint, after its last step.")
     g.add_argument("--steps", type=int, default=3)
     g.add_argument("--telemetry", type=str, default=None, help="write one JSON row per step here")
     g.add_argument("--prompts-per-step", type=int, default=2)
@@ -142,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
     from rlplacement.telemetry.trackers import build_trackers
 
     config = rlplacement.config_from_args(args)  # every flag checked before any process starts
+    if args.telemetry:
+        from rlplacement.atomic_files import check_writable
+
+        check_writable(str(Path(args.telemetry).resolve().parent), f"--telemetry {args.telemetry}: its folder")
     group_size, max_len = config.rollout.n_samples_per_prompt, config.rollout.max_response_len
     dp = config.placement.trainer_num_gpus // (config.backend.tensor_model_parallel_size
                                                 * config.backend.pipeline_model_parallel_size)
@@ -217,13 +223,16 @@ def run(args: argparse.Namespace) -> int:
             resume_point.update(step=step + 1, prompt_position=drawn)  # this step's prompts are trained next
             staleness = job.version - min(s.weight_version for s in samples)  # versions behind the trainer
             rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
-            batch = make_batch(samples, rewards, group_size, tok.pad_token_id or 0, behaviour=one_step_off,
+            batch = make_batch(samples, rewards, group_size, tok.pad_token_id or 0,
+                               behaviour=one_step_off or config.train.use_tis,
                                routes=config.backend.moe.rollout_routing_replay)
             job.prepare_train()
             with tel.phase("train", role="trainer"):  # trainer work: the forward for the log-prob check
                 trainer_lp = job.log_probs(batch)
             tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)]
                                  for row, s in zip(trainer_lp, samples)], [s.logprobs for s in samples])
+            if config.train.use_tis:  # as under --fully-async: PPO against the trainer, TIS trainer over engine
+                batch = with_tis_logprobs(batch, trainer_lp)
             reports = job.train(batch)
             for rank_report in reports:
                 tel.record_interval("train", rank_report.start, rank_report.end)
@@ -242,7 +251,26 @@ def run(args: argparse.Namespace) -> int:
             sync_metrics.update(job.pop_handoff_metrics())
             row = tel.end_step(step, reward=statistics.fmean(rewards), **sync_metrics)
             print_step(step, row, report, job.version, f"  staleness {staleness}" if one_step_off else "")
+        save_at_end(config, job)
     return 0
+
+
+def save_at_end(config, job) -> None:
+    """``--save`` without ``--save-interval``: one checkpoint after the last step. The library writes one every
+    ``--save-interval`` train steps and none without it; a loop that was given a folder keeps its training."""
+    if config.train.save and config.train.save_interval is None:
+        folder = job.save_checkpoint()
+        sys.stdout.write(f"tiny_grpo: saved the last step's checkpoint to {folder}\n")
+        sys.stdout.flush()
+
+
+def with_tis_logprobs(batch: rlplacement.Batch, trainer_lp) -> rlplacement.Batch:
+    """``--use-tis``: the PPO ratio against the trainer's own log-probs at the step's start (``trainer_lp``), each
+    token weighted by the truncated trainer-over-engine ratio; ``batch.old_logprobs`` must hold the engine's
+    log-probs (``make_batch(..., behaviour=True)``), which become ``rollout_logprobs``."""
+    import dataclasses
+
+    return dataclasses.replace(batch, old_logprobs=trainer_lp, rollout_logprobs=batch.old_logprobs)
 
 
 def print_step(step: int, row: dict, report, version: int, tail: str = "") -> None:
@@ -264,8 +292,6 @@ def run_fully_async(args, config, job, tel, sampler, targets, pad_id: int, first
     while they generate. The loss's behaviour policy is the engine's log-probs; with ``--use-tis`` the PPO
     ratio is against the trainer's log-probs at the step's start, each token weighted by the truncated
     trainer-over-engine ratio."""
-    import dataclasses
-
     group_size, max_len = config.rollout.n_samples_per_prompt, config.rollout.max_response_len
     drawn = {"n": 0}
 
@@ -290,9 +316,8 @@ def run_fully_async(args, config, job, tel, sampler, targets, pad_id: int, first
                 trainer_lp = job.log_probs(batch)
             tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)]
                                  for row, s in zip(trainer_lp, samples)], [s.logprobs for s in samples])
-            if config.train.use_tis:  # PPO against the trainer's own log-probs; TIS weighs trainer over engine
-                batch = dataclasses.replace(batch, old_logprobs=trainer_lp,
-                                            rollout_logprobs=batch.old_logprobs)
+            if config.train.use_tis:
+                batch = with_tis_logprobs(batch, trainer_lp)
             reports = job.train(batch)
             for rank_report in reports:
                 tel.record_interval("train", rank_report.start, rank_report.end)
@@ -308,6 +333,7 @@ def run_fully_async(args, config, job, tel, sampler, targets, pad_id: int, first
             print_step(step, row, report, job.version,
                        f"  staleness {stats.metrics()['rollout/staleness']}"
                        f" (filtered {stats.stale_groups_filtered})")
+    save_at_end(config, job)  # the engines have stopped generating: the trainer's state is the last step's
     return 0
 
 

@@ -9,6 +9,7 @@ the folder is fsynced so the rename itself survives a crash.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from rlplacement.errors import ConfigError
@@ -45,13 +46,29 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, *, tmp: str | os.Pa
 
 def check_writable(path: str, flag: str) -> None:
     """``path`` is a folder this process may write into, or can be created as one (its nearest existing
-    ancestor is a writable folder)."""
+    ancestor is a writable folder).
+
+    Writability is probed by creating and removing a file there: ``os.access`` answers yes to root for any
+    folder, also a read-only mount or ``/proc``, and containers and CI run as root. The probe leaves nothing
+    behind and creates no folder."""
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise ConfigError(f"{flag} {path} is a file, not a folder: pass a folder")
     probe = target
     while not probe.exists():
         probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {path}: {probe} is not writable by this user: choose a folder you can write, or "
-                          f"change its permissions")
+    reason = "it is a file" if not probe.is_dir() else _cannot_create_in(probe)
+    if reason:
+        raise ConfigError(f"{flag} {path}: {probe} is not writable by this user ({reason}): choose a folder you can "
+                          f"write, or change its permissions")
+
+
+def _cannot_create_in(folder: Path) -> str | None:
+    """None when a file can be created (and removed) in ``folder``, else why not."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".rlplacement-writable-", dir=folder)
+    except OSError as exc:
+        return f"creating a file there failed: {exc.strerror or exc}"
+    os.close(fd)
+    os.unlink(name)
+    return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from rlplacement.args.common import ArgumentParser
@@ -24,12 +25,17 @@ SUBCOMMANDS = {
 }
 
 
+def plain(text: str) -> str:
+    """Docstring markup shown as plain text in ``--help``: reST's double backquotes around code dropped."""
+    return re.sub(r"``([^`]+)``", r"\1", text)
+
+
 def _chosen(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="rlplacement", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="rlplacement", description=plain(__doc__.splitlines()[0]))
     sub = parser.add_subparsers(dest="command", required=True, metavar="|".join(SUBCOMMANDS))
     chosen = _chosen(argv)
     for name, module in SUBCOMMANDS.items():

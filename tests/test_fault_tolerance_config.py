@@ -20,7 +20,7 @@ def config(*argv: str):
 
 def test_the_flags_configure_the_repairs():
     ft = config("--use-fault-tolerance", "--ft-components", "rollout,train", "--save", "/tmp/s",
-                "--rollout-health-check-interval", "5", "--rollout-health-check-timeout", "7",
+                "--save-interval", "5", "--rollout-health-check-interval", "5", "--rollout-health-check-timeout", "7",
                 "--rollout-health-check-first-wait", "60").fault_tolerance
     assert (ft.enabled, ft.components) == (True, ("rollout", "train"))
     assert (ft.health_check_interval_s, ft.health_check_timeout_s, ft.health_check_first_wait_s) == (5, 7, 60)

@@ -30,7 +30,9 @@ def job(tmp_path_factory):
     with tiny_job(tmp_path_factory, [
             "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--num-gpus-per-node", "4",
             "--train-backend", "fsdp", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
-            "--check-weight-update-equal", "--save", str(save), "--use-fault-tolerance",
+            # --ft-components train needs an interval; 1000 is never reached: the tests save with
+            # job.save_checkpoint where they need a checkpoint
+            "--check-weight-update-equal", "--save", str(save), "--save-interval", "1000", "--use-fault-tolerance",
             "--ft-components", "rollout,train", "--rollout-health-check-interval", "0.1",
             "--rollout-health-check-timeout", "20"]) as started:
         yield started

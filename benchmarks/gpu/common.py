@@ -6,7 +6,10 @@ the results contract (``whole_seconds``, ``wire_seconds``, ``load_seconds``, ``r
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -350,6 +353,13 @@ def gpu_names() -> list[str]:
 
 
 def write(out_dir: str | None, name: str, results: dict) -> None:
+    """``results`` as ``out_dir/name``, with the run's date (UTC) and machine where the script gave none: a
+    results file says what ran where, written whole by its script."""
     if out_dir:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        gpus = gpu_names()
+        results = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                   "machine": f"{os.cpu_count()} CPU cores, {memory_gb:.0f} GB, {platform.machine()}; "
+                              + (f"GPUs: {', '.join(gpus)}" if gpus else "no GPU"), **results}
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / name).write_text(json.dumps(results, indent=1))

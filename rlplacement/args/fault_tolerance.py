@@ -12,7 +12,8 @@ TITLE = "rlplacement: fault tolerance"
 FLAGS = (
     flag("--use-fault-tolerance", action="store_true", default=default_of(FaultToleranceConfig, "enabled"),
          help="Repair the run as it goes: restart dead or hung engines (and, with --ft-components train, a dead "
-              "trainer from the last --save), bringing each to the trainer's weights before it serves."),
+              "trainer from the last checkpoint, written every --save-interval steps to --save), bringing each "
+              "to the trainer's weights before it serves."),
     flag("--ft-components", type=str, default=",".join(default_of(FaultToleranceConfig, "components")),
          help=f"What --use-fault-tolerance repairs: a comma-separated subset of {','.join(FT_COMPONENTS)}."),
     flag("--rollout-health-check-interval", type=float,
@@ -42,9 +43,14 @@ def fault_tolerance_from_args(args: argparse.Namespace, train: TrainConfig) -> F
                                   health_check_interval_s=float(get(args, "rollout_health_check_interval")),
                                   health_check_timeout_s=float(get(args, "rollout_health_check_timeout")),
                                   health_check_first_wait_s=float(get(args, "rollout_health_check_first_wait")))
-    if config.repairs("train") and not train.save:
-        raise ConfigError("--ft-components train restarts a dead trainer from its last checkpoint: set --save to a "
-                          "folder (and --save-interval to how often), or drop train from --ft-components.")
+    if config.repairs("train") and (not train.save or train.save_interval is None):
+        # without an interval no checkpoint is written, and a restarted trainer would fall back to the model
+        # folder: every step trained so far lost, silently
+        missing = " and ".join(f for f, unset in (("--save", not train.save),
+                                                  ("--save-interval", train.save_interval is None)) if unset)
+        raise ConfigError(f"--ft-components train restarts a dead trainer from its last checkpoint: set {missing} "
+                          f"(a checkpoint is written to --save every --save-interval train steps; e.g. --save DIR "
+                          f"--save-interval 10), or drop train from --ft-components.")
     return config
 
 

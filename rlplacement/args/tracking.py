@@ -64,6 +64,14 @@ def tracking_from_args(args: argparse.Namespace, *, this_host: bool = True) -> T
         if experiment is None and project is not None:
             experiment = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")  # Miles' default, recorded once
         log_dir = env_dir or os.path.join("tensorboard_log", project, experiment)
+    if this_host:  # the trackers write there from the first step
+        from rlplacement.atomic_files import check_writable
+
+        if use_wandb and get(args, "wandb_dir"):
+            check_writable(get(args, "wandb_dir"), "--wandb-dir")
+        if log_dir is not None:
+            where = "TENSORBOARD_DIR" if os.environ.get("TENSORBOARD_DIR") else "--use-tensorboard's folder"
+            check_writable(log_dir, where)
     return TrackingConfig(use_wandb=use_wandb, wandb_mode=get(args, "wandb_mode"), wandb_dir=get(args, "wandb_dir"),
                           wandb_project=get(args, "wandb_project"), wandb_group=get(args, "wandb_group"),
                           use_tensorboard=use_tensorboard, tb_project_name=project, tb_experiment_name=experiment,

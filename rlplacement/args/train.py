@@ -74,7 +74,8 @@ FLAGS = (
     flag("--tis-clip-low", type=float, default=default_of(TrainConfig, "tis_clip_low"),
           help="--use-tis: lower bound of the importance weight."),
     flag("--save", type=str, default=default_of(TrainConfig, "save"),
-          help="Folder for training checkpoints (model, optimizer, schedule, step, RNG, weight version)."),
+          help="Folder for training checkpoints (model, optimizer, schedule, step, RNG, weight version), written "
+               "every --save-interval train steps (a library caller may also call RLJob.save_checkpoint)."),
     flag("--save-interval", type=int, default=default_of(TrainConfig, "save_interval"),
           help="Save every N train steps (with --save)."),
 )

@@ -18,7 +18,8 @@ DESCRIPTION = """\
 Convert a Hugging Face model folder (config.json + *.safetensors) into a Megatron-core torch_dist
 checkpoint for `--train-backend megatron --load DIR`. The architecture is read from config.json
 (Qwen3, Qwen2, Llama dense; Qwen3-MoE). The folder gets latest_checkpointed_iteration.txt last: a rerun on a
-finished folder does nothing; a half-finished folder is cleared and redone."""
+finished folder does nothing; a half-finished folder is cleared and redone. --save must be a new or empty
+folder (or such a conversion), never the Hugging Face folder itself."""
 
 EPILOG = """\
 examples:
@@ -71,10 +72,30 @@ def validate(args: argparse.Namespace) -> None:
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be 1 or more, got {getattr(args, flag)}")
     check_writable(args.save, "--save")
+    _refuse_a_folder_that_is_not_a_conversion(args.hf_checkpoint, args.save)
     preflight(BackendConfig(name="megatron", hf_checkpoint=args.hf_checkpoint,
                             tensor_model_parallel_size=args.tensor_model_parallel_size,
                             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                             expert_model_parallel_size=args.expert_model_parallel_size), for_training=False)
+
+
+def _refuse_a_folder_that_is_not_a_conversion(hf: str, save: str) -> None:
+    """``--save`` must be new, empty, or a conversion cut short (only the entries a conversion writes): a
+    rerun clears a half-finished conversion, and must never write beside, or clear, the user's own files."""
+    from rlplacement.backends.megatron import checkpoint_layout as layout
+
+    save_path, hf_path = Path(save), Path(hf)
+    if save_path.exists() and hf_path.exists() and save_path.resolve() == hf_path.resolve():
+        raise ConfigError(f"--save {save} is --hf-checkpoint's folder: the checkpoint would be written into the "
+                          f"Hugging Face folder; pass a new folder to --save")
+    if layout.state(save_path) != "partial":
+        return
+    ours = {layout.RELEASE, layout.HF_CONFIG_DIR, layout.META, layout.META + ".tmp", layout.MARKER + ".tmp"}
+    others = sorted(entry.name for entry in save_path.iterdir() if entry.name not in ours)
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ConfigError(f"--save {save} is not empty and not a conversion (it holds {shown}): pass a new or empty "
+                          f"folder to --save")
 
 
 def main(args: argparse.Namespace) -> int:

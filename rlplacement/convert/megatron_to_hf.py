@@ -18,6 +18,7 @@ from rlplacement.families import megatron_mapping as mapping
 from rlplacement.backends.megatron import model_build as mm
 from rlplacement.backends.megatron.update_streams import iter_hf_tensors
 from rlplacement.families import family_for
+from rlplacement.convert.hf_shards import ShardWriter
 from rlplacement.hf_folder import copy_side_files
 from rlplacement.backends.megatron import checkpoint_layout as layout
 
@@ -43,7 +44,7 @@ def export(load_dir: str | os.PathLike, save_dir: str | os.PathLike, hf_config_d
     mm.init_model_parallel(tp, pp)
     model = mm.build_model(hf_config, padded, tp, pp, spec)
     mm.load_torch_dist(model, layout.checkpoint_dir(load))
-    writer = _ShardWriter(Path(save_dir), max_shard_bytes) if dist.get_rank() == 0 else None
+    writer = ShardWriter(Path(save_dir), max_shard_bytes) if dist.get_rank() == 0 else None
     # written in config.json's dtype: megatron may hold some tensors wider (its norms stay fp32 in a
     # bf16 model), and widening then narrowing back is exact
     dtype = mm.hf_dtype(hf_config)
@@ -58,41 +59,3 @@ def export(load_dir: str | os.PathLike, save_dir: str | os.PathLike, hf_config_d
     names = writer.finish()
     copy_side_files(cfg_dir, save_dir)
     return names
-
-
-class _ShardWriter:
-    def __init__(self, out: Path, max_bytes: int):
-        self.out, self.max_bytes = out, max_bytes
-        out.mkdir(parents=True, exist_ok=True)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[tuple[str, list[str]]] = []
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        fname = f"part-{len(self.files):05d}.safetensors.tmp"
-        save_file(self.pending, str(self.out / fname), metadata={"format": "pt"})
-        self.files.append((fname, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
-
-    def finish(self) -> list[str]:
-        if self.pending or not self.files:
-            self._flush()
-        n = len(self.files)
-        weight_map: dict[str, str] = {}
-        for i, (tmp, names) in enumerate(self.files):
-            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self.out / tmp, self.out / final)
-            weight_map.update({k: final for k in names})
-        if n > 1:
-            (self.out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
-                                                                              indent=2))
-        return list(weight_map)

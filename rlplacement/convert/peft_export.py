@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from rlplacement.errors import ConfigError
@@ -38,7 +39,9 @@ def read_adapters(folder: Path) -> dict[str, "torch.Tensor"]:
     if not keys:
         raise ConfigError(f"--load {folder}: the checkpoint holds no LoRA adapters")
     state = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # no process group is the point here, not a mistake to warn of
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {names[k]: t for k, t in state.items()}
 
 

@@ -79,6 +79,8 @@ def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cp
     cluster. A cluster you join (``address``) keeps the authentication it was started with."""
     import ray
 
+    from rlplacement.console import RAY_TOKEN_AUTH_LOGGER, RAY_TOKEN_AUTH_NOTICE, drop_notices
+
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -91,6 +93,7 @@ def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cp
         ray.init(address=address, log_to_driver=True, logging_level=level)
     else:
         private_token_file()
+        drop_notices(RAY_TOKEN_AUTH_LOGGER, RAY_TOKEN_AUTH_NOTICE)  # token auth kept on: nothing to act on
         ray.init(num_gpus=local_num_gpus, num_cpus=local_num_cpus or os.cpu_count(),
                  include_dashboard=False, log_to_driver=True, logging_level=level)
 

@@ -157,6 +157,8 @@ class TensorBoardTracker:
         os.makedirs(self.log_dir, exist_ok=True)
         self.writer_name = writer
         self.writer = SummaryWriter(self.log_dir)
+        # said once, as W&B names its run folder: the default folder is relative to where the run started
+        print(f"rlplacement: TensorBoard events go to {os.path.abspath(self.log_dir)}", file=sys.stderr, flush=True)
 
     def log(self, step: int, row: Mapping[str, Any]) -> None:
         for key, value in scalars(row).items():

@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from rlplacement.backends.fsdp import FSDPBackend
+from rlplacement.backends.fsdp.backend import FSDPBackend
 from tests.dummy_backend import MARKS_ENV
 
 

@@ -4,7 +4,7 @@ that built it."""
 import os
 from pathlib import Path
 
-from rlplacement.engines.vllm_engine import VllmRolloutEngine
+from rlplacement.engines.vllm.vllm_engine import VllmRolloutEngine
 from tests.dummy_engine import MARKS_ENV
 
 

@@ -42,6 +42,10 @@ def lora_request():
     """The request field that makes generation use the live adapter."""
     from vllm.lora.request import LoRARequest
 
+    from rlplacement.console import VLLM_INPUT_LOGGER, VLLM_LORA_TOKENIZER_NOTICE, drop_notices
+
+    drop_notices(VLLM_INPUT_LOGGER, VLLM_LORA_TOKENIZER_NOTICE)  # this adapter has no tokenizer of its own
+
     return LoRARequest(ADAPTER_NAME, ADAPTER_ID, LIVE_PATH)
 
 

@@ -3,10 +3,13 @@ allocations) where it can, else by buckets packed into two exported slot buffers
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import TYPE_CHECKING, ClassVar
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from rlplacement.transfer.base import DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, UpdateRefused, tensor_checksum
+from rlplacement.transfer.base import (DEFAULT_TIMEOUT_S, BucketManifest, NamedTensor, UpdateRefused, UpdateReport,
+                                       tensor_checksum)
 from rlplacement.transfer.bucket import GroupFn, fused_group_of, pack_into
 from rlplacement.transfer.cuda_ipc.buckets import SharedSlots
 from rlplacement.transfer.cuda_ipc.direct import AllocationExports
@@ -16,6 +19,23 @@ from rlplacement.transfer.wire import KIND_END, FramedSender, guard
 
 if TYPE_CHECKING:
     import torch
+
+
+log = logging.getLogger(__name__)
+
+HOST_MEMORY = ("the trainer's tensors are in host memory, which the engines cannot map in place (the direct path "
+               "maps CUDA allocations)")
+"""Why a resident update on CPU goes by buckets (through /dev/shm)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class IpcUpdateReport(UpdateReport):
+    """UpdateReport plus ``perf/update_weights_fallback``: 1 when a resident update, which could have been read
+    in place, went by buckets (``fallback`` says why), else 0."""
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return {**super().metrics, "perf/update_weights_fallback": int(bool(self.fallback))}
 
 
 class IpcSender(FramedSender):
@@ -35,6 +55,7 @@ class IpcSender(FramedSender):
         self._direct_sent: bytes | None = None  # the direct manifest every receiver holds
         self._direct_kept: bytes | None = None  # the direct manifest every receiver mapped and kept mapped
         self.last_direct_rounds = 0  # acknowledgement rounds of the last direct update (2, or 1 when kept)
+        self._fallback_said = False  # the first fallback is logged; its telemetry key is in every report
 
     @property
     def transport(self) -> str:
@@ -67,13 +88,30 @@ class IpcSender(FramedSender):
         super()._forget_sent()
         self._direct_sent = self._direct_kept = None
 
+    def update(self, version: int, named_tensors, *, resident: bool = False, hf_shapes=None) -> IpcUpdateReport:
+        report = super().update(version, named_tensors, resident=resident, hf_shapes=hf_shapes)
+        return IpcUpdateReport(**{f.name: getattr(report, f.name) for f in dataclasses.fields(report)})
+
+    def _fall_back(self, reason: str) -> None:
+        """A resident update goes by buckets: ``reason`` in its report, and said once per sender (a job's
+        colocated trainer keeps one; only a one-rank trainer sends resident tensors), since buckets copy
+        every byte twice more than the direct path."""
+        self.fallback = reason
+        if not self._fallback_said:
+            self._fallback_said = True
+            log.warning("rlplacement cuda_ipc: weight updates go by buckets, not the direct path: %s", reason)
+
     def _send_update(self, version: int, named_tensors, resident: bool, hf_shapes=None):
-        if not resident or self.exports is None:
+        if not resident:
+            return super()._send_update(version, named_tensors, resident, hf_shapes)
+        if self.exports is None:
+            self._fall_back(HOST_MEMORY)
             return super()._send_update(version, named_tensors, resident, hf_shapes)
         tensors = list(guard(named_tensors))  # resident: listing them holds no extra memory
         self.instants.mark("listed")
-        blob, self.fallback = self.exports.manifest(tensors, hf_shapes)
+        blob, reason = self.exports.manifest(tensors, hf_shapes)
         if blob is None:
+            self._fall_back(reason)
             return super()._send_update(version, tensors, resident, hf_shapes)
         import torch
 
