@@ -15,7 +15,7 @@ seconds per 10 GB that must not land in a step. It is anonymous memory asking fo
 pages, touched on several threads, then registered with CUDA (``cudaHostRegister``); torch's pinned
 allocator would round each buffer up to a power of two and cache it for the life of the process (an
 8B trainer's ~46 GB of state would hold 64 GiB). Copies in and out of it run at the link's pinned
-rate (``benchmarks/gpu/host_link.py``: 54 GB/s out, 49 GB/s back, of 55 each way on an H200). If
+rate (``benchmarks/gpu/host_link.py`` measures it). If
 registering fails the buffer stays pageable: the copies are slower, not wrong. A state larger than
 the reservation grows the buffer (a new one, pinned again) and says so in the report (``grew``).
 

@@ -69,9 +69,9 @@ SPEC = register_mode(ModeSpec(
     summary="--colocate: buckets (or the trainer's own memory) handed to engines on the same GPU by CUDA IPC "
             "handles (/dev/shm on CPU)",
     layouts=frozenset({COLOCATE}), advisor_path=IPC, reads_own_gpu=True,
-    # 0.16-0.27 of an in-GPU copy at 4B-8B on one H200 (colocate_h200.json; fixed costs dominate there)
+    # source: benchmarks/gpu/results/colocate_h200.json, whole update over an in-GPU copy, rounded up
     advisor_efficiency=0.5,
-    # 16.4 GB read in 11.7 ms through IPC handles on one H200 (colocate_h200.json, 8B)
+    # source: benchmarks/gpu/results/colocate_h200.json, sizes[8B] bytes over wire_seconds, over the IPC copy rate
     measured_efficiency=(("ipc", 0.67),),
     bench=BenchSpec(ceiling="copy", device="same", transport={"cpu": "shared memory", "cuda": "cuda ipc"},
                     resident=True, copies_at_commit=True)))

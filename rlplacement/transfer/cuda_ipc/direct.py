@@ -23,8 +23,8 @@ parameters' dtype) and every tensor sits in an allocation that a legacy CUDA IPC
   the trainer may free that memory as soon as its ``update`` returns (the driver leaves freeing a
   still-mapped allocation undefined). Views are rebuilt only when a mapping lands elsewhere.
 * ``keep_mapped`` (the sender's, carried in the manifest): receivers keep the mappings between
-  updates, so a steady-state update opens nothing (mapping ~400 allocations of an unsharded
-  trainer costs ~20 ms per update on an H200). The trainer then owes the receivers a call to
+  updates, so a steady-state update opens nothing (mapping each of an unsharded trainer's
+  hundreds of allocations again would cost every update). The trainer then owes the receivers a call to
   unmap (``unmap``) before it frees an exported allocation; ``AllocationExports.mapped_elsewhere``
   says whether it still does, and the trainer actor refuses to offload until told they did.
 """
