@@ -47,11 +47,11 @@ def main() -> int:
     p.add_argument("--json", type=str, default=None, help="also write the results to this file")
     args = p.parse_args()
     out = [report("Qwen3-shaped", run(["broadcast", "broadcast_packed"], size_mb=args.size_mb,
-                                      num_tensors=args.num_tensors, buffer_size=int(args.bucket_mb * 1e6),
+                                      num_tensors=args.num_tensors, bucket_bytes=int(args.bucket_mb * 1e6),
                                       repeats=args.repeats, device=args.device))]
     if args.small:
         out.append(report("many small tensors", run(["broadcast", "broadcast_packed"], size_mb=40,
-                                                    num_tensors=3000, buffer_size=int(args.bucket_mb * 1e6),
+                                                    num_tensors=3000, bucket_bytes=int(args.bucket_mb * 1e6),
                                                     repeats=args.repeats, device=args.device)))
     load = os.getloadavg()[0]
     print(f"(load average during the run: {load:.1f} on {os.cpu_count()} cores)")

@@ -61,7 +61,7 @@ def one(mode: str, named, split, num_senders: int, keeps: list, repeats: int, di
 
     options = (lambda i: {"disk_dir": os.path.join(disk_dir, f"{split.__name__}{num_senders}"), "sender_index": i}) \
         if mode == "disk-delta" else (lambda i: {})
-    s = Senders(mode, num_senders=num_senders, n_receivers=len(keeps), buffer_size=64 << 20, options=options,
+    s = Senders(mode, num_senders=num_senders, n_receivers=len(keeps), bucket_bytes=64 << 20, options=options,
                 keeps=lambda i: keeps[i])
     try:
         seconds, sent = [], None

@@ -80,7 +80,7 @@ def run_update(s, version: int, named) -> tuple:
 def one(mode: str, named, keeps: list, repeats: int) -> dict:
     from tests.test_transfer_broadcast import Session
 
-    s = Session(mode, n_receivers=len(keeps), buffer_size=64 << 20, keeps=keeps, timeout_s=120.0)
+    s = Session(mode, n_receivers=len(keeps), bucket_bytes=64 << 20, keeps=keeps, timeout_s=120.0)
     try:
         seconds = []
         for version in range(1, repeats + 2):

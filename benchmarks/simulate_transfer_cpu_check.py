@@ -58,7 +58,7 @@ def measure(mode: str, shares: list[list], n_receivers: int, repeats: int) -> fl
     """Median seconds of ``repeats`` updates after one warm-up (p2p's first learns destinations)."""
     from tests.test_transfer_multi_sender import Senders, _run_threads
 
-    s = Senders(mode, num_senders=len(shares), n_receivers=n_receivers, buffer_size=64 << 20)
+    s = Senders(mode, num_senders=len(shares), n_receivers=n_receivers, bucket_bytes=64 << 20)
 
     def receive(r, version):
         r.begin(version)

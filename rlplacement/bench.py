@@ -187,10 +187,10 @@ class Bench:
         if msg not in ("ok", "joined"):
             raise RuntimeError(f"receiver: {msg}")
 
-    def add_mode(self, mode: str, named, buffer_size: int) -> None:
+    def add_mode(self, mode: str, named, bucket_bytes: int) -> None:
         from rlplacement.transfer import registry
 
-        sender = registry.sender_class(mode)(buffer_size, timeout_s=self.timeout_s, device=self.device)
+        sender = registry.sender_class(mode)(bucket_bytes, timeout_s=self.timeout_s, device=self.device)
         sender.keep_mapped_between_updates()  # as a trainer actor runs it: engines keep the mappings
         endpoint = sender.listen(2, host="127.0.0.1")
         self.conn.send(("join", mode, endpoint.to_dict(), 0))
@@ -314,7 +314,7 @@ def resolve_device(device: str) -> tuple[str, str]:
     return device, device
 
 
-def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int, repeats: int,
+def run(modes: list[str], *, size_mb: float, num_tensors: int, bucket_bytes: int, repeats: int,
         device: str = "cpu") -> list[dict]:
     """One row per mode, in ``modes`` order. The colocated mode runs in its own receiver process on
     the sender's device (NCCL refuses two ranks on one GPU), next to its own ceiling."""
@@ -326,12 +326,12 @@ def run(modes: list[str], *, size_mb: float, num_tensors: int, buffer_size: int,
     for where, dev in (("wire", wire_device), ("same", same_device), ("cpu", "cpu")):
         group = [m for m in modes if _bench_spec(m).device == where]
         if group:
-            rows.update(_run_group(group, named, buffer_size=buffer_size, repeats=repeats, device=dev,
+            rows.update(_run_group(group, named, bucket_bytes=bucket_bytes, repeats=repeats, device=dev,
                                    same_device=where == "same"))
     return [rows[m] for m in modes]
 
 
-def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, device: str,
+def _run_group(modes: list[str], named, *, bucket_bytes: int, repeats: int, device: str,
                same_device: bool) -> dict[str, dict]:
     from rlplacement.transfer import registry
 
@@ -345,7 +345,7 @@ def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, devic
             {"broadcast": bench.add_ceiling, "copy": bench.add_copy_ceiling,
              "mooncake": bench.add_mooncake_ceiling}[key](key, nbytes)
         for mode in modes:
-            bench.add_mode(mode, named, buffer_size)
+            bench.add_mode(mode, named, bucket_bytes)
         rounds = bench.time_all(repeats)
         rows = {}
         for mode in modes:
@@ -359,7 +359,7 @@ def _run_group(modes: list[str], named, *, buffer_size: int, repeats: int, devic
                           "ceiling_gbps": nbytes / ceiling_seconds / 1e9, "ratio": ceiling_seconds / seconds,
                           "ratio_per_round_quartiles": [paired[len(paired) // 4], statistics.median(paired),
                                                         paired[(3 * len(paired)) // 4]],
-                          "buffer_size": buffer_size, "transport": transport_of(mode, bench.device)}
+                          "buffer_size": bucket_bytes, "transport": transport_of(mode, bench.device)}
             if _bench_spec(mode).resident:  # it may read them in place: which path it took (cuda_ipc: buckets or direct)
                 rows[mode].update(path=bench.paths[mode], direct_refusal=bench.fallbacks[mode])
         return rows
@@ -409,7 +409,7 @@ def main(args: argparse.Namespace) -> int:
             raise CliError(f"{flag} must be positive, got {value}")
     try:
         rows = run(modes, size_mb=args.size_mb, num_tensors=args.num_tensors,
-                   buffer_size=int(args.bucket_mb * 1e6), repeats=args.repeats, device=args.device)
+                   bucket_bytes=int(args.bucket_mb * 1e6), repeats=args.repeats, device=args.device)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     for row in rows:

@@ -75,7 +75,7 @@ def start_actors(config: "Config", hf_dir: str, *, engine_kind: str,
     engine_args.setdefault("update_weight_slices", config.transfer.slices)
     engine_args.setdefault("update_weight_mode", config.transfer.mode)
     engine_args.setdefault("update_weight_pieces", trainer_sends_pieces_for(config))
-    engine_args.setdefault("update_weight_buffer_size", config.transfer.buffer_size)
+    engine_args.setdefault("update_weight_buffer_size", config.transfer.bucket_bytes)
     engine_args.setdefault("verbose", verbose)
     if config.backend.moe.rollout_routing_replay:
         engine_args["enable_return_routed_experts"] = True

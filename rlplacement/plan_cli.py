@@ -113,10 +113,10 @@ def engine_staging(config, model) -> dict:
     from rlplacement.transfer import registry
 
     pieces = trainer_sends_pieces_for(config)
-    per_option = staging_per_option(worker_share(config, model), config.transfer.buffer_size, pieces)
+    per_option = staging_per_option(worker_share(config, model), config.transfer.bucket_bytes, pieces)
     offered = ("full", "bucket") if registry.spec(config.transfer.mode).bucket_staging else ("full",)
     return {"bytes": {k: v for k, v in per_option.items() if k in offered}, "requested": config.transfer.staging,
-            "bucket_size": config.transfer.buffer_size, "pieces": pieces}
+            "bucket_size": config.transfer.bucket_bytes, "pieces": pieces}
 
 
 def worker_share(config, model) -> dict[str, int]:

@@ -17,7 +17,7 @@ def test_defaults_follow_miles():
     cfg = config_from_args(args)
     assert cfg.placement.actor_num_nodes == 1 and cfg.placement.actor_num_gpus_per_node == 8
     assert cfg.placement.rollout_num_gpus_per_engine == 1 and cfg.placement.num_gpus_per_node == 8
-    assert cfg.transfer.mode == "broadcast" and cfg.transfer.buffer_size == 512 * 1024 * 1024
+    assert cfg.transfer.mode == "broadcast" and cfg.transfer.bucket_bytes == 512 * 1024 * 1024
     assert cfg.transfer.options is None and cfg.backend.name == "megatron"  # broadcast has no options of its own
 
 
@@ -216,7 +216,7 @@ def test_each_flag_default_is_its_config_field_default():
 
     pairs = {("actor_num_gpus_per_node", PlacementConfig, "actor_num_gpus_per_node"),
              ("update_weight_transfer_mode", TransferConfig, "requested_mode"),
-             ("update_weight_buffer_size", TransferConfig, "buffer_size"),
+             ("update_weight_buffer_size", TransferConfig, "bucket_bytes"),
              ("p2p_transfer_timeout", P2POptions, "transfer_timeout_s"),
              ("train_backend", BackendConfig, "name")}
     for dest, cls, field in pairs:
@@ -367,7 +367,7 @@ def test_a_bad_value_is_named_alone_with_what_to_set(argv, message):
 @pytest.mark.parametrize("given, size", [("512MiB", 512 << 20), ("2GB", 2_000_000_000), ("64KiB", 64 << 10),
                                          ("1.5GiB", 3 << 29), ("1048576", 1 << 20), ("100B", 100)])
 def test_buffer_sizes_take_units(given, size):
-    assert config_from_args(parse("--rollout-num-gpus", "2", "--update-weight-buffer-size", given)).transfer.buffer_size == size
+    assert config_from_args(parse("--rollout-num-gpus", "2", "--update-weight-buffer-size", given)).transfer.bucket_bytes == size
 
 
 def test_a_bare_buffer_size_under_a_mebibyte_is_refused_naming_the_unit(capsys):

@@ -7,10 +7,10 @@ from rlplacement.transfer.bucket import (ALIGN, FlatBuffers, aligned, fused_grou
                                          plan_manifest, unpack)
 
 
-def _roundtrip(named, buffer_size):
+def _roundtrip(named, bucket_bytes):
     buffers = FlatBuffers()
     out = []
-    buckets = list(iter_buckets(named, buffer_size))
+    buckets = list(iter_buckets(named, bucket_bytes))
     for i, bucket in enumerate(buckets):
         manifest = plan_manifest(i, bucket)
         flat = pack_into(buffers.get(0, manifest.nbytes), bucket, manifest).clone()

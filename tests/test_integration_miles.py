@@ -48,11 +48,11 @@ def load_protocol(args):
     return target(args)
 
 
-def miles_buckets(weights: dict, buffer_size: int):
+def miles_buckets(weights: dict, bucket_bytes: int):
     """Miles' HF iterator: size-bounded buckets of freshly allocated HF-named tensors."""
     bucket, size = [], 0
     for name, tensor in weights.items():
-        if bucket and size + tensor.nbytes > buffer_size:
+        if bucket and size + tensor.nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor.clone()))
@@ -61,11 +61,11 @@ def miles_buckets(weights: dict, buffer_size: int):
         yield bucket
 
 
-def miles_update(protocol, version: int, weights: dict, buffer_size: int) -> dict:
+def miles_update(protocol, version: int, weights: dict, bucket_bytes: int) -> dict:
     """``WeightUpdater.update_weights`` on a sender rank, without the session frame (the protocol
     says ``use_weight_update_session = False``)."""
     assert protocol.begin_sync(version, None)
-    for bucket in miles_buckets(weights, buffer_size):
+    for bucket in miles_buckets(weights, bucket_bytes):
         if protocol.is_sender:
             protocol.send_bucket(bucket)
     protocol.after_base_weights()

@@ -228,6 +228,6 @@ def test_plan_emit_verl_overrides_build_our_engine_from_verls_own_config(capsys,
     ce = cfg.actor_rollout_ref.rollout.checkpoint_engine
     engine = CheckpointEngineRegistry.new(ce.backend, is_master=True, bucket_size=ce.update_weights_bucket_megabytes << 20,
                                           **OmegaConf.to_container(ce.engine_kwargs).get(ce.backend, {}))
-    assert (engine.mode, engine.config.buffer_size, engine.config.check_equal) == ("disk-delta", 64 << 20, True)
+    assert (engine.mode, engine.config.bucket_bytes, engine.config.check_equal) == ("disk-delta", 64 << 20, True)
     assert engine.config.options.disk_dir == str(tmp_path)
     assert cfg.trainer.v1.trainer_mode == "separate_async" and cfg.actor_rollout_ref.hybrid_engine is False

@@ -139,7 +139,7 @@ def _model(seed: int, big: int):
 def test_p2p_registrations_follow_the_live_staging_and_go_at_close():
     from tests.test_transfer_broadcast import Session
 
-    s = Session("p2p", buffer_size=4096)
+    s = Session("p2p", bucket_bytes=4096)
     try:
         for version, model in ((1, _model(1, 500)), (2, _model(2, 5000)), (3, _model(3, 200))):
             _, send_error, errors = s.run(version, model)

@@ -25,7 +25,7 @@ def test_disk_delta_flags_reach_the_sender(tmp_path):
         assert type(sender).__name__ == "DiskDeltaSender"
         assert sender.root == tmp_path / "deltas" and sender.encoding == "overwrite"
         assert sender.base_dir == tmp_path / "hf"
-        assert sender.buffer_size == 12345 and sender.check_equal
+        assert sender.bucket_bytes == 12345 and sender.check_equal
     finally:
         trainer.transfer_close()
 
@@ -36,7 +36,7 @@ def test_a_mode_override_keeps_the_other_flags():
     trainer.transfer_setup_from_config(config, device="cpu", mode="broadcast_packed", check_equal=True)
     try:
         sender = trainer.transfer_sender
-        assert sender.mode == "broadcast_packed" and sender.buffer_size == 4096 and sender.check_equal
+        assert sender.mode == "broadcast_packed" and sender.bucket_bytes == 4096 and sender.check_equal
     finally:
         trainer.transfer_close()
 

@@ -48,9 +48,9 @@ def _as_loaded(t):
 class Session:
     """A sender and N receiver threads joined on one group; ``run`` does one update everywhere."""
 
-    def __init__(self, mode, n_receivers=2, buffer_size=4096, check_equal=False, timeout_s=20.0, keeps=None):
+    def __init__(self, mode, n_receivers=2, bucket_bytes=4096, check_equal=False, timeout_s=20.0, keeps=None):
         """``keeps``: per receiver, the slices it keeps (``transfer.shards.Keeps``; None: whole tensors)."""
-        self.sender = registry.sender_class(mode)(buffer_size, check_equal=check_equal, timeout_s=timeout_s,
+        self.sender = registry.sender_class(mode)(bucket_bytes, check_equal=check_equal, timeout_s=timeout_s,
                                                   device="cpu")
         endpoint = self.sender.listen(1 + n_receivers, host="127.0.0.1")
         self.receivers = [registry.receiver_class(mode)("cpu") for _ in range(n_receivers)]
@@ -241,7 +241,7 @@ def test_p2p_write_failure_aborts_naming_the_engine_and_bucket():
     """Real Mooncake over TCP: a receiver whose staging memory is no longer registered refuses the
     trainer's write; the trainer raises naming that engine worker and the bucket, every receiver keeps
     its version, and once the memory is registered again the next update lands."""
-    s = Session("p2p", buffer_size=1 << 20)
+    s = Session("p2p", bucket_bytes=1 << 20)
     try:
         assert s.run(1, _model(1))[2] == [None, None]
         engine = s.receivers[1]._engine
@@ -283,7 +283,7 @@ def test_p2p_replays_the_last_updates_buckets_with_no_collective_per_bucket():
     """Real Mooncake over TCP, many small buckets: the first update learns every destination bucket by bucket
     (3 collectives a bucket); later ones replay them with 4 collectives in all, bit-exact and checked; a
     stream whose layout changes part-way is replayed up to the change and goes bucket by bucket after it."""
-    s = Session("p2p", buffer_size=2048, check_equal=True)
+    s = Session("p2p", bucket_bytes=2048, check_equal=True)
     try:
         named = _model(1)
         before = s.sender.collectives

@@ -447,7 +447,7 @@ def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
     try:
         trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
         engine = create_engine_actor(0, model_dir)
-        config = TransferConfig(mode="disk-delta", requested_mode="disk-delta", buffer_size=64 * 1024,
+        config = TransferConfig(mode="disk-delta", requested_mode="disk-delta", bucket_bytes=64 * 1024,
                                 check_equal=True, options=DiskDeltaOptions(disk_dir=str(tmp_path / "deltas")))
 
         def setup(epoch):  # as the job's set_transfer, at its start (epoch 0) and after a trainer restart
@@ -743,7 +743,7 @@ def test_the_job_passes_run_and_epoch_to_the_sender(tmp_path):
     from rlplacement.runtime.trainer_transfer import TrainerTransferMixin
     from rlplacement.transfer.disk_delta import DiskDeltaOptions
 
-    config = TransferConfig(mode="disk-delta", requested_mode="disk-delta", buffer_size=SHARD,
+    config = TransferConfig(mode="disk-delta", requested_mode="disk-delta", bucket_bytes=SHARD,
                             options=DiskDeltaOptions(disk_dir=str(tmp_path)))
     assert registry.sender_options(config, "disk-delta", run_id="r", epoch=2)["epoch"] == 2
     assert "run_id" not in registry.sender_options(config, "broadcast", run_id="r", epoch=2)

@@ -54,9 +54,9 @@ def _run_threads(fns):
 class Senders:
     """``num_senders`` senders of ``mode`` (trainer ranks) and ``n_receivers`` receivers (engine workers)."""
 
-    def __init__(self, mode, num_senders=2, n_receivers=2, buffer_size=1024, options=lambda i: {},
+    def __init__(self, mode, num_senders=2, n_receivers=2, bucket_bytes=1024, options=lambda i: {},
                  keeps=lambda i: None):
-        self.senders = [registry.sender_class(mode)(buffer_size, timeout_s=20.0, device="cpu", **options(i))
+        self.senders = [registry.sender_class(mode)(bucket_bytes, timeout_s=20.0, device="cpu", **options(i))
                         for i in range(num_senders)]
         endpoints = [s.listen(1 + n_receivers, host="127.0.0.1").to_dict() for s in self.senders]
         endpoint = TransferEndpoint.from_dict(with_more_senders(endpoints))
@@ -196,7 +196,7 @@ def test_one_sender_failing_fails_the_update_on_every_receiver_and_the_next_one_
 def test_a_failed_bucket_stops_loading_on_every_channel():
     """Under bucket staging the first bucket the loader refuses stops the loading of every later bucket,
     whichever sender's channel it came from, and the failure is raised once every channel is drained."""
-    session = Senders("broadcast", n_receivers=1, buffer_size=256)
+    session = Senders("broadcast", n_receivers=1, bucket_bytes=256)
     try:
         named = _model(1)
         shares, _ = _shares(named, 2)

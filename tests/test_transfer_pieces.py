@@ -72,7 +72,7 @@ def _assert_assembled(got, named, keeps):
 @pytest.mark.parametrize("sliced", [False, True], ids=["whole", "slices"])
 def test_workers_assemble_every_tensor_or_their_slice_from_every_senders_rows(mode, bucketwise, sliced):
     keeps = KEEPS if sliced else [None, None]
-    session = Senders(mode, num_senders=3, buffer_size=512, keeps=lambda i: keeps[i])
+    session = Senders(mode, num_senders=3, bucket_bytes=512, keeps=lambda i: keeps[i])
     try:
         for version in (1, 2):
             named = _model(version)
@@ -94,7 +94,7 @@ def test_workers_assemble_every_tensor_or_their_slice_from_every_senders_rows(mo
 
 
 def test_a_sender_failing_part_way_fails_the_update_on_every_worker():
-    session = Senders("broadcast_packed", num_senders=2, buffer_size=256, keeps=lambda i: KEEPS[i])
+    session = Senders("broadcast_packed", num_senders=2, bucket_bytes=256, keeps=lambda i: KEEPS[i])
     try:
         named = _model(1)
         reports, errors, applied = session.run(1, row_pieces(named, 2), bucketwise=True)
@@ -211,7 +211,7 @@ def test_a_sender_ahead_of_the_others_waits_so_a_worker_assembles_about_a_bucket
     model_bytes = sum(t.numel() * t.element_size() for _, t in named)
     piece_bytes = model_bytes // len(named) // 2
     bucket = 2 * piece_bytes  # each sender's bucket: its pieces of two tensors
-    session = Senders(mode, num_senders=2, buffer_size=bucket)
+    session = Senders(mode, num_senders=2, bucket_bytes=bucket)
     try:
         shares = row_pieces(named, 2)
 

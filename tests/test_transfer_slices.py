@@ -22,14 +22,14 @@ def _box(t, box):
     return shards.cut(t, box)
 
 
-@pytest.mark.parametrize("mode,buffer_size", [("p2p", 4096), ("p2p", 1 << 20), ("broadcast", 4096),
+@pytest.mark.parametrize("mode,bucket_bytes", [("p2p", 4096), ("p2p", 1 << 20), ("broadcast", 4096),
                                               ("broadcast_packed", 4096), ("broadcast_packed", 1 << 20),
                                               ("disk-delta", 4096)])
-def test_each_worker_receives_only_its_slices_bit_exact_over_versions(mode, buffer_size):
+def test_each_worker_receives_only_its_slices_bit_exact_over_versions(mode, bucket_bytes):
     """p2p writes each worker its slices (bucket by bucket, then replayed); the broadcast modes broadcast each
     position's slices in its own group; disk-delta's workers decode and hold only theirs, the first version a
     keyframe, the next ones xor deltas."""
-    s = Session(mode, buffer_size=buffer_size, check_equal=True, keeps=KEEPS)
+    s = Session(mode, bucket_bytes=bucket_bytes, check_equal=True, keeps=KEEPS)
     try:
         named = _model(1)
         whole_bytes = sum(t.numel() * t.element_size() for _, t in named)

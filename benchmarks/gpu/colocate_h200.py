@@ -21,12 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 
-def job_config(buffer_size: int):
+def job_config(bucket_bytes: int):
     from rlplacement.args import build_parser, config_from_args
 
     return config_from_args(build_parser().parse_args([
         "--colocate", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1",
-        "--update-weight-buffer-size", str(buffer_size), "--train-backend", "fsdp"]))
+        "--update-weight-buffer-size", str(bucket_bytes), "--train-backend", "fsdp"]))
 
 
 def per_tensor_ipc(model_dir: Path, args, row: dict) -> None:

@@ -29,12 +29,12 @@ import common  # noqa: E402
 MODES = ("broadcast", "broadcast_packed")
 
 
-def job_config(mode: str, buffer_size: int):
+def job_config(mode: str, bucket_bytes: int):
     from rlplacement.args import build_parser, config_from_args
 
     return config_from_args(build_parser().parse_args([
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--num-gpus-per-node", "2",
-        "--update-weight-buffer-size", str(buffer_size),
+        "--update-weight-buffer-size", str(bucket_bytes),
         "--train-backend", "fsdp", "--update-weight-transfer-mode", mode]))
 
 

@@ -13,7 +13,7 @@ STAGING_CHOICES = ("auto", "full", "bucket")
 SLICES_CHOICES = ("auto", "off")
 
 
-def bucket_size(text: str) -> int:
+def size_with_unit(text: str) -> int:
     """``--update-weight-buffer-size`` from the command line: a size with a unit, or a bare number of
     bytes of at least 1 MiB (a smaller bare number is a size written without its unit: ``512`` meant
     512 MiB, not 512 bytes). Values a program or a framework passes as ints are bytes, taken as they are."""
@@ -34,7 +34,7 @@ SHARED_FLAGS = (
          choices=TRANSFER_MODES,
          help="How weights reach the engines in a split layout. Under --colocate the "
               "in-GPU CUDA IPC path is used (broadcast modes only)."),
-    flag("--update-weight-buffer-size", type=bucket_size, default=default_of(TransferConfig, "buffer_size"),
+    flag("--update-weight-buffer-size", type=size_with_unit, default=default_of(TransferConfig, "bucket_bytes"),
          help="Bucket size with its unit (512MiB, 2GB, 64KiB); a bare number is bytes and must be at least 1 MiB. "
               "Where every trainer rank sends its share, each packs buckets of this size divided by the ranks "
               "(at least 1 MiB), so an engine worker holds the same bytes in flight whatever the senders."),
@@ -80,7 +80,7 @@ def _mode_options(args: argparse.Namespace, spec: ModeSpec, *, resolve: bool, th
 
 def transfer_from_args(args: argparse.Namespace, *, this_host: bool = True) -> TransferConfig:
     require_positive(args, ("update_weight_buffer_size",))
-    buffer_size = size_in_bytes(get(args, "update_weight_buffer_size"))
+    bucket_bytes = size_in_bytes(get(args, "update_weight_buffer_size"))
     require_choice(args, ("update_weight_transfer_mode",))
     mode = get(args, "update_weight_transfer_mode")
     colocate = bool(get(args, "colocate"))
@@ -96,7 +96,7 @@ def transfer_from_args(args: argparse.Namespace, *, this_host: bool = True) -> T
         if name == mode:
             options = built
     running = registry.colocated_mode() if colocate else mode
-    return TransferConfig(mode=running, requested_mode=mode, buffer_size=buffer_size,
+    return TransferConfig(mode=running, requested_mode=mode, bucket_bytes=bucket_bytes,
                           check_equal=bool(get(args, "check_weight_update_equal")),
                           staging=_staging(args, specs[running], colocate), slices=_slices(args), options=options)
 

@@ -21,9 +21,9 @@ from rlplacement.config.placement import PlacementConfig
 from rlplacement.config.rollout import ENGINE_DTYPES, PAUSE_GENERATION_MODES, AsyncRolloutConfig, RolloutConfig
 from rlplacement.config.tracking import WANDB_MODES, TrackingConfig
 from rlplacement.config.train import KL_LOSS_TYPES, LR_DECAY_STYLES, OptimConfig, TrainConfig
-from rlplacement.config.transfer import DEFAULT_BUFFER_SIZE, TransferConfig
+from rlplacement.config.transfer import DEFAULT_BUCKET_BYTES, TransferConfig
 
-__all__ = ["DEFAULT_BUFFER_SIZE", "ENGINE_DTYPES", "FT_COMPONENTS", "KL_LOSS_TYPES", "LORA_MEGATRON_NAMES",
+__all__ = ["DEFAULT_BUCKET_BYTES", "ENGINE_DTYPES", "FT_COMPONENTS", "KL_LOSS_TYPES", "LORA_MEGATRON_NAMES",
            "LORA_MODULES", "LR_DECAY_STYLES", "MOE_DISPATCHERS", "MOE_FLAGS", "MOE_ROUTER_DTYPES",
            "PAUSE_GENERATION_MODES", "WANDB_MODES", "AsyncRolloutConfig", "BackendConfig", "Config",
            "FaultToleranceConfig", "LoRAConfig", "MoEConfig", "OptimConfig", "PlacementConfig", "RolloutConfig",

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 
-DEFAULT_BUFFER_SIZE = 512 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -19,7 +19,7 @@ class TransferConfig:
     requested_mode: str = "broadcast"
     """What ``--update-weight-transfer-mode`` asked for (under ``--colocate`` a mode the colocated path
     replaces; a framework plug-in emitting a split layout uses it)."""
-    buffer_size: int = DEFAULT_BUFFER_SIZE
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Bucket size in bytes: tensors are packed into buckets of at most this (a larger tensor goes alone)."""
     check_equal: bool = False
     """After every update, compare per-tensor checksums of trainer and engines; a mismatch fails the update."""

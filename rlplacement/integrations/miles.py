@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from rlplacement.config import DEFAULT_BUFFER_SIZE
+from rlplacement.config import DEFAULT_BUCKET_BYTES
 from rlplacement.errors import ConfigError
 from rlplacement.integrations.options import transfer_config, transfer_option_keys
 from rlplacement.transfer import registry
@@ -81,7 +81,7 @@ def _mode_config(mode: str, args):
         raise ConfigError("--lora-rank: rlplacement's protocols carry full weights, not LoRA adapters; "
                           "drop --lora-rank or use Miles' own transfer modes.")
     options = {k: getattr(args, k) for k in transfer_option_keys() if getattr(args, k, None) is not None}
-    return transfer_config(mode, getattr(args, "update_weight_buffer_size", DEFAULT_BUFFER_SIZE), options,
+    return transfer_config(mode, getattr(args, "update_weight_buffer_size", DEFAULT_BUCKET_BYTES), options,
                            where="Miles args")
 
 
@@ -123,7 +123,7 @@ class RlplacementProtocol(_Base):
             self._sender.close()
         infos = engine_infos(self.rollout_engines, self.timeout_s)
         self._sender = registry.sender_class(self.mode)(
-            self.config.buffer_size, check_equal=self.config.check_equal, timeout_s=self.timeout_s,
+            self.config.bucket_bytes, check_equal=self.config.check_equal, timeout_s=self.timeout_s,
             **registry.sender_options(self.config, self.mode))
         refs = join_refs(self.rollout_engines, infos, self._sender.listen(group_size(infos)).to_dict())
         try:

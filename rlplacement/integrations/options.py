@@ -28,7 +28,7 @@ def transfer_option_keys() -> tuple[str, ...]:
                                                   for f in s.option_fields)
 
 
-def transfer_config(mode: str, buffer_size: int, options: Mapping[str, Any], *, where: str,
+def transfer_config(mode: str, bucket_bytes: int, options: Mapping[str, Any], *, where: str,
                     owned_elsewhere: Mapping[str, str] = {}) -> TransferConfig:
     """Validate ``options`` (keys from :func:`transfer_option_keys`) for split-layout ``mode``.
 
@@ -44,7 +44,7 @@ def transfer_config(mode: str, buffer_size: int, options: Mapping[str, Any], *, 
                               f"{', '.join(keys)} (our flags' names with underscores).")
     # flags missing from the namespace take their defaults in transfer_from_args
     args = argparse.Namespace(**{**options, "update_weight_transfer_mode": mode,
-                                 "update_weight_buffer_size": buffer_size, "colocate": False})
+                                 "update_weight_buffer_size": bucket_bytes, "colocate": False})
     try:
         return transfer_from_args(args)
     except ConfigError as exc:

@@ -170,7 +170,7 @@ class RlplacementCheckpointEngine(CheckpointEngine):
         if self._sender is None:  # one sender for the engine's life: disk-delta keeps its history
             options = registry.sender_options(self.config, self.mode, self.base_dir)
             self._sender = registry.sender_class(self.mode)(
-                self.config.buffer_size, check_equal=self.config.check_equal, timeout_s=self.timeout_s, **options)
+                self.config.bucket_bytes, check_equal=self.config.check_equal, timeout_s=self.timeout_s, **options)
         store, host, _ = self._rendezvous
         endpoint = self._sender.listen(world_size, host=host)
         store.set(_endpoint_key(group), json.dumps(endpoint.to_dict()))

@@ -26,14 +26,14 @@ class WeightUpdates:
         """Colocated hand-off ahead of an update now (else :meth:`update_weights` does it)."""
         self._hand_off("before_update")
 
-    def set_transfer(self, mode: str, *, check_equal: bool, buffer_size: int | None = None) -> None:
+    def set_transfer(self, mode: str, *, check_equal: bool, bucket_bytes: int | None = None) -> None:
         """Rebuild the transfer group with another mode (benchmarks compare modes on one engine).
 
         Engines keep serving their current version; the next update continues the numbering.
         """
         t = self.config.transfer
-        if buffer_size is not None:
-            t = dataclasses.replace(t, buffer_size=buffer_size)
+        if bucket_bytes is not None:
+            t = dataclasses.replace(t, bucket_bytes=bucket_bytes)
         self.transfer_mode = mode
         share, ranks = self.update_share, set(self.sender_ranks)
         if share == SHARES:
@@ -42,7 +42,7 @@ class WeightUpdates:
             from rlplacement.job_start import trainer_sends_pieces_for
 
             pieces = trainer_sends_pieces_for(self.config, share)
-            t = dataclasses.replace(t, buffer_size=sender_bucket_size(t.buffer_size, len(ranks), pieces=pieces))
+            t = dataclasses.replace(t, bucket_bytes=sender_bucket_size(t.bucket_bytes, len(ranks), pieces=pieces))
         refs = {f"trainer rank {r}": self.trainers[r].transfer_setup_from_config.remote(
                     t, timeout_s=self.timeout_s, base_dir=self.hf_dir, mode=mode, check_equal=check_equal,
                     run_id=self.run_id, epoch=self.epoch, share=share,

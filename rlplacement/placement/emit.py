@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 
 from rlplacement.args import flag_default
-from rlplacement.config import DEFAULT_BUFFER_SIZE, Config
+from rlplacement.config import DEFAULT_BUCKET_BYTES, Config
 from rlplacement.errors import ConfigError
 from rlplacement.placement.layout import compute_layout
 from rlplacement.transfer import registry
@@ -64,8 +64,8 @@ def emit_verl(config: Config, args=None) -> list[str]:
                           f"(see `rlplacement plan`), which verl's actor_rollout_ref.rollout.nnodes x n_gpus_per_node "
                           f"cannot write: choose a count that fills whole nodes of --num-gpus-per-node "
                           f"{p.num_gpus_per_node}, or the same count on each node.")
-    if t.buffer_size % MIB:
-        raise ConfigError(f"--update-weight-buffer-size {t.buffer_size} is not a whole number of MiB: verl takes "
+    if t.bucket_bytes % MIB:
+        raise ConfigError(f"--update-weight-buffer-size {t.bucket_bytes} is not a whole number of MiB: verl takes "
                           f"{VERL_CE}.update_weights_bucket_megabytes; use a multiple of {MIB}.")
     backend = registry.spec(t.mode).verl_backend
     if backend is None:
@@ -74,7 +74,7 @@ def emit_verl(config: Config, args=None) -> list[str]:
     overrides[:0] = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false"]
     overrides += [f"actor_rollout_ref.rollout.nnodes={split[0]}", f"actor_rollout_ref.rollout.n_gpus_per_node={split[1]}",
                   f"{VERL_CE}.backend={backend}", f"{VERL_CE}.custom_backend_module=rlplacement.integrations.verl",
-                  f"{VERL_CE}.update_weights_bucket_megabytes={t.buffer_size // MIB}"]
+                  f"{VERL_CE}.update_weights_bucket_megabytes={t.bucket_bytes // MIB}"]
     overrides += [f"+{VERL_CE}.engine_kwargs.{backend}.{k}={_hydra(v)}" for k, v in _mode_options(config, args).items()]
     notes.append("# verl places the trainer pool and each rollout replica's pool by Ray (STRICT_PACK per node, no "
                  "node choice): they may share or skip nodes differently from `rlplacement plan`")
@@ -99,8 +99,8 @@ def emit_miles(config: Config, args=None) -> list[str]:
                           f"{', '.join(n for n, s in registry.specs().items() if s.miles_factory)}.")
     flags += ["--update-weight-transfer-mode external",
               f"--custom-weight-transfer-protocol-path rlplacement.integrations.miles.{factory}"]
-    if t.buffer_size != DEFAULT_BUFFER_SIZE:
-        flags.append(f"--update-weight-buffer-size {t.buffer_size}")
+    if t.bucket_bytes != DEFAULT_BUCKET_BYTES:
+        flags.append(f"--update-weight-buffer-size {t.bucket_bytes}")
     extra = []
     for key, value in _mode_options(config, args).items():
         flag = "--" + key.replace("_", "-")

@@ -37,7 +37,7 @@ class TrainerTransferMixin:
         """Collectives this rank issued in its TP/PP groups to stream the last update (None: not counted)."""
         return None
 
-    def transfer_setup(self, mode: str, buffer_size: int, *, check_equal: bool = False,
+    def transfer_setup(self, mode: str, bucket_bytes: int, *, check_equal: bool = False,
                        timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, share: str = RANK0,
                        **mode_options) -> None:
         """``mode_options`` go to the mode's sender only (disk-delta: disk_dir, delta_encoding, base_dir,
@@ -46,7 +46,7 @@ class TrainerTransferMixin:
         if self.transfer_sender is not None:
             self.transfer_sender.close()
         self.update_share = share
-        self.transfer_sender = registry.sender_class(mode)(buffer_size, check_equal=check_equal,
+        self.transfer_sender = registry.sender_class(mode)(bucket_bytes, check_equal=check_equal,
                                                            timeout_s=timeout_s, device=device, **mode_options)
 
     def set_update_share(self, share: str) -> None:
@@ -69,14 +69,14 @@ class TrainerTransferMixin:
         ``sender_index``: which of several senders this rank is (disk-delta: its own subfolder)."""
         mode = mode or transfer_config.mode
         check = transfer_config.check_equal if check_equal is None else check_equal
-        self.transfer_setup(mode, transfer_config.buffer_size, check_equal=check, timeout_s=timeout_s, device=device,
+        self.transfer_setup(mode, transfer_config.bucket_bytes, check_equal=check, timeout_s=timeout_s, device=device,
                             share=share,
                             **registry.sender_options(transfer_config, mode, base_dir, run_id=run_id, epoch=epoch,
                                                      sender_index=sender_index))
 
     def transfer_listen(self, world_size: int, host: str | None = None) -> dict:
         if self.transfer_sender is None:
-            raise TransferError("transfer_listen before transfer_setup(mode, buffer_size)")
+            raise TransferError("transfer_listen before transfer_setup(mode, bucket_bytes)")
         return self.transfer_sender.listen(world_size, host=host).to_dict()
 
     def transfer_connect(self) -> None:

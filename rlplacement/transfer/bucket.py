@@ -2,7 +2,7 @@
 
 Invariants:
 
-* A bucket's payload is at most ``buffer_size`` bytes, except a bucket holding a single
+* A bucket's payload is at most ``bucket_bytes`` bytes, except a bucket holding a single
   group larger than that on its own (it still goes through, in a buffer grown to fit).
 * Tensors of one group (the pieces vLLM fuses into one parameter: q/k/v -> qkv_proj,
   gate/up -> gate_up_proj) are never split across buckets, so a receiver that loads bucket by
@@ -62,29 +62,29 @@ def dtype_from_name(name: str) -> "torch.dtype":
     return dtype
 
 
-def iter_buckets(named_tensors: Iterable[NamedTensor], buffer_size: int,
+def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int,
                  group_of: GroupFn = fused_group_of) -> Iterator[list[NamedTensor]]:
-    """Group a stream of (name, tensor) into buckets of at most ``buffer_size`` aligned bytes.
+    """Group a stream of (name, tensor) into buckets of at most ``bucket_bytes`` aligned bytes.
 
     Streams: holds at most one bucket plus one group, so a backend may gather lazily. A bucket's
     size is the end of its last tensor (padding counts only between tensors), as in
     :func:`plan_manifest`.
     """
-    if buffer_size <= 0:
-        raise ValueError(f"buffer_size must be positive, got {buffer_size}: set --update-weight-buffer-size")
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}: set --update-weight-buffer-size")
     bucket: list[NamedTensor] = []
-    bucket_bytes = 0
+    filled = 0
     group: list[NamedTensor] = []
     group_key: str | None = None
     group_bytes = 0
 
     def close_group() -> Iterator[list[NamedTensor]]:
-        nonlocal bucket, bucket_bytes
-        if bucket and aligned(bucket_bytes) + group_bytes > buffer_size:
+        nonlocal bucket, filled
+        if bucket and aligned(filled) + group_bytes > bucket_bytes:
             yield bucket
-            bucket, bucket_bytes = [], 0
+            bucket, filled = [], 0
         bucket.extend(group)
-        bucket_bytes = aligned(bucket_bytes) + group_bytes if bucket_bytes else group_bytes
+        filled = aligned(filled) + group_bytes if filled else group_bytes
 
     for name, tensor in named_tensors:
         key = group_of(name)

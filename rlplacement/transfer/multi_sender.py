@@ -95,18 +95,18 @@ def receiver_for(mode_class: type, endpoint: TransferEndpoint, device, *, versio
 MIN_SENDER_BUCKET = 1 << 20
 
 
-def sender_bucket_size(buffer_size: int, num_senders: int, *, pieces: bool = False) -> int:
+def sender_bucket_size(bucket_bytes: int, num_senders: int, *, pieces: bool = False) -> int:
     """Each sender's bucket when ``num_senders`` share an update: ``--update-weight-buffer-size`` divided
     among them (at least 1 MiB), so an engine worker under bucket staging, which holds two buckets per
-    sender in flight, holds two of ``buffer_size`` whatever the number of senders. ``pieces``: the senders
+    sender in flight, holds two of ``bucket_bytes`` whatever the number of senders. ``pieces``: the senders
     send pieces (``transfer.pieces``), which the worker assembles into tensors beside the channels' buffers
     (a tensor is up to ``num_senders`` times one sender's piece of it, while the buckets bringing its pieces
     are held): half that share, so the channels' buffers take one of the two buckets and, while the senders
     keep pace (a sender ahead of the others waits for them), the tensors assembling the other. A tensor
     larger than a bucket still goes alone, as with one sender."""
     if num_senders <= 1:
-        return buffer_size
-    return max(MIN_SENDER_BUCKET, buffer_size // (num_senders * (2 if pieces else 1)))
+        return bucket_bytes
+    return max(MIN_SENDER_BUCKET, bucket_bytes // (num_senders * (2 if pieces else 1)))
 
 
 def merge_sender_reports(reports: Sequence[UpdateReport], *, whole_each: bool = False) -> UpdateReport:

@@ -10,8 +10,8 @@ from tests.dummy_mode import DummyOptions
 class DummySender(BroadcastSender):
     mode: ClassVar[str] = "dummy"
 
-    def __init__(self, buffer_size: int, *, pigeons: int = 2, **kwargs):
-        super().__init__(buffer_size, **kwargs)
+    def __init__(self, bucket_bytes: int, *, pigeons: int = 2, **kwargs):
+        super().__init__(bucket_bytes, **kwargs)
         self.options = DummyOptions(pigeons)  # validates
 
 

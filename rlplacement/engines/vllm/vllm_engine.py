@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rlplacement.config import DEFAULT_BUFFER_SIZE
+from rlplacement.config import DEFAULT_BUCKET_BYTES
 from rlplacement.engines.base import RolloutEngine
 from rlplacement.engines.vllm import vllm_start
 from rlplacement.engines.vllm.vllm_pause import PauseAroundUpdates
@@ -44,7 +44,7 @@ class VllmRolloutEngine(WeightUpdateCalls, PauseAroundUpdates, MemoryHandOff, Ro
                  max_model_len: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
                  sleep_mode: bool = False, enforce_eager: bool = False, verbose: bool = True,
                  engine_core_in_own_process: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 update_weight_staging: str = "full", update_weight_buffer_size: int = DEFAULT_BUFFER_SIZE,
+                 update_weight_staging: str = "full", update_weight_buffer_size: int = DEFAULT_BUCKET_BYTES,
                  update_weight_slices: str = "auto", update_weight_mode: str | None = None,
                  update_weight_pieces: bool = False, live_lora: dict | None = None,
                  pause_generation_mode: str | None = None, **llm_kwargs: Any):

@@ -44,13 +44,13 @@ class IpcSender(FramedSender):
     mode: ClassVar[str] = "cuda_ipc"
     NUM_SLOTS = 2
 
-    def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, bucket_bytes: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: "torch.device | str | None" = None, group_of: GroupFn = fused_group_of):
         import torch
 
-        super().__init__(buffer_size, check_equal=check_equal, timeout_s=timeout_s, device=device, group_of=group_of)
+        super().__init__(bucket_bytes, check_equal=check_equal, timeout_s=timeout_s, device=device, group_of=group_of)
         self.backend, self.wire_device = "gloo", torch.device("cpu")  # control only; bytes go by handle
-        self.buffers = SharedSlots(self.device, min_nbytes=buffer_size)
+        self.buffers = SharedSlots(self.device, min_nbytes=bucket_bytes)
         self.exports = AllocationExports(self.device) if self.device.type == "cuda" else None
         self._direct_sent: bytes | None = None  # the direct manifest every receiver holds
         self._direct_kept: bytes | None = None  # the direct manifest every receiver mapped and kept mapped

@@ -96,22 +96,22 @@ class DiskDeltaSender(WeightSender):
 
     mode: ClassVar[str] = MODE
 
-    def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, bucket_bytes: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: Any = None, disk_dir: str | os.PathLike | None = None, delta_encoding: str = "xor",
                  base_dir: str | os.PathLike | None = None, run_id: str = "", epoch: int = 0,
                  sender_index: int | None = None, keep_versions: int = KEEP_VERSIONS):
-        """``buffer_size`` bounds one shard's payload bytes. ``disk_dir`` None: a fresh folder under
+        """``bucket_bytes`` bounds one shard's payload bytes. ``disk_dir`` None: a fresh folder under
         the system temp dir (one host only; removed on close). ``base_dir``: the HF checkpoint the
         engines started from (version 0); None makes the first version a keyframe. ``run_id`` and
         ``epoch``: the segment this sender publishes (``DiskDeltaOptions``; "" makes a fresh run id).
         ``sender_index``: one of several senders, publishing in ``disk_dir/sender{i}``."""
-        if buffer_size <= 0:
-            raise ValueError(f"buffer_size must be positive, got {buffer_size}: set --update-weight-buffer-size")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}: set --update-weight-buffer-size")
         self.options = DiskDeltaOptions(disk_dir=disk_dir, delta_encoding=delta_encoding, base_dir=base_dir,
                                         run_id=run_id, epoch=epoch, sender_index=sender_index)  # validates
         if keep_versions < 2:
             raise ValueError(f"keep_versions {keep_versions}: keep at least the newest version and its base")
-        self.buffer_size, self.check_equal, self.timeout_s = buffer_size, check_equal, timeout_s
+        self.bucket_bytes, self.check_equal, self.timeout_s = bucket_bytes, check_equal, timeout_s
         self.encoding, self.keep_versions = delta_encoding, keep_versions
         self._owns_dir = disk_dir is None
         self.root = Path(disk_dir) if disk_dir is not None else Path(tempfile.mkdtemp(prefix="rlplacement-disk-delta-"))
@@ -166,7 +166,7 @@ class DiskDeltaSender(WeightSender):
         self._load_base()
         self._enter_segment(version)
         self._clean_leftovers()
-        writer = folder_format.VersionWriter(self.root, version, self.buffer_size)
+        writer = folder_format.VersionWriter(self.root, version, self.bucket_bytes)
         try:
             index, new_held, (new_sums, checked) = self._write_version(writer, version,
                                                                        hf_shaped(named_tensors, hf_shapes))

@@ -39,12 +39,12 @@ class P2PSender(FramedSender):
     sends_slices: ClassVar[bool] = True
     NUM_SLOTS = 2
 
-    def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, bucket_bytes: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: "torch.device | str | None" = None, group_of: GroupFn = fused_group_of,
                  protocol: str = "tcp", transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S):
         import torch
 
-        super().__init__(buffer_size, check_equal=check_equal, timeout_s=timeout_s, device=device, group_of=group_of)
+        super().__init__(bucket_bytes, check_equal=check_equal, timeout_s=timeout_s, device=device, group_of=group_of)
         self.options = P2POptions(protocol, transfer_timeout_s)  # validates
         self.protocol, self.transfer_timeout_s = protocol, transfer_timeout_s
         self.backend, self.wire_device = "gloo", torch.device("cpu")  # control only; bytes go by Mooncake

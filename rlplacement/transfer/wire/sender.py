@@ -32,11 +32,11 @@ class FramedSender(WeightSender):
     groups_per_position: ClassVar[bool] = False
     """Payloads are broadcasts: one group per position where receivers keep different slices."""
 
-    def __init__(self, buffer_size: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, bucket_bytes: int, *, check_equal: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: "torch.device | str | None" = None, group_of: GroupFn = fused_group_of):
         import torch
 
-        self.buffer_size, self.check_equal, self.timeout_s = buffer_size, check_equal, timeout_s
+        self.bucket_bytes, self.check_equal, self.timeout_s = bucket_bytes, check_equal, timeout_s
         self.device = torch.device(device) if device is not None else groups.default_device()
         self.backend = groups.backend_for(self.device)
         self.wire_device = wire_device(self.backend, self.device)
@@ -157,7 +157,7 @@ class FramedSender(WeightSender):
     def _buckets(self, named_tensors: Iterable[NamedTensor], hf_shapes: HFShapes | None):
         """``(index, bucket)`` of this update, tensors of ``hf_shapes`` in their HF shapes, a failure of the
         trainer's source turned into :class:`SourceFailed`."""
-        return enumerate(iter_buckets(guard(hf_shaped(named_tensors, hf_shapes)), self.buffer_size, self.group_of))
+        return enumerate(iter_buckets(guard(hf_shaped(named_tensors, hf_shapes)), self.bucket_bytes, self.group_of))
 
     def _send_buckets(self, version: int, buckets: Iterable[tuple[int, list[NamedTensor]]], sent: "SentSoFar"):
         """Each ``(index, bucket)`` as a BUCKET frame and its payload, then END; ``sent``: what this update
