@@ -59,9 +59,13 @@ def test_the_engine_records_the_shared_memory_a_kill_would_leave():
 
 def test_the_two_worker_engine_records_its_shared_memory(tp2):
     names = tp2["info"]["shm_segments"]
-    # vLLM's multiprocess executor: torch's shared memory, vLLM's CPU collectives' buffers, semaphores
-    assert any(n.startswith("psm_") for n in names) and any(n.startswith("vllm_") for n in names)
-    assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+    # vLLM's multiprocess executor: torch's shared memory always; vLLM's CPU collectives' buffers (vllm_*)
+    # only where its CPU kernels offer them and its ranks agree on the group's name (not on every machine);
+    # whatever the engine's processes map under the engine prefixes is recorded, and nothing else
+    from rlplacement.engines.shm_segments import OWN_PREFIXES
+
+    assert any(n.startswith("psm_") for n in names), names
+    assert all(os.path.exists(f"/dev/shm/{n}") and n.startswith(OWN_PREFIXES) for n in names), names
 
 
 @pytest.mark.parametrize("mode", ["broadcast", "broadcast_packed"])
@@ -256,7 +260,8 @@ def test_shutting_the_engine_down_leaves_none_of_its_shared_memory(tp2):
 
     engine = tp2["engine"]
     made = shm_mapped_by(tp2["pid"]) - tp2["shm_before"]  # what this engine's processes created and map
-    assert any(n.startswith("vllm_dist_") for n in made) and any(n.startswith("psm_") for n in made), made
+    # torch's segments on every machine, vLLM's CPU collectives' (vllm_dist_*) where it uses them
+    assert any(n.startswith("psm_") for n in made), made
     ray.get(engine.shutdown.remote(), timeout=120)
     assert sorted(made & set(os.listdir("/dev/shm"))) == []
     ray.get(engine.shutdown.remote(), timeout=60)  # a second shutdown does nothing
