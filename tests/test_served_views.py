@@ -69,3 +69,15 @@ def test_compare_reports_differences_missing_members_and_unexpected_parameters()
     partial = served_views.compare({}, {}, list(t))
     assert not partial["bit_exact"]
     assert partial["uncovered"] == ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight"]
+
+
+def test_compare_reads_vllm_026_routed_experts_names():
+    # vLLM 0.26 serves FusedMoE's stacks under mlp.experts.routed_experts. (seen on the H100 run, 2026-12-07)
+    names = list(_hf(experts=2))
+    expected = {"model.layers.0.mlp.experts.w13_weight": "1", "model.layers.0.mlp.experts.w2_weight": "2"}
+    served = {"model.layers.0.mlp.experts.routed_experts.w13_weight": "1",
+              "model.layers.0.mlp.experts.routed_experts.w2_weight": "2"}
+    out = served_views.compare(expected, served, names)
+    assert out["checked"] == 2 and not out["missing"] and not out["unexpected"] and not out["differing"]
+    served["model.layers.0.mlp.experts.routed_experts.w2_weight"] = "3"
+    assert served_views.compare(expected, served, names)["differing"] == ["model.layers.0.mlp.experts.w2_weight"]

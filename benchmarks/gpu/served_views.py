@@ -9,6 +9,11 @@ vLLM (tensor parallel 1, unquantized, Qwen3 and Qwen3-MoE) fuses some HF tensors
   then up rows (FusedMoE's w1 then w3), experts in index order;
 * ``mlp.experts.{e}.down_proj.weight`` -> ``mlp.experts.w2_weight`` ``[E, H, I]``.
 
+vLLM 0.26 registers those two under ``mlp.experts.routed_experts.`` (its MoE layer holds the routed experts
+in a submodule): :func:`compare` reads a served name through :func:`canonical` first. Seen on the first GPU
+run (2026-12-07, H100): without it the four layers' eight expert parameters were reported missing and
+unexpected, so the peers' check covered the 31 other parameters only.
+
 Every other tensor is served under its own name. The rule holds only where vLLM keeps the loaded layout
 (no re-layout after loading), which is what the colocated runs here use; a checker built on it reports a
 served parameter it cannot match rather than passing it, and a trainer tensor no served parameter covers.
@@ -78,9 +83,19 @@ def covered(groups: dict[str, tuple[str, list]]) -> set[str]:
     return out
 
 
+_ROUTED = re.compile(r"\.experts\.routed_experts\.(w13_weight|w2_weight)$")
+
+
+def canonical(served_name: str) -> str:
+    """The served name as :func:`served_groups` names it (vLLM 0.26's ``experts.routed_experts.w13_weight``
+    -> ``experts.w13_weight``)."""
+    return _ROUTED.sub(r".experts.\1", served_name)
+
+
 def compare(expected: dict[str, str], served: dict[str, str], hf_names) -> dict:
     """The check of one update: every expected served checksum present and equal, every HF tensor covered.
     ``served`` parameters with no expectation (none in these shapes) are listed, never counted as checked."""
+    served = {canonical(n): c for n, c in served.items()}
     missing = sorted(n for n in expected if n not in served)
     differing = sorted(n for n in expected if n in served and served[n] != expected[n])
     uncovered = sorted(set(hf_names) - covered(served_groups(hf_names)))
