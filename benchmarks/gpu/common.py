@@ -34,6 +34,11 @@ SIZES = {
     "30B-A3B-L4": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
                        num_key_value_heads=4, num_hidden_layers=4, vocab_size=151936, tie_word_embeddings=False,
                        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    # a mixture of experts small enough to start in seconds on a GPU, with head_dim 128 as the GPU attention
+    # kernels take (the CPU smoke shapes' 32 is not one of them): a check of a script's plumbing before its real run
+    "smoke-moe-gpu": dict(family="qwen3_moe", hidden_size=512, intermediate_size=1024, num_attention_heads=4,
+                          num_key_value_heads=2, num_hidden_layers=2, vocab_size=8192, tie_word_embeddings=False,
+                          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256),
     "smoke-moe": dict(family="qwen3_moe", hidden_size=64, intermediate_size=128, num_attention_heads=2,
                       num_key_value_heads=2, num_hidden_layers=2, vocab_size=300, tie_word_embeddings=True,
                       head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
@@ -215,9 +220,11 @@ def median_timeline(timelines: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: dict, compare_generation: bool,
-             gpu_memory_utilization: float) -> None:
+             gpu_memory_utilization: float, enforce_eager: bool = False) -> None:
     """Our modes through ``RLJob`` (as a loop sees them): a train step so the weights move, then per
-    mode one checked update and timed ones; optionally greedy generation vs a fresh engine."""
+    mode one checked update and timed ones; optionally greedy generation vs a fresh engine.
+    ``enforce_eager``: no CUDA graphs, as the peers' engines run (an update writes the same parameters
+    either way; it saves the graphs' capture at start)."""
     import ray
     import torch
 
@@ -228,6 +235,8 @@ def run_ours(config, modes, size: str, model_dir: Path, root: Path, args, row: d
     engine_kwargs = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 512}
     if torch.cuda.is_available():
         engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if enforce_eager:
+        engine_kwargs["enforce_eager"] = True
     t0 = time.time()
     job = RLJob.start(config, str(model_dir), optim=OptimConfig(lr=1e-4),
                       engine_kwargs=engine_kwargs, backend_options={"dtype": dtype})
@@ -325,7 +334,8 @@ def run_sizes(args, results: dict, file_name: str, run_size, modes) -> None:
         write(args.out, file_name, results)
     print(f"{'size':>5} {'GB':>6} {'ceil GB/s':>9} " + " ".join(f"{m:>22}" for m in modes))
     for r in results["sizes"]:
-        cells = [f"{r[m]['whole_seconds'] * 1e3:9.1f}ms ({r[m]['ratio']:.0%})" if m in r else "-" for m in modes]
+        cells = [f"{r[m]['whole_seconds'] * 1e3:9.1f}ms ({r[m]['ratio']:.0%}"
+                 + (f", x{r[m]['vs_ours']}" if "vs_ours" in r[m] else "") + ")" if m in r else "-" for m in modes]
         print(f"{r['size']:>5} {r['bytes'] / 1e9:6.2f} {r['ceiling_gbps']:9.1f} " + " ".join(f"{c:>22}" for c in cells))
 
 

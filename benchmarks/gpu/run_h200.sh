@@ -2,6 +2,8 @@
 # One command per experiment on the lent H200 machine, after benchmarks/gpu/device_setup.sh:
 #   bash benchmarks/gpu/run_h200.sh split [--sizes ...]     -> $OUT/split_h200.json     (2 GPUs)
 #   bash benchmarks/gpu/run_h200.sh colocate [--sizes ...]  -> $OUT/colocate_h200.json  (1 GPU)
+#   bash benchmarks/gpu/run_h200.sh peers [--sizes ...]     -> $OUT/colocate_peers_h200.json (1 GPU: ours beside
+#       vLLM's own IPC engine, unpacked and packed, and the per-tensor-handle baseline, one engine after the other)
 #   bash benchmarks/gpu/run_h200.sh offload [--size 8B]     -> $OUT/offload_h200.json   (1 GPU, hand-off)
 #   bash benchmarks/gpu/run_h200.sh offload --size 4B --lora-ranks 0 32 -> $OUT/offload_h200_4B_lora.json
 #       (1 GPU: full fine-tuning beside rank-32 adapters with adapter-only updates; needs peft: first
@@ -27,6 +29,7 @@ out=${OUT:-benchmarks/gpu/results}
 case "$what" in
   split) python3 benchmarks/gpu/split_h200.py --out "$out" "$@" ;;
   colocate) python3 benchmarks/gpu/colocate_h200.py --out "$out" "$@" ;;
+  peers) python3 benchmarks/gpu/colocate_h200.py --peers --out "$out" "$@" ;;
   offload) python3 benchmarks/gpu/offload_h200.py --out "$out" "$@" ;;
   replay) python3 benchmarks/gpu/replay_copies.py --out "$out" "$@" ;;
   loop) python3 benchmarks/gpu/loop_h200.py --out "$out" "$@" ;;
@@ -38,5 +41,5 @@ case "$what" in
   routing_replay) python3 benchmarks/gpu/routing_replay_h200.py --out "$out" "$@" ;;
   extras) python3 benchmarks/gpu/check_gpu_extras.py "$out/gpu_extras_h200.json" "$@" ;;
   tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests "$@" ;;
-  *) echo "unknown experiment $what (split | colocate | offload | replay | loop | rollout | megatron | sleep_failure | staging | moe | routing_replay | extras | tests)" >&2; exit 2 ;;
+  *) echo "unknown experiment $what (split | colocate | peers | offload | replay | loop | rollout | megatron | sleep_failure | staging | moe | routing_replay | extras | tests)" >&2; exit 2 ;;
 esac
