@@ -30,7 +30,7 @@ run: venv
 	$(VENV)/bin/python examples/tiny_grpo.py --steps 3
 
 test: venv
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=30 tests
 
 test-fast: venv
 	$(VENV)/bin/python -m pytest -q -m "not slow" tests
