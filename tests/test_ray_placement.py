@@ -142,3 +142,41 @@ def test_multi_node_layout_too_big_is_rejected(two_node_cluster):
                         "--rollout-num-gpus", "4")
     with pytest.raises(ConfigError, match=r"needs 12 GPUs on 3 node\(s\).*has 8 GPUs on 2 node"):
         ray_groups.place(cfg)
+
+
+CONNECT_BESIDE_ANOTHER_CLUSTER = """
+import ray
+from rlplacement.placement import ray_groups
+ray_groups.connect(local_num_gpus=3, local_num_cpus=1, verbose=False)
+print("GPUs", ray.cluster_resources().get("GPU"))
+ray.shutdown()
+"""
+
+
+def test_a_local_cluster_starts_beside_one_ray_start_left_on_the_machine():
+    """``ray start`` (and ray's test clusters) record their address where ``ray.init()`` without one looks
+    for a cluster to join; Ray then refuses the local cluster's logical GPU count. Without --ray-address or
+    RAY_ADDRESS the job starts its own cluster instead (here beside an address nothing listens on: the
+    job must not even try it)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths live under it
+    ray_dir = os.path.join(ray_tmp, "ray")
+    os.makedirs(ray_dir)
+    with open(os.path.join(ray_dir, "ray_current_cluster"), "w") as f:
+        f.write("127.0.0.1:9")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", CONNECT_BESIDE_ANOTHER_CLUSTER], capture_output=True, text=True,
+                          timeout=300, env={**env, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GPUs 3.0" in proc.stdout
+
+
+def test_ray_address_local_means_a_cluster_of_the_jobs_own(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert ray_groups.cluster_to_join(None) is None
+    assert ray_groups.cluster_to_join("10.0.0.1:6379") == "10.0.0.1:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert ray_groups.cluster_to_join(None) == "10.0.0.2:6379" and ray_groups.cluster_to_join("local") is None

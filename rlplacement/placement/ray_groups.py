@@ -65,10 +65,20 @@ def private_token_file() -> None:
         f.write(secrets.token_hex(32))  # Ray's own token format
 
 
+def cluster_to_join(address: str | None) -> str | None:
+    """The cluster a job joins: ``address`` (``--ray-address``), else ``RAY_ADDRESS``; None (either of them
+    ``local``, or neither set) means a cluster of the job's own. Never the one Ray would find by itself:
+    ``ray.init()`` without an address joins the last cluster ``ray start`` left on this machine, which was
+    not asked for and refuses the local cluster's logical GPU count."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    return None if address == "local" else address
+
+
 def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cpus: int | None = None,
             verbose: bool = True) -> None:
-    """Join ``address`` (else ``RAY_ADDRESS``), else start a local one-node cluster of logical GPUs.
-    Without ``verbose`` Ray's own messages are WARNING and above (actors' output still reaches the driver).
+    """Join :func:`cluster_to_join`, else start a local one-node cluster of logical GPUs (a new one even where
+    another runs on this machine). Without ``verbose`` Ray's own messages are WARNING and above (actors'
+    output still reaches the driver).
 
     A local cluster keeps Ray's token authentication, which Ray 2.60 turns on for ``ray.init()``
     when ``RAY_AUTH_MODE`` is unset (its ports listen on every interface; without a token anyone who
@@ -83,7 +93,7 @@ def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cp
 
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = cluster_to_join(address)
     level = logging.INFO if verbose else logging.WARNING
     if not sys.stdout.isatty():  # actors' lines reach a file or a pipe: no colour codes in them
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
@@ -94,7 +104,7 @@ def connect(address: str | None = None, *, local_num_gpus: int = 8, local_num_cp
     else:
         private_token_file()
         drop_notices(RAY_TOKEN_AUTH_LOGGER, RAY_TOKEN_AUTH_NOTICE)  # token auth kept on: nothing to act on
-        ray.init(num_gpus=local_num_gpus, num_cpus=local_num_cpus or os.cpu_count(),
+        ray.init(address="local", num_gpus=local_num_gpus, num_cpus=local_num_cpus or os.cpu_count(),
                  include_dashboard=False, log_to_driver=True, logging_level=level)
 
 
@@ -196,10 +206,10 @@ def place(cfg: PlacementConfig, *, timeout_s: float = 60.0, verbose: bool = True
     from ray.util import placement_group
 
     layout_wanted = compute_layout(cfg)
-    if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")) and layout_wanted.num_nodes > 1 and not ray.is_initialized():
+    if cluster_to_join(cfg.ray_address) is None and layout_wanted.num_nodes > 1 and not ray.is_initialized():
         raise ConfigError(
             f"The layout needs {layout_wanted.num_nodes} nodes but no cluster was given and a local Ray cluster "
-            f"has one node: pass --ray-address (or set RAY_ADDRESS), or shrink the layout to one node.")
+            f"has one node: pass --ray-address (or set RAY_ADDRESS) to a cluster's address, or shrink the layout to one node.")
     connect(cfg.ray_address, local_num_gpus=cfg.num_gpus_per_node, verbose=verbose)
     nodes = cluster_nodes()
     layout = check_fits(cfg, nodes)
