@@ -92,6 +92,33 @@ def long_tail_lengths(n: int, max_len: int, seed: int, alpha: float = 1.5, minim
     return lengths
 
 
+class Tokens:
+    """The folder's tokenizer as the loop uses it (prompt ids, the digits' ids, the pad id), read with
+    ``tokenizers`` from its ``tokenizer.json`` where it has one: transformers' tokenizer classes cost the
+    loop's start seconds of imports. Else transformers' ``AutoTokenizer``, which reads any folder."""
+
+    def __init__(self, hf_dir: str):
+        import json
+        import os
+
+        path = os.path.join(hf_dir, "tokenizer.json")
+        if os.path.isfile(path):
+            from tokenizers import Tokenizer
+
+            fast = Tokenizer.from_file(path)
+            with open(os.path.join(hf_dir, "tokenizer_config.json")) as f:
+                pad = json.load(f).get("pad_token")
+            pad = pad.get("content") if isinstance(pad, dict) else pad
+            self.encode = lambda text: fast.encode(text).ids
+            self.token_id = fast.token_to_id
+            self.pad_id = (fast.token_to_id(pad) if pad else None) or 0
+        else:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(hf_dir)
+            self.encode, self.token_id, self.pad_id = tok.encode, tok.convert_tokens_to_ids, tok.pad_token_id or 0
+
+
 class PromptSampler:
     """The loop's prompts in a fixed cycle. ``position``: prompts drawn so far, what a checkpoint keeps so a
     resumed run draws on where the stopped one would have."""
@@ -137,8 +164,6 @@ def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, beha
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from rlplacement.models.tiny import TinySpec, make_tiny_model
     from rlplacement.telemetry.recorder import RunLayout, StepRecorder
     from rlplacement.telemetry.trackers import build_trackers
@@ -166,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
     head = {"lm_head_std": LORA_HEAD_STD} if config.backend.lora.enabled else {}
     hf_dir = config.backend.hf_checkpoint or str(make_tiny_model(work / "model", TinySpec(
         **TINY_MODEL, **moe, **head, family=args.tiny_model_family, dtype=tiny_model_dtype())))
-    tok = AutoTokenizer.from_pretrained(hf_dir)
-    targets = {tok.convert_tokens_to_ids(d) for d in DIGITS}
+    tok = Tokens(hf_dir)
+    targets = {tok.token_id(d) for d in DIGITS}
     prompts = [tok.encode(p) for p in PROMPTS]
 
     # trackers first: a bad W&B or TensorBoard set-up fails before Ray starts; they close after the job
@@ -185,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         resume_point = {"step": first_step, "prompt_position": sampler.position}
         job.checkpoint_extra_state = lambda: dict(resume_point)  # what every --save-interval save records
         if config.async_rollout.fully_async:
-            return run_fully_async(args, config, job, tel, sampler, targets, tok.pad_token_id or 0, first_step,
+            return run_fully_async(args, config, job, tel, sampler, targets, tok.pad_id, first_step,
                                    last_step, resume_point)
 
         def start_rollout(step: int):
@@ -223,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
             resume_point.update(step=step + 1, prompt_position=drawn)  # this step's prompts are trained next
             staleness = job.version - min(s.weight_version for s in samples)  # versions behind the trainer
             rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
-            batch = make_batch(samples, rewards, group_size, tok.pad_token_id or 0,
+            batch = make_batch(samples, rewards, group_size, tok.pad_id,
                                behaviour=one_step_off or config.train.use_tis,
                                routes=config.backend.moe.rollout_routing_replay)
             job.prepare_train()

@@ -107,16 +107,77 @@ def build_config(spec: TinySpec):
     return cfg
 
 
+_MADE_FORMAT = 1  # bump when make_tiny_model writes other bytes for the same spec and versions
+CACHE_ENV = "RLPLACEMENT_TINY_MODEL_CACHE"
+"""Where made folders are kept (default ``$XDG_CACHE_HOME/rlplacement/tiny-models``, else ``~/.cache``);
+``0``: none kept, every call makes its folder."""
+
+
+def _cache_dir(spec: TinySpec) -> Path | None:
+    """The folder a made ``spec`` is kept in, named by the spec and the versions of what makes its bytes
+    (a new transformers, torch or tokenizers makes a new folder); None when caching is off."""
+    import hashlib
+    from importlib.metadata import version
+
+    root = os.environ.get(CACHE_ENV)
+    if root == "0":
+        return None
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlplacement",
+                            "tiny-models")
+    made_by = {pkg: version(pkg) for pkg in ("transformers", "torch", "tokenizers")}
+    key = json.dumps([dataclasses.asdict(spec), made_by, _MADE_FORMAT], sort_keys=True)
+    return Path(root) / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _copy_files(src: Path, dst: Path) -> None:
+    import shutil
+
+    for f in src.iterdir():
+        shutil.copyfile(f, dst / f.name)  # copies, never links: a caller may edit its folder
+
+
+def _keep(out: Path, cached: Path) -> None:
+    """``out``'s files kept as ``cached``, published by rename: whole or not at all (a concurrent maker's
+    folder, published first, is the one kept)."""
+    import shutil
+    import tempfile
+
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".making-", dir=cached.parent))
+    except OSError:
+        return  # an unwritable cache: the folder is made, only not kept
+    try:
+        _copy_files(out, tmp)
+        os.rename(tmp, cached)
+    except OSError:  # published by another maker meanwhile, or a full disk
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def make_tiny_model(out_dir: str | os.PathLike, spec: TinySpec = TinySpec()) -> Path:
     """Write a loadable HF folder (config, safetensors weights, tokenizer) to ``out_dir``.
 
-    Deterministic for a given spec (seeded init), so two calls give identical bytes.
+    Deterministic for a given spec (seeded init), so two calls give identical bytes; a folder once made
+    is kept (:data:`CACHE_ENV`) and copied on later calls, which then import neither torch nor
+    transformers.
     """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cached = _cache_dir(spec)
+    if cached is not None and cached.is_dir():  # published whole (_keep)
+        _copy_files(cached, out)
+        return out
+    _make(out, spec)
+    if cached is not None:
+        _keep(out, cached)
+    return out
+
+
+def _make(out: Path, spec: TinySpec) -> None:
     import torch
     import transformers
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = build_config(spec)
     torch.manual_seed(spec.seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, spec.dtype))
@@ -137,4 +198,3 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinySpec = TinySpec()) -> 
             hf_logging.enable_progress_bar()
     build_tokenizer(spec.vocab_size).save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "pad_token_id": 0}))
-    return out
