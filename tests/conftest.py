@@ -11,6 +11,10 @@ import pytest
 # told RAY_AUTH_MODE=disabled (their calls would be refused by a token cluster started earlier): one mode
 # for the whole run. The product's default, token auth, is tested in a fresh process (test_open_doors).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# ray.init() without an address joins the cluster another test (ray.cluster_utils, `ray start`) last recorded
+# in Ray's default temp folder, possibly one of a concurrent test process: every test's own ray.init starts
+# its own cluster unless it names one
+os.environ.setdefault("RAY_ADDRESS", "local")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -26,3 +30,9 @@ def _ray_shut_down_after_module():
         from rlplacement.convert.run import _teardown
 
         _teardown()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import loop_cluster
+
+    loop_cluster.stop()

@@ -25,7 +25,10 @@ def step_lines(stdout: str) -> list[str]:
 
 
 def run_loop(tmp_path, *flags, timeout=900):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    """The example loop in a process of its own, joined to the test process's shared cluster."""
+    from tests import loop_cluster
+
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": loop_cluster.address()}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_grpo.py"), "--work-dir", str(tmp_path),
                            *flags], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     return proc
@@ -193,7 +196,9 @@ def _disk_delta_run_published_every_version(tmp_path, proc, rows, capsys):
 
 
 def _colocated_run_used_ipc_and_said_the_handoff_is_skipped(tmp_path, proc, rows, capsys):
-    assert not list(Path("/dev/shm").glob("rlplacement-ipc-*"))
+    from rlplacement.transfer.cuda_ipc.buckets import orphaned_shm_files
+
+    assert not orphaned_shm_files()  # the run's processes are gone: none of their bucket files is left
     # --offload-train/--offload-rollout are on by default under --colocate; on CPU there is nothing to free
     skipped = "--offload-train and --offload-rollout: the trainer runs on cpu, so there is no GPU memory to hand off"
     assert proc.stderr.count(skipped) == 1

@@ -85,25 +85,29 @@ def _owner_gone(name: str, namespace: str) -> bool:
     return _start_time(int(parts[1])) != parts[2]
 
 
-def sweep_orphans() -> list[str]:
-    """Unlink this module's /dev/shm files whose owner process is gone; returns their names. A live
-    process's files, and files whose owner cannot be checked, are kept."""
+def orphaned_shm_files() -> list[str]:
+    """This module's /dev/shm files whose owner process is provably gone, sorted."""
     namespace = _pid_namespace()
     try:
         names = os.listdir(shm_dir())
     except OSError:
         return []
+    return sorted(n for n in names if n.startswith(SHM_PREFIX) and _owner_gone(n, namespace))
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink :func:`orphaned_shm_files`; returns their names. A live process's files, and files whose
+    owner cannot be checked, are kept."""
     swept = []
-    for name in sorted(n for n in names if n.startswith(SHM_PREFIX)):
-        if _owner_gone(name, namespace):
-            try:
-                os.unlink(os.path.join(shm_dir(), name))
-            except FileNotFoundError:  # another sender swept it first
-                continue
-            except OSError as exc:  # another user's file: theirs to remove
-                log.warning("cannot remove %s, left by a process that is gone: %s", name, exc)
-                continue
-            swept.append(name)
+    for name in orphaned_shm_files():
+        try:
+            os.unlink(os.path.join(shm_dir(), name))
+        except FileNotFoundError:  # another sender swept it first
+            continue
+        except OSError as exc:  # another user's file: theirs to remove
+            log.warning("cannot remove %s, left by a process that is gone: %s", name, exc)
+            continue
+        swept.append(name)
     if swept:
         log.info("removed %d shared bucket file(s) left by processes that are gone: %s", len(swept), ", ".join(swept))
     return swept
