@@ -148,6 +148,9 @@ class VllmRolloutEngine(WeightUpdateCalls, PauseAroundUpdates, MemoryHandOff, Ro
         # a small host); frozen objects are skipped. vLLM freezes its heap itself once started and unfreezes it
         # all at shutdown.
         gc.freeze()
+        from rlplacement.engines import shm_segments
+
+        mapped_before = set(shm_segments.mapped_by_tree())  # another in-process engine's are not this one's
         self.llm = LLM(model=self.model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
                        weight_transfer_config={"backend": BACKEND}, **llm_kwargs)
@@ -157,11 +160,10 @@ class VllmRolloutEngine(WeightUpdateCalls, PauseAroundUpdates, MemoryHandOff, Ro
         self.max_model_len = int(model_config.max_model_len)
         self.enforce_eager = bool(model_config.enforce_eager)
         self._served = None  # the version the workers serve, once asked; None also after a failed update
-        from rlplacement.engines import shm_segments
         from rlplacement.engines.vllm.request_stepper import RequestStepper
 
         # what a kill would leave in /dev/shm: the job removes it when it replaces this engine
-        self.shm_segments = shm_segments.mapped_by_tree()
+        self.shm_segments = sorted(set(shm_segments.mapped_by_tree()) - mapped_before)
 
         self.timeout_s = float(timeout_s)
         self._stepper = RequestStepper(self.llm, name=f"engine {engine_index}", timeout_s=self.timeout_s)
@@ -306,7 +308,7 @@ class VllmRolloutEngine(WeightUpdateCalls, PauseAroundUpdates, MemoryHandOff, Ro
                 log.warning("engine %s: %s failed while shutting down: %s", self.engine_index, what, exc)
         del llm
         # vLLM's client may return before its core process has unlinked its queues (on a loaded host that
-        # process can still be exiting, or be killed at its own timeout): the names recorded at start go now
+        # process can still be exiting, or be killed at its own timeout): the names this engine's start made go
         from rlplacement.engines import shm_segments
 
         shm_segments.remove(getattr(self, "shm_segments", []))
