@@ -36,3 +36,23 @@ def pytest_sessionfinish(session, exitstatus):
     from tests import loop_cluster
 
     loop_cluster.stop()
+
+
+# Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup --no-loadscope-reorder`): a module's tests run on
+# one worker, so its module-scoped set-up (a cluster, a job, engines) is made once, except the modules of
+# independent loops below, whose tests (or groups of tests that share a run: their own xdist_group mark)
+# spread over the workers; the slowest work first, so no worker is left with a long module at the end.
+SPREAD_MODULES = ("test_tiny_grpo.py", "test_fully_async_loop.py")
+SLOWEST_FIRST = ("test_tiny_grpo.py", "test_fully_async_loop.py", "test_chaos_soak.py", "test_vllm_transfer.py",
+                 "test_vllm_transfer_ipc.py", "test_lora_fsdp.py", "test_vllm_worker_extension.py",
+                 "test_megatron_train.py", "test_job_recovery.py", "test_integration_verl.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.name
+        if not any(True for _ in item.iter_markers("xdist_group")) and module not in SPREAD_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its order

@@ -145,8 +145,13 @@ def hundred_update_run(tmp_path_factory):
     return run
 
 
+def _one_run(modes):
+    """``modes`` as parameters that share the hundred-update run of their mode (one xdist worker each)."""
+    return [pytest.param(m, marks=pytest.mark.xdist_group(f"hundred-update-run-{m}")) for m in modes]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(ALL_MODE_FLAGS))
+@pytest.mark.parametrize("mode", _one_run(ALL_MODE_FLAGS))
 def test_a_hundred_consecutive_updates_stay_bit_exact(hundred_update_run, mode, capsys):
     """Every step's update is checked tensor by tensor (--check-weight-update-equal exits non-zero
     naming the tensor on any difference), and each mode's own outputs are checked on the same run
@@ -235,7 +240,7 @@ def test_long_tail_run_is_diagnosed_and_gets_no_more_rollout_gpus(tmp_path, caps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(LEARNING_LAYOUTS), ids=["split-micro-batches", "colocated-dynamic-batches"])
+@pytest.mark.parametrize("mode", _one_run(LEARNING_LAYOUTS), ids=["split-micro-batches", "colocated-dynamic-batches"])
 def test_the_example_loop_keeps_learning(hundred_update_run, mode):
     """The loop's reward (the fraction of digit tokens in a response) rises from chance to nearly all
     digits in 40 steps with the micro-batched step, in the split and the colocated layout (read on the
