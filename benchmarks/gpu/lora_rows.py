@@ -174,7 +174,8 @@ def run_size(size: str, root: Path, args, compare_generation: bool) -> dict:
         runs = [update(False) for _ in range(args.repeats + 1)][1:]
         row["adapter_slots"] = {"whole": [r["whole"] for r in runs], "wire": [r["wire"] for r in runs],
                                 "load": [r["load"] for r in runs],
-                                "commit": get_all([engine.call_workers.remote("rlplacement_load_path")], 60, "path")[0][0]}
+                                "commit": get_all([engine.call_workers.remote("rlplacement_load_path")], 60,
+                                                  "path")[0][0]}
 
         folder_s = get_all([engine.call_workers.remote("lora_bench_load_folder", str(folder), args.repeats + 1)],
                            900, "vLLM folder loads")[0][0][1:]
@@ -182,11 +183,13 @@ def run_size(size: str, root: Path, args, compare_generation: bool) -> dict:
         row["vllm_lora_folder"] = {"whole": folder_s, "wire": [None], "load": folder_s}
         if compare_generation:
             fresh_greedy = common.greedy(engine, PROMPTS)
-            row["generation_tokens_equal"] = all(a["token_ids"] == b["token_ids"] for a, b in zip(ours_greedy, fresh_greedy))
+            row["generation_tokens_equal"] = all(a["token_ids"] == b["token_ids"]
+                                                 for a, b in zip(ours_greedy, fresh_greedy))
             row["generation_logprob_max_abs_diff"] = max(abs(x - y) for a, b in zip(ours_greedy, fresh_greedy)
                                                          for x, y in zip(a["logprobs"], b["logprobs"]))
-        tensors_s = get_all([engine.call_workers.remote("lora_bench_load_tensors", str(folder), rank, alpha, list(LORA_MODULES),
-                                                        args.repeats + 1)], 900, "vLLM tensor loads")[0][0][1:]
+        tensors_s = get_all([engine.call_workers.remote("lora_bench_load_tensors", str(folder), rank, alpha,
+                                                        list(LORA_MODULES), args.repeats + 1)],
+                            900, "vLLM tensor loads")[0][0][1:]
         tensors_served = served()
         row["vllm_lora_tensors"] = {"whole": tensors_s, "wire": [None], "load": tensors_s}
         update(False)  # ours again, over vLLM's registered adapter

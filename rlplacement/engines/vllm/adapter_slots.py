@@ -245,9 +245,10 @@ class AdapterSlots:
                     loras[name] = LoRALayerWeights(module_name=name, rank=self.rank, lora_alpha=self.alpha,
                                                    lora_a=a[0], lora_b=b[0], scaling=1)
                 else:
+                    present = [t is not None for t in a]
                     loras[name] = PackedLoRALayerWeights(
-                        module_name=name, rank=self.rank, lora_alphas=[self.alpha if t is not None else None for t in a],
-                        lora_a=a, lora_b=b, scaling=[1 if t is not None else None for t in a])
+                        module_name=name, rank=self.rank, lora_alphas=[self.alpha if p else None for p in present],
+                        lora_a=a, lora_b=b, scaling=[1 if p else None for p in present])
             self._loras[index] = loras
         return self._loras[index]
 
