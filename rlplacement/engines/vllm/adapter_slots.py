@@ -256,14 +256,6 @@ class AdapterSlots:
         """Drop the fused copies out of the staging buffers (freed by the receiver; rebuilt when next used)."""
         self._plans = {k: v for k, v in self._plans.items() if k[:2] != ("fused", "set")}
 
-    def served_tensors(self) -> dict[str, Any]:
-        """Every slot view the adapter is served from (``<vLLM module>.<member>.A|B``); empty when no slot
-        serves it. For checks: the bytes a request's kernels read."""
-        slot = self._served_slot()
-        if slot is None:
-            return {}
-        return served_slot_tensors(self.manager, slot)
-
 
 def served_slot_tensors(manager, slot: int) -> dict[str, Any]:
     """``<vLLM module>.<member>.A|B`` -> the stacked LoRA buffers' view of ``slot``, for every linear LoRA
