@@ -52,7 +52,10 @@ class AdapterSlots:
         self.device = torch.device(self.manager.device)
         model = self.manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)  # the renames vLLM's own adapter load applies
-        self._mapper = mapper.get_rename_mapper() if mapper is not None else None
+        # without the fusion maps, so members (q_proj) keep their names: get_rename_mapper in vLLM 0.32,
+        # get_unstacked_mapper in 0.26
+        renames = getattr(mapper, "get_rename_mapper", None) or getattr(mapper, "get_unstacked_mapper", None)
+        self._mapper = renames() if renames is not None else mapper
         # (vLLM module, its LoRA layer, the adapter's module name of each packed member)
         self.layers = [(name, layer, list(self.manager.packed_modules.get(name, [name])))
                        for name, layer in self.manager.modules.items()]
