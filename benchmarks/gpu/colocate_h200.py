@@ -16,11 +16,6 @@ served parameter (``served_views``); ours is checked by its own checked update. 
     python3 benchmarks/gpu/colocate_h200.py --sizes 4B 8B --out $OUT   # -> colocate_h200.json
     python3 benchmarks/gpu/colocate_h200.py --peers --sizes 8B 30B-A3B-L4 --skip-generation --eager \
         --commit C --out $OUT                                          # -> colocate_peers_h200.json
-    python3 benchmarks/gpu/colocate_h200.py --lora-rank 32 --sizes 4B --commit C --out $OUT
-                                                                       # -> colocate_lora_h200.json
-
-``--lora-rank N`` runs the LoRA row instead (``lora_rows``): an adapter-only update of rank N into our engine's
-LoRA slots beside vLLM's own adapter loads (from a folder, from tensors) and a device copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -177,20 +172,11 @@ def main(description: str = __doc__.splitlines()[0], sizes: tuple[str, ...] = ("
                             help="leave out the per-tensor-handle baseline (a profiling run of our path only)")
     parser.add_argument("--skip-generation", action="store_true",
                         help="leave out greedy generation against a fresh engine (another call ran it)")
-    if baseline:
-        parser.add_argument("--lora-rank", type=int, default=0,
-                            help="run the LoRA row instead: rank-N adapters (alpha 2N) on every decoder linear layer, "
-                                 "our slot update beside vLLM's own adapter loads (-> colocate_lora_h200.json)")
     args = parser.parse_args()
-    args.lora_rank = getattr(args, "lora_rank", 0)
-    if args.lora_rank and args.peers:
-        parser.error("--lora-rank runs the LoRA row alone: leave out --peers")
     args.skip_baseline = getattr(args, "skip_baseline", False) or not baseline
     args.peers = getattr(args, "peers", False)
     if args.peers and file_name == "colocate_h200.json":
         file_name = "colocate_peers_h200.json"
-    if args.lora_rank:
-        file_name = "colocate_lora_h200.json"
     import torch
 
     if not torch.cuda.is_available():
@@ -201,11 +187,6 @@ def main(description: str = __doc__.splitlines()[0], sizes: tuple[str, ...] = ("
 
     results: dict = {"command": " ".join(["python3", *sys.argv]), "commit": args.commit, "gpus": common.gpu_names()[:1],
                      "versions": common.versions(), "sizes": []}
-    if args.lora_rank:
-        import lora_rows
-
-        common.run_sizes(args, results, file_name, lora_rows.run_size, lora_rows.MODES)
-        return 0
     modes = ("cuda_ipc",) + (() if args.skip_baseline else ("per_tensor_ipc",)) \
         + (("vllm_ipc", "vllm_ipc_packed") if args.peers else ())
     common.run_sizes(args, results, file_name, run_size, modes)

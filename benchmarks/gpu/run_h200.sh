@@ -2,8 +2,6 @@
 # One command per experiment on the lent H200 machine, after benchmarks/gpu/device_setup.sh:
 #   bash benchmarks/gpu/run_h200.sh split [--sizes ...]     -> $OUT/split_h200.json     (2 GPUs)
 #   bash benchmarks/gpu/run_h200.sh colocate [--sizes ...]  -> $OUT/colocate_h200.json  (1 GPU)
-#   bash benchmarks/gpu/run_h200.sh colocate --lora-rank 32 --sizes 4B -> $OUT/colocate_lora_h200.json (1 GPU: the
-#       adapter-only update into our engine's LoRA slots beside vLLM's own adapter loads and a device copy)
 #   bash benchmarks/gpu/run_h200.sh peers [--sizes ...]     -> $OUT/colocate_peers_h200.json (1 GPU: ours beside
 #       vLLM's own IPC engine, unpacked and packed, and the per-tensor-handle baseline, one engine after the other)
 #   bash benchmarks/gpu/run_h200.sh offload [--size 8B]     -> $OUT/offload_h200.json   (1 GPU, hand-off)

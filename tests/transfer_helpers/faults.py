@@ -142,18 +142,3 @@ def keep_own_slices(worker) -> None:
     engine = worker.weight_transfer_engine
     if "_keeps" in vars(engine):
         del engine._keeps
-
-
-def fail_next_slot_write_part_way(worker) -> None:
-    """Make this worker's next write into an adapter slot copy half of its tensors, then raise (once)."""
-    slots = worker.weight_transfer_engine.adapter_slots
-    cls_copy = type(slots)._copy
-
-    def failing(key, dsts, srcs):
-        if key[0] != "slot":
-            return cls_copy(slots, key, dsts, srcs)
-        del slots._copy  # back to normal for later updates
-        cls_copy(slots, key, dsts[: len(dsts) // 2], srcs[: len(srcs) // 2])
-        raise RuntimeError(f"injected fault after {len(dsts) // 2} of {len(dsts)} slot tensors")
-
-    slots._copy = failing

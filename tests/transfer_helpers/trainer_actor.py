@@ -89,20 +89,3 @@ class StandInRowsTrainer(StandInHFTrainer):
             for index, key, rows in row_pieces(name, p.detach(), self.world):
                 if index == self.rank:
                     yield key, rows
-
-
-@one_call_at_a_time
-class StandInAdapterTrainer(TrainerTransferMixin):
-    """A trainer stand-in for adapter-only updates: sends the tensors of a PEFT adapter folder
-    (``lora_format`` names), the one last given to :meth:`set_adapter`."""
-
-    def __init__(self):
-        self.tensors: dict = {}
-
-    def set_adapter(self, folder: str) -> None:
-        from rlplacement.lora_format import read_adapter_folder
-
-        self.tensors = read_adapter_folder(folder)
-
-    def hf_named_tensors(self):
-        yield from self.tensors.items()

@@ -6,15 +6,14 @@ pickled into vLLM's engine core. Engines start with it through
 import os
 
 from rlplacement.engines.vllm.vllm_worker import RlplacementWorkerExtension
-from tests.transfer_helpers import adapter_probes, faults, ipc_probes
+from tests.transfer_helpers import faults, ipc_probes
 
 HOOKED_WORKER_EXTENSION = f"{__name__}.HookedWorkerExtension"
 
 
 class HookedWorkerExtension(RlplacementWorkerExtension):
-    """Each ``hook_*`` is the function of the same name in ``faults``, ``ipc_probes`` or ``adapter_probes``, on
-    ``self`` = the worker; ``hook_pid`` and ``hook_environ`` say which process a worker runs in and what it was
-    given."""
+    """Each ``hook_*`` is the function of the same name in ``faults`` or ``ipc_probes``, on ``self`` = the
+    worker; ``hook_pid`` and ``hook_environ`` say which process a worker runs in and what it was given."""
 
     hook_fail_receive_after_buckets = faults.fail_receive_after_buckets
     hook_flip_first_byte_of_next_update = faults.flip_first_byte_of_next_update
@@ -28,10 +27,6 @@ class HookedWorkerExtension(RlplacementWorkerExtension):
     hook_keep_own_slices = faults.keep_own_slices
     hook_keep_whole_tensors = faults.keep_whole_tensors
     hook_receiver_stats = ipc_probes.receiver_stats
-    hook_fail_next_slot_write_part_way = faults.fail_next_slot_write_part_way
-    hook_served_adapter = adapter_probes.served_adapter
-    hook_evict_adapter = adapter_probes.evict_adapter
-    hook_load_adapter_as_vllm_does = adapter_probes.load_adapter_as_vllm_does
 
     def hook_pid(self) -> int:
         return os.getpid()

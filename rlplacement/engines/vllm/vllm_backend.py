@@ -9,9 +9,8 @@ buffers and validates it (a failure here leaves the model untouched and vLLM end
 as it arrives, holding two buckets instead of the model (``vllm_loader.BucketwiseLoad``), and
 ``finish_weight_update`` only serves ``v``. Where the group carries a LoRA spec (``RlplacementInitInfo.lora``:
 adapter-only updates), every update is the whole adapter, validated against the spec's names and shapes
-(:mod:`rlplacement.lora_format`) and written into the adapter slot nobody is served from while it is staged;
-the commit switches the live adapter to that slot (:mod:`rlplacement.engines.vllm.adapter_slots`); the base
-weights are never touched.
+(:mod:`rlplacement.lora_format`), and the commit swaps it in as the live adapter
+(:mod:`rlplacement.engines.vllm.live_lora`); the base weights are never touched.
 
 Invariant: a worker never serves a partly written or discarded version. ``weights_lost`` says why its
 weights are not a whole version (a level-2 sleep discarded them, or a load failed part-way); it is set
@@ -97,7 +96,6 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
         self.copied_out = 0  # weights of layers split across buckets copied out of the last bucketwise update
         self.lora: dict = {}  # the group's LoRA spec: updates are the live adapter's (RlplacementInitInfo.lora)
         self.model_runner = None  # set by the worker extension before each call: holds vLLM's LoRA manager
-        self.adapter_slots = None  # the live adapter's two-slot writer (adapter_slots.AdapterSlots), made at first use
 
     @property
     def served_version(self) -> int:
@@ -135,7 +133,7 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
                                             self.lora["target_modules"])
         else:
             self._expected = self._checkpoint_shapes
-        if self.receiver.accepts_slices:  # an adapter comes whole: each worker cuts its part into its slots
+        if self.receiver.accepts_slices:  # vLLM's LoRA layers cut each worker's part of an adapter themselves
             self.receiver.keep_slices(self._keeps() if init_info.slices == "auto" and not self.lora else None)
         self.receiver.connect(endpoint, rank)
 
@@ -182,9 +180,6 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
                 staged[:] = [pair for pair in staged if pair[0] != "lm_head.weight"]
             self._validate(staged, self.receiver.staged_hf_shapes)
             self.receiver.instants.mark("validated")
-            if self.lora:  # into the slot nobody is served from: a failure here leaves the served adapter whole
-                self._live_adapter().prepare(staged, update_info.version)
-                self.receiver.instants.mark("adapter_written")
         except BaseException:
             self.receiver.abort()
             raise
@@ -243,22 +238,12 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             self.weights_lost, self.last_load_path = None, "bucketwise"
             return
         if self.lora:
-            self.receiver.commit(lambda staged: self._live_adapter().switch(self._receiving))
-            self.last_load_path = "adapter-slot"
+            from rlplacement.engines.vllm import live_lora
+
+            self.receiver.commit(lambda staged: live_lora.install(self.model_runner, staged, self.lora))
+            self.last_load_path = "live-adapter"
             return
         self.receiver.commit(lambda staged: self._load_whole(staged, self._receiving))
-
-    def _live_adapter(self):
-        """This worker's :class:`~rlplacement.engines.vllm.adapter_slots.AdapterSlots`, made at the first update."""
-        if self.adapter_slots is None:
-            manager = getattr(self.model_runner, "lora_manager", None)
-            if manager is None:
-                raise TransferError("an adapter-only update reached an engine started without LoRA (enable_lora): "
-                                    "start the engines through RLJob with --lora-rank, or add --lora-merge-for-rollout")
-            from rlplacement.engines.vllm.adapter_slots import AdapterSlots
-
-            self.adapter_slots = AdapterSlots(manager, self.lora)
-        return self.adapter_slots
 
     def _load_whole(self, staged: list, version) -> None:
         """``_load``, with ``weights_lost`` set while the model's weights are written: a load that fails
@@ -345,8 +330,6 @@ class RlplacementWeightTransferEngine(WeightTransferEngine[RlplacementInitInfo, 
             freed = self.receiver.release_staging()
         if self._plan is not None:
             self._plan.forget_staged()
-        if self.adapter_slots is not None:
-            self.adapter_slots.forget_staged()
         self._validated = []
         if self.device.type == "cuda":
             import torch
