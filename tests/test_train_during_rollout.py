@@ -165,3 +165,40 @@ def test_chunks_in_arrival_order_end_on_the_whole_batch_steps_parameters(hf, nam
         for mine, theirs in zip(results[0], results[1]):
             for case in CASES:
                 assert theirs["reports"][case][1]["loss"] == pytest.approx(mine[case]["reports"][1]["loss"])
+
+
+FLAGS = ("--actor-num-gpus-per-node", "4", "--hf-checkpoint", "/m", "--train-during-rollout")
+SPLIT = FLAGS + ("--rollout-num-gpus", "4")
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (("--global-batch-size", "8"), r"--global-batch-size 8 asks for a step every 8 samples.*drop --global-batch-size"),
+    (("--train-backend", "torchtitan"), r"the torchtitan backend's chunked step .*use --train-backend fsdp or megatron"),
+    (("--one-step-off",), r"--one-step-off trains on samples of older weights.*keep one"),
+    (("--fully-async",), r"--fully-async trains on samples of older weights.*keep one"),
+    (("--colocate",), r"under --colocate .* add --no-offload-train --no-offload-rollout"),
+    (("--colocate", "--no-offload-train"), r"add --no-offload-rollout \(both resident"),
+    (("--colocate", "--offload-rollout", "--no-offload-train"), r"add --no-offload-rollout"),
+])
+def test_what_cannot_equal_the_whole_batch_step_is_refused_by_flag(argv, pattern):
+    from rlplacement.args import build_parser, config_from_args
+    from rlplacement.errors import ConfigError
+
+    argv = list(FLAGS if "--colocate" in argv else SPLIT) + list(argv)
+    with pytest.raises(ConfigError, match=pattern):
+        config_from_args(build_parser().parse_args(argv), this_host=False)
+
+
+def test_split_and_resident_colocated_layouts_are_accepted():
+    from rlplacement.args import build_parser, config_from_args
+    from rlplacement.config.train import refuse_steps_within_batch
+    from rlplacement.errors import ConfigError
+
+    split = config_from_args(build_parser().parse_args(list(SPLIT)), this_host=False)
+    assert split.train.train_during_rollout and split.train.global_batch_size is None
+    colocated = config_from_args(build_parser().parse_args(
+        [*FLAGS, "--colocate", "--no-offload-train", "--no-offload-rollout"]), this_host=False)
+    assert colocated.train.train_during_rollout
+    refuse_steps_within_batch(split.train, 16)
+    with pytest.raises(ConfigError, match=r"--global-batch-size 8 is below this batch's 16 samples"):
+        refuse_steps_within_batch(dataclasses.replace(split.train, global_batch_size=8), 16)
