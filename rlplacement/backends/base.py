@@ -324,6 +324,10 @@ class TrainerBackend(ChunkedStep, BackendCheckpoints, BackendHostOffload, abc.AB
         normalizer = max(tokens, 1.0) / self.data_parallel_size
         return self._step_sums(self._accumulate_local(batch, normalizer), tokens)
 
+    def _zero_local_sums(self) -> torch.Tensor:
+        """This rank's loss parts and log-prob sum (``_SUMS`` but tokens), zero, float64."""
+        return torch.zeros(len(_SUMS) - 1, dtype=torch.float64, device=self.device)
+
     def _accumulate_local(self, batch: Batch, normalizer: float) -> torch.Tensor:
         """Backward of every micro-batch of ``batch`` at ``normalizer`` into the gradients; this rank's loss parts
         and log-prob sum (``_SUMS`` but tokens), float64."""

@@ -54,15 +54,13 @@ class ChunkedStep:
     def train_chunk(self, batch: Batch) -> None:
         """Forward and backward of this rank's share ``batch`` of one chunk, gradients accumulating, no step
         (collective)."""
-        from rlplacement.backends.base import _SUMS
-
         self._check_routes(batch)
         batch = batch.to(self.device)
         if self.optimizer is None:
             self.optimizer = self.optim_config.build(self._parameters())
         self.set_train(True)
         if self._chunk_sums is None:
-            self._chunk_sums = ChunkSums(torch.zeros(len(_SUMS) - 1, dtype=torch.float64, device=self.device))
+            self._chunk_sums = ChunkSums(self._zero_local_sums())
             self._begin_chunks()
         self._chunk_sums.local += self._chunk_gradients(batch)
         self._chunk_sums.tokens += float(batch.loss_mask.sum())
@@ -72,10 +70,8 @@ class ChunkedStep:
         """The one optimizer step of the chunks trained since the last (collective); the report
         :meth:`train_step` gives for one step of the same samples. With no chunk at all the step has no
         tokens: its gradient is zero."""
-        from rlplacement.backends.base import _SUMS
-
         if self._chunk_sums is None:
-            self._chunk_sums = ChunkSums(torch.zeros(len(_SUMS) - 1, dtype=torch.float64, device=self.device))
+            self._chunk_sums = ChunkSums(self._zero_local_sums())
             self._begin_chunks()
         sums, self._chunk_sums = self._chunk_sums, None
         tokens = self._all_reduce([sums.tokens])[0]
