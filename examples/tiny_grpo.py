@@ -212,6 +212,10 @@ def run(args: argparse.Namespace) -> int:
         if config.async_rollout.fully_async:
             return run_fully_async(args, config, job, tel, sampler, targets, tok.pad_id, first_step,
                                    last_step, resume_point)
+        if config.train.train_during_rollout:
+            return run_train_during_rollout(args, config, job, tel, sampler, targets, tok.pad_id, range(first_step,
+                                                                                                      last_step),
+                                            resume_point)
 
         def start_rollout(step: int):
             chosen = sampler.draw(args.prompts_per_step)
@@ -277,6 +281,52 @@ def run(args: argparse.Namespace) -> int:
             row = tel.end_step(step, reward=statistics.fmean(rewards), **sync_metrics)
             print_step(step, row, report, job.version, f"  staleness {staleness}" if one_step_off else "")
         save_at_end(config, job)
+    return 0
+
+
+def run_train_during_rollout(args, config, job, tel, sampler, targets, pad_id: int, steps: range, resume_point) -> int:
+    """``--train-during-rollout``: the groups of a step's rollout train as they finish (``job.finished_groups``,
+    gathered into chunks of a multiple of the data-parallel size in samples), the one optimizer step after the
+    last; ``perf/train_overlap_time`` is the chunks' training inside the rollout's interval."""
+    group_size, max_len = config.rollout.n_samples_per_prompt, config.rollout.max_response_len
+    for step in steps:
+        chosen = sampler.draw(args.prompts_per_step)
+        lengths = long_tail_lengths(len(chosen) * group_size, max_len, config.rollout.seed + step) \
+            if args.long_tail else None
+        t0 = time.time()
+        pending = job.generate_async(chosen, max_tokens=lengths, exact_lengths=args.long_tail)
+        samples, waiting, rewards = [], [], []
+        for group in job.finished_groups(pending, group_size):
+            waiting += group
+            if len(waiting) % job.data_parallel_size:
+                continue
+            chunk_rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in waiting]
+            batch = make_batch(waiting, chunk_rewards, group_size, pad_id, behaviour=config.train.use_tis,
+                               routes=config.backend.moe.rollout_routing_replay)
+            trainer_lp = job.log_probs(batch)  # after the chunks before it, on the weights that sampled every group
+            tel.record_logprobs([row[len(s.prompt_ids):len(s.prompt_ids) + len(s.token_ids)]
+                                 for row, s in zip(trainer_lp, waiting)], [s.logprobs for s in waiting])
+            job.train_chunk(with_tis_logprobs(batch, trainer_lp) if config.train.use_tis else batch)
+            samples, rewards, waiting = samples + waiting, rewards + chunk_rewards, []
+        rollout_end = max(s.finished_at for s in samples)
+        tel.record_interval("rollout", t0, rollout_end)
+        tel.record_samples([len(s.token_ids) for s in samples], [s.finished_at - t0 for s in samples])
+        resume_point.update(step=step + 1, prompt_position=sampler.position)
+        reports, chunks = job.finish_train_during_rollout()
+        for start, end in chunks + [(reports[0].start, reports[0].end)]:
+            tel.record_interval("train", start, end)
+        overlap = sum(max(0.0, min(end, rollout_end) - max(start, t0)) for start, end in chunks)
+        job.prepare_update()
+        t_sync = time.time()
+        report = job.update_weights()
+        tel.record_interval("sync", t_sync, time.time())
+        metrics = {"perf/train_overlap_time": overlap, "train/loss": reports[0].loss,
+                   "train/grad_norm": reports[0].grad_norm, "train/lr": reports[0].lr,
+                   "train/skipped_steps": reports[0].skipped_steps,
+                   "perf/update_weights_checked": int(bool(report and report.checked))}
+        row = tel.end_step(step, reward=statistics.fmean(rewards), **metrics)
+        print_step(step, row, report, job.version, f"  overlap {overlap:.2f}s")
+    save_at_end(config, job)
     return 0
 
 

@@ -73,6 +73,11 @@ FLAGS = (
           help="--use-tis: upper bound of the importance weight."),
     flag("--tis-clip-low", type=float, default=default_of(TrainConfig, "tis_clip_low"),
           help="--use-tis: lower bound of the importance weight."),
+    flag("--train-during-rollout", action="store_true", default=default_of(TrainConfig, "train_during_rollout"),
+         help="Train each finished group (forward and backward, gradients accumulating) while the rest of the "
+              "rollout still decodes; the one optimizer step runs after the last group, on the weights every "
+              "sample was drawn from (strictly on-policy). Equal to the whole-batch step for dense models; MoE "
+              "router losses are per micro-batch of a chunk. One optimizer step per rollout batch."),
     flag("--save", type=str, default=default_of(TrainConfig, "save"),
           help="Folder for training checkpoints (model, optimizer, schedule, step, RNG, weight version), written "
                "every --save-interval train steps (a library caller may also call RLJob.save_checkpoint)."),
@@ -151,7 +156,8 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
         raise ConfigError("--save-interval says how often to write a checkpoint: set --save to a folder, or drop "
                           "--save-interval.")
     tis = _tis_from_args(args)
-    return TrainConfig(**tis, bf16=bf16, global_batch_size=global_batch, micro_batch_size=micro,
+    during = _train_during_rollout_from_args(args, placement, spec, global_batch)
+    return TrainConfig(**tis, train_during_rollout=during, bf16=bf16, global_batch_size=global_batch, micro_batch_size=micro,
                        use_dynamic_batch_size=dynamic, max_tokens_per_gpu=max_tokens,
                        gradient_checkpointing=bool(get(args, "gradient_checkpointing")),
                        use_distributed_optimizer=distributed_optimizer, **recompute, **fp32_flags,
@@ -160,6 +166,37 @@ def train_from_args(args: argparse.Namespace, placement: PlacementConfig, backen
                        kl_loss_coef=coefs["kl_loss_coef"], kl_loss_type=kl_type or default_of(TrainConfig, "kl_loss_type"),
                        entropy_coef=coefs["entropy_coef"],
                        rollout_temperature=float(get(args, "rollout_temperature")), save=save, save_interval=interval)
+
+
+def _train_during_rollout_from_args(args: argparse.Namespace, placement: PlacementConfig, spec,
+                                    global_batch: int | None) -> bool:
+    """``--train-during-rollout``: one optimizer step per rollout batch, on a backend whose chunked step is checked,
+    beside engines that stay awake for the whole rollout."""
+    if not get(args, "train_during_rollout"):
+        return False
+    if not spec.trains_during_rollout:
+        others = spoken(backends_with("trains_during_rollout"))
+        raise ConfigError(f"--train-during-rollout: the {spec.name} backend's chunked step (gradients accumulated over "
+                          f"chunks, reduced and stepped once) is not checked against its whole-batch step: use "
+                          f"--train-backend {others}, or drop --train-during-rollout.")
+    if global_batch is not None:
+        raise ConfigError(f"--train-during-rollout takes one optimizer step per rollout batch, after its last group; "
+                          f"--global-batch-size {global_batch} asks for a step every {global_batch} samples, each "
+                          f"needing the previous step's weights before its samples could train: drop "
+                          f"--global-batch-size, or drop --train-during-rollout.")
+    for name, dest in (("--one-step-off", "one_step_off"), ("--fully-async", "fully_async")):
+        if get(args, dest):
+            raise ConfigError(f"--train-during-rollout trains on the weights every sample was drawn from; {name} "
+                              f"trains on samples of older weights while the next ones generate: keep one of the two.")
+    if placement.colocate:
+        left = [f"--no-{d.replace('_', '-')}" for d in ("offload_train", "offload_rollout")
+                if getattr(placement, d) is not False]
+        if left:
+            raise ConfigError(f"--train-during-rollout under --colocate trains beside engines that are still decoding, "
+                              f"so neither side may be moved off the GPUs mid-rollout (the hand-off would put the "
+                              f"engines to sleep or the trainer on the host between the two): add {' '.join(left)} "
+                              f"(both resident for the whole run), or drop --colocate for a split layout.")
+    return True
 
 
 def _recompute_from_args(args: argparse.Namespace, backend) -> dict:

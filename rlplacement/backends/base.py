@@ -17,8 +17,9 @@ Contracts every backend keeps:
   trained parameters in HF layout, bit-equal to what the backend holds, valid until the next step.
 
 What a backend saves and resumes from is :class:`~.backend_checkpoints.BackendCheckpoints`' part of the
-interface, its move to host memory and back :class:`~.backend_offload.BackendHostOffload`'s; both are mixed
-into :class:`TrainerBackend`, and a backend overrides their hooks as it does this module's.
+interface, its move to host memory and back :class:`~.backend_offload.BackendHostOffload`'s, one step trained in
+chunks as a rollout's groups finish :class:`~.chunked_step.ChunkedStep`'s; all are mixed into
+:class:`TrainerBackend`, and a backend overrides their hooks as it does this module's.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from rlplacement.backends.backend_checkpoints import BackendCheckpoints
 from rlplacement.backends.backend_offload import BackendHostOffload
+from rlplacement.backends.chunked_step import ChunkedStep
 from rlplacement.backends.batching import fixed_micro_batches, pack_by_tokens, split_steps
 from rlplacement.backends.objective import (LossParts, TokenStats, policy_loss,  # noqa: F401  (backends' API)
                                             token_log_probs)
@@ -50,7 +52,7 @@ def resolve_bf16(train: TrainConfig) -> bool:
     return torch.cuda.is_available() if train.bf16 is None else train.bf16
 
 
-class TrainerBackend(BackendCheckpoints, BackendHostOffload, abc.ABC):
+class TrainerBackend(ChunkedStep, BackendCheckpoints, BackendHostOffload, abc.ABC):
     """Build or load a model, train it on batches, and stream its weights in HF names."""
 
     name: ClassVar[str]
@@ -259,6 +261,8 @@ class TrainerBackend(BackendCheckpoints, BackendHostOffload, abc.ABC):
         """Optimizer steps over this rank's share ``batch`` (one per ``--global-batch-size`` samples).
         Metrics are the same on every rank: the loss and its parts are the steps' global token means."""
         cfg = self.train_config
+        if self.chunks_open:
+            raise RuntimeError("train_step while a chunked step holds its gradients: finish_chunked_step first")
         self._check_routes(batch)
         batch = batch.to(self.device)
         if self.optimizer is None:
@@ -274,11 +278,16 @@ class TrainerBackend(BackendCheckpoints, BackendHostOffload, abc.ABC):
             for key in _SUMS:
                 totals[key] += sums[key]
         self.train_calls += 1
+        return self._train_report(totals, len(steps), norm, lr, skipped, float(batch.loss_mask.sum()))
+
+    def _train_report(self, totals: dict[str, float], steps: int, norm: float, lr: float | None, skipped: int,
+                      num_tokens: float) -> dict[str, float]:
+        """A train call's report from its steps' summed ``_SUMS`` (the last step's norm and learning rate)."""
         tokens = max(totals["tokens"], 1.0)
-        return {"loss": totals["loss"] / len(steps), "grad_norm": norm, "lr": lr or 0.0,
-                "num_tokens": float(batch.loss_mask.sum()), "mean_logprob": totals["logp"] / tokens,
-                "kl": totals["kl"] / len(steps), "entropy": totals["entropy"] / len(steps),
-                "clip_fraction": totals["clipped"] / len(steps), "optimizer_steps": len(steps) - skipped,
+        return {"loss": totals["loss"] / steps, "grad_norm": norm, "lr": lr or 0.0,
+                "num_tokens": num_tokens, "mean_logprob": totals["logp"] / tokens,
+                "kl": totals["kl"] / steps, "entropy": totals["entropy"] / steps,
+                "clip_fraction": totals["clipped"] / steps, "optimizer_steps": steps - skipped,
                 "skipped_steps": self.skipped_steps}
 
     def _optimizer_step(self, batch: Batch) -> tuple[dict[str, float], float, float | None]:
@@ -286,6 +295,12 @@ class TrainerBackend(BackendCheckpoints, BackendHostOffload, abc.ABC):
         every rank, the gradient norm, and the learning rate used (None: skipped, the norm not finite)."""
         self.optimizer.zero_grad(set_to_none=True)
         sums = self.accumulate_gradients(batch)
+        norm, lr = self._apply_gradients()
+        return sums, norm, lr
+
+    def _apply_gradients(self) -> tuple[float, float | None]:
+        """The accumulated gradients into one optimizer step: reduced where the framework does not, norm,
+        clip, step, zeroed. Returns the norm and the learning rate used (None: skipped, the norm not finite)."""
         self._finish_grads()
         norm = self._grad_norm()
         lr = None
@@ -299,15 +314,24 @@ class TrainerBackend(BackendCheckpoints, BackendHostOffload, abc.ABC):
         else:  # an inf/nan gradient: nothing is applied, the run goes on
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)  # a model's worth of memory free through the update
-        return sums, norm, lr
+        return norm, lr
 
     def accumulate_gradients(self, batch: Batch) -> dict[str, float]:
         """Backward of one optimizer step's objective on this rank's share ``batch``, micro-batch by
         micro-batch, into the parameters' gradients (collective). Returns the step's sums over every rank
         (loss parts as global token means, the log-prob sum and the token count)."""
-        cfg = self.train_config
         tokens = self._all_reduce([float(batch.loss_mask.sum())])[0]
         normalizer = max(tokens, 1.0) / self.data_parallel_size
+        return self._step_sums(self._accumulate_local(batch, normalizer), tokens)
+
+    def _zero_local_sums(self) -> torch.Tensor:
+        """This rank's loss parts and log-prob sum (``_SUMS`` but tokens), zero, float64."""
+        return torch.zeros(len(_SUMS) - 1, dtype=torch.float64, device=self.device)
+
+    def _accumulate_local(self, batch: Batch, normalizer: float) -> torch.Tensor:
+        """Backward of every micro-batch of ``batch`` at ``normalizer`` into the gradients; this rank's loss parts
+        and log-prob sum (``_SUMS`` but tokens), float64."""
+        cfg = self.train_config
         local = torch.zeros(len(_SUMS) - 1, dtype=torch.float64, device=self.device)  # all but tokens
         for idx in self._micro_batches(batch):
             mb = batch.rows(idx).trimmed()
@@ -319,7 +343,7 @@ class TrainerBackend(BackendCheckpoints, BackendHostOffload, abc.ABC):
                 parts, logp_sum = self._forward_backward(mb, normalizer, ref)
             local += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).detach()
                                   for v in (*parts, logp_sum)])
-        return self._step_sums(local, tokens)
+        return local
 
     def _step_sums(self, local: torch.Tensor, tokens: float) -> dict[str, float]:
         """This rank's loss parts and log-prob sum (``_SUMS`` but tokens) summed over the data-parallel

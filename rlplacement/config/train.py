@@ -158,6 +158,13 @@ class TrainConfig:
     """Upper bound of the truncated importance weight."""
     tis_clip_low: float = 0.0
     """Lower bound of the truncated importance weight."""
+    train_during_rollout: bool = False
+    """Train the groups that have finished while the rest still decode (``--train-during-rollout``): each
+    chunk of finished groups runs forward and backward with loss normaliser 1, gradients accumulating; after
+    the last chunk the token count is all-reduced, the gradients scaled by data-parallel size / tokens, and the
+    one optimizer step runs on the weights every sample was drawn from. Equal to the whole-batch step on the
+    same samples for dense models (MoE router losses are per micro-batch, and a chunk's micro-batches hold other
+    samples than the whole batch's)."""
     save: str | None = None
     """Folder for training checkpoints (``--save``): model, optimizer, schedule, step, RNG, weight version."""
     save_interval: int | None = None
@@ -166,3 +173,13 @@ class TrainConfig:
     @property
     def eps_clip_upper(self) -> float:
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+
+def refuse_steps_within_batch(train: TrainConfig, samples: int) -> None:
+    """Under ``train_during_rollout`` a rollout batch of ``samples`` is one optimizer step: a
+    ``global_batch_size`` below it (set by hand in a config, the flag being refused with it) would need a step's
+    weights before its later samples could train."""
+    if train.train_during_rollout and train.global_batch_size is not None and train.global_batch_size < samples:
+        raise ConfigError(f"--train-during-rollout takes one optimizer step per rollout batch; --global-batch-size "
+                          f"{train.global_batch_size} is below this batch's {samples} samples: drop "
+                          f"--global-batch-size, or drop --train-during-rollout.")

@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rlplacement.errors import ConfigError
+from rlplacement.job.groups import Group
 from rlplacement.job.rollout import PendingRollout, RolloutSample, poll_ready
 
 if TYPE_CHECKING:  # the job is not imported even here: it builds this (RLJob.fully_async), one way
@@ -39,20 +40,6 @@ if TYPE_CHECKING:  # the job is not imported even here: it builds this (RLJob.fu
 
 IDLE_POLL_S = 0.05
 """How long the generation thread waits for a finished sample before topping up again."""
-
-
-@dataclasses.dataclass
-class _Group:
-    prompt: list[int]
-    lengths: list[int]
-    """Each member's token budget (its max_tokens)."""
-    members: list[RolloutSample | None]
-    pieces: list[list[RolloutSample]]
-    """Per member, what earlier requests generated before an update cut them short (--partial-rollout)."""
-
-    @property
-    def complete(self) -> bool:
-        return all(m is not None for m in self.members)
 
 
 @dataclasses.dataclass
@@ -109,8 +96,8 @@ class FullyAsyncRollout:
         self.group_size = int(group_size or job.config.rollout.n_samples_per_prompt)
         self._lock = threading.Lock()
         self._changed = threading.Condition()
-        self._ready: collections.deque[_Group] = collections.deque()
-        self._pending: dict[int, tuple[PendingRollout, list[tuple[_Group, int]]]] = {}
+        self._ready: collections.deque[Group] = collections.deque()
+        self._pending: dict[int, tuple[PendingRollout, list[tuple[Group, int]]]] = {}
         self._in_flight = 0
         self._stale_filtered = 0
         self._cut = {"continued": 0, "regenerated": 0}
@@ -241,7 +228,7 @@ class FullyAsyncRollout:
             prompts = recycled + [list(map(int, p)) for p in fresh]
             n = len(prompts) * self.group_size
             lengths = self._lengths(n)
-            groups = [_Group(p, lengths[i * self.group_size:(i + 1) * self.group_size], [None] * self.group_size,
+            groups = [Group(p, lengths[i * self.group_size:(i + 1) * self.group_size], [None] * self.group_size,
                              [[] for _ in range(self.group_size)]) for i, p in enumerate(prompts)]
             self._submit([(g, k, g.prompt, g.lengths[k]) for g in groups for k in range(self.group_size)],
                          n_per_prompt=self.group_size)
@@ -252,7 +239,7 @@ class FullyAsyncRollout:
         budget = self._max_tokens if self._max_tokens is not None else self.job.config.rollout.max_response_len
         return [int(budget)] * n
 
-    def _submit(self, work: list[tuple[_Group, int, list[int], int]], n_per_prompt: int) -> None:
+    def _submit(self, work: list[tuple[Group, int, list[int], int]], n_per_prompt: int) -> None:
         """Start requests for ``work`` (group, member, prompt ids, token budget); with ``n_per_prompt`` > 1 the
         members of a prompt are consecutive and share its prompt (one generate call's groups)."""
         prompts = [w[2] for w in work[::n_per_prompt]]
@@ -296,8 +283,7 @@ class FullyAsyncRollout:
             else:
                 self._submit([(group, member, group.prompt + prefix, group.lengths[member] - done)], n_per_prompt=1)
                 return
-        group.members[member] = _joined(group.prompt, group.pieces[member], sample)
-        if group.complete:
+        if group.place(member, _joined(group.prompt, group.pieces[member], sample)):
             with self._changed:
                 self._ready.append(group)
                 self._changed.notify_all()

@@ -88,6 +88,13 @@ class RolloutCalls:
         waiting at most the job's timeout for the next (naming the engines that did not answer)."""
         return rollout.stream(self.engines, pending, self.timeout_s)
 
+    def finished_groups(self, pending: PendingRollout, group_size: int) -> Iterator[list[RolloutSample]]:
+        """``pending``'s groups (its prompts' ``group_size`` samples each), each as its last sample finishes
+        (``job.groups.finished_groups``): what ``--train-during-rollout`` trains on while the rest decode."""
+        from rlplacement.job.groups import finished_groups
+
+        return finished_groups(self, pending, group_size)
+
     def collect(self, pending: PendingRollout, *, include_aborted: bool = False) -> list[RolloutSample]:
         """Every sample of ``pending`` in index order once all have ended; samples an :meth:`abort` cut
         short are left out unless ``include_aborted``."""

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class TrainCalls:
     """The training side of ``RLJob``; see the module docstring."""
 
-    def _shards(self, batch: "Batch") -> list["Batch"]:
+    def _shards(self, batch: "Batch", chunk: bool = False) -> list["Batch"]:
         """Each trainer rank's share: ranks of one tensor/pipeline-parallel group get the same one. With
         ``--global-batch-size`` G, optimizer step j trains on samples ``j*G .. (j+1)*G - 1`` of ``batch``
         whatever the number of ranks: a rank's share is its slice of each step's samples, in step order.
@@ -46,7 +46,7 @@ class TrainCalls:
             raise ConfigError(f"a batch of {n} samples is not a whole number of optimizer steps of "
                               f"--global-batch-size {per_step}: send a multiple of {per_step} samples per step")
         share = per_step // dp
-        if cfg.micro_batch_size and cfg.micro_batch_size > share:
+        if cfg.micro_batch_size and cfg.micro_batch_size > share and not chunk:  # a chunk's micro-batch may be short
             raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} is larger than a rank's share of an "
                               f"optimizer step ({per_step} samples over {dp} data-parallel ranks = {share}): lower "
                               f"--micro-batch-size to {share} or less, or send more samples per step")
@@ -77,10 +77,7 @@ class TrainCalls:
         ``--mask-offpolicy-in-partial-rollout`` only the tokens the engines' current version (:attr:`version`)
         sampled count in the loss: ``batch`` must carry ``token_versions``
         (:func:`~rlplacement.train_io.token_versions_of`)."""
-        if self.config.train.use_tis and (batch.rollout_logprobs is None or batch.old_logprobs is None):
-            raise ConfigError("--use-tis weighs each token by the trainer's log-prob over the engine's: give the batch "
-                              "rollout_logprobs (the samples' engine log-probs) and old_logprobs (job.log_probs(batch) "
-                              "before the step), or drop --use-tis")
+        self._check_tis(batch)
         if self.config.async_rollout.mask_offpolicy_in_partial_rollout:  # only the engines' current version
             batch = batch.only_version(self.version)
         shards = self._shards(batch)  # bad sizes refused before any rank starts
@@ -88,11 +85,43 @@ class TrainCalls:
         if self.handoff is not None:
             self.handoff.train_step_runs()
         reports = self._on_trainers("train step", lambda t, s: t.train_step.remote(s), shards)
+        self._after_train_call()
+        return reports
+
+    def train_chunk(self, batch: "Batch") -> None:
+        """``--train-during-rollout``: start forward and backward of ``batch`` (whole groups that have finished, a
+        multiple of the data-parallel size in samples) on every trainer rank and return at once; the gradients
+        accumulate until :meth:`finish_train_during_rollout` steps once. Ray runs an actor's calls in order, so a
+        later :meth:`log_probs` waits for the chunks before it (on weights no step has changed)."""
+        if not self.config.train.train_during_rollout:
+            raise ConfigError("RLJob.train_chunk needs the job started with --train-during-rollout")
+        self._check_tis(batch)
+        shards = self._shards(batch, chunk=True)
+        self._chunk_calls.append([t.train_chunk.remote(s) for t, s in zip(self.trainers, shards)])
+
+    def finish_train_during_rollout(self) -> tuple[list["TrainStepReport"], list[tuple[float, float]]]:
+        """After the rollout's last group went to :meth:`train_chunk`: wait for the chunks, then the one optimizer
+        step on every rank. Returns each rank's report (as :meth:`train` does) and the chunks' (start, end) on
+        rank 0, for telemetry. A chunk that failed raises here; its step is not taken."""
+        calls, self._chunk_calls = self._chunk_calls, []
+        intervals = [self._with_hint(get_all, refs, self.timeout_s, "a chunk of --train-during-rollout",
+                                     self.trainer_names)[0] for refs in calls]
+        reports = self._with_hint(get_all, [t.finish_chunked_step.remote() for t in self.trainers], self.timeout_s,
+                                  "the step of --train-during-rollout", self.trainer_names)
+        self._after_train_call()
+        return reports, intervals
+
+    def _check_tis(self, batch: "Batch") -> None:
+        if self.config.train.use_tis and (batch.rollout_logprobs is None or batch.old_logprobs is None):
+            raise ConfigError("--use-tis weighs each token by the trainer's log-prob over the engine's: give the batch "
+                              "rollout_logprobs (the samples' engine log-probs) and old_logprobs (job.log_probs(batch) "
+                              "before the step), or drop --use-tis")
+
+    def _after_train_call(self) -> None:
         self.train_calls += 1
         cfg = self.config.train
         if cfg.save and cfg.save_interval and self.train_calls % cfg.save_interval == 0:
             self.save_checkpoint()
-        return reports
 
     def save_checkpoint(self, extra_state: dict[str, Any] | None = None) -> str:
         """Save the training state under ``--save`` now (collective over the trainer ranks); the weights are

@@ -84,6 +84,23 @@ class TrainerWorker(TrainerTransferMixin):
         metrics = self.backend.train_step(batch)
         return TrainStepReport(rank=self.rank, start=start, end=time.time(), **metrics)
 
+    def train_chunk(self, batch: Batch) -> tuple[float, float]:
+        """``--train-during-rollout``: forward and backward of this rank's share of one chunk of finished groups,
+        gradients held for :meth:`finish_chunked_step`; returns its (start, end) wall-clock times."""
+        self._require_resident("a chunk of --train-during-rollout")
+        start = time.time()
+        self.backend.train_chunk(batch)
+        return start, time.time()
+
+    def finish_chunked_step(self) -> TrainStepReport:
+        """The one optimizer step of the chunks trained since the last (``backends.chunked_step``)."""
+        from rlplacement.train_io import TrainStepReport
+
+        self._require_resident("the step of --train-during-rollout")
+        start = time.time()
+        metrics = self.backend.finish_chunked_step()
+        return TrainStepReport(rank=self.rank, start=start, end=time.time(), **metrics)
+
     def save_checkpoint(self, root: str, weight_version: int, job_state: dict[str, Any] | None = None) -> str:
         """Collective: the whole training state under ``root`` (``--save``) and the driver's ``job_state`` (a
         small JSON-able dict, back in ``setup``'s ``resumed["job_state"]``); returns the published folder."""

@@ -61,6 +61,9 @@ class BackendSpec:
     MoE layer (a backend running the model's own MoE blocks has none)."""
     lora: bool = False
     """Trains LoRA adapters (``--lora-rank``)."""
+    trains_during_rollout: bool = False
+    """Its chunked step (``--train-during-rollout``: gradients of chunks accumulated, reduced and stepped once
+    after the last) is checked against its whole-batch step; a backend without that check is refused."""
     lora_check: str | None = None
     """``"module:function"`` called as ``f(lora_config, sequence_parallel, moe=False)`` when the flags ask
     for LoRA: what its adapters do not cover, refused by flag (imported then: it may import torch)."""

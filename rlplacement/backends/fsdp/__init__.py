@@ -31,6 +31,6 @@ def fsdp2_share_holdings(model, *, world: int, tp: int = 1, pp: int = 1, ep: int
 FSDP = register_backend(BackendSpec(
     name="fsdp", backend="rlplacement.backends.fsdp.backend:FSDPBackend",
     summary="the HF model under torch's FSDP2, every parameter sharded over every rank",
-    recompute=GRADIENT_CHECKPOINTING, trains_moe=True, lora=True,
+    recompute=GRADIENT_CHECKPOINTING, trains_moe=True, lora=True, trains_during_rollout=True,
     sends_pieces=True, holdings=f"{_HERE}:fsdp2_holdings", share_holdings=f"{_HERE}:fsdp2_share_holdings",
     memory="rlplacement.advisor.memory:fsdp_rank_memory"))

@@ -48,7 +48,7 @@ MEGATRON = register_backend(BackendSpec(
     summary="megatron-core: tensor, pipeline and expert parallelism, its distributed optimizer",
     model_parallel=True, sequence_parallel=True, expert_parallel=True, distributed_optimizer=True,
     fp32_switches=True, recompute=LAYERS, trains_moe=True, moe_layer_flags=True,
-    lora=True, lora_check="rlplacement.backends.megatron.lora:check_supported",
+    lora=True, trains_during_rollout=True, lora_check="rlplacement.backends.megatron.lora:check_supported",
     sends_pieces=True, holdings=f"{_HERE}:megatron_holdings", piece_holdings=f"{_HERE}:megatron_piece_holdings",
     share_holdings=f"{_HERE}:megatron_share_holdings", memory="rlplacement.advisor.memory:megatron_rank_memory",
     load_config="rlplacement.backends.megatron.preflight:check_load",

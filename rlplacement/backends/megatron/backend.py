@@ -57,6 +57,8 @@ class MegatronBackend(MegatronUpdates, MegatronCheckpoints):
         from rlplacement.backends.megatron.train import MegatronTraining
 
         overlap = not cuda_absent() if overlap_grad_reduce is None else overlap_grad_reduce
+        # chunks reduce once, after the last (MegatronTraining.reduce_accumulated): no backward to overlap it with
+        overlap = overlap and not self.train_config.train_during_rollout
         self._training = MegatronTraining(model, optim, use_distributed_optimizer=self.train_config.use_distributed_optimizer,
                                           overlap_grad_reduce=overlap,
                                           grad_reduce_in_fp32=self.train_config.accumulate_allreduce_grads_in_fp32)
@@ -293,11 +295,40 @@ class MegatronBackend(MegatronUpdates, MegatronCheckpoints):
     def _optimizer_step(self, batch):
         """One optimizer step through megatron's schedule and optimizer (:mod:`.train`); the same sums,
         norm and learning rate as :meth:`TrainerBackend._optimizer_step` returns."""
+        tokens = self._all_reduce([float(batch.loss_mask.sum())])[0]
+        normalizer = max(tokens, 1.0) / self.data_parallel_size
+        sums = self._step_sums(self._schedule(batch, normalizer, reduce=True), tokens)
+        norm, lr = self._stepped()
+        return sums, norm, lr
+
+    def _begin_chunks(self) -> None:
+        self._training.zero_grads()
+
+    def _chunk_gradients(self, batch) -> torch.Tensor:
+        """A chunk through megatron's schedule into DDP's gradient buffers, neither zeroed nor reduced."""
+        return self._schedule(batch, 1.0, reduce=False)
+
+    def _step_chunks(self, scale: float) -> tuple[float, float | None]:
+        """DDP's buffers scaled, then reduced once by megatron (``finalize_model_grads``), then its step."""
+        self._training.reduce_accumulated(scale)
+        return self._stepped()
+
+    def _stepped(self) -> tuple[float, float | None]:
+        lr = self.optim_config.lr_at(self.step)
+        norm, applied = self._training.step(lr)
+        if applied:
+            self.step += 1
+        else:
+            self.skipped_steps += 1
+        return norm, lr if applied else None
+
+    def _schedule(self, batch, normalizer: float, *, reduce: bool) -> torch.Tensor:
+        """Every micro-batch of ``batch`` through megatron's schedule at ``normalizer``: ``reduce``, the buffers
+        zeroed first and reduced after (a whole step), else accumulated into as they are (a chunk). Returns this
+        rank's loss parts and log-prob sum (``_SUMS`` but tokens), the same on every pipeline stage."""
         from rlplacement.backends.base import _SUMS
         from rlplacement.backends.objective import policy_loss
 
-        tokens = self._all_reduce([float(batch.loss_mask.sum())])[0]
-        normalizer = max(tokens, 1.0) / self.data_parallel_size
         local = torch.zeros(len(_SUMS) - 1, dtype=torch.float64, device=self.device)  # all but tokens
 
         cfg = self.train_config
@@ -319,7 +350,7 @@ class MegatronBackend(MegatronUpdates, MegatronCheckpoints):
             return parts.loss
 
         try:
-            self._training.forward_backward(micro, self._stage_forward, loss)
+            self._training.forward_backward(micro, self._stage_forward, loss, reduce=reduce)
         finally:
             if self.replays_routes:
                 from rlplacement.backends.routing_replay import megatron_clear
@@ -329,14 +360,7 @@ class MegatronBackend(MegatronUpdates, MegatronCheckpoints):
             from megatron.core import parallel_state as ps
 
             local = self._from_last_stage(local if ps.is_pipeline_last_stage(ignore_virtual=True) else None, local)
-        sums = self._step_sums(local, tokens)
-        lr = self.optim_config.lr_at(self.step)
-        norm, applied = self._training.step(lr)
-        if applied:
-            self.step += 1
-        else:
-            self.skipped_steps += 1
-        return sums, norm, lr if applied else None
+        return local
 
     def _grad_norm(self) -> float:
         raise NotImplementedError("megatron's optimizer computes the gradient norm inside its step (backends.megatron.train)")

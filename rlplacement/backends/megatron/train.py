@@ -24,6 +24,7 @@ weight ``1 / (the rank's own micro-batches)`` it has without stand-ins.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any, Callable, Iterator
@@ -72,10 +73,14 @@ class MegatronTraining:
         config.variable_seq_lengths = True  # micro-batches are trimmed to their longest sample
         self.config = config
 
-    def forward_backward(self, micro_batches: list, forward: Callable, loss: Callable) -> None:
+    def forward_backward(self, micro_batches: list, forward: Callable, loss: Callable, *, reduce: bool = True) -> None:
         """Every micro-batch through ``forward(model, batch) -> output`` and, on the last stage,
         ``loss(batch, output) -> 0-dim loss`` (already normalised for the whole step), backward included;
-        the gradients end reduced in DDP's buffers."""
+        the gradients end reduced in DDP's buffers. ``reduce`` False (a chunk of ``--train-during-rollout``): the
+        buffers are neither zeroed nor reduced, so the gradients accumulate on this rank until
+        :meth:`reduce_accumulated`; the whole schedule runs under DDP's ``no_sync`` with the schedule's own
+        ``no_sync_func``, ``grad_sync_func`` and ``finalize_model_grads_func`` off (each would end the hold at the
+        schedule's last micro-batch)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         n = len(micro_batches)
@@ -93,19 +98,42 @@ class MegatronTraining:
                     router.training = False
             return forward(model, batch), functools.partial(_scaled_loss, loss, batch, own)
 
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        if reduce:
+            self.zero_grads()
         first = micro_batches[0].input_ids
         if own < n:  # megatron weighs the routers' losses by 1 / n: scaled back to 1 / own (see _scaled_loss)
             self.config.grad_scale_func = lambda value: self.optimizer.scale_loss(value) * (n / own)
+        syncs = {k: getattr(self.config, k) for k in ("no_sync_func", "grad_sync_func", "finalize_model_grads_func")}
+        held = contextlib.nullcontext() if reduce else self.ddp.no_sync()
         try:
-            get_forward_backward_func()(forward_step_func=step_func, data_iterator=iter(micro_batches),
-                                        model=[self.ddp], num_microbatches=n, seq_length=first.shape[1],
-                                        micro_batch_size=first.shape[0], forward_only=False)
+            if not reduce:
+                for k in syncs:
+                    setattr(self.config, k, None)
+            with held:
+                get_forward_backward_func()(forward_step_func=step_func, data_iterator=iter(micro_batches),
+                                            model=[self.ddp], num_microbatches=n, seq_length=first.shape[1],
+                                            micro_batch_size=first.shape[0], forward_only=False)
         finally:
+            for k, v in syncs.items():
+                setattr(self.config, k, v)
             self.config.grad_scale_func = self.optimizer.scale_loss
             for router in routers:
                 router.training = True
+
+    def zero_grads(self) -> None:
+        """DDP's gradient buffers and the optimizer's gradients zeroed: a step's (or a chunked step's) start."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def reduce_accumulated(self, scale: float) -> None:
+        """After a chunked step's last chunk: DDP's buffers scaled by ``scale`` (DDP's ``scale_gradients``), then
+        reduced as the schedule reduces a step (``finalize_model_grads``: the data-parallel all-reduce, or
+        reduce-scatter under the distributed optimizer, then the TP and embedding-group reductions). DDP runs
+        without overlapped reduction under the flag, so its reduction starts here, synchronously."""
+        if self.ddp.ddp_config.overlap_grad_reduce:
+            raise RuntimeError("a chunked step's reduction needs DDP built without overlap_grad_reduce")
+        self.ddp.scale_gradients(scale)
+        self.config.finalize_model_grads_func([self.ddp])
 
     def _routers(self) -> list:
         from megatron.core.transformer.moe.router import Router
