@@ -66,7 +66,8 @@ EXTRAS = {
     # --no-deps with what its imports need
     "verl": ["verl==0.9.1"],
     "trackers": TRACKERS,
-    "test": ["pytest", "pytest-timeout", "packaging"] + TRACKERS + TRACKERS_TEST,
+    # pytest-xdist: `pytest -n N --dist loadgroup` on a machine of more cores (tests/conftest.py groups the tests)
+    "test": ["pytest", "pytest-timeout", "pytest-xdist", "packaging"] + TRACKERS + TRACKERS_TEST,
 }
 # all: every extra that installs the same on any machine (no engine build, no CPU/CUDA variant).
 EXTRAS["all"] = sorted({dep for name in ("ray", "megatron", "delta", "advisor", "lora") for dep in EXTRAS[name]})

@@ -38,8 +38,9 @@ def pytest_sessionfinish(session, exitstatus):
     loop_cluster.stop()
 
 
-# Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup --no-loadscope-reorder`): a module's tests run on
-# one worker, so its module-scoped set-up (a cluster, a job, engines) is made once, except the modules of
+# Under pytest-xdist (`pytest -n N --dist loadgroup --no-loadscope-reorder tests`, for a machine of more cores
+# than CI's two, where the suite is CPU-bound and two workers gained nothing): a module's tests run on one
+# worker, so its module-scoped set-up (a cluster, a job, engines) is made once, except the modules of
 # independent loops below, whose tests (or groups of tests that share a run: their own xdist_group mark)
 # spread over the workers; the slowest work first, so no worker is left with a long module at the end.
 SPREAD_MODULES = ("test_tiny_grpo.py", "test_fully_async_loop.py")
