@@ -132,6 +132,11 @@ class PromptSampler:
         return chosen
 
 
+def reward(sample, targets: set[int]) -> float:
+    """The loop's reward: the fraction of ``sample``'s response tokens that are digits (``targets``)."""
+    return sum(int(t) in targets for t in sample.token_ids) / max(len(sample.token_ids), 1)
+
+
 def make_batch(samples, rewards: list[float], group_size: int, pad_id: int, behaviour: bool = False,
                routes: bool = False, versions: bool = False) -> rlplacement.Batch:
     """Right-padded input_ids, a loss mask on response tokens, group-normalised advantages and each
@@ -251,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
             tel.record_samples([len(s.token_ids) for s in samples], [s.finished_at - t0 for s in samples])
             resume_point.update(step=step + 1, prompt_position=drawn)  # this step's prompts are trained next
             staleness = job.version - min(s.weight_version for s in samples)  # versions behind the trainer
-            rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
+            rewards = [reward(s, targets) for s in samples]
             batch = make_batch(samples, rewards, group_size, tok.pad_id,
                                behaviour=one_step_off or config.train.use_tis,
                                routes=config.backend.moe.rollout_routing_replay)
@@ -300,7 +305,7 @@ def run_train_during_rollout(args, config, job, tel, sampler, targets, pad_id: i
             waiting += group
             if len(waiting) % job.data_parallel_size:
                 continue
-            chunk_rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in waiting]
+            chunk_rewards = [reward(s, targets) for s in waiting]
             batch = make_batch(waiting, chunk_rewards, group_size, pad_id, behaviour=config.train.use_tis,
                                routes=config.backend.moe.rollout_routing_replay)
             trainer_lp = job.log_probs(batch)  # after the chunks before it, on the weights that sampled every group
@@ -383,7 +388,7 @@ def run_fully_async(args, config, job, tel, sampler, targets, pad_id: int, first
                 tel.record_interval("rollout", start, end)
             tel.record_samples([len(s.token_ids) for s in samples])
             resume_point.update(step=step + 1, prompt_position=sampler.position)
-            rewards = [sum(int(t) in targets for t in s.token_ids) / max(len(s.token_ids), 1) for s in samples]
+            rewards = [reward(s, targets) for s in samples]
             batch = make_batch(samples, rewards, group_size, pad_id, behaviour=True,
                                routes=config.backend.moe.rollout_routing_replay,
                                versions=True)

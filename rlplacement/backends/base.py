@@ -263,11 +263,7 @@ class TrainerBackend(ChunkedStep, BackendCheckpoints, BackendHostOffload, abc.AB
         cfg = self.train_config
         if self.chunks_open:
             raise RuntimeError("train_step while a chunked step holds its gradients: finish_chunked_step first")
-        self._check_routes(batch)
-        batch = batch.to(self.device)
-        if self.optimizer is None:
-            self.optimizer = self.optim_config.build(self._parameters())
-        self.set_train(True)
+        batch = self._ready_to_train(batch)
         per_step = None if cfg.global_batch_size is None else cfg.global_batch_size // self.data_parallel_size
         steps = split_steps(len(batch), per_step)
         totals = dict.fromkeys(_SUMS, 0.0)
@@ -289,6 +285,16 @@ class TrainerBackend(ChunkedStep, BackendCheckpoints, BackendHostOffload, abc.AB
                 "kl": totals["kl"] / steps, "entropy": totals["entropy"] / steps,
                 "clip_fraction": totals["clipped"] / steps, "optimizer_steps": steps - skipped,
                 "skipped_steps": self.skipped_steps}
+
+    def _ready_to_train(self, batch: Batch) -> Batch:
+        """``batch`` checked (its routes) and on this rank's device, the optimizer built, the model in train
+        mode: what every train call (a step, or a chunk of one) starts with."""
+        self._check_routes(batch)
+        batch = batch.to(self.device)
+        if self.optimizer is None:
+            self.optimizer = self.optim_config.build(self._parameters())
+        self.set_train(True)
+        return batch
 
     def _optimizer_step(self, batch: Batch) -> tuple[dict[str, float], float, float | None]:
         """Gradients of every micro-batch of ``batch`` into one optimizer step. Returns the step's sums over
@@ -332,7 +338,7 @@ class TrainerBackend(ChunkedStep, BackendCheckpoints, BackendHostOffload, abc.AB
         """Backward of every micro-batch of ``batch`` at ``normalizer`` into the gradients; this rank's loss parts
         and log-prob sum (``_SUMS`` but tokens), float64."""
         cfg = self.train_config
-        local = torch.zeros(len(_SUMS) - 1, dtype=torch.float64, device=self.device)  # all but tokens
+        local = self._zero_local_sums()
         for idx in self._micro_batches(batch):
             mb = batch.rows(idx).trimmed()
             ref = None

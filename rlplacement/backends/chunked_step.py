@@ -54,26 +54,17 @@ class ChunkedStep:
     def train_chunk(self, batch: Batch) -> None:
         """Forward and backward of this rank's share ``batch`` of one chunk, gradients accumulating, no step
         (collective)."""
-        self._check_routes(batch)
-        batch = batch.to(self.device)
-        if self.optimizer is None:
-            self.optimizer = self.optim_config.build(self._parameters())
-        self.set_train(True)
-        if self._chunk_sums is None:
-            self._chunk_sums = ChunkSums(self._zero_local_sums())
-            self._begin_chunks()
-        self._chunk_sums.local += self._chunk_gradients(batch)
-        self._chunk_sums.tokens += float(batch.loss_mask.sum())
-        self._chunk_sums.chunks += 1
+        batch = self._ready_to_train(batch)
+        sums = self._open_chunks()
+        sums.local += self._chunk_gradients(batch)
+        sums.tokens += float(batch.loss_mask.sum())
+        sums.chunks += 1
 
     def finish_chunked_step(self) -> dict[str, float]:
         """The one optimizer step of the chunks trained since the last (collective); the report
         :meth:`train_step` gives for one step of the same samples. With no chunk at all the step has no
         tokens: its gradient is zero."""
-        if self._chunk_sums is None:
-            self._chunk_sums = ChunkSums(self._zero_local_sums())
-            self._begin_chunks()
-        sums, self._chunk_sums = self._chunk_sums, None
+        sums, self._chunk_sums = self._open_chunks(), None
         tokens = self._all_reduce([sums.tokens])[0]
         scale = self.data_parallel_size / max(tokens, 1.0)
         norm, lr = self._step_chunks(scale)
@@ -83,6 +74,13 @@ class ChunkedStep:
         self.train_calls += 1
         return self._train_report(step_sums, steps=1, norm=norm, lr=lr, skipped=int(lr is None),
                                   num_tokens=sums.tokens)
+
+    def _open_chunks(self) -> ChunkSums:
+        """The step's sums so far; at its first chunk (or a finish with none), zero and the gradients zeroed."""
+        if self._chunk_sums is None:
+            self._chunk_sums = ChunkSums(self._zero_local_sums())
+            self._begin_chunks()
+        return self._chunk_sums
 
     def _begin_chunks(self) -> None:
         """Before the first chunk: the gradients zeroed (hook)."""

@@ -93,8 +93,9 @@ class RLJob(RolloutCalls, TrainCalls, WeightUpdates):
         """The mode updates run in (``set_transfer`` changes it)."""
         self.trainer_names = [f"trainer rank {r}" for r in range(len(trainers))]
         self.train_calls = 0
-        self._chunk_calls: list[list] = []  # --train-during-rollout: each chunk's calls on every rank, not yet waited for
         """Train calls so far in this job (``--save-interval`` counts them)."""
+        # --train-during-rollout: each chunk's calls on every rank, not yet waited for
+        self._chunk_calls: list[list] = []
         self.engine_info = engine_info
         """Each engine's ``RolloutEngine.info()`` at start: dtype, context length, KV cache capacity."""
         self._generate_calls = 0
