@@ -352,7 +352,7 @@ def _run_group(modes: list[str], named, *, bucket_bytes: int, repeats: int, devi
             ceiling = rounds[_bench_spec(mode).ceiling]
             seconds, ceiling_seconds = statistics.median(rounds[mode]), statistics.median(ceiling)
             # each round's run over its own ceiling run, moments apart: the spread says how far one number
-            # can be trusted on a shared machine (the gloo ceiling alone spans 2.0-3.0 GB/s on 2 cores)
+            # can be trusted on a shared machine (the ceiling alone varies from round to round there)
             paired = sorted(c / m for c, m in zip(ceiling, rounds[mode]))
             rows[mode] = {"mode": mode, "bytes": nbytes, "num_tensors": len(named), "seconds": seconds,
                           "gbps": nbytes / seconds / 1e9, "ceiling": ceiling_name(mode, bench.device),

@@ -49,11 +49,11 @@ class ModelAssumptions:
     link_gbps: float = _field(400.0, "Network between nodes in Gb/s (NDR InfiniBand's datasheet rate), used when "
                                      "a split layout's trainer and engines sit on different nodes.")
     nvlink_gbps: float = _field(3600.0, "GPU-to-GPU inside a node in Gb/s (NVLink 4's datasheet 450 GB/s each way; "
-                                        "a flat NCCL broadcast reached 372 GB/s in split_h200.json).")
-    ipc_gbps: float = _field(16800.0, "In-GPU copy through a CUDA IPC handle in Gb/s (colocated; 2.1 TB/s: the "
-                                      "device-to-device copy in benchmarks/gpu/results/colocate_h200.json).")
-    disk_gbps: float = _field(11.2, "Shared disk write + fsync in Gb/s for disk-delta (1.4 GB/s: an estimate "
-                                    "from one H200 machine's local disk; measure yours).")
+                                        "what NCCL reached beside it: benchmarks/README.md).")
+    ipc_gbps: float = _field(16800.0, "In-GPU copy through a CUDA IPC handle in Gb/s (colocated; an H200's "
+                                      "device-to-device copy, measured: benchmarks/README.md).")
+    disk_gbps: float = _field(11.2, "Shared disk write + fsync in Gb/s for disk-delta (an estimate from one "
+                                    "machine's local disk, benchmarks/README.md; measure yours).")
     delta_density: float = _field(0.03, "disk-delta: share of the bytes that change per step when the run did not "
                                         "measure it (verl's published delta-sync estimate: ~1-3% of bf16 bytes).")
     transfer_mode: str = _field("broadcast", "Transfer mode assumed for split layouts when the measured run "
@@ -62,8 +62,7 @@ class ModelAssumptions:
                                              "name, kept as an alias).",
                                 flags=("--update-weight-transfer-mode", "--transfer-mode"))
     host_gbps: float = _field(430.0, "GPU <-> pinned host memory in Gb/s per GPU for the colocated hand-off, as "
-                                     "the trainer's offload achieves it (one H200: 54 GB/s out, 49 GB/s back, of "
-                                     "55 GB/s pinned each way, benchmarks/gpu/results/host_link_h200.json); a "
+                                     "the trainer's offload achieves it on an H200 (measured: benchmarks/README.md); a "
                                      "colocated run with --offload-* measures its own bytes and rate, used instead.")
     handoff_bytes_ratio: float = _field(
         12.0, "Bytes the colocated hand-off moves per step, per byte of bf16 weights sent: the trainer's fp32 master "

@@ -194,7 +194,7 @@ def tensor_checksum(tensor: "torch.Tensor") -> str:
     order, so equal checksums mean equal bytes whatever the device, strides or dtype (bf16, fp8
     and bool included: bytes are hashed, not values). A GPU tensor streams to the hash through a
     reused pinned double buffer (xxh3's streaming digest equals its one-shot digest): a fresh
-    pageable ``.cpu()`` copy per tensor ran at ~2 GB/s and made a checked 8B update take 33 s.
+    pageable ``.cpu()`` copy per tensor is several times slower (benchmarks/README.md).
     """
     import torch
     import xxhash

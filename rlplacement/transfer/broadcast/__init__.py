@@ -20,7 +20,7 @@ SPEC = register_mode(ModeSpec(
     every_rank_sends=True,
     # source: verl's published NCCL receive rate as a share of a NIC, rounded up (shared/ANCHORS.md, verl)
     advisor_efficiency=0.2,
-    # source: benchmarks/gpu/results/split_h200.json, sizes[8B] rlplacement_broadcast wire_seconds over NVLink's rate
+    # source: benchmarks/README.md, figures moved from the code (broadcast's wire rate at 8B over NVLink's)
     measured_efficiency=(("nvlink", 0.62),),
     bench=BenchSpec(ceiling="broadcast"),
     verl_backend="rlplacement_broadcast", miles_factory="broadcast"))

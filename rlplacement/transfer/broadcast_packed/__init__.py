@@ -19,9 +19,10 @@ SPEC = register_mode(ModeSpec(
     summary="one broadcast per bucket (the flat packed buffer) from each sending trainer rank to every engine worker",
     layouts=frozenset({SPLIT}), named_under_colocate=True, advisor_path=LINK, bucket_staging=True,
     every_rank_sends=True,
-    # the whole update reached 0.55-0.64 of a flat NCCL broadcast at 4B-8B on two H200s (split_h200.json)
+    # source: benchmarks/README.md, figures moved from the code (the whole update over a flat NCCL broadcast,
+    # rounded down)
     advisor_efficiency=0.5,
-    # 16.4 GB on the wire in 49.5 ms (split_h200.json, 8B)
+    # source: benchmarks/README.md, figures moved from the code (the wire rate at 8B over NVLink's)
     measured_efficiency=(("nvlink", 0.74),),
     bench=BenchSpec(ceiling="broadcast"),
     verl_backend="rlplacement_broadcast_packed", miles_factory="broadcast_packed"))

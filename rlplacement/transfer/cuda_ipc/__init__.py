@@ -69,9 +69,9 @@ SPEC = register_mode(ModeSpec(
     summary="--colocate: buckets (or the trainer's own memory) handed to engines on the same GPU by CUDA IPC "
             "handles (/dev/shm on CPU)",
     layouts=frozenset({COLOCATE}), advisor_path=IPC, reads_own_gpu=True,
-    # source: benchmarks/gpu/results/colocate_h200.json, whole update over an in-GPU copy, rounded up
+    # source: benchmarks/README.md, figures moved from the code (the whole update over an in-GPU copy, rounded up)
     advisor_efficiency=0.5,
-    # source: benchmarks/gpu/results/colocate_h200.json, sizes[8B] bytes over wire_seconds, over the IPC copy rate
+    # source: benchmarks/README.md, figures moved from the code (cuda_ipc's read rate at 8B over the IPC copy rate)
     measured_efficiency=(("ipc", 0.67),),
     bench=BenchSpec(ceiling="copy", device="same", transport={"cpu": "shared memory", "cuda": "cuda ipc"},
                     resident=True, copies_at_commit=True)))

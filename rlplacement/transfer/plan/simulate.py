@@ -28,16 +28,16 @@ Gpu = tuple[int, int]
 
 RPC_S = 0.006
 """A split update's cost beyond moving and committing bytes (pause, resume, the calls). Source:
-``benchmarks/gpu/results/split_h200.json``, 8B broadcast, whole - wire - load seconds."""
+benchmarks/README.md, figures moved from the code (8B broadcast: whole - wire - commit seconds)."""
 
 RPC_S_COLOCATED = 0.001
 """The same for a colocated update, whose handles are exchanged inside one job. Source:
-``benchmarks/gpu/results/colocate_h200.json``, 8B, whole - wire seconds."""
+benchmarks/README.md, figures moved from the code (8B colocated: whole - wire seconds)."""
 
 COMMIT_GBPS = 9160.0
 """The engine copying received bytes into its parameters (the recorded copy plan replayed on the GPU). Source:
-``benchmarks/gpu/results/split_h200.json``, 8B, bytes over load seconds. A colocated worker's IPC read is its
-commit, so it has none."""
+benchmarks/README.md, figures moved from the code (8B split: bytes over commit seconds). A colocated
+worker's IPC read is its commit, so it has none."""
 
 
 @dataclasses.dataclass(frozen=True)
