@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [9, 10, 11, 12, 13]]
 LONG = 400  # tokens: long enough on this CPU that the update lands mid-request (~1 s of decoding)
+ABORT_MAX_TOKENS = 500  # the tiny model's context (512) less the longest prompt, with room to spare
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +38,17 @@ def job(tmp_path_factory):
         yield started
 
 
-def _update_mid_request(job, mode: str, seed: int):
-    """Start long requests, let them generate, update while they run; the samples and the update's version."""
+def _update_mid_request(job, mode: str, seed: int, max_tokens: int = LONG, wait_steps: int = LONG // 4):
+    """Start long requests, let them generate ``wait_steps`` engine steps, update while they run; the samples and
+    the update's version."""
     ray.get(job.engines[0].set_pause_generation_mode.remote(mode))
     job.train(two_sample_batch(seed))  # weights change before the requests start: the update is short
     steps = ray.get(job.engines[0].health.remote())["steps"]
     # ignore_eos without min_tokens (exact_lengths): vLLM's min-tokens processor would mask the end-of-sequence
     # token out of the processed log-probs, which the trainer's then exceed by its probability
-    pending = job.generate_async(PROMPTS, {"temperature": 1.0, "ignore_eos": True}, max_tokens=LONG, seed=seed)
+    pending = job.generate_async(PROMPTS, {"temperature": 1.0, "ignore_eos": True}, max_tokens=max_tokens, seed=seed)
     deadline = time.monotonic() + 60
-    while ray.get(job.engines[0].health.remote())["steps"] < steps + LONG // 4:
+    while ray.get(job.engines[0].health.remote())["steps"] < steps + wait_steps:
         assert time.monotonic() < deadline, "the engine did not generate"
         time.sleep(0.01)
     job.update_weights()
@@ -106,9 +108,11 @@ def test_in_place_continues_each_request_on_its_kv_and_marks_it_mixed(job):
 
 
 def test_abort_ends_each_request_at_the_update_as_a_partial_sample_of_the_old_version(job):
-    samples, new = _update_mid_request(job, "abort", seed=3)
+    # abort needs only some tokens before the update, and as many after it as the context allows: the update's
+    # own work (the trainer's gather, the engine's pause) runs before the abort while the requests decode on
+    samples, new = _update_mid_request(job, "abort", seed=3, max_tokens=ABORT_MAX_TOKENS, wait_steps=8)
     for s in samples:
-        assert s.aborted and 0 < len(s.token_ids) < LONG and not s.kv_mixed
+        assert s.aborted and 0 < len(s.token_ids) < ABORT_MAX_TOKENS and not s.kv_mixed
         assert set(s.token_versions.tolist()) == {new - 1}
     after = job.generate(PROMPTS, {"temperature": 1.0}, max_tokens=4, seed=4)
     assert {s.weight_version for s in after} == {new}
