@@ -8,6 +8,7 @@ gradient-norm clipping binding). One spawn per data-parallel size and backend; e
 weights between the runs it compares."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -96,6 +97,8 @@ def _cases(backend, rank: int, world: int) -> dict:
         _restore(backend, start)
         for groups in ARRIVAL:
             backend.train_chunk(_share(batch, [g * GROUP + k for g in groups for k in range(GROUP)], rank, world))
+        if case == "plain":
+            out["refused_mid_step"] = _refused_while_chunks_are_held(backend, rank, world, batch)
         chunked_report = backend.finish_chunked_step()
         chunked = _gathered(backend)
         doubled = None
@@ -109,7 +112,26 @@ def _cases(backend, rank: int, world: int) -> dict:
         out[case] = {"whole": whole, "chunked": chunked, "doubled": doubled, "reports": (whole_report, chunked_report)}
     _restore(backend, start)
     out["start"] = _gathered(backend)
-    return out if rank == 0 else {"reports": {c: out[c]["reports"] for c in CASES}}
+    return out if rank == 0 else {"reports": {c: out[c]["reports"] for c in CASES},
+                                  "refused_mid_step": out["refused_mid_step"]}
+
+
+def _refused_while_chunks_are_held(backend, rank: int, world: int, batch: Batch) -> list[str]:
+    """What a trainer rank answers to the calls that would zero, drop or lose the held gradients (each refused
+    on the rank before any collective)."""
+    from rlplacement.runtime.trainer_worker import TrainerWorker
+
+    worker = TrainerWorker(rank, world)
+    worker.backend = backend
+    answers = []
+    for call in (lambda: worker.train_step(batch.rows(slice(0, 2))), lambda: worker.save_checkpoint("/nowhere", 1),
+                 lambda: worker.offload_to_host()):
+        try:
+            call()
+            answers.append("accepted")
+        except RuntimeError as exc:
+            answers.append(str(exc))
+    return answers
 
 
 def _worker(rank, world, name, hf, builds):
@@ -135,6 +157,12 @@ def _close(got: dict, want: dict, rtol: float = 1e-6) -> list[str]:
     return off
 
 
+def _check_refusals(result: dict) -> None:
+    for what, answer in zip(("a train step", "saving a checkpoint", "offloading to host"), result["refused_mid_step"]):
+        assert re.search(rf"{what}.* while a step of --train-during-rollout holds its chunks' gradients .*"
+                         r"call RLJob.finish_train_during_rollout\(\) first", answer), answer
+
+
 def _check(result: dict) -> None:
     start = result["start"]
     for case in CASES:
@@ -145,6 +173,7 @@ def _check(result: dict) -> None:
         for key in ("loss", "kl", "entropy", "clip_fraction", "mean_logprob", "grad_norm"):
             assert chunked_report[key] == pytest.approx(whole_report[key], rel=1e-5, abs=1e-9), (case, key)
         assert chunked_report["optimizer_steps"] == whole_report["optimizer_steps"] == 1
+    _check_refusals(result)
     plain, everything = result["plain"], result["everything"]
     assert plain["reports"][0]["grad_norm"] < LIMIT < everything["reports"][0]["grad_norm"]
     assert everything["reports"][0]["clip_fraction"] > 0 and everything["reports"][0]["kl"] != 0
@@ -159,8 +188,12 @@ def _check(result: dict) -> None:
 ], ids=["fsdp-dp1", "fsdp-dp2", "megatron-dp1", "megatron-dp2-and-distributed-optimizer"])
 def test_chunks_in_arrival_order_end_on_the_whole_batch_steps_parameters(hf, name, world, builds):
     results = launch.spawn(_worker, world, name, hf, builds, timeout_s=300)
-    for result in results[0]:
-        _check(result)
+    for rank_results in results:
+        for result in rank_results:
+            if "start" in result:
+                _check(result)
+            else:
+                _check_refusals(result)
     if world > 1:  # every rank reports the same step
         for mine, theirs in zip(results[0], results[1]):
             for case in CASES:
