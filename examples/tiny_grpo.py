@@ -325,7 +325,8 @@ def run_train_during_rollout(args, config, job, tel, sampler, targets, pad_id: i
         t_sync = time.time()
         report = job.update_weights()
         tel.record_interval("sync", t_sync, time.time())
-        metrics = {"perf/train_overlap_time": overlap, "train/loss": reports[0].loss,
+        metrics = {"perf/train_overlap_time": overlap, "rollout/dropped_groups": pending.dropped_groups,
+                   "rollout/generated_again": pending.generated_again, "train/loss": reports[0].loss,
                    "train/grad_norm": reports[0].grad_norm, "train/lr": reports[0].lr,
                    "train/skipped_steps": reports[0].skipped_steps,
                    "perf/update_weights_checked": int(bool(report and report.checked))}

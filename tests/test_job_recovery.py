@@ -107,6 +107,28 @@ def test_a_killed_engine_is_restarted_and_serves_the_trainers_weights_before_it_
     _engines_hold_the_trainers_weights(job)
 
 
+def test_a_killed_engine_mid_rollout_has_its_lost_samples_generated_again_and_every_group_comes_whole(job):
+    """``RLJob.finished_groups`` (what ``--train-during-rollout`` trains from) across an engine killed while its
+    samples decode: the engine is restarted, what it had not returned is generated again with the same seeds,
+    and the groups equal a fault-free rollout's of the same seeds on the same weights."""
+    job.set_transfer("broadcast", check_equal=True)
+    job.update_weights()
+    job.pop_ft_metrics()
+    prompts, sampling = PROMPTS * 2, {"ignore_eos": True, "temperature": 1.0}
+    pending = job.generate_async(prompts, sampling, n_samples_per_prompt=2, max_tokens=200, seed=1234)
+    ray.kill(job.engines[1], no_restart=True)  # ~1 s of decoding left on it
+    groups = {g[0].index // 2: g for g in job.finished_groups(pending, 2)}
+    assert job.pop_ft_metrics()["ft/engine_restarts"] == 1
+    assert pending.generated_again > 0 and pending.dropped_groups == 0 and sorted(groups) == [0, 1, 2, 3]
+    fault_free = job.generate(prompts, sampling, n_samples_per_prompt=2, max_tokens=200, seed=1234)
+    for which, group in groups.items():
+        assert [s.index for s in group] == [2 * which, 2 * which + 1]
+        for got, want in zip(group, fault_free[2 * which:2 * which + 2]):
+            assert not got.aborted and list(got.prompt_ids) == list(want.prompt_ids)
+            assert list(got.token_ids) == list(want.token_ids)
+    _engines_hold_the_trainers_weights(job)
+
+
 def test_a_killed_trainer_restarts_from_the_last_save_and_the_engines_are_kept(job):
     job.set_transfer("broadcast", check_equal=True)
     job.train(two_sample_batch(11))

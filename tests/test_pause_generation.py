@@ -118,6 +118,21 @@ def test_abort_ends_each_request_at_the_update_as_a_partial_sample_of_the_old_ve
     assert {s.weight_version for s in after} == {new}
 
 
+def test_groups_with_a_member_cut_short_are_left_out_of_finished_groups_and_counted(job):
+    """``RLJob.finished_groups`` uses a group whole or not at all: an update in ``abort`` mode cuts every request
+    short, so no group comes out, and each is counted in ``dropped_groups``."""
+    ray.get(job.engines[0].set_pause_generation_mode.remote("abort"))
+    steps = ray.get(job.engines[0].health.remote())["steps"]
+    pending = job.generate_async(PROMPTS, {"temperature": 1.0, "ignore_eos": True}, n_samples_per_prompt=2,
+                                 max_tokens=ABORT_MAX_TOKENS, seed=6)
+    deadline = time.monotonic() + 60
+    while ray.get(job.engines[0].health.remote())["steps"] < steps + 8:
+        assert time.monotonic() < deadline, "the engine did not generate"
+        time.sleep(0.01)
+    job.update_weights()
+    assert list(job.finished_groups(pending, 2)) == [] and pending.dropped_groups == len(PROMPTS)
+
+
 def test_without_a_pause_mode_the_update_waits_and_every_sample_is_one_version(job):
     samples, new = _update_mid_request(job, None, seed=5)
     for s in samples:

@@ -92,6 +92,12 @@ class PendingRollout:
     """Samples received so far, by index."""
     polls: dict = dataclasses.field(default_factory=dict)
     """Ray ref of an outstanding poll -> (engine index, batch id)."""
+    specs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Each sample's sampling spec, its seed among them: what :func:`generate_lost_again` starts again."""
+    generated_again: int = 0
+    """Samples started again after their engine was restarted (``job.groups.finished_groups``)."""
+    dropped_groups: int = 0
+    """Groups left out of ``job.groups.finished_groups`` because a member was cut short (aborted)."""
 
     @property
     def done(self) -> bool:
@@ -188,16 +194,36 @@ def rollout_request(config: "Config", prompts: Sequence[Sequence[int]], sampling
 def submit(engines: Sequence, request: RolloutRequest, timeout_s: float) -> PendingRollout:
     """Start ``request`` on the engines, balanced over them by tokens with each prompt's samples on one
     engine (``runtime.rollout_dealing``), and return at once."""
+    every = list(range(len(request.prompts)))
+    return PendingRollout(request.prompts, _start(engines, request.prompts, request.specs, every, timeout_s),
+                          [None] * len(request.prompts), specs=list(request.specs))
+
+
+def _start(engines: Sequence, prompts: list[list[int]], specs: list[dict[str, Any]], indices: list[int],
+           timeout_s: float) -> dict[tuple[int, str], list[int]]:
+    """Samples ``indices`` (of ``prompts``/``specs``) started on the engines: (engine index, batch id) -> the
+    sample indices it generates."""
     from rlplacement.runtime.rollout_dealing import samples_by_engine
 
-    lengths = [int(s["max_tokens"]) for s in request.specs]
-    by_engine = samples_by_engine(request.prompts, lengths, len(engines))
+    by_engine = samples_by_engine([prompts[j] for j in indices], [int(specs[j]["max_tokens"]) for j in indices],
+                                  len(engines))
     used = [i for i, idx in enumerate(by_engine) if idx]
-    batch_ids = get_all([engines[i].submit.remote([request.prompts[j] for j in by_engine[i]],
-                                                  [request.specs[j] for j in by_engine[i]]) for i in used],
+    batch_ids = get_all([engines[i].submit.remote([prompts[indices[k]] for k in by_engine[i]],
+                                                  [specs[indices[k]] for k in by_engine[i]]) for i in used],
                         timeout_s, "starting generation", [f"engine {i}" for i in used])
-    return PendingRollout(request.prompts, {(i, b): by_engine[i] for i, b in zip(used, batch_ids)},
-                          [None] * len(request.prompts))
+    return {(i, b): [indices[k] for k in by_engine[i]] for i, b in zip(used, batch_ids)}
+
+
+def generate_lost_again(engines: Sequence, pending: PendingRollout, replaced: set[int], timeout_s: float) -> int:
+    """After engines ``replaced`` were restarted: the samples of ``pending`` they had not returned, started
+    again on the engines with their own specs (the same seeds, so a sampler that is deterministic for its
+    seed and weights gives the same samples). Returns how many were started again."""
+    lost_keys = [key for key in pending.batches if key[0] in replaced]
+    lost = sorted(j for key in lost_keys for j in pending.batches.pop(key) if pending.samples[j] is None)
+    pending.polls = {ref: key for ref, key in pending.polls.items() if key[0] not in replaced}
+    if lost:
+        pending.batches.update(_start(engines, pending.prompts, pending.specs, lost, timeout_s))
+    return len(lost)
 
 
 def stream(engines: Sequence, pending: PendingRollout, timeout_s: float) -> Iterator[RolloutSample]:
