@@ -1,8 +1,8 @@
-"""Sync, one-step-off and fully async on one long-tailed workload, against the advisor's prediction from the
+"""Sync, one-step-off, training during rollout and fully async on one long-tailed workload, against the advisor's prediction from the
 sync run of the same call.
 
-Runs the example loop three times on the same flags (``--long-tail``: Pareto response lengths, each step's
-longest at ``--max-response-len``), writes each run's telemetry to OUT/{sync,one_step_off,fully_async}.jsonl,
+Runs the example loop once per mode on the same flags (``--long-tail``: Pareto response lengths, each step's
+longest at ``--max-response-len``), writes each run's telemetry to OUT/{sync,one_step_off,train_during_rollout,fully_async}.jsonl,
 then prints per mode: the median step, the trainer's idle per step, staleness (mean, max), and
 ``rlplacement.advisor.asynchrony``'s prediction from the sync run with the ratio predicted / measured.
 Where a GPU is present the loop's engines and trainer run on it (a split layout needs two GPUs); on CPU it
@@ -21,9 +21,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = {"sync": [], "one_step_off": ["--one-step-off"],
+MODES = {"sync": [], "one_step_off": ["--one-step-off"], "train_during_rollout": ["--train-during-rollout"],
          "fully_async": ["--fully-async", "--partial-rollout", "--max-weight-staleness", "2", "--use-tis"]}
-ADVISOR_MODE = {"sync": "sync", "one_step_off": "one-step-off", "fully_async": "fully-async"}
+ADVISOR_MODE = {"sync": "sync", "one_step_off": "one-step-off", "train_during_rollout": "train-during-rollout",
+                "fully_async": "fully-async"}
 
 
 def main() -> int:
@@ -56,14 +57,14 @@ def main() -> int:
     other = asynchrony.measured(sync_rows)["step_time"] - asynchrony.predict(x, "sync").step_time
     predicted = {p.mode: p for p in asynchrony.predict_modes(x, other=other, max_staleness=2)}
     report = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "modes": {}}
-    print(f"{'mode':>13} {'step':>7} {'pred':>7} {'ratio':>6} {'idle':>7} {'pred':>7} {'stale mean/max':>15} {'pred':>10}")
+    print(f"{'mode':>20} {'step':>7} {'pred':>7} {'ratio':>6} {'idle':>7} {'pred':>7} {'stale mean/max':>15} {'pred':>10}")
     for name in MODES:
         m, p = asynchrony.measured(read_rows(out / f"{name}.jsonl")), predicted[ADVISOR_MODE[name]]
         report["modes"][name] = {"measured": m, "predicted": {"step_time": p.step_time,
                                                                "train_wait_time": p.train_wait_time,
                                                                "mean_staleness": p.mean_staleness,
                                                                "max_staleness": p.max_staleness}}
-        print(f"{name:>13} {m['step_time']:7.3f} {p.step_time:7.3f} {p.step_time / m['step_time']:6.2f} "
+        print(f"{name:>20} {m['step_time']:7.3f} {p.step_time:7.3f} {p.step_time / m['step_time']:6.2f} "
               f"{m['train_wait_time']:7.3f} {p.train_wait_time:7.3f} {m['mean_staleness']:9.2f}/{m['max_staleness']} "
               f"{p.mean_staleness:7.2f}/{p.max_staleness}")
     (out / "summary.json").write_text(json.dumps(report, indent=2))

@@ -25,6 +25,29 @@ def test_sync_and_one_step_off_compose_the_phases():
     assert off.step_time == pytest.approx(1.1) and off.max_staleness == 1 and off.train_wait_time == pytest.approx(0.6)
 
 
+def test_training_during_rollout_trains_each_group_once_ready_and_the_trainer_is_free():
+    """Two groups of four: one ready at 0.2 s, one at 1.0 s (the tail); training takes 0.4 s a step, 0.2 s a
+    group. The first group trains 0.2-0.4 while the tail decodes, the second 1.0-1.2, the update to 1.3: a step
+    of 1.3 s against sync's 1.5, with staleness 0. When every group ends together it is sync's step."""
+    tail = A.AsyncInputs(tuple((0.1, 0.2, 0.2, 0.2, 0.5, 0.5, 0.5, 1.0) for _ in range(3)), 0.4, 0.1, 4)
+    during = A.predict(tail, "train-during-rollout")
+    assert during.step_time == pytest.approx(1.3) and during.train_wait_time == pytest.approx(0.8)
+    assert (during.mean_staleness, during.max_staleness) == (0.0, 0)
+    assert A.predict(tail, "sync").step_time == pytest.approx(1.5)
+    assert A.timeline(tail, "train-during-rollout", steps=1)["trainer"] == [
+        ("train", pytest.approx(0.2), pytest.approx(0.4)), ("train", 1.0, pytest.approx(1.2)),
+        ("sync", pytest.approx(1.2), pytest.approx(1.3))]
+    assert A.predict(_inputs(1.0, 0.4, 0.1), "train-during-rollout").step_time == pytest.approx(1.5)
+    # on-policy (fully async at bound 0 recycles its stale groups, so it is left out here): it beats sync, and
+    # one-step-off (1.1 s) is one version stale
+    on_policy = [p for p in A.predict_modes(tail, max_staleness=0) if p.mode != "fully-async"]
+    best, flags = A.recommend_mode(on_policy, 0)
+    assert best.mode == "train-during-rollout" and flags == "--train-during-rollout"
+    best, flags = A.recommend_mode(on_policy, 0, colocate=True)
+    assert flags == "--train-during-rollout --no-offload-train --no-offload-rollout"
+    assert A.recommend_mode(A.predict_modes(_inputs(1.0, 0.4, 0.1)), 0)[0].mode == "sync"  # a tie goes to sync
+
+
 def test_fully_async_with_slow_rollout_runs_two_steps_of_generation_at_once():
     """Rollout-bound: two steps' samples generate at once (the default bound), so a step takes half a
     rollout, and the trainer's idle is that minus its own work."""

@@ -1,4 +1,5 @@
-"""Step time and staleness of sync, one-step-off and fully async rollout, predicted from one measured run.
+"""Step time and staleness of sync, one-step-off, training during rollout and fully async rollout, predicted
+from one measured run.
 
 Inputs, from a run's telemetry rows (steps after ``skip_steps``): every sample's finish time from the
 start of its step's rollout (``rollout/sample_finish_times``: its generation time when it shares the
@@ -10,6 +11,11 @@ step model's predicted over measured phases).
   (the median over the measured steps). Staleness 0.
 * **one-step-off**: step k+1 generates while step k trains, and the update waits for that batch:
   step = max(R, T) + U; every sample one version behind.
+* **train-during-rollout**: each group trains as soon as it is ready (its slowest sample) and the trainer is
+  free, taking T x group size / samples of training; the update follows the last group's training:
+  step = end of the last chunk + U (the median over the measured steps). Staleness 0. The optimizer's own
+  step, which runs once after the last chunk, is counted as spread over the chunks (T is not split in the
+  telemetry), so the prediction is low by at most that step.
 * **fully async**: an event simulation. Groups of the measured samples (cycled in order) are submitted
   while fewer than ``max_concurrent`` samples are in flight or ready; a group is ready when its slowest
   sample is; the trainer takes ``prompts_per_step`` ready groups, trains T, updates U (the version goes up
@@ -19,7 +25,9 @@ step model's predicted over measured phases).
 
 What the model leaves out, named so that a miss can be read: a sample's generation time does not depend on
 how many run beside it (under fully async up to ``max_concurrent`` do, more than in the measured sync run);
-an update does not slow the generation in flight (``retract`` recomputes the KV of every running request).
+an update does not slow the generation in flight (``retract`` recomputes the KV of every running request);
+training beside generation does not slow either (on shared GPUs, a colocated layout with both resident, it
+does).
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ import heapq
 import statistics
 from typing import Sequence
 
-MODES = ("sync", "one-step-off", "fully-async")
+MODES = ("sync", "one-step-off", "train-during-rollout", "fully-async")
+FLAGS = {"sync": "", "one-step-off": "--one-step-off", "train-during-rollout": "--train-during-rollout",
+         "fully-async": "--fully-async --partial-rollout --use-tis"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +97,19 @@ def predict_modes(x: AsyncInputs, *, other: float = 0.0, max_staleness: int | No
     return out
 
 
-def recommend_mode(predictions: Sequence[AsyncPrediction], max_staleness: int | None = 2) -> tuple[AsyncPrediction, str]:
-    """The fastest mode whose staleness stays within ``max_staleness`` (ties go to the less stale), and the
-    flags that select it."""
+def recommend_mode(predictions: Sequence[AsyncPrediction], max_staleness: int | None = 2, *,
+                   colocate: bool = False) -> tuple[AsyncPrediction, str]:
+    """The fastest mode whose staleness stays within ``max_staleness`` (ties go to the less stale, then to the
+    earlier in :data:`MODES`), and the flags that select it. ``colocate``: the run time-shares its GPUs, where
+    training during rollout needs both sides resident (the offload flags off)."""
     allowed = [p for p in predictions if max_staleness is None or p.max_staleness <= max_staleness]
     best = min(allowed, key=lambda p: (round(p.step_time, 6), p.mean_staleness))
-    flags = {"sync": "", "one-step-off": "--one-step-off",
-             "fully-async": "--fully-async --partial-rollout --use-tis"
-                            + (f" --max-weight-staleness {max_staleness}" if max_staleness is not None else "")}
-    return best, flags[best.mode]
+    flags = FLAGS[best.mode]
+    if best.mode == "fully-async" and max_staleness is not None:
+        flags += f" --max-weight-staleness {max_staleness}"
+    if best.mode == "train-during-rollout" and colocate:
+        flags += " --no-offload-train --no-offload-rollout"
+    return best, flags
 
 
 def predict(x: AsyncInputs, mode: str, *, rollout_scale: float = 1.0, train_scale: float = 1.0,
@@ -110,6 +124,9 @@ def predict(x: AsyncInputs, mode: str, *, rollout_scale: float = 1.0, train_scal
     if mode == "one-step-off":
         step = max(slowest, t) + u
         return AsyncPrediction(mode, step, step - t - u, 1.0, 1)
+    if mode == "train-during-rollout":
+        step = statistics.median(_chunks(times, x.group_size, t, rollout_scale)[-1][1] for times in x.sample_times) + u
+        return AsyncPrediction(mode, step, step - t - u, 0.0, 0)
     if mode != "fully-async":
         raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
     return _simulate(x, t, u, rollout_scale, cap, max_staleness, steps)
@@ -120,6 +137,18 @@ def _phases(x: AsyncInputs, rollout_scale: float, train_scale: float,
     """(train, update, a step's slowest sample, samples in flight or ready at most), scaled to the split."""
     slowest = statistics.median(max(s) for s in x.sample_times) * rollout_scale
     return x.train_time * train_scale, x.update_time, slowest, max_concurrent or 2 * x.samples_per_step
+
+
+def _chunks(times: Sequence[float], g: int, t: float, scale: float) -> list[tuple[float, float]]:
+    """One step's training during rollout: each group's (start, end) of training, in the order the groups are
+    ready; a group trains once ready and the trainer is free, for ``t`` x its share of the step's samples."""
+    per_group = t * g / len(times)
+    chunks, free = [], 0.0
+    for ready in sorted(max(times[i:i + g]) * scale for i in range(0, len(times), g)):
+        start = max(free, ready)
+        free = start + per_group
+        chunks.append((start, free))
+    return chunks
 
 
 def _simulate(x: AsyncInputs, t: float, u: float, scale: float, cap: int, bound: int | None,
@@ -205,6 +234,14 @@ def timeline(x: AsyncInputs, mode: str, steps: int = 4, *, rollout_scale: float 
             now += slowest
             out["trainer"] += [("train", now, now + t), ("sync", now + t, now + t + u)]
             now += t + u
+        elif mode == "train-during-rollout":  # the groups train as they are ready; the update after the last
+            times = x.sample_times[len(out["rollout"]) % len(x.sample_times)]
+            out["rollout"].append(("rollout", now, now + max(times) * rollout_scale))
+            chunks = _chunks(times, x.group_size, t, rollout_scale)
+            out["trainer"] += [("train", now + start, now + end) for start, end in chunks]
+            now += chunks[-1][1]
+            out["trainer"].append(("sync", now, now + u))
+            now += u
         elif mode == "one-step-off":  # the next batch generates while this one trains; the update waits for it
             out["rollout"].append(("rollout", now, now + slowest))
             out["trainer"].append(("train", now, now + t))

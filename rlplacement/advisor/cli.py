@@ -160,17 +160,17 @@ def _modes(rows, advice: Advice, skip_steps: int, bound: int) -> dict:
         table = asynchrony.predict_modes(x, other=other, max_staleness=bound, **scales)
         out[name] = {"placement": str(pred.placement), "modes": [dataclasses.asdict(p) for p in table]}
     best, flags = asynchrony.recommend_mode([asynchrony.AsyncPrediction(**p) for p in out["recommended"]["modes"]],
-                                            bound)
+                                            bound, colocate=advice.recommended.placement.colocate)
     out["recommended_mode"] = {"mode": best.mode, "flags": flags, "placement": out["recommended"]["placement"],
                                "step_time": best.step_time}
     return out
 
 
 def render_modes(modes: dict) -> str:
-    lines = [f"{'split':>16} {'mode':>13} {'step':>8} {'trainer idle':>13} {'staleness mean/max':>19}"]
+    lines = [f"{'split':>16} {'mode':>20} {'step':>8} {'trainer idle':>13} {'staleness mean/max':>19}"]
     for name in ("current", "recommended"):
         for p in modes[name]["modes"]:
-            lines.append(f"{modes[name]['placement']:>16} {p['mode']:>13} {p['step_time']:8.3g} "
+            lines.append(f"{modes[name]['placement']:>16} {p['mode']:>20} {p['step_time']:8.3g} "
                          f"{p['train_wait_time']:13.3g} {p['mean_staleness']:>12.2f}/{p['max_staleness']}")
     r = modes["recommended_mode"]
     lines.append(f"recommended mode: {r['mode']} at {r['placement']}, predicted {r['step_time']:.3g} s a step"
