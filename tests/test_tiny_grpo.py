@@ -219,16 +219,39 @@ MODE_CHECKS = {
 }
 
 
+LONG_TAIL_FLAGS = ("--steps", "3", "--long-tail", "--max-response-len", "64", "--prompts-per-step", "4",
+                   "--check-weight-update-equal")
+
+
+@pytest.fixture(scope="module")
+def long_tail_run(tmp_path_factory):
+    """``run(during)``: the loop on a long-tailed workload, synchronous or with ``--train-during-rollout``,
+    started once for the module: ``(proc, telemetry rows)``."""
+    runs = {}
+
+    def run(during: bool):
+        if during not in runs:
+            tmp_path = tmp_path_factory.mktemp("long-tail-during" if during else "long-tail")
+            telemetry = tmp_path / "tel.jsonl"
+            proc = run_loop(tmp_path, *LONG_TAIL_FLAGS, "--telemetry", str(telemetry),
+                            *(["--train-during-rollout"] if during else []))
+            rows = [json.loads(l) for l in telemetry.read_text().splitlines()] if telemetry.exists() else []
+            runs[during] = (proc, rows)
+        return runs[during]
+
+    return run
+
+
 @pytest.mark.slow
-def test_long_tail_run_is_diagnosed_and_gets_no_more_rollout_gpus(tmp_path, capsys):
+@pytest.mark.xdist_group("long-tail-runs")
+def test_long_tail_run_is_diagnosed_and_gets_no_more_rollout_gpus(long_tail_run, tmp_path, capsys):
     """A real run whose response lengths have a long tail: per-sample finish times from the engine
     (more distinct times than engines), p99/p50 >= 4, and the advisor diagnoses long-tail without
     adding rollout GPUs."""
-    telemetry = tmp_path / "tel.jsonl"
-    proc = run_loop(tmp_path, "--steps", "3", "--long-tail", "--max-response-len", "64", "--prompts-per-step", "4",
-                    "--telemetry", str(telemetry))
+    proc, rows = long_tail_run(False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(l) for l in telemetry.read_text().splitlines()]
+    telemetry = tmp_path / "tel.jsonl"
+    telemetry.write_text("".join(json.dumps(row) + "\n" for row in rows))
     for row in rows:
         assert len(set(row["rollout/sample_finish_times"])) > row["rollout_gpus"] // row["rollout_gpus_per_engine"]
     assert cli_main(["advise", "--metrics", str(telemetry), "--json"]) == 0
@@ -237,6 +260,29 @@ def test_long_tail_run_is_diagnosed_and_gets_no_more_rollout_gpus(tmp_path, caps
     assert measured["sample_finish_p99"] >= 4 * measured["sample_finish_p50"], measured
     assert advice["diagnosis"] == "long-tail"
     assert advice["recommended"]["colocate"] or advice["recommended"]["rollout_gpus"] <= advice["current"]["rollout_gpus"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("long-tail-runs")
+def test_training_during_rollout_takes_the_sync_loops_steps_on_the_same_samples(long_tail_run):
+    """``--train-during-rollout`` on the long-tailed workload against the synchronous run of the same seeds: the
+    first rollout is the same (no step has run), and each step on the same samples has the sync step's loss and
+    gradient norm (the chunked step equals the whole-batch step up to float rounding; which groups share a chunk
+    depends on timing, so a step whose rollout drew other tokens, after a rounding flipped one, is not
+    compared: the test reports the first). Training ran while the tail decoded, every update checked."""
+    (sync, sync_rows), (during, rows) = long_tail_run(False), long_tail_run(True)
+    assert sync.returncode == 0 and during.returncode == 0, (sync.stderr + during.stderr)[-3000:]
+    assert [r["step"] for r in rows] == [r["step"] for r in sync_rows] == [0, 1, 2]
+    assert rows[0]["reward"] == sync_rows[0]["reward"]
+    for mine, theirs in zip(rows, sync_rows):
+        if mine["reward"] != theirs["reward"]:
+            print(f"the rollouts first differ at step {mine['step']}")
+            break
+        for key in ("train/loss", "train/grad_norm"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), (mine["step"], key)
+    assert all(r["perf/train_overlap_time"] > 0 and r["perf/update_weights_checked"] == 1 for r in rows)
+    assert all(r["rollout/dropped_groups"] == 0 == r["rollout/generated_again"] for r in rows)
+    assert len(step_lines(during.stdout)) == 3 and "overlap" in during.stdout
 
 
 @pytest.mark.slow
