@@ -33,9 +33,9 @@ def _ray_shut_down_after_module():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from tests import loop_cluster
+    from tests import shared_ray
 
-    loop_cluster.stop()
+    shared_ray.stop()
 
 
 # Under pytest-xdist (`pytest -n N --dist loadgroup --no-loadscope-reorder tests`, for a machine of more cores

@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 
 from rlplacement.engines.ray_engines import create_engine_actor  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
+from tests import shared_ray  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +25,7 @@ PAUSED_S = 2.0
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec()))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    shared_ray.join({"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
     try:
         handle = create_engine_actor(0, model_dir)
         ray.get(handle.generate.remote([[1, 2, 3]], max_tokens=2), timeout=300)  # started, first step compiled

@@ -26,12 +26,12 @@ SLACK_MB = 4  # the process's own small allocations in an update (frames, manife
 
 @pytest.fixture(scope="module")
 def engine_and_trainer(tmp_path_factory):
-    from tests.transfer_helpers.cluster import shut_down_engine, start_local_ray
+    from tests.transfer_helpers.cluster import shut_down_engine, join_shared_ray
     from tests.transfer_helpers.trainer_actor import StandInHFTrainer
     from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION
 
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("m"), SPEC))
-    start_local_ray()
+    join_shared_ray()
     engine = None
     try:
         trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)

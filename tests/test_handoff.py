@@ -51,8 +51,9 @@ class _RecordingStandIn:
 def ray_local():
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from tests import shared_ray
+
+    shared_ray.join({"env_vars": {"PYTHONPATH": shared_ray.REPO, "RAY_AUTH_MODE": "disabled"}})
     yield ray
     ray.shutdown()
 

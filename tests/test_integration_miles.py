@@ -78,10 +78,10 @@ def miles_update(protocol, version: int, weights: dict, bucket_bytes: int) -> di
 def engines(tmp_path_factory):
     from rlplacement.engines.ray_engines import create_engine_actor
     from rlplacement.models.tiny import make_tiny_model
-    from tests.transfer_helpers.cluster import start_local_ray
+    from tests.transfer_helpers.cluster import join_shared_ray
 
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("tiny")))
-    start_local_ray()
+    join_shared_ray()
     handles = [create_engine_actor(i, model_dir) for i in range(2)]
     ray.get([e.info.remote() for e in handles], timeout=300)
     yield {"engines": handles, "model_dir": model_dir, "version": 0}

@@ -39,9 +39,9 @@ def engine_kwargs(backend: str, tmp_path) -> dict:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    from tests.transfer_helpers.cluster import start_local_ray
+    from tests.transfer_helpers.cluster import join_shared_ray
 
-    ray = start_local_ray()
+    ray = join_shared_ray()
     yield ray
     ray.shutdown()
 

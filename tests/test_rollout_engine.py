@@ -18,6 +18,7 @@ from rlplacement.engines.base import CONTROL_CALLS, RolloutEngine
 from rlplacement.errors import ConfigError
 from rlplacement.runtime.one_at_a_time import one_call_at_a_time
 from rlplacement.transfer.base import EngineUpdateReport
+from tests import shared_ray
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ECHO_KIND = "echo-stand-in"
@@ -180,9 +181,7 @@ class HandOffTrainerStandIn:
 @pytest.fixture(scope="module")
 def ray_with_echo_kind():
     ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    shared_ray.join({"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
     from rlplacement.engines.vllm import VLLM
 
     registry.register_engine(dataclasses.replace(VLLM, name=ECHO_KIND, engine=f"{__name__}:EchoEngineStandIn"))

@@ -26,9 +26,9 @@ def step_lines(stdout: str) -> list[str]:
 
 def run_loop(tmp_path, *flags, timeout=900):
     """The example loop in a process of its own, joined to the test process's shared cluster."""
-    from tests import loop_cluster
+    from tests import shared_ray
 
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": loop_cluster.address()}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": shared_ray.address()}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_grpo.py"), "--work-dir", str(tmp_path),
                            *flags], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     return proc

@@ -19,6 +19,7 @@ from rlplacement.transfer.disk_delta import folder_format
 from rlplacement.transfer.disk_delta.folder_format import INDEX_NAME, index_checksum, read_pointer, version_folder
 from rlplacement.transfer.disk_delta.receiver import DiskDeltaReceiver
 from rlplacement.transfer.disk_delta.sender import DeltaUpdateReport, DiskDeltaSender
+from tests import shared_ray
 
 SHARD = 4096  # several shards per version
 
@@ -441,9 +442,7 @@ def test_vllm_engine_loads_disk_delta_versions_bit_exact(tmp_path):
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     model_dir = str(make_tiny_model(tmp_path / "tiny", TinySpec()))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": repo, "RAY_AUTH_MODE": "disabled"}})
+    shared_ray.join({"env_vars": {"PYTHONPATH": repo, "RAY_AUTH_MODE": "disabled"}})
     try:
         trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
         engine = create_engine_actor(0, model_dir)

@@ -20,6 +20,7 @@ from rlplacement.errors import ConfigError  # noqa: E402
 from rlplacement.models.tiny import TinySpec, make_tiny_model  # noqa: E402
 from rlplacement.runtime import transfer_driver as driver  # noqa: E402
 from rlplacement.transfer.base import WeightUpdateError  # noqa: E402
+from tests import shared_ray  # noqa: E402
 from tests.transfer_helpers.cluster import outputs, shut_down_engine  # noqa: E402
 from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION  # noqa: E402
 
@@ -40,8 +41,7 @@ def cluster(tmp_path_factory):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # unset here too, so no process inherits it: whatever the engine's processes hold, they set themselves
     assert INSECURE not in os.environ, f"{INSECURE} is set in the test's own environment: unset it"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    shared_ray.join({"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
     engine = None
     try:
         trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)

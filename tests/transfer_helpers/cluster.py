@@ -54,25 +54,25 @@ def shut_down_engine(engine) -> None:
         pass
 
 
-def start_local_ray():
-    """A fresh local Ray of two CPUs whose workers import this checkout (never a neighbour's Ray
-    via RAY_ADDRESS); returns the ``ray`` module."""
+def join_shared_ray():
+    """This process joined to the test process's shared Ray cluster (``tests.shared_ray``), its workers
+    importing this checkout; returns the ``ray`` module."""
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    from tests import shared_ray
+
+    shared_ray.join({"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
     return ray
 
 
 def start_trainer_and_engines(model_dir: str, num_engines: int = 2):
-    """Return ``(trainer, engines)`` on a fresh local Ray (:func:`start_local_ray`); the engines' workers
+    """Return ``(trainer, engines)`` on the shared Ray (:func:`join_shared_ray`); the engines' workers
     take the tests' hooks (``worker_hooks``)."""
     from rlplacement.engines.ray_engines import create_engine_actor
     from tests.transfer_helpers.trainer_actor import StandInHFTrainer
     from tests.transfer_helpers.worker_hooks import HOOKED_WORKER_EXTENSION
 
-    ray = start_local_ray()
+    ray = join_shared_ray()
     trainer = ray.remote(StandInHFTrainer).options(num_cpus=0).remote(model_dir)
     return trainer, [create_engine_actor(i, model_dir, worker_extension_cls=HOOKED_WORKER_EXTENSION)
                      for i in range(num_engines)]

@@ -10,7 +10,11 @@ from rlplacement.models.tiny import TinySpec, make_tiny_model
 
 @contextlib.contextmanager
 def tiny_job(tmp_path_factory, flags: list[str], *, timeout_s: float = 120, spec: TinySpec = TinySpec()):
-    """``RLJob.start`` on a fresh tiny model of ``spec`` with ``flags`` (the library's own parser and validation)."""
+    """``RLJob.start`` on a fresh tiny model of ``spec`` with ``flags`` (the library's own parser and validation),
+    joined to the test process's shared Ray cluster (``tests.shared_ray``)."""
+    from tests import shared_ray
+
+    shared_ray.join()
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny"), spec)
     args = rlplacement.add_arguments(argparse.ArgumentParser()).parse_args(flags)
     with rlplacement.RLJob.start(rlplacement.config_from_args(args), str(model_dir), timeout_s=timeout_s) as started:
