@@ -53,6 +53,7 @@ def test_stage_lines_say_their_seconds_and_quiet_says_nothing():
     assert quiet.getvalue() == ""
 
 
+@pytest.mark.slow  # a whole run of the example loop
 def test_a_run_says_each_stage_before_its_steps_and_which_updates_were_checked(tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_grpo.py"), "--work-dir", str(tmp_path),
@@ -71,6 +72,7 @@ def test_a_run_says_each_stage_before_its_steps_and_which_updates_were_checked(t
     assert row["perf/update_weights_checked"] == 1
 
 
+@pytest.mark.slow  # a conversion and an export, each in a process of its own
 def test_convert_and_export_show_progress_and_no_library_notices(tmp_path):
     from rlplacement.models.tiny import make_tiny_model
 

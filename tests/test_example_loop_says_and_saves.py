@@ -22,6 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
 
+pytestmark = pytest.mark.slow  # every test reads one run of the example loop (~35 s to start)
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
