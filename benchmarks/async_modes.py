@@ -49,6 +49,8 @@ def main() -> int:
             print(proc.stderr[-3000:], file=sys.stderr)
             return proc.returncode
 
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.run_facts import run_facts
     from rlplacement.advisor import asynchrony
     from rlplacement.telemetry.jsonl import read_rows
 
@@ -56,7 +58,7 @@ def main() -> int:
     x = asynchrony.inputs_from_rows(sync_rows)
     other = asynchrony.measured(sync_rows)["step_time"] - asynchrony.predict(x, "sync").step_time
     predicted = {p.mode: p for p in asynchrony.predict_modes(x, other=other, max_staleness=2)}
-    report = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "modes": {}}
+    report = {**run_facts("python benchmarks/async_modes.py", sys.argv[1:]), "modes": {}}
     print(f"{'mode':>20} {'step':>7} {'pred':>7} {'ratio':>6} {'idle':>7} {'pred':>7} {'stale mean/max':>15} {'pred':>10}")
     for name in MODES:
         m, p = asynchrony.measured(read_rows(out / f"{name}.jsonl")), predicted[ADVISOR_MODE[name]]
