@@ -56,22 +56,13 @@ def _worker(rank, world, hf):
 
 def _weight_reads_refused(rank, world, backend) -> list[str]:
     """What the trainer actor answers to each weight read while its state is on the host."""
-    from rlplacement.runtime.trainer_worker import TrainerWorker
+    from tests.transfer_helpers.trainer_refusals import trainer_rank_answers
 
-    worker = TrainerWorker(rank, world)
-    worker.backend = backend
     batch = Batch(torch.tensor([[1, 2, 3]]), torch.tensor([[0.0, 1.0, 1.0]]), torch.tensor([1.0]))
-    reads = [worker.hf_checksums, worker.gather_for_update, lambda: list(worker.hf_named_tensors()),
-             lambda: worker.log_probs(batch),
-             lambda: worker.train_step(batch), lambda: worker.save_hf_folder("/nonexistent", "/nonexistent")]
-    refused = []
-    for read in reads:
-        try:
-            read()
-            refused.append("answered")
-        except RuntimeError as exc:
-            refused.append(str(exc))
-    return refused
+    return trainer_rank_answers(backend, rank, world, [
+        lambda w: w.hf_checksums(), lambda w: w.gather_for_update(), lambda w: list(w.hf_named_tensors()),
+        lambda w: w.log_probs(batch), lambda w: w.train_step(batch),
+        lambda w: w.save_hf_folder("/nonexistent", "/nonexistent")])
 
 
 @pytest.mark.slow

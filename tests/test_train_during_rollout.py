@@ -119,19 +119,11 @@ def _cases(backend, rank: int, world: int) -> dict:
 def _refused_while_chunks_are_held(backend, rank: int, world: int, batch: Batch) -> list[str]:
     """What a trainer rank answers to the calls that would zero, drop or lose the held gradients (each refused
     on the rank before any collective)."""
-    from rlplacement.runtime.trainer_worker import TrainerWorker
+    from tests.transfer_helpers.trainer_refusals import trainer_rank_answers
 
-    worker = TrainerWorker(rank, world)
-    worker.backend = backend
-    answers = []
-    for call in (lambda: worker.train_step(batch.rows(slice(0, 2))), lambda: worker.save_checkpoint("/nowhere", 1),
-                 lambda: worker.offload_to_host()):
-        try:
-            call()
-            answers.append("accepted")
-        except RuntimeError as exc:
-            answers.append(str(exc))
-    return answers
+    return trainer_rank_answers(backend, rank, world, [lambda w: w.train_step(batch.rows(slice(0, 2))),
+                                                       lambda w: w.save_checkpoint("/nowhere", 1),
+                                                       lambda w: w.offload_to_host()])
 
 
 def _worker(rank, world, name, hf, builds):
