@@ -121,7 +121,8 @@ def test_the_trainer_refuses_to_free_weights_engines_may_map_until_told_they_let
     offloads = []
     worker = TrainerWorker(0, 1)
     worker.backend = types.SimpleNamespace(offload_to_host=lambda: offloads.append(1) or {"seconds": 0.0},
-                                           offloaded_to_host=False, chunks_open=False)
+                                           offloaded_to_host=False,
+                                           refuse_while_chunks_open=lambda what, because: None)
     sender = IpcSender(1 << 20, device="cpu")
     assert not sender.keep_mapped_between_updates()  # on CPU nothing of the trainer is mapped elsewhere
     sender.exports = AllocationExports(torch.device("cuda", 0))  # as on a GPU; nothing here touches CUDA

@@ -261,8 +261,7 @@ class TrainerBackend(ChunkedStep, BackendCheckpoints, BackendHostOffload, abc.AB
         """Optimizer steps over this rank's share ``batch`` (one per ``--global-batch-size`` samples).
         Metrics are the same on every rank: the loss and its parts are the steps' global token means."""
         cfg = self.train_config
-        if self.chunks_open:
-            raise RuntimeError("train_step while a chunked step holds its gradients: finish_chunked_step first")
+        self.refuse_while_chunks_open("a train step", "zeroes them")
         batch = self._ready_to_train(batch)
         per_step = None if cfg.global_batch_size is None else cfg.global_batch_size // self.data_parallel_size
         steps = split_steps(len(batch), per_step)

@@ -51,6 +51,13 @@ class ChunkedStep:
         """A chunked step has begun and not finished (its gradients are held)."""
         return self._chunk_sums is not None
 
+    def refuse_while_chunks_open(self, what: str, because: str) -> None:
+        """Between a chunked step's first chunk and its step the gradients of every chunk so far are held: refuse
+        ``what`` (a call that would zero, drop or lose them, ``because``) before any of its work."""
+        if self.chunks_open:
+            raise RuntimeError(f"{what} while a step of --train-during-rollout holds its chunks' gradients "
+                               f"{because}: call RLJob.finish_train_during_rollout() first")
+
     def train_chunk(self, batch: Batch) -> None:
         """Forward and backward of this rank's share ``batch`` of one chunk, gradients accumulating, no step
         (collective)."""

@@ -80,7 +80,6 @@ class TrainerWorker(TrainerTransferMixin):
         from rlplacement.train_io import TrainStepReport
 
         self._require_resident("a train step")
-        self._require_no_open_chunks("a train step", "zeroes them")
         start = time.time()
         metrics = self.backend.train_step(batch)
         return TrainStepReport(rank=self.rank, start=start, end=time.time(), **metrics)
@@ -106,7 +105,8 @@ class TrainerWorker(TrainerTransferMixin):
         """Collective: the whole training state under ``root`` (``--save``) and the driver's ``job_state`` (a
         small JSON-able dict, back in ``setup``'s ``resumed["job_state"]``); returns the published folder."""
         self._require_resident("saving a checkpoint")
-        self._require_no_open_chunks("saving a checkpoint", "does not save them, so a resumed run would lose them")
+        self.backend.refuse_while_chunks_open("saving a checkpoint",
+                                              "does not save them, so a resumed run would lose them")
         return self.backend.save_checkpoint(root, weight_version, job_state)
 
     # ---- memory hand-off (--offload-train) --------------------------------------------------
@@ -114,7 +114,7 @@ class TrainerWorker(TrainerTransferMixin):
         """Before rollout: weights and optimizer state to pinned host memory, gradients dropped.
         ``engines_unmapped``: every engine has let go of this trainer's memory (``unmap_trainer_memory``);
         while cuda_ipc may still have it mapped there, offloading (which frees it) is refused."""
-        self._require_no_open_chunks("offloading to host (a colocated hand-off)", "drops them")
+        self.backend.refuse_while_chunks_open("offloading to host (a colocated hand-off)", "drops them")
         started_at = time.time()
         sender = self.transfer_sender
         if sender is not None and sender.mapped_elsewhere:
@@ -159,13 +159,6 @@ class TrainerWorker(TrainerTransferMixin):
             raise RuntimeError(f"trainer rank {self.rank}: {what} needs the trainer's weights, which are in host "
                                "memory (--offload-train, after a colocated hand-off to rollout): call "
                                "RLJob.prepare_update() or prepare_train() first")
-
-    def _require_no_open_chunks(self, what: str, because: str) -> None:
-        """Between a chunked step's first chunk and its step the gradients of every chunk so far are held
-        (``backends.chunked_step``): refuse what would zero, drop or lose them before they are stepped."""
-        if self.backend.chunks_open:
-            raise RuntimeError(f"trainer rank {self.rank}: {what} while a step of --train-during-rollout holds its "
-                               f"chunks' gradients {because}: call RLJob.finish_train_during_rollout() first")
 
     def hf_named_tensors(self) -> Iterable:
         # checked inside the stream: the sender turns a refusal there into an abort every engine sees
