@@ -48,6 +48,20 @@ def test_training_during_rollout_trains_each_group_once_ready_and_the_trainer_is
     assert A.recommend_mode(A.predict_modes(_inputs(1.0, 0.4, 0.1)), 0)[0].mode == "sync"  # a tie goes to sync
 
 
+def test_training_beside_generation_on_a_shared_gpu_delays_the_tail_by_the_overlap_slowdown():
+    """The two-group step above on one GPU: the first group's 0.2 s of training runs while the tail decodes,
+    so at slowdown s the tail is ready 0.2 s x s later and the step grows by as much (1.3 s at 0, 1.4 s at
+    0.5, sync's 1.5 s at 1: a GPU that serves one side at a time gains nothing). The slowdown is read back
+    from a pair of runs: rollout 1.1 s against sync's 1.0 s with 0.2 s of training inside it is 0.5."""
+    tail = A.AsyncInputs(tuple((0.1, 0.2, 0.2, 0.2, 0.5, 0.5, 0.5, 1.0) for _ in range(3)), 0.4, 0.1, 4)
+    steps = [A.predict(tail, "train-during-rollout", overlap_slowdown=s).step_time for s in (0.0, 0.5, 1.0)]
+    assert steps == [pytest.approx(1.3), pytest.approx(1.4), pytest.approx(1.5)]
+    sync = [{"step": k, "perf/rollout_time": 1.0} for k in range(4)]
+    flag = [{"step": k, "perf/rollout_time": 1.1, "perf/train_overlap_time": 0.2} for k in range(4)]
+    assert A.measured_overlap_slowdown(sync, flag) == pytest.approx(0.5)
+    assert A.measured_overlap_slowdown(sync, [{**r, "perf/train_overlap_time": 0.0} for r in flag]) == 0.0
+
+
 def test_fully_async_with_slow_rollout_runs_two_steps_of_generation_at_once():
     """Rollout-bound: two steps' samples generate at once (the default bound), so a step takes half a
     rollout, and the trainer's idle is that minus its own work."""

@@ -16,6 +16,8 @@
 #   bash benchmarks/gpu/run_h200.sh staging [--size 8B]      -> $OUT/staging_h200.json   (1 GPU, --update-weight-staging full vs bucket)
 #   bash benchmarks/gpu/run_h200.sh moe [--sizes 30B-A3B-L4] -> $OUT/moe_h200.json     (1 GPU, Qwen3-MoE colocated)
 #   bash benchmarks/gpu/run_h200.sh routing_replay [--steps 3] -> $OUT/routing_replay_h200.json (1 GPU, MoE routing replay)
+#   bash benchmarks/gpu/run_h200.sh train_during_rollout [--size 0.5B] -> $OUT/train_during_rollout_h200_0.5B.json
+#       (1 GPU, colocated both resident: sync beside --train-during-rollout on the same long-tailed samples)
 #   bash benchmarks/gpu/run_h200.sh extras                  -> $OUT/gpu_extras_h200.json (installed versions vs [gpu])
 #   bash benchmarks/gpu/run_h200.sh tests                   -> the GPU-marked tests (pytest -m gpu)
 # Installs this checkout into /tmp/site first, so vLLM's processes find the `vllm.general_plugins`
@@ -39,7 +41,8 @@ case "$what" in
   staging) python3 benchmarks/gpu/staging_h200.py --out "$out" "$@" ;;
   moe) python3 benchmarks/gpu/moe_h200.py --out "$out" "$@" ;;
   routing_replay) python3 benchmarks/gpu/routing_replay_h200.py --out "$out" "$@" ;;
+  train_during_rollout) python3 benchmarks/gpu/train_during_rollout_h200.py --out "$out" "$@" ;;
   extras) python3 benchmarks/gpu/check_gpu_extras.py "$out/gpu_extras_h200.json" "$@" ;;
   tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests "$@" ;;
-  *) echo "unknown experiment $what (split | colocate | peers | offload | replay | loop | rollout | megatron | sleep_failure | staging | moe | routing_replay | extras | tests)" >&2; exit 2 ;;
+  *) echo "unknown experiment $what (split | colocate | peers | offload | replay | loop | rollout | megatron | sleep_failure | staging | moe | routing_replay | train_during_rollout | extras | tests)" >&2; exit 2 ;;
 esac

@@ -15,7 +15,10 @@ step model's predicted over measured phases).
   free, taking T x group size / samples of training; the update follows the last group's training:
   step = end of the last chunk + U (the median over the measured steps). Staleness 0. The optimizer's own
   step, which runs once after the last chunk, is counted as spread over the chunks (T is not split in the
-  telemetry), so the prediction is low by at most that step.
+  telemetry), so the prediction is low by at most that step. On GPUs that train and generate at once (a
+  colocated layout with both resident) ``overlap_slowdown`` s says what the shared GPU costs: each second of
+  a chunk's training delays the groups still generating by s seconds (0: separate GPUs; 1: the GPU serves
+  one side at a time); :func:`measured_overlap_slowdown` reads s off a sync run and a run with the flag.
 * **fully async**: an event simulation. Groups of the measured samples (cycled in order) are submitted
   while fewer than ``max_concurrent`` samples are in flight or ready; a group is ready when its slowest
   sample is; the trainer takes ``prompts_per_step`` ready groups, trains T, updates U (the version goes up
@@ -26,8 +29,7 @@ step model's predicted over measured phases).
 What the model leaves out, named so that a miss can be read: a sample's generation time does not depend on
 how many run beside it (under fully async up to ``max_concurrent`` do, more than in the measured sync run);
 an update does not slow the generation in flight (``retract`` recomputes the KV of every running request);
-training beside generation does not slow either (on shared GPUs, a colocated layout with both resident, it
-does).
+training beside generation does not slow it unless ``overlap_slowdown`` says by how much.
 """
 
 from __future__ import annotations
@@ -114,9 +116,10 @@ def recommend_mode(predictions: Sequence[AsyncPrediction], max_staleness: int | 
 
 def predict(x: AsyncInputs, mode: str, *, rollout_scale: float = 1.0, train_scale: float = 1.0,
             max_concurrent: int | None = None, max_staleness: int | None = None,
-            steps: int = 200) -> AsyncPrediction:
+            steps: int = 200, overlap_slowdown: float = 0.0) -> AsyncPrediction:
     """``mode``'s steady step (see the module docstring); ``max_concurrent``: samples in flight or ready at
-    most (default two steps', as ``--async-max-concurrent-samples``); ``max_staleness``: the bound."""
+    most (default two steps', as ``--async-max-concurrent-samples``); ``max_staleness``: the bound;
+    ``overlap_slowdown``: training during rollout on GPUs the engines share (module docstring)."""
     t, u, slowest, cap = _phases(x, rollout_scale, train_scale, max_concurrent)
     if mode == "sync":
         step = slowest + t + u
@@ -125,7 +128,8 @@ def predict(x: AsyncInputs, mode: str, *, rollout_scale: float = 1.0, train_scal
         step = max(slowest, t) + u
         return AsyncPrediction(mode, step, step - t - u, 1.0, 1)
     if mode == "train-during-rollout":
-        step = statistics.median(_chunks(times, x.group_size, t, rollout_scale)[-1][1] for times in x.sample_times) + u
+        step = statistics.median(_chunks(times, x.group_size, t, rollout_scale, overlap_slowdown)[-1][1]
+                                 for times in x.sample_times) + u
         return AsyncPrediction(mode, step, step - t - u, 0.0, 0)
     if mode != "fully-async":
         raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
@@ -139,15 +143,20 @@ def _phases(x: AsyncInputs, rollout_scale: float, train_scale: float,
     return x.train_time * train_scale, x.update_time, slowest, max_concurrent or 2 * x.samples_per_step
 
 
-def _chunks(times: Sequence[float], g: int, t: float, scale: float) -> list[tuple[float, float]]:
+def _chunks(times: Sequence[float], g: int, t: float, scale: float,
+            slowdown: float = 0.0) -> list[tuple[float, float]]:
     """One step's training during rollout: each group's (start, end) of training, in the order the groups are
-    ready; a group trains once ready and the trainer is free, for ``t`` x its share of the step's samples."""
+    ready; a group trains once ready and the trainer is free, for ``t`` x its share of the step's samples. A
+    chunk that starts before the next group is ready delays the groups after it by ``slowdown`` x its length."""
     per_group = t * g / len(times)
-    chunks, free = [], 0.0
-    for ready in sorted(max(times[i:i + g]) * scale for i in range(0, len(times), g)):
-        start = max(free, ready)
+    readies = sorted(max(times[i:i + g]) * scale for i in range(0, len(times), g))
+    chunks, free, delay = [], 0.0, 0.0
+    for i, ready in enumerate(readies):
+        start = max(free, ready + delay)
         free = start + per_group
         chunks.append((start, free))
+        if i + 1 < len(readies) and readies[i + 1] + delay > start:
+            delay += slowdown * per_group
     return chunks
 
 
@@ -212,6 +221,19 @@ def measured(rows: Sequence[dict], skip_steps: int = 2) -> dict:
     else:
         out["mean_staleness"], out["max_staleness"] = 0.0, 0
     return out
+
+
+def measured_overlap_slowdown(sync_rows: Sequence[dict], flag_rows: Sequence[dict], skip_steps: int = 2) -> float:
+    """``overlap_slowdown`` as two runs of the same samples show it, one sync and one with training during
+    rollout: how much longer the rollout took per second of training that ran beside it (medians over the
+    steps after ``skip_steps``; 0 where no training overlapped)."""
+    def median(rows: Sequence[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rows if r.get("step", 0) >= skip_steps)
+
+    overlap = median(flag_rows, "perf/train_overlap_time")
+    if overlap <= 0:
+        return 0.0
+    return max(0.0, (median(flag_rows, "perf/rollout_time") - median(sync_rows, "perf/rollout_time")) / overlap)
 
 
 def timeline(x: AsyncInputs, mode: str, steps: int = 4, *, rollout_scale: float = 1.0, train_scale: float = 1.0,
