@@ -66,19 +66,31 @@ class HFTensors:
         return self._handles[fname].get_tensor(name)
 
 
-def safetensors_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
-    """Tensor name -> shape from the headers of every ``*.safetensors`` file in ``folder`` (None if it has
-    none): no weight is read."""
+def safetensors_headers(folder: str | os.PathLike) -> dict[str, dict] | None:
+    """Tensor name -> its safetensors header entry (``dtype``, ``shape``, ``data_offsets``) over every
+    ``*.safetensors`` file in ``folder`` (None if it has none): no weight is read."""
     files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
     if not files:
         return None
-    shapes: dict[str, tuple[int, ...]] = {}
+    entries: dict[str, dict] = {}
     for f in files:
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-        shapes.update((k, tuple(v["shape"])) for k, v in header.items() if k != "__metadata__")
-    return shapes
+        entries.update((k, v) for k, v in header.items() if k != "__metadata__")
+    return entries
+
+
+def safetensors_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
+    """Tensor name -> shape from the headers of ``folder``'s safetensors files (None if it has none)."""
+    entries = safetensors_headers(folder)
+    return None if entries is None else {k: tuple(v["shape"]) for k, v in entries.items()}
+
+
+def safetensors_dtypes(folder: str | os.PathLike) -> dict[str, str] | None:
+    """Tensor name -> safetensors dtype name (``BF16``, ``F8_E4M3``, ...) from ``folder``'s headers."""
+    entries = safetensors_headers(folder)
+    return None if entries is None else {k: v["dtype"] for k, v in entries.items()}
 
 
 def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:

@@ -1,4 +1,5 @@
-"""``rlplacement convert``: HF folder -> Megatron torch_dist checkpoint, once.
+"""``rlplacement convert``: HF folder -> Megatron torch_dist checkpoint, once; with ``--to-fp8``, a bf16 HF folder
+-> a block-quantized FP8 folder for the engines (``rlplacement.convert.to_fp8``).
 
 Bad input (missing folder, no config.json, no safetensors, an unsupported family, sizes that do not
 divide the model) is refused from ``config.json`` alone before torch.distributed or megatron start.
@@ -19,13 +20,18 @@ Convert a Hugging Face model folder (config.json + *.safetensors) into a Megatro
 checkpoint for `--train-backend megatron --load DIR`. The architecture is read from config.json
 (Qwen3, Qwen2, Llama dense; Qwen3-MoE). The folder gets latest_checkpointed_iteration.txt last: a rerun on a
 finished folder does nothing; a half-finished folder is cleared and redone. --save must be a new or empty
-folder (or such a conversion), never the Hugging Face folder itself."""
+folder (or such a conversion), never the Hugging Face folder itself.
+
+With --to-fp8 it writes instead a block-quantized FP8 Hugging Face folder (float8_e4m3fn linear weights with
+fp32 weight_scale_inv per --fp8-block-size block; embeddings, norms, routers and the output layer unchanged) for
+engines that serve FP8 while the trainer trains from the bf16 folder."""
 
 EPILOG = """\
 examples:
   rlplacement convert --hf-checkpoint /models/Qwen3-0.6B --save /ckpt/qwen3-tp1
   rlplacement convert --hf-checkpoint /models/Qwen3-8B --save /ckpt/qwen3-tp2 --tensor-model-parallel-size 2
   rlplacement convert --hf-checkpoint /models/Qwen3-30B-A3B --save /ckpt/qwen3-moe --expert-model-parallel-size 8
+  rlplacement convert --to-fp8 --hf-checkpoint /models/Qwen3-8B --save /models/Qwen3-8B-FP8
   torchrun --nproc-per-node 2 -m rlplacement.cli convert --hf-checkpoint HF --save DIR --tensor-model-parallel-size 2
 Without torchrun, TP x PP x EP local processes are started (gloo on CPU, NCCL on GPU). Experts are saved
 by their global index, so the checkpoint loads at any expert-parallel size that divides the experts."""
@@ -49,7 +55,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="Megatron layer spec: te (TransformerEngine, fused layer-norm names), local, or auto "
                         "(te when TransformerEngine and CUDA are there). Default auto.")
     p.add_argument("--no-progress", action="store_true", help="Hide the progress bar over tensors.")
+    p.add_argument("--to-fp8", action="store_true",
+                   help="Write a block-quantized FP8 Hugging Face folder to --save instead of a torch_dist checkpoint.")
+    p.add_argument("--fp8-block-size", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLS"),
+                   help="With --to-fp8: the block of one scale (default 128 128, what vLLM's FP8 kernels take).")
     return p
+
+
+MEGATRON_ONLY = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+
+
+def _to_fp8(args: argparse.Namespace) -> int:
+    from rlplacement.convert import to_fp8
+
+    given = [f"--{flag.replace('_', '-')}" for flag in MEGATRON_ONLY if getattr(args, flag) != 1]
+    if given or args.layer_spec != "auto":
+        given += ["--layer-spec"] if args.layer_spec != "auto" else []
+        raise ConfigError(f"{', '.join(given)}: a torch_dist conversion's flags; --to-fp8 writes a Hugging Face "
+                          f"folder that any engine layout loads: drop them")
+    block = (args.fp8_block_size[0], args.fp8_block_size[1])
+    if to_fp8.finished(args.save, block):
+        print(f"rlplacement convert --to-fp8: {args.save} is already converted: nothing to do")
+        return 0
+    count = to_fp8.convert(args.hf_checkpoint, args.save, block, progress=not args.no_progress)
+    print(f"rlplacement convert --to-fp8: {count} weights quantized in blocks of {block[0]}x{block[1]} -> {args.save}")
+    return 0
 
 
 def _convert_rank(rank: int, world: int, hf: str, save: str, tp: int, pp: int, spec: str, progress: bool,
@@ -99,6 +129,10 @@ def _refuse_a_folder_that_is_not_a_conversion(hf: str, save: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.to_fp8:
+        return _to_fp8(args)
+    if args.fp8_block_size != [128, 128]:
+        raise ConfigError("--fp8-block-size goes with --to-fp8: add --to-fp8, or drop it")
     os.environ.setdefault(quiet.ENV, "1")  # inherited by the ranks it spawns
     from rlplacement.backends.megatron import checkpoint_layout as layout
     from rlplacement.convert.run import run_collective

@@ -14,10 +14,8 @@ megatron's fused layers); megatron's are exported by :mod:`.megatron_to_hf`, the
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 import warnings
 from pathlib import Path
 
@@ -29,13 +27,9 @@ SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F
 
 def hf_folder_tensors(hf_dir: str | os.PathLike) -> dict[str, tuple[list[int], str]]:
     """HF name -> (shape, safetensors dtype) of every tensor in ``hf_dir``'s safetensors files (headers only)."""
-    out: dict[str, tuple[list[int], str]] = {}
-    for file in sorted(Path(hf_dir).glob("*.safetensors")):
-        with open(file, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        out.update((k, (list(v["shape"]), v["dtype"])) for k, v in header.items() if k != "__metadata__")
-    return out
+    from rlplacement.hf_folder import safetensors_headers
+
+    return {k: (list(v["shape"]), v["dtype"]) for k, v in (safetensors_headers(hf_dir) or {}).items()}
 
 
 def hf_names(folder: Path, hf_dir: str | os.PathLike) -> dict[str, str] | None:
