@@ -25,8 +25,9 @@ import common  # noqa: E402
 sys.path.insert(0, str(common.REPO))
 from benchmarks import async_modes  # noqa: E402
 
+# the engine's share leaves the trainer's weights, AdamW state and activations room beside it on the one GPU
 COLOCATED_RESIDENT = ["--colocate", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1",
-                      "--no-offload-train", "--no-offload-rollout"]
+                      "--no-offload-train", "--no-offload-rollout", "--vllm-gpu-memory-utilization", "0.5"]
 MODES = ["sync", "train_during_rollout"]
 
 
