@@ -19,6 +19,8 @@ from rlplacement.transfer.multi_sender import (MultiSenderReceiver, merge_sender
 from rlplacement.transfer.plan.senders import spread_owners, spread_owners_by_group
 
 MODES = ("broadcast", "broadcast_packed", "p2p")
+# the matrices' p2p cases start a Mooncake engine per sender (6-9 s a case): in `make test`, not in test-fast
+MODE_PARAMS = ("broadcast", "broadcast_packed", pytest.param("p2p", marks=pytest.mark.slow))
 
 
 def _model(seed):
@@ -103,7 +105,7 @@ def _shares(named, num_senders):
     return [[(n, t) for n, t in named if owners[n] == s] for s in range(num_senders)], owners
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODE_PARAMS)
 @pytest.mark.parametrize("bucketwise", [False, True], ids=["full", "bucket"])
 def test_every_receiver_gets_the_union_of_the_shares_bit_exact(mode, bucketwise):
     session = Senders(mode)

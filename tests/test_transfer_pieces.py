@@ -12,7 +12,7 @@ from rlplacement.transfer.base import TransferError
 from rlplacement.transfer.multi_sender import merge_sender_reports
 from rlplacement.transfer.pieces import PieceAssembler, kept_part, parse_piece, piece_name, split_piece_key
 from rlplacement.transfer.shards import parse_region_key, region_key
-from tests.test_transfer_multi_sender import MODES, Senders
+from tests.test_transfer_multi_sender import MODE_PARAMS, MODES, Senders
 
 
 def _model(seed):
@@ -67,7 +67,7 @@ def _assert_assembled(got, named, keeps):
                                                               expected.contiguous().view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODE_PARAMS)
 @pytest.mark.parametrize("bucketwise", [False, True], ids=["full", "bucket"])
 @pytest.mark.parametrize("sliced", [False, True], ids=["whole", "slices"])
 def test_workers_assemble_every_tensor_or_their_slice_from_every_senders_rows(mode, bucketwise, sliced):
