@@ -45,6 +45,10 @@ def test_training_during_rollout_trains_each_group_once_ready_and_the_trainer_is
     assert best.mode == "train-during-rollout" and flags == "--train-during-rollout"
     best, flags = A.recommend_mode(on_policy, 0, colocate=True)
     assert flags == "--train-during-rollout --no-offload-train --no-offload-rollout"
+    fast_rollout = A.predict_modes(_inputs(1.0, 0.4, 0.1), max_staleness=2)  # fully async wins, one version stale
+    assert A.recommend_mode(fast_rollout, 2, colocate=True) == (
+        next(p for p in fast_rollout if p.mode == "fully-async"),
+        "--fully-async --partial-rollout --use-tis --max-weight-staleness 2 --no-offload-train --no-offload-rollout")
     assert A.recommend_mode(A.predict_modes(_inputs(1.0, 0.4, 0.1)), 0)[0].mode == "sync"  # a tie goes to sync
 
 

@@ -13,8 +13,11 @@ def _config(argv):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--colocate", "--fully-async"], "--fully-async keeps the engines generating while the trainer trains, but "
-                                      "under --colocate"),
+    (["--colocate", "--fully-async"], "--fully-async under --colocate keeps the engines generating while the "
+                                      "trainer trains on the same GPUs, so neither side may be moved off them (the "
+                                      "hand-off would put the engines to sleep or the trainer on the host): add "
+                                      "--no-offload-train --no-offload-rollout"),
+    (["--colocate", "--fully-async", "--no-offload-train"], "add --no-offload-rollout .both resident"),
     (SPLIT + ["--max-weight-staleness", "2"], "--max-weight-staleness only applies with --fully-async"),
     (SPLIT + ["--fully-async", "--max-weight-staleness", "-1"], "--max-weight-staleness -1 is negative"),
     (SPLIT + ["--pause-generation-mode", "abort"], "--pause-generation-mode only applies with --fully-async"),
@@ -30,6 +33,12 @@ def _config(argv):
 def test_bad_async_flags_are_refused_naming_the_flag(argv, message):
     with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)")):
         _config(argv)
+
+
+def test_fully_async_under_colocate_takes_both_sides_resident():
+    c = _config(["--colocate", "--no-offload-train", "--no-offload-rollout", "--fully-async"])
+    assert c.async_rollout.fully_async and c.placement.colocate
+    assert (c.placement.offload_train, c.placement.offload_rollout) == (False, False)
 
 
 def test_fully_async_flags_resolve_with_the_defaults_of_miles():

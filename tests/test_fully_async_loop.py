@@ -22,11 +22,12 @@ def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", PAUSE_GENERATION_MODES)
-def test_fully_async_learns_within_its_staleness_bound(tmp_path, mode):
+COLOCATED_RESIDENT = ["--colocate", "--no-offload-train", "--no-offload-rollout"]
+
+
+def _learns_within_its_staleness_bound(tmp_path, layout: list[str], mode: str):
     telemetry = tmp_path / "steps.jsonl"
-    proc = run_loop(tmp_path, *SPLIT, *ASYNC, "--pause-generation-mode", mode, "--check-weight-update-equal",
+    proc = run_loop(tmp_path, *layout, *ASYNC, "--pause-generation-mode", mode, "--check-weight-update-equal",
                     "--steps", "40", "--telemetry", str(telemetry))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = step_lines(proc.stdout)
@@ -50,6 +51,21 @@ def test_fully_async_learns_within_its_staleness_bound(tmp_path, mode):
     for r in rows:
         lags = {int(k.rsplit("_", 1)[1]) for k in r if k.startswith("rollout/fully_async/tokens_lag_")}
         assert lags and max(lags) <= 2, r
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", PAUSE_GENERATION_MODES)
+def test_fully_async_learns_within_its_staleness_bound(tmp_path, mode):
+    _learns_within_its_staleness_bound(tmp_path, SPLIT, mode)
+
+
+@pytest.mark.slow
+def test_fully_async_on_colocated_gpus_with_both_sides_resident_learns_the_same_way(tmp_path):
+    """The single-GPU form of the split layout: the engine keeps generating beside the trainer on the same GPUs,
+    updates go by cuda_ipc between its pauses, nothing is offloaded (no hand-off runs)."""
+    proc = _learns_within_its_staleness_bound(tmp_path, COLOCATED_RESIDENT, "retract")
+    assert "weight transfer ready: cuda_ipc" in proc.stderr and "(colocated)" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -103,13 +103,13 @@ def recommend_mode(predictions: Sequence[AsyncPrediction], max_staleness: int | 
                    colocate: bool = False) -> tuple[AsyncPrediction, str]:
     """The fastest mode whose staleness stays within ``max_staleness`` (ties go to the less stale, then to the
     earlier in :data:`MODES`), and the flags that select it. ``colocate``: the run time-shares its GPUs, where
-    training during rollout needs both sides resident (the offload flags off)."""
+    training during rollout and fully async need both sides resident (the offload flags off)."""
     allowed = [p for p in predictions if max_staleness is None or p.max_staleness <= max_staleness]
     best = min(allowed, key=lambda p: (round(p.step_time, 6), p.mean_staleness))
     flags = FLAGS[best.mode]
     if best.mode == "fully-async" and max_staleness is not None:
         flags += f" --max-weight-staleness {max_staleness}"
-    if best.mode == "train-during-rollout" and colocate:
+    if best.mode in ("train-during-rollout", "fully-async") and colocate:
         flags += " --no-offload-train --no-offload-rollout"
     return best, flags
 

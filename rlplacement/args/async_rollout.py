@@ -51,9 +51,14 @@ def async_rollout_from_args(args: argparse.Namespace, placement: PlacementConfig
                           f"engines' current version) or more.")
     require_positive(args, ("update_weights_interval", "over_sampling_batch_size", "async_max_concurrent_samples"))
     if fully_async and placement.colocate:
-        raise ConfigError("--fully-async keeps the engines generating while the trainer trains, but under --colocate "
-                          "both run on the same GPUs, one at a time: drop --colocate for a split layout, or drop "
-                          "--fully-async.")
+        # the single-GPU form of the split layout: both sides stay on the GPUs for the whole run, decided here
+        left = [_name(d).replace("--", "--no-") for d in ("offload_train", "offload_rollout")
+                if getattr(placement, d) is not False]
+        if left:
+            raise ConfigError(f"--fully-async under --colocate keeps the engines generating while the trainer trains "
+                              f"on the same GPUs, so neither side may be moved off them (the hand-off would put the "
+                              f"engines to sleep or the trainer on the host): add {' '.join(left)} (both resident for "
+                              f"the whole run), or drop --colocate for a split layout.")
     if fully_async and placement.one_step_off:
         raise ConfigError("--fully-async and --one-step-off are two ways to overlap rollout with training: keep one "
                           "(--fully-async bounds staleness with --max-weight-staleness).")
@@ -61,7 +66,7 @@ def async_rollout_from_args(args: argparse.Namespace, placement: PlacementConfig
         given = [_name(d) for d in ONLY_ASYNC if get(args, d) not in (None, False)]
         if given:
             raise ConfigError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with --fully-async: "
-                              f"add --fully-async (a split layout), or drop {' and '.join(given)}.")
+                              f"add --fully-async, or drop {' and '.join(given)}.")
     partial = bool(get(args, "partial_rollout"))
     mask = bool(get(args, "mask_offpolicy_in_partial_rollout"))
     if mask and not partial:
