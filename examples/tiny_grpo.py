@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
 def run_train_during_rollout(args, config, job, tel, sampler, targets, pad_id: int, steps: range, resume_point) -> int:
     """``--train-during-rollout``: the groups of a step's rollout train as they finish (``job.finished_groups``,
     gathered into chunks of a multiple of the data-parallel size in samples), the one optimizer step after the
-    last; ``perf/train_overlap_time`` is the chunks' training inside the rollout's interval."""
+    last; the recorder's ``perf/train_overlap_time`` is the chunks' training inside the rollout's interval."""
     group_size, max_len = config.rollout.n_samples_per_prompt, config.rollout.max_response_len
     for step in steps:
         chosen = sampler.draw(args.prompts_per_step)
@@ -320,18 +320,17 @@ def run_train_during_rollout(args, config, job, tel, sampler, targets, pad_id: i
         reports, chunks = job.finish_train_during_rollout()
         for start, end in chunks + [(reports[0].start, reports[0].end)]:
             tel.record_interval("train", start, end)
-        overlap = sum(max(0.0, min(end, rollout_end) - max(start, t0)) for start, end in chunks)
         job.prepare_update()
         t_sync = time.time()
         report = job.update_weights()
         tel.record_interval("sync", t_sync, time.time())
-        metrics = {"perf/train_overlap_time": overlap, "rollout/dropped_groups": pending.dropped_groups,
+        metrics = {"rollout/dropped_groups": pending.dropped_groups,
                    "rollout/generated_again": pending.generated_again, "train/loss": reports[0].loss,
                    "train/grad_norm": reports[0].grad_norm, "train/lr": reports[0].lr,
                    "train/skipped_steps": reports[0].skipped_steps,
                    "perf/update_weights_checked": int(bool(report and report.checked))}
         row = tel.end_step(step, reward=statistics.fmean(rewards), **metrics)
-        print_step(step, row, report, job.version, f"  overlap {overlap:.2f}s")
+        print_step(step, row, report, job.version, f"  overlap {row['perf/train_overlap_time']:.2f}s")
     save_at_end(config, job)
     return 0
 

@@ -48,6 +48,22 @@ def test_colocated_sequential_step():
     assert row["timeline"]["intervals"][0] == ["rollout", "rollout", 0.0, 3.0]
 
 
+def test_training_during_the_rollout_is_reported_as_overlap_and_none_in_a_sequential_step():
+    """Chunks trained at 2-3 and 5-6 s while the rollout ran 0-10 s, the last chunk and the step after it:
+    2 s of overlap, taken off the trainer's wait. A sequential step has none."""
+    tel = _rec()
+    tel.record_interval("rollout", 100.0, 110.0)
+    for start, end in ((102.0, 103.0), (105.0, 106.0), (110.0, 111.0)):
+        tel.record_interval("train", start, end)
+    tel.record_interval("sync", 111.0, 111.5)
+    row = tel.end_step(0, end=111.5)
+    assert row["perf/train_overlap_time"] == pytest.approx(2.0)
+    assert row["perf/train_wait_time"] == pytest.approx(111.5 - 100.0 - 3.0 - 0.5)
+    tel.record_interval("rollout", 111.5, 114.0)
+    tel.record_interval("train", 114.0, 115.0)
+    assert tel.end_step(1, end=115.0)["perf/train_overlap_time"] == 0.0
+
+
 def test_parallel_engines_count_rollout_wall_time_once():
     tel = _rec()
     tel.record_interval("rollout", 0.0, 2.0)

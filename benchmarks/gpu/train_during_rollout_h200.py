@@ -1,6 +1,7 @@
 """Training during rollout on one H200, colocated with the trainer and the engine both resident, beside the
 synchronous loop on the same samples in the same run: step time, the trainer's idle, the tail's tokens/s with
 training beside it, and the advisor's prediction with and without the contention term it reads off the pair.
+``--modes ... fully_async`` adds fully async on the same GPU (the single-GPU form of the split layout).
 
 The example loop runs on a random-weight Qwen3 shape (``common.SIZES``) with ``--long-tail`` lengths (each
 request's ``max_tokens`` drawn from a Pareto tail, generated exactly that long; each step's longest at
@@ -28,7 +29,6 @@ from benchmarks import async_modes  # noqa: E402
 # the engine's share leaves the trainer's weights, AdamW state and activations room beside it on the one GPU
 COLOCATED_RESIDENT = ["--colocate", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1",
                       "--no-offload-train", "--no-offload-rollout", "--vllm-gpu-memory-utilization", "0.5"]
-MODES = ["sync", "train_during_rollout"]
 
 
 def main() -> int:
@@ -38,8 +38,11 @@ def main() -> int:
     parser.add_argument("--max-response-len", type=int, default=1024)
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--out", type=str, default=None)
+    parser.add_argument("--modes", nargs="+", default=["sync", "train_during_rollout"],
+                        choices=["sync", "train_during_rollout", "fully_async"])
     parser.add_argument("extra", nargs="*", help="more flags for both runs of the loop (after --)")
     args = parser.parse_args()
+    modes = ["sync", "train_during_rollout", *[m for m in args.modes if m not in ("sync", "train_during_rollout")]]
     from rlplacement.advisor import asynchrony
     from rlplacement.telemetry.jsonl import read_rows
 
@@ -47,14 +50,14 @@ def main() -> int:
     model = common.make_model(work, args.size, "bfloat16", max_position_embeddings=args.max_response_len + 64)
     runs = work / "runs"
     extra = [*COLOCATED_RESIDENT, "--hf-checkpoint", str(model), *args.extra]
-    async_modes.run_modes(runs, MODES, args.steps, args.max_response_len, args.prompts_per_step, extra)
-    report = async_modes.report_modes(runs, MODES, "python3 benchmarks/gpu/train_during_rollout_h200.py", sys.argv[1:])
-    rows = {name: read_rows(runs / f"{name}.jsonl") for name in MODES}
+    async_modes.run_modes(runs, modes, args.steps, args.max_response_len, args.prompts_per_step, extra)
+    report = async_modes.report_modes(runs, modes, "python3 benchmarks/gpu/train_during_rollout_h200.py", sys.argv[1:])
+    rows = {name: read_rows(runs / f"{name}.jsonl") for name in modes}
 
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in rows[name][2:])
 
-    for name in MODES:
+    for name in ("sync", "train_during_rollout"):  # the same samples, so the same straggler: its rate compares
         rollout = median(name, "perf/rollout_time")
         report["modes"][name].update(
             rollout_time=rollout, train_time=median(name, "perf/train_time"),

@@ -86,3 +86,12 @@ def idle_time(intervals: Iterable[Interval], role: str, lo: float, hi: float) ->
 def phase_time(intervals: Iterable[Interval], phase: str) -> float:
     """Wall time of ``phase`` over all roles and ranks (parallel engines or ranks counted once)."""
     return union_length((i.start, i.end) for i in intervals if i.phase == phase)
+
+
+def overlap_time(intervals: Iterable[Interval], phase_a: str, phase_b: str, lo: float, hi: float) -> float:
+    """Seconds of ``[lo, hi]`` in which ``phase_a`` and ``phase_b`` both ran (any roles): training that ran
+    while the rollout was still generating, for example."""
+    spans = [(i.phase, (i.start, i.end)) for i in intervals if i.phase in (phase_a, phase_b)]
+    a = [span for phase, span in spans if phase == phase_a]
+    b = [span for phase, span in spans if phase == phase_b]
+    return max(0.0, union_length(a, lo, hi) + union_length(b, lo, hi) - union_length(a + b, lo, hi))

@@ -44,7 +44,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from rlplacement.telemetry.gpu_util import PhaseUtilSampler
-from rlplacement.telemetry.intervals import ROLES, Interval, idle_time, phase_time, roles_for
+from rlplacement.telemetry.intervals import ROLES, Interval, idle_time, overlap_time, phase_time, roles_for
 from rlplacement.telemetry.jsonl import append_row
 from rlplacement.telemetry.trackers import Tracker
 
@@ -55,6 +55,7 @@ SYNC_TIME = "perf/update_weights_time"
 TRAIN_TIME = "perf/train_time"
 TRAIN_WAIT = "perf/train_wait_time"
 ROLLOUT_WAIT = "perf/rollout_wait_time"
+TRAIN_OVERLAP = "perf/train_overlap_time"
 RESPONSE_LENGTHS = "rollout/response_lengths"
 FINISH_TIMES = "rollout/sample_finish_times"
 LOGPROB_DIFF = "rollout/logprob_abs_diff"
@@ -268,6 +269,7 @@ class StepRecorder:
             row[key] = phase_time(self._closed_this_step, phase_name)
         row[TRAIN_WAIT] = idle_time(everything, "trainer", start, end) + self._late_idle["trainer"]
         row[ROLLOUT_WAIT] = idle_time(everything, "rollout", start, end) + self._late_idle["rollout"]
+        row[TRAIN_OVERLAP] = overlap_time(everything, "train", "rollout", start, end)
         row[RESPONSE_LENGTHS] = list(self._lengths)
         row[FINISH_TIMES] = list(self._finish) if self._finish else None
         diffs = self._logprob_diffs
