@@ -10,7 +10,8 @@ and the update lands mid-request.
 - ``abort``: the requests end at the update as partial samples of the old version alone.
 
 One job for the module (one trainer rank, one one-GPU engine, every update checked bit for bit); the mode is
-switched per test on the engine.
+switched per test on the engine. One more job runs vLLM's engine core in a process of its own, as every GPU
+engine does, where the core steps on by itself: the version boundary must still be exact there.
 """
 
 import time
@@ -29,12 +30,14 @@ LONG = 400  # tokens: long enough on this CPU that the update lands mid-request 
 ABORT_MAX_TOKENS = 500  # the tiny model's context (512) less the longest prompt, with room to spare
 
 
+FLAGS = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--num-gpus-per-node", "2",
+         "--train-backend", "fsdp", "--lr", "3e-2", "--n-samples-per-prompt", "1", "--fully-async",
+         "--check-weight-update-equal"]
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    with tiny_job(tmp_path_factory, [
-            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--num-gpus-per-node", "2",
-            "--train-backend", "fsdp", "--lr", "3e-2", "--n-samples-per-prompt", "1", "--fully-async",
-            "--check-weight-update-equal"]) as started:
+    with tiny_job(tmp_path_factory, FLAGS) as started:
         yield started
 
 
@@ -144,3 +147,19 @@ def ray_free(values):
     import torch
 
     return torch.tensor(list(values), dtype=torch.float32)
+
+
+def test_retract_stamps_each_token_exactly_with_the_engine_core_stepping_in_its_own_process(tmp_path_factory):
+    """Where the engine core runs in its own process (every GPU engine) it keeps stepping until told to stop;
+    tokens it sampled with the old weights that this process had not read yet at the pause must still be stamped
+    old. A token stamped new but sampled by the old weights would show the old weights' log-prob, not the
+    trainer's at the new ones."""
+    with tiny_job(tmp_path_factory, FLAGS, engine_kwargs={"engine_core_in_own_process": True}) as own:
+        samples, new = _update_mid_request(own, "retract", seed=5)
+        trainer = _trainer_logprobs(own, samples)
+    for row, s in enumerate(samples):
+        assert not s.aborted and len(s.token_ids) == LONG and not s.kv_mixed
+        first = _split(s, new)
+        start = len(s.prompt_ids)
+        after = (trainer[row, start + first:start + LONG] - ray_free(s.logprobs[first:])).abs().max().item()
+        assert after <= 1e-5, f"sample {row}: tokens after the update differ from the new weights' by {after}"

@@ -9,15 +9,18 @@ from rlplacement.models.tiny import TinySpec, make_tiny_model
 
 
 @contextlib.contextmanager
-def tiny_job(tmp_path_factory, flags: list[str], *, timeout_s: float = 120, spec: TinySpec = TinySpec()):
+def tiny_job(tmp_path_factory, flags: list[str], *, timeout_s: float = 120, spec: TinySpec = TinySpec(),
+             engine_kwargs: dict | None = None):
     """``RLJob.start`` on a fresh tiny model of ``spec`` with ``flags`` (the library's own parser and validation),
-    joined to the test process's shared Ray cluster (``tests.shared_ray``)."""
+    joined to the test process's shared Ray cluster (``tests.shared_ray``); ``engine_kwargs`` as ``RLJob.start``
+    takes them."""
     from tests import shared_ray
 
     shared_ray.join()
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny"), spec)
     args = rlplacement.add_arguments(argparse.ArgumentParser()).parse_args(flags)
-    with rlplacement.RLJob.start(rlplacement.config_from_args(args), str(model_dir), timeout_s=timeout_s) as started:
+    with rlplacement.RLJob.start(rlplacement.config_from_args(args), str(model_dir), timeout_s=timeout_s,
+                                 engine_kwargs=engine_kwargs) as started:
         yield started
 
 

@@ -14,7 +14,9 @@ step builds no output object for a request that has not finished, so stepping he
 just before the abort (the output vLLM's async engine hands its callers on abort).
 
 :meth:`pause` holds the stepping thread between two steps (it returns once no step runs) and
-:meth:`resume` lets it go on; requests in flight, submits, polls and aborts are unaffected otherwise.
+:meth:`resume` lets it go on; requests in flight, submits, polls and aborts are unaffected otherwise. An
+engine core in its own process (every GPU engine) steps on by itself: :meth:`pause` also holds its scheduler
+and takes what it sampled before, so the version :meth:`mark_update` marks then is exact.
 
 Invariant the engine's update relies on: after :meth:`wait_idle` returns (and while no
 :meth:`submit` runs), no request is in flight, so the model's weights may change without any sample
@@ -130,6 +132,7 @@ class RequestStepper:
         self._batches: dict[str, _Batch] = {}
         self._error: BaseException | None = None
         self._paused = False
+        self._core_held = False  # an engine core in its own process, held by pause()
         self.steps = 0
         """Engine steps taken so far."""
         self._ids = itertools.count()
@@ -266,16 +269,36 @@ class RequestStepper:
             self._paused = True
             self._changed.notify_all()  # a wait_idle in progress raises rather than wait
         with self._engine_lock:  # a step in progress ends first; the next one sees the pause
-            pass
+            self._hold_core()
         with self._changed:
             return len(self._requests)
 
     def resume(self) -> None:
         """Let generation go on after :meth:`pause`."""
+        with self._engine_lock:
+            self._release_core()
         with self._changed:
             self._paused = False
             self._progress_at = time.monotonic()
             self._changed.notify_all()
+
+    def _hold_core(self) -> None:
+        """An engine core in its own process: hold its scheduler, then take every output it sent before (its
+        reply to the hold comes after them on the same socket, so they are all queued here by then)."""
+        core = self._engine.engine_core
+        outputs = getattr(core, "outputs_queue", None)
+        if outputs is None or self._core_held:  # in this process the core steps only when stepped
+            return
+        core.call_utility("pause_scheduler", "keep", False)
+        self._core_held = True
+        while not outputs.empty():
+            self._take(self._engine.step())
+            self.steps += 1
+
+    def _release_core(self) -> None:
+        if self._core_held:
+            self._engine.engine_core.call_utility("resume_scheduler")
+            self._core_held = False
 
     @property
     def paused(self) -> bool:

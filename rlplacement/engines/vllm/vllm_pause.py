@@ -35,11 +35,10 @@ class PauseAroundUpdates:
         end them now (their partial samples come out of :meth:`poll`, marked aborted) and go on idle.
         ``in_place`` and ``retract``: hold generation between two steps; the requests continue after the
         update (:meth:`_forget_old_kv` says with which KV), their tokens stamped with the version that
-        sampled each (``RequestStepper.mark_update``). The boundary is exact where vLLM's engine core runs in
-        this process (the CPU default): no step runs while held. Where it runs in its own process (every GPU
-        engine) the core keeps stepping until the update's call reaches it, so outputs it produced before the
-        update but this process had not yet read are stamped with the new version (a step or two of tokens;
-        not measured: no GPU run of it yet). vLLM 0.26 and 0.32 both have the reset and the salt used here."""
+        sampled each (``RequestStepper.mark_update``). The boundary is exact wherever vLLM's engine core runs:
+        in this process (the CPU default) no step runs while held; in its own process (every GPU engine) the
+        stepper holds the core's scheduler and reads what it sampled before marking. vLLM 0.26 and 0.32 both
+        have the reset, the salt and the scheduler's hold used here."""
         if self.pause_mode in ("in_place", "retract"):
             return self._stepper.pause()
         if self.pause_mode == "abort":
