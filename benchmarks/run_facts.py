@@ -10,17 +10,20 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+COMMIT_ENV = "RLPLACEMENT_COMMIT"
+"""The commit the tree was at, given by the machine that sent it where the run's own checkout cannot say (the
+lent GPU machine's copy carries the last landed commit's git metadata under this session's tree)."""
 
 
 def run_facts(script: str, argv: list[str], env: tuple[str, ...] = ()) -> dict:
-    """``commit`` (``+dirty`` with uncommitted changes to tracked files), ``date`` (UTC), ``machine`` (cores,
-    memory, GPUs) and ``command``: the variables of ``env`` that are set, ``script`` and ``argv``."""
+    """``commit`` (``RLPLACEMENT_COMMIT`` where set, else HEAD, ``+dirty`` with uncommitted changes to tracked
+    files), ``date`` (UTC), ``machine`` (cores, memory, GPUs) and ``command``: the variables of ``env`` that are set, ``script`` and ``argv``."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
-    commit = git("rev-parse", "--short", "HEAD")
-    if git("status", "--porcelain", "--untracked-files=no"):
+    commit = os.environ.get(COMMIT_ENV) or git("rev-parse", "--short", "HEAD")
+    if COMMIT_ENV not in os.environ and git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     try:

@@ -20,6 +20,8 @@
 #       (1 GPU, colocated both resident: sync beside --train-during-rollout on the same long-tailed samples)
 #   bash benchmarks/gpu/run_h200.sh extras                  -> $OUT/gpu_extras_h200.json (installed versions vs [gpu])
 #   bash benchmarks/gpu/run_h200.sh tests                   -> the GPU-marked tests (pytest -m gpu)
+# Give RLPLACEMENT_COMMIT=<this machine's git rev-parse --short HEAD> in the command: the device's copy of the tree
+# carries the last landed commit's git metadata, so a results file would name that commit, dirty.
 # Installs this checkout into /tmp/site first, so vLLM's processes find the `vllm.general_plugins`
 # entry point that registers rlplacement's weight-transfer backend.
 set -euo pipefail

@@ -275,8 +275,9 @@ class RequestStepper:
 
     def resume(self) -> None:
         """Let generation go on after :meth:`pause`."""
-        with self._engine_lock:
-            self._release_core()
+        if self._core_held:  # only then does resuming call into the engine
+            with self._engine_lock:
+                self._release_core()
         with self._changed:
             self._paused = False
             self._progress_at = time.monotonic()
@@ -285,7 +286,7 @@ class RequestStepper:
     def _hold_core(self) -> None:
         """An engine core in its own process: hold its scheduler, then take every output it sent before (its
         reply to the hold comes after them on the same socket, so they are all queued here by then)."""
-        core = self._engine.engine_core
+        core = getattr(self._engine, "engine_core", None)
         outputs = getattr(core, "outputs_queue", None)
         if outputs is None or self._core_held:  # in this process the core steps only when stepped
             return
