@@ -362,6 +362,13 @@ def gpu_names() -> list[str]:
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
 
+def card_tag() -> str:
+    """The lent card's kind as results files name it: ``h100`` on an H100 (lent where no H200 comes), else
+    ``h200``."""
+    names = gpu_names()
+    return "h100" if names and "H100" in names[0] else "h200"
+
+
 def write(out_dir: str | None, name: str, results: dict) -> None:
     """``results`` as ``out_dir/name``, with the run's date (UTC) and machine where the script gave none: a
     results file says what ran where, written whole by its script."""

@@ -16,7 +16,7 @@
 #   bash benchmarks/gpu/run_h200.sh staging [--size 8B]      -> $OUT/staging_h200.json   (1 GPU, --update-weight-staging full vs bucket)
 #   bash benchmarks/gpu/run_h200.sh moe [--sizes 30B-A3B-L4] -> $OUT/moe_h200.json     (1 GPU, Qwen3-MoE colocated)
 #   bash benchmarks/gpu/run_h200.sh routing_replay [--steps 3] -> $OUT/routing_replay_h200.json (1 GPU, MoE routing replay)
-#   bash benchmarks/gpu/run_h200.sh train_during_rollout [--size 0.5B] -> $OUT/train_during_rollout_h200_0.5B.json
+#   bash benchmarks/gpu/run_h200.sh train_during_rollout [--size 0.5B] -> $OUT/train_during_rollout_h200_0.5B.json (_h100_ on an H100)
 #       (1 GPU, colocated both resident: sync beside --train-during-rollout on the same long-tailed samples)
 #   bash benchmarks/gpu/run_h200.sh extras                  -> $OUT/gpu_extras_h200.json (installed versions vs [gpu])
 #   bash benchmarks/gpu/run_h200.sh tests                   -> the GPU-marked tests (pytest -m gpu)

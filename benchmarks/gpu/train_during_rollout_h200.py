@@ -9,7 +9,7 @@ request's ``max_tokens`` drawn from a Pareto tail, generated exactly that long; 
 response's length over the step's rollout time.
 
     source benchmarks/gpu/device_env.sh
-    python3 benchmarks/gpu/train_during_rollout_h200.py --size 0.5B --out $OUT   # -> train_during_rollout_h200.json
+    python3 benchmarks/gpu/train_during_rollout_h200.py --size 0.5B --out $OUT   # -> train_during_rollout_h200_0.5B.json (h100 on an H100)
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main() -> int:
                                            / report["modes"]["sync"]["tail_tokens_per_s"]))
     print(f"overlap slowdown {slowdown:.3f}; predicted step with it {with_term:.3f} s "
           f"({with_term / measured:.2f} of measured {measured:.3f} s)")
-    common.write(args.out, f"train_during_rollout_h200_{args.size}.json", report)
+    common.write(args.out, f"train_during_rollout_{common.card_tag()}_{args.size}.json", report)
     return 0
 
 
