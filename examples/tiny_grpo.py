@@ -6,12 +6,11 @@ engines, a tiny model made offline. Every rlplacement flag works here.
 Per step: G samples per prompt from the engines -> reward (how often the response uses the
 target token) -> group-normalised advantages -> one optimizer step -> weights to the engines
 (a new version) -> one telemetry row. With --check-weight-update-equal a mismatch between the
-trainer's and an engine's weights exits non-zero naming the tensor. With --one-step-off (split
-layouts) step k+1 generates while step k trains: samples are one version stale after the first
-step (``rollout/staleness``) and the loss uses the engine's log-probs for the importance ratio (``RLJob.one_step_off``).
-With --fully-async the engines generate groups continuously (``RLJob.fully_async``): each step trains on the first
---prompts-per-step groups ready within --max-weight-staleness and updates the engines while they generate
-(--pause-generation-mode). --use-tis (in any mode) weighs each token by the truncated trainer-over-engine ratio.
+trainer's and an engine's weights exits non-zero naming the tensor. With --one-step-off (split layouts) step k+1
+generates while step k trains (``RLJob.one_step_off``): samples one version stale, the loss's ratio against the
+engine's log-probs. With --fully-async the engines generate groups continuously (``RLJob.fully_async``): each step
+trains on the first --prompts-per-step groups ready within --max-weight-staleness and updates the engines while
+they generate (--pause-generation-mode). --use-tis weighs each token by the truncated trainer-over-engine ratio.
 With --save the loop checkpoints every --save-interval steps, or once after its last step when no interval
 is given. With --save and --load a run stopped after a checkpoint and resumed goes on as if never stopped: the
 checkpoint keeps the prompt sampler's position and the next step's number (``RLJob.save_checkpoint``'s
@@ -23,6 +22,7 @@ the resumed run generates those prompts again, on the checkpoint's weights, with
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
@@ -58,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, default=3)
     g.add_argument("--telemetry", type=str, default=None, help="write one JSON row per step here")
     g.add_argument("--prompts-per-step", type=int, default=2)
-    g.add_argument("--long-tail", action="store_true",
-                   help="response lengths drawn from a long-tailed (Pareto) distribution, each step's longest at "
-                        "--rollout-max-response-len, generated exactly that long: the tail gates the rollout")
+    g.add_argument("--long-tail", action="store_true", help="response lengths drawn from a Pareto tail, each step's "
+                   "longest at --rollout-max-response-len, generated exactly that long: the tail gates the rollout")
+    g.add_argument("--long-tail-alpha", type=float, help="--long-tail's Pareto exponent (default 1.5): p99/p50 of "
+                   "the draws is 50^(1/alpha), about 7 at 2 (published RL workloads: 5-10)")
+    g.add_argument("--long-tail-min", type=int, help="--long-tail's shortest response in tokens (default 2)")
     for alias, dest in FLAG_ALIASES.items():
         if alias not in parser._option_string_actions:
             g.add_argument(alias, dest=dest, type=int, help=argparse.SUPPRESS)
@@ -81,11 +83,22 @@ def tiny_model_dtype() -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+def tail_shape(args: argparse.Namespace, max_len: int) -> dict:
+    """``--long-tail-alpha`` / ``--long-tail-min`` (defaults 1.5 and 2) as :func:`long_tail_lengths` takes them."""
+    flags = {"--long-tail-alpha": args.long_tail_alpha, "--long-tail-min": args.long_tail_min}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if given and not args.long_tail:
+        raise ConfigError(f"{' and '.join(given)} shape --long-tail's lengths: add --long-tail, or drop them")
+    alpha = 1.5 if args.long_tail_alpha is None else args.long_tail_alpha
+    minimum = 2 if args.long_tail_min is None else args.long_tail_min
+    if alpha <= 0 or not 1 <= minimum <= max_len:
+        raise ConfigError(f"--long-tail-alpha {alpha} must be > 0, --long-tail-min {minimum} from 1 to {max_len}")
+    return {"alpha": alpha, "minimum": minimum}
+
+
 def long_tail_lengths(n: int, max_len: int, seed: int, alpha: float = 1.5, minimum: int = 2) -> list[int]:
     """``n`` response lengths from a Pareto(alpha) tail above ``minimum``, capped at ``max_len``; one of
     them is ``max_len`` so every step has its straggler (with a few samples a draw may have none)."""
-    import random
-
     rng = random.Random(seed)
     lengths = [min(max_len, int(minimum * (1.0 - rng.random()) ** (-1.0 / alpha))) for _ in range(n)]
     lengths[rng.randrange(n)] = max_len
@@ -184,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.prompts_per_step * group_size) % dp:
         raise ConfigError(f"--prompts-per-step x --n-samples-per-prompt = {args.prompts_per_step * group_size} "
                           f"samples must split evenly over {dp} data-parallel trainer ranks")
+    args.tail = tail_shape(args, max_len)
     if config.backend.hf_checkpoint:  # a folder given: checked (named, no traceback) before its tokenizer is read
         from rlplacement.backends import preflight
 
@@ -224,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
 
         def start_rollout(step: int):
             chosen = sampler.draw(args.prompts_per_step)
-            lengths = (long_tail_lengths(len(chosen) * group_size, max_len, config.rollout.seed + step)
+            lengths = (long_tail_lengths(len(chosen) * group_size, max_len, config.rollout.seed + step, **args.tail)
                        if args.long_tail else None)
             job.prepare_rollout()  # --colocate hand-off, timed apart from the phases (perf/handoff_*)
             # samples of a prompt are consecutive (index = prompt * group_size + sample): make_batch's groups
@@ -240,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
                 return chosen
 
             def budgets(n: int) -> list[int]:  # called right after its batch's draw: seeded by that batch's step
-                return long_tail_lengths(n, max_len, config.rollout.seed + first_step + len(positions) - 1)
+                seed = config.rollout.seed + first_step + len(positions) - 1
+                return long_tail_lengths(n, max_len, seed, **args.tail)
 
             rollout = job.one_step_off(draw, args.prompts_per_step, max_tokens=budgets if args.long_tail else None,
                                        exact_lengths=args.long_tail)
@@ -296,7 +311,7 @@ def run_train_during_rollout(args, config, job, tel, sampler, targets, pad_id: i
     group_size, max_len = config.rollout.n_samples_per_prompt, config.rollout.max_response_len
     for step in steps:
         chosen = sampler.draw(args.prompts_per_step)
-        lengths = long_tail_lengths(len(chosen) * group_size, max_len, config.rollout.seed + step) \
+        lengths = long_tail_lengths(len(chosen) * group_size, max_len, config.rollout.seed + step, **args.tail) \
             if args.long_tail else None
         t0 = time.time()
         pending = job.generate_async(chosen, max_tokens=lengths, exact_lengths=args.long_tail)
@@ -377,7 +392,7 @@ def run_fully_async(args, config, job, tel, sampler, targets, pad_id: int, first
 
     def lengths(n: int) -> list[int]:  # a long tail per top-up, drawn reproducibly
         drawn["n"] += 1
-        return long_tail_lengths(n, max_len, config.rollout.seed + 7919 * drawn["n"])
+        return long_tail_lengths(n, max_len, config.rollout.seed + 7919 * drawn["n"], **args.tail)
 
     with job.fully_async(sampler.draw, max_tokens=lengths if args.long_tail else None,
                          exact_lengths=args.long_tail) as rollout:

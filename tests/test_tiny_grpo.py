@@ -91,6 +91,30 @@ def test_bad_flags_fail_before_any_process_starts(tmp_path):
     assert not (tmp_path / "model").exists()
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--long-tail-min", "50"], "--long-tail-min shape --long-tail's lengths: add --long-tail, or drop them"),
+    (["--long-tail", "--long-tail-alpha", "0"], "--long-tail-alpha 0.0 must be > 0"),
+    (["--long-tail", "--long-tail-min", "40"], "--long-tail-min 40 from 1 to 16"),
+], ids=["without-long-tail", "alpha-0", "min-over-the-cap"])
+def test_a_long_tail_shape_the_loop_cannot_draw_is_refused_before_anything_starts(tmp_path, capsys, flags, message):
+    from examples import tiny_grpo
+
+    assert tiny_grpo.main(["--work-dir", str(tmp_path), *flags]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "model").exists()
+
+
+def test_the_long_tail_at_alpha_2_has_the_published_p99_over_p50():
+    """Pareto(alpha): p99/p50 = 50^(1/alpha), about 7 at alpha 2 (published RL workloads: 5-10), each step's
+    straggler at the cap."""
+    import statistics
+
+    from examples import tiny_grpo
+
+    steps = [tiny_grpo.long_tail_lengths(32, 1024, seed, alpha=2.0, minimum=100) for seed in range(50)]
+    q = statistics.quantiles([n for step in steps for n in step], n=100)
+    assert 5 <= q[98] / q[49] <= 10 and all(max(step) == 1024 and min(step) >= 100 for step in steps)
+
+
 def test_model_the_backend_cannot_shard_fails_before_any_process_starts(tmp_path):
     # the loop's tiny model has 2 KV heads: TP=4 cannot split them; preflight says so before Ray starts
     proc = run_loop(tmp_path, "--train-backend", "megatron", "--tensor-model-parallel-size", "4",

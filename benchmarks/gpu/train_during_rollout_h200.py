@@ -4,8 +4,8 @@ training beside it, and the advisor's prediction with and without the contention
 ``--modes ... fully_async`` adds fully async on the same GPU (the single-GPU form of the split layout).
 
 The example loop runs on a random-weight Qwen3 shape (``common.SIZES``) with ``--long-tail`` lengths (each
-request's ``max_tokens`` drawn from a Pareto tail, generated exactly that long; each step's longest at
-``--max-response-len``), so both runs decode the same tokens: the tail's tokens/s is that longest
+request's ``max_tokens`` drawn from a Pareto tail, by default p99/p50 about 7 as published RL workloads show,
+generated exactly that long; each step's longest at ``--max-response-len``), so both runs decode the same tokens: the tail's tokens/s is that longest
 response's length over the step's rollout time.
 
     source benchmarks/gpu/device_env.sh
@@ -37,6 +37,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--max-response-len", type=int, default=1024)
     parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--long-tail-alpha", type=float, default=2.0,
+                        help="the lengths' Pareto exponent: p99/p50 about 7 at 2, as published RL workloads")
+    parser.add_argument("--long-tail-min", type=int, default=None, help="shortest response (default: max / 10)")
     parser.add_argument("--out", type=str, default=None)
     parser.add_argument("--modes", nargs="+", default=["sync", "train_during_rollout"],
                         choices=["sync", "train_during_rollout", "fully_async"])
@@ -49,7 +52,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="tdr_h200_"))
     model = common.make_model(work, args.size, "bfloat16", max_position_embeddings=args.max_response_len + 64)
     runs = work / "runs"
-    extra = [*COLOCATED_RESIDENT, "--hf-checkpoint", str(model), *args.extra]
+    tail = ["--long-tail-alpha", str(args.long_tail_alpha),
+            "--long-tail-min", str(args.long_tail_min or args.max_response_len // 10)]
+    extra = [*COLOCATED_RESIDENT, *tail, "--hf-checkpoint", str(model), *args.extra]
     async_modes.run_modes(runs, modes, args.steps, args.max_response_len, args.prompts_per_step, extra)
     report = async_modes.report_modes(runs, modes, "python3 benchmarks/gpu/train_during_rollout_h200.py", sys.argv[1:])
     rows = {name: read_rows(runs / f"{name}.jsonl") for name in modes}
