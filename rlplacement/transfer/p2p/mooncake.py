@@ -42,6 +42,9 @@ def address_toward(host: str) -> str:
         return s.getsockname()[0]
 
 
+BIND_ATTEMPTS = 3
+
+
 class MooncakeEngine:
     """One Mooncake TransferEngine and the memory it registered (unregistered on close)."""
 
@@ -54,8 +57,14 @@ class MooncakeEngine:
 
         if protocol not in PROTOCOLS:
             raise TransferError(f"--p2p-protocol {protocol!r} is unknown: use one of {', '.join(PROTOCOLS)}")
-        self.te = TransferEngine()
-        rc = self.te.initialize(host, "P2PHANDSHAKE", protocol, "")
+        for attempt in range(BIND_ATTEMPTS):  # its ports are drawn at random: one may be taken on a busy host
+            self.te = TransferEngine()
+            try:
+                rc = self.te.initialize(host, "P2PHANDSHAKE", protocol, "")
+                break
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == BIND_ATTEMPTS - 1:
+                    raise
         if rc != 0:
             raise TransferError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned "
                                 f"{rc}" + ("; without an RDMA device use --p2p-protocol tcp" if protocol == "rdma" else ""))
