@@ -18,6 +18,9 @@ def _config(argv):
                                       "hand-off would put the engines to sleep or the trainer on the host): add "
                                       "--no-offload-train --no-offload-rollout"),
     (["--colocate", "--fully-async", "--no-offload-train"], "add --no-offload-rollout .both resident"),
+    (["--colocate", "--train-during-rollout", "--no-offload-train"],
+     "--train-during-rollout under --colocate trains beside engines that are still decoding, so neither side may be "
+     "moved off the GPUs mid-rollout .* add --no-offload-rollout .both resident for the whole run"),
     (SPLIT + ["--max-weight-staleness", "2"], "--max-weight-staleness only applies with --fully-async"),
     (SPLIT + ["--fully-async", "--max-weight-staleness", "-1"], "--max-weight-staleness -1 is negative"),
     (SPLIT + ["--pause-generation-mode", "abort"], "--pause-generation-mode only applies with --fully-async"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from rlplacement.args.common import flag, get, require_positive
+from rlplacement.args.placement import require_both_resident
 from rlplacement.config import PAUSE_GENERATION_MODES, AsyncRolloutConfig, PlacementConfig, default_of
 from rlplacement.errors import ConfigError
 
@@ -50,15 +51,10 @@ def async_rollout_from_args(args: argparse.Namespace, placement: PlacementConfig
         raise ConfigError(f"--max-weight-staleness {staleness} is negative: set it to 0 (only samples of the "
                           f"engines' current version) or more.")
     require_positive(args, ("update_weights_interval", "over_sampling_batch_size", "async_max_concurrent_samples"))
-    if fully_async and placement.colocate:
-        # the single-GPU form of the split layout: both sides stay on the GPUs for the whole run, decided here
-        left = [_name(d).replace("--", "--no-") for d in ("offload_train", "offload_rollout")
-                if getattr(placement, d) is not False]
-        if left:
-            raise ConfigError(f"--fully-async under --colocate keeps the engines generating while the trainer trains "
-                              f"on the same GPUs, so neither side may be moved off them (the hand-off would put the "
-                              f"engines to sleep or the trainer on the host): add {' '.join(left)} (both resident for "
-                              f"the whole run), or drop --colocate for a split layout.")
+    if fully_async:  # colocated: the single-GPU form of the split layout, decided here for the whole run
+        require_both_resident(placement, "--fully-async under --colocate keeps the engines generating while the "
+                                         "trainer trains on the same GPUs, so neither side may be moved off them (the "
+                                         "hand-off would put the engines to sleep or the trainer on the host)")
     if fully_async and placement.one_step_off:
         raise ConfigError("--fully-async and --one-step-off are two ways to overlap rollout with training: keep one "
                           "(--fully-async bounds staleness with --max-weight-staleness).")

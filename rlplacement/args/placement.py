@@ -119,3 +119,13 @@ def _offload_from_args(args: argparse.Namespace, colocate: bool) -> tuple[bool |
                 f"or add --colocate.")
         return False, False
     return tuple(None if v is None else bool(v) for v in chosen.values())  # type: ignore[return-value]
+
+
+def require_both_resident(placement: PlacementConfig, what: str) -> None:
+    """Under ``--colocate``, refuse a mode that runs training and generation at once unless both offload flags are
+    off for the whole run: ``what`` says the mode and why, the refusal names the flags still to add."""
+    left = [f"--no-{d.replace('_', '-')}" for d in ("offload_train", "offload_rollout")
+            if getattr(placement, d) is not False]
+    if placement.colocate and left:
+        raise ConfigError(f"{what}: add {' '.join(left)} (both resident for the whole run), or drop --colocate for a "
+                          f"split layout.")

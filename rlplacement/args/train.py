@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rlplacement.args.common import flag, get, require_choice, require_positive
+from rlplacement.args.placement import require_both_resident
 from rlplacement.specs.backend import backend_spec, backends_with, known_backends, spoken
 from rlplacement.specs.backend import GRADIENT_CHECKPOINTING, LAYERS
 from rlplacement.config import KL_LOSS_TYPES, BackendConfig, PlacementConfig, TrainConfig, default_of
@@ -188,14 +189,9 @@ def _train_during_rollout_from_args(args: argparse.Namespace, placement: Placeme
         if get(args, dest):
             raise ConfigError(f"--train-during-rollout trains on the weights every sample was drawn from; {name} "
                               f"trains on samples of older weights while the next ones generate: keep one of the two.")
-    if placement.colocate:
-        left = [f"--no-{d.replace('_', '-')}" for d in ("offload_train", "offload_rollout")
-                if getattr(placement, d) is not False]
-        if left:
-            raise ConfigError(f"--train-during-rollout under --colocate trains beside engines that are still decoding, "
-                              f"so neither side may be moved off the GPUs mid-rollout (the hand-off would put the "
-                              f"engines to sleep or the trainer on the host between the two): add {' '.join(left)} "
-                              f"(both resident for the whole run), or drop --colocate for a split layout.")
+    require_both_resident(placement, "--train-during-rollout under --colocate trains beside engines that are still "
+                                     "decoding, so neither side may be moved off the GPUs mid-rollout (the hand-off "
+                                     "would put the engines to sleep or the trainer on the host between the two)")
     return True
 
 
