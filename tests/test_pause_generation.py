@@ -85,8 +85,10 @@ def _split(sample, new: int) -> int:
     return first
 
 
-def test_retract_continues_each_request_under_the_new_weights_with_its_kv_recomputed(job):
-    samples, new = _update_mid_request(job, "retract", seed=1)
+def _retract_goes_on_under_the_new_weights(job, seed: int) -> None:
+    """A retract update mid-request: every request goes on to its length, its tokens old then new, and the
+    tokens stamped new carry the trainer's log-probs at the new weights."""
+    samples, new = _update_mid_request(job, "retract", seed=seed)
     trainer = _trainer_logprobs(job, samples)
     for row, s in enumerate(samples):
         assert not s.aborted and len(s.token_ids) == LONG and not s.kv_mixed
@@ -94,6 +96,10 @@ def test_retract_continues_each_request_under_the_new_weights_with_its_kv_recomp
         start = len(s.prompt_ids)
         after = (trainer[row, start + first:start + LONG] - ray_free(s.logprobs[first:])).abs().max().item()
         assert after <= 1e-5, f"sample {row}: tokens after the update differ from the new weights' by {after}"
+
+
+def test_retract_continues_each_request_under_the_new_weights_with_its_kv_recomputed(job):
+    _retract_goes_on_under_the_new_weights(job, seed=1)
 
 
 def test_in_place_continues_each_request_on_its_kv_and_marks_it_mixed(job):
@@ -155,11 +161,4 @@ def test_retract_stamps_each_token_exactly_with_the_engine_core_stepping_in_its_
     old. A token stamped new but sampled by the old weights would show the old weights' log-prob, not the
     trainer's at the new ones."""
     with tiny_job(tmp_path_factory, FLAGS, engine_kwargs={"engine_core_in_own_process": True}) as own:
-        samples, new = _update_mid_request(own, "retract", seed=5)
-        trainer = _trainer_logprobs(own, samples)
-    for row, s in enumerate(samples):
-        assert not s.aborted and len(s.token_ids) == LONG and not s.kv_mixed
-        first = _split(s, new)
-        start = len(s.prompt_ids)
-        after = (trainer[row, start + first:start + LONG] - ray_free(s.logprobs[first:])).abs().max().item()
-        assert after <= 1e-5, f"sample {row}: tokens after the update differ from the new weights' by {after}"
+        _retract_goes_on_under_the_new_weights(own, seed=5)
